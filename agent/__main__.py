@@ -1,0 +1,84 @@
+"""Command line: `omni-agent [serve] [flags]` and `omni-agent make-tiny DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .config import Config
+
+
+def _serve_parser(p: argparse.ArgumentParser) -> None:
+    d = Config()
+    p.add_argument("--host", default=d.host, help="address to serve HTTP on (default %(default)s)")
+    p.add_argument("--port", type=int, default=d.port, help="HTTP port (default %(default)s)")
+    p.add_argument("--ice-host", action="append", default=[], dest="ice_hosts", metavar="ADDR",
+                   help="host address ICE advertises (repeatable); default: every interface but loopback")
+    p.add_argument("--model", default=d.model, metavar="PATH_OR_ID",
+                   help="checkpoint for from_pretrained, e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct; "
+                        "default: the tiny model, built on first use in --cache-dir")
+    p.add_argument("--cache-dir", type=Path, default=d.cache_dir, help="where the tiny model is built (default %(default)s)")
+    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"], help="(default %(default)s)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the GPU path eagerly")
+    p.add_argument("--runner", default=d.runner, choices=["stream", "reference"],
+                   help="stream: streaming engine; reference: transformers' generate() (whole reply at once)")
+    p.add_argument("--system-prompt", default=d.system_prompt)
+    p.add_argument("--max-reply-tokens", type=int, default=d.max_reply_tokens, help="text tokens per reply")
+    p.add_argument("--max-reply-seconds", type=float, default=d.max_reply_seconds, help="audio seconds per reply")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--audio-window", type=float, default=d.audio_window_s, dest="audio_window_s",
+                   help="audio encoder attention window in seconds, 1..8 (default %(default)s)")
+    p.add_argument("--vad-silence-ms", type=int, default=d.vad_silence_ms, help="silence that ends a turn")
+    p.add_argument("--vad-aggressiveness", type=int, default=d.vad_aggressiveness, choices=[0, 1, 2, 3])
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="offers beyond this get 503")
+    p.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(ns: argparse.Namespace) -> Config:
+    fields = set(Config.__dataclass_fields__)
+    values = {k: v for k, v in vars(ns).items() if k in fields}
+    values["ice_hosts"] = tuple(values.get("ice_hosts") or ())
+    return Config(**values)
+
+
+def serve(config: Config) -> None:
+    from aiohttp import web
+
+    from .engine import Engine, runner_factory
+    from .ice import restrict_ice_hosts
+    from .server import create_app
+
+    restrict_ice_hosts(config.ice_hosts)
+    engine = Engine(runner_factory(config), inbox_size=config.engine_inbox)
+    app = create_app(config, engine)
+    print(f"omni-agent: serving on http://{config.host}:{config.port}  (model: {config.model or 'tiny'})", flush=True)
+    web.run_app(app, host=config.host, port=config.port, print=None)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="omni-agent", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    _serve_parser(sub.add_parser("serve", help="run the agent (the default command)"))
+    tiny = sub.add_parser("make-tiny", help="build the tiny Qwen3-Omni checkpoint into DIR")
+    tiny.add_argument("dir", type=Path)
+    if not argv or argv[0] not in ("serve", "make-tiny", "-h", "--help"):
+        argv = ["serve", *argv]
+    ns = parser.parse_args(argv)
+    if ns.command == "make-tiny":
+        from .engine.tiny import make_tiny
+
+        print(make_tiny(ns.dir))
+        return 0
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(config_from_args(ns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""A loopback client peer: sends a WAV (then silence) and synthetic video, measures replies.
+
+Used by the integration tests and by scripts/bench_rtc.py. It measures what a user would:
+voice-to-voice is the time from the real end of speech in the sent audio to the first
+audible sample received back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import json
+import time
+import wave
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import aiohttp
+import av
+import numpy as np
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+SEND_RATE = 48_000
+SEND_FRAME = 960  # 20 ms
+AUDIBLE_RMS = 10 ** (-50 / 20) * 32768  # int16 RMS above -50 dBFS counts as sound
+
+
+def load_wav_mono(path: Path, rate: int = SEND_RATE) -> np.ndarray:
+    """int16 mono at `rate` (linear interpolation; good enough for speech probes)."""
+    with wave.open(str(path)) as w:
+        src_rate, channels = w.getframerate(), w.getnchannels()
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
+    pcm = pcm.reshape(-1, channels).mean(axis=1)
+    n = int(len(pcm) * rate / src_rate)
+    return np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.int16)
+
+
+def speech_end_sample(pcm: np.ndarray, rate: int = SEND_RATE, threshold_db: float = -40.0) -> int:
+    """Index just past the last 10 ms window louder than threshold_db."""
+    win = rate // 100
+    n = len(pcm) // win
+    rms = np.sqrt((pcm[: n * win].astype(np.float64).reshape(n, win) ** 2).mean(axis=1))
+    loud = np.nonzero(rms > 10 ** (threshold_db / 20) * 32768)[0]
+    return int((loud[-1] + 1) * win) if len(loud) else 0
+
+
+class WavTrack(MediaStreamTrack):
+    """Plays pcm once (then silence forever), paced to the wall clock like a microphone."""
+
+    kind = "audio"
+
+    def __init__(self, pcm: np.ndarray, repeat_after_s: Optional[float] = None) -> None:
+        super().__init__()
+        self._pcm = pcm
+        self._pos = 0
+        self._start: Optional[float] = None
+        self._pts = 0
+        self.sent_at: dict[int, float] = {}  # sample index → wall time the frame holding it left
+        self._repeat_after = repeat_after_s
+        self.plays = 0
+
+    def wall_time_of_sample(self, index: int) -> Optional[float]:
+        frame_start = (index // SEND_FRAME) * SEND_FRAME
+        return self.sent_at.get(frame_start)
+
+    async def recv(self) -> av.AudioFrame:
+        if self._start is None:
+            self._start = time.monotonic()
+        wait = self._start + self._pts / SEND_RATE - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        chunk = self._pcm[self._pos : self._pos + SEND_FRAME]
+        if len(chunk) and self._pos < len(self._pcm):
+            self.sent_at[self._pos] = time.monotonic()
+        self._pos += SEND_FRAME
+        if len(chunk) < SEND_FRAME:
+            chunk = np.concatenate([chunk, np.zeros(SEND_FRAME - len(chunk), np.int16)])
+        if self._repeat_after is not None and self._pos >= len(self._pcm) + self._repeat_after * SEND_RATE:
+            self._pos, self.sent_at = 0, {}
+            self.plays += 1
+        frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = SEND_RATE
+        frame.pts = self._pts
+        frame.time_base = fractions.Fraction(1, SEND_RATE)
+        self._pts += SEND_FRAME
+        return frame
+
+
+class PatternVideoTrack(MediaStreamTrack):
+    """A moving colour pattern, like a camera, at `fps`."""
+
+    kind = "video"
+
+    def __init__(self, width: int = 320, height: int = 240, fps: int = 10) -> None:
+        super().__init__()
+        self._w, self._h, self._fps = width, height, fps
+        self._n = 0
+        self._start: Optional[float] = None
+
+    async def recv(self) -> av.VideoFrame:
+        if self._start is None:
+            self._start = time.monotonic()
+        wait = self._start + self._n / self._fps - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        x = np.arange(self._w, dtype=np.uint16)[None, :]
+        y = np.arange(self._h, dtype=np.uint16)[:, None]
+        img = np.stack([(x + 4 * self._n) % 256 + 0 * y, (y + 2 * self._n) % 256 + 0 * x,
+                        ((x + y) // 2) % 256], axis=-1).astype(np.uint8)
+        frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+        frame.pts = int(self._n * 90_000 / self._fps)
+        frame.time_base = fractions.Fraction(1, 90_000)
+        self._n += 1
+        return frame
+
+
+@dataclass
+class ClientResult:
+    events: list[dict[str, Any]] = field(default_factory=list)
+    received_samples: int = 0
+    audible_samples: int = 0
+    first_audible_at: Optional[float] = None  # wall time of the first audible received frame
+    peak_rms: float = 0.0
+    session_id: str = ""
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("type") == kind]
+
+
+class AgentClient:
+    """One aiortc peer talking to the agent at base_url over loopback."""
+
+    def __init__(self, base_url: str, wav: Path, video: bool = True, repeat_after_s: Optional[float] = None) -> None:
+        self.base_url = base_url
+        self.pcm = load_wav_mono(wav)
+        self.speech_end = speech_end_sample(self.pcm)
+        self.audio = WavTrack(self.pcm, repeat_after_s)
+        self.video = PatternVideoTrack() if video else None
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        self.result = ClientResult()
+        self._tasks: list[asyncio.Task] = []
+        self._event_waiters: list[tuple[str, asyncio.Future]] = []
+        self.channel = self.pc.createDataChannel("events")
+        self.channel.on("message", self._on_message)
+
+    def _on_message(self, message: str | bytes) -> None:
+        event = json.loads(message)
+        event["_t"] = time.monotonic()
+        self.result.events.append(event)
+        for kind, fut in list(self._event_waiters):
+            if kind == event.get("type") and not fut.done():
+                fut.set_result(event)
+                self._event_waiters.remove((kind, fut))
+
+    async def wait_event(self, kind: str, timeout: float) -> dict[str, Any]:
+        for event in self.result.events:
+            if event.get("type") == kind:
+                return event
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._event_waiters.append((kind, fut))
+        return await asyncio.wait_for(fut, timeout)
+
+    async def connect(self) -> None:
+        self.pc.addTrack(self.audio)
+        if self.video is not None:
+            self.pc.addTrack(self.video)
+
+        @self.pc.on("track")
+        def on_track(track: MediaStreamTrack) -> None:
+            if track.kind == "audio":
+                self._tasks.append(asyncio.ensure_future(self._read_audio(track)))
+
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{self.base_url}/offer", json={
+                "sdp": self.pc.localDescription.sdp, "type": self.pc.localDescription.type}) as resp:
+                body = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"offer refused: {resp.status} {body}")
+        self.result.session_id = body["session_id"]
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type=body["type"]))
+
+    async def _read_audio(self, track: MediaStreamTrack) -> None:
+        while True:
+            try:
+                frame = await track.recv()
+            except MediaStreamError:
+                return
+            pcm = frame.to_ndarray().astype(np.float64)
+            rms = float(np.sqrt((pcm**2).mean())) if pcm.size else 0.0
+            self.result.received_samples += frame.samples
+            if rms > AUDIBLE_RMS:
+                self.result.audible_samples += frame.samples
+                self.result.peak_rms = max(self.result.peak_rms, rms)
+                if self.result.first_audible_at is None:
+                    self.result.first_audible_at = time.monotonic()
+
+    def voice_to_voice(self) -> Optional[float]:
+        """End of speech in the sent audio → first audible received sample (seconds)."""
+        sent = self.audio.wall_time_of_sample(self.speech_end - 1)
+        if sent is None or self.result.first_audible_at is None:
+            return None
+        # The frame holding the last speech sample left at `sent`; speech ended inside it.
+        offset = ((self.speech_end - 1) % SEND_FRAME) / SEND_RATE
+        return self.result.first_audible_at - (sent + offset)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.pc.close()

@@ -1,0 +1,66 @@
+"""The one frozen configuration object, built from the command line (or by tests directly)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Rates the model fixes: 16 kHz mono in, 12.5 Hz tokens (80 ms), 24 kHz out.
+INPUT_RATE = 16_000
+INPUT_FRAME_SAMPLES = 1_280  # 80 ms at 16 kHz: one frame of the session's audio clock
+OUTPUT_RATE = 24_000
+OUTPUT_FRAME_SAMPLES = 480  # 20 ms at 24 kHz: one outbound RTP frame
+CODEC_FRAME_SAMPLES = 1_920  # 80 ms at 24 kHz: what code2wav renders per codec frame
+
+
+def default_cache_dir() -> Path:
+    """Where the tiny checkpoint is built on first use (XDG cache, overridable)."""
+    base = os.environ.get("OMNI_AGENT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "omni-agent"
+    )
+    return Path(base)
+
+
+@dataclass(frozen=True)
+class Config:
+    # network
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # Host addresses ICE advertises. aioice never offers loopback on its own and otherwise
+    # probes every interface; tests pin this to 127.0.0.1, production may name a public IP.
+    ice_hosts: tuple[str, ...] = ()
+    web_dir: Path = field(default_factory=lambda: Path(__file__).resolve().parent.parent / "web")
+
+    # model
+    model: str = ""  # path or hub id; "" = the tiny checkpoint in cache_dir
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
+    cuda_graphs: bool = True
+    runner: str = "reference"  # stream | reference (transformers' generate(): whole reply at once)
+    speaker: str = ""  # "" = first speaker in the talker config
+    system_prompt: str = "You are a helpful real-time voice assistant. Answer briefly."
+    max_reply_tokens: int = 48  # thinker text tokens per reply
+    max_reply_seconds: float = 4.0  # audio cap per reply (random tiny models rarely stop)
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    audio_window_s: float = 1.0  # AuT attention window (n_window_infer) used for prefill
+
+    # ingest / turns
+    vad_silence_ms: int = 300  # end of turn after this much unvoiced audio
+    vad_aggressiveness: int = 2  # webrtcvad mode 0..3
+    vad_min_speech_ms: int = 120  # voiced audio needed before a turn starts
+    max_turn_seconds: float = 30.0  # a turn longer than this is ended by force
+    video_fps: float = 4.0
+    video_max_side: int = 448  # frames are resized so the longer side is at most this
+    video_frames_per_turn: int = 2  # latest sampled frames sent with a turn
+    ingest_buffer_frames: int = 8  # bounded ring between ingest and the turn (5-10)
+    jitter_prefetch: int = 1  # aiortc holds 4 x 20 ms by default
+
+    # sessions
+    max_sessions: int = 8
+    engine_inbox: int = 64  # bounded queue into the engine thread
+
+    @property
+    def model_path(self) -> str:
+        return self.model or str(self.cache_dir / "tiny-qwen3-omni")

@@ -1,0 +1,57 @@
+"""The engine: one thread owning the model, fed by sessions, stepping replies.
+
+`runner_factory(config)` returns the callable the engine thread runs to build its runner,
+so that model loading (and, on CUDA, graph capture) happens inside that thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+from ..config import Config
+from .api import Runner
+from .loop import Engine, EngineBusy, ReplySink
+
+__all__ = ["Engine", "EngineBusy", "ReplySink", "runner_factory", "ensure_model"]
+
+log = logging.getLogger(__name__)
+
+
+def ensure_model(config: Config) -> str:
+    """The model path or hub id to load; builds the tiny checkpoint on first use."""
+    if config.model:
+        return config.model
+    from .tiny import make_tiny
+
+    path = Path(config.model_path)
+    log.info("using the tiny Qwen3-Omni at %s (built on first use)", path)
+    return str(make_tiny(path))
+
+
+def runner_factory(config: Config) -> Callable[[], Runner]:
+    """Build (inside the engine thread) the runner the config asks for."""
+
+    def build() -> Runner:
+        import torch
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        from .model import load_model
+
+        loaded = load_model(ensure_model(config), device=config.device, dtype=config.dtype)
+        if config.runner == "reference":
+            from .reference import GenerateRunner
+
+            return GenerateRunner(
+                loaded,
+                system_prompt=config.system_prompt,
+                max_reply_tokens=config.max_reply_tokens,
+                max_reply_seconds=config.max_reply_seconds,
+            )
+        from .stream import StreamingRunner
+
+        return StreamingRunner(loaded, config)
+
+    return build

@@ -1,0 +1,60 @@
+"""Prometheus metrics: the one module-level registry the project allows.
+
+Names follow the latency words of DESIGN.md: TTFT and TTFA are measured from end of turn.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# Latency buckets dense around the 100-500 ms band we care about.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
+_STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+TTFT = Histogram(
+    "agent_time_to_first_token_seconds",
+    "End of turn to first text token",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+TTFA = Histogram(
+    "agent_time_to_first_audio_seconds",
+    "End of turn to first audio frame handed to the outbound track",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+STAGE = Histogram(
+    "agent_stage_seconds",
+    "Time per engine stage (per call, or per frame for per-frame stages)",
+    ["stage"],
+    buckets=_STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+SESSIONS_ACTIVE = Gauge("agent_sessions_active", "Connected sessions", registry=REGISTRY)
+INGEST_BUFFER = Gauge(
+    "agent_ingest_buffer_frames", "Frames waiting in the ingest ring", ["kind"], registry=REGISTRY
+)
+INGEST_DROPPED = Counter(
+    "agent_ingest_dropped_frames_total", "Frames dropped by ingest", ["kind", "reason"], registry=REGISTRY
+)
+PLAYOUT_BUFFER = Gauge(
+    "agent_playout_buffer_seconds", "Audio queued on outbound tracks", registry=REGISTRY
+)
+PLAYOUT_UNDERRUNS = Counter(
+    "agent_playout_underruns_total",
+    "20 ms frames sent as silence while a reply was still playing",
+    registry=REGISTRY,
+)
+OFFERS_REJECTED = Counter(
+    "agent_offers_rejected_total", "Offers refused", ["reason"], registry=REGISTRY
+)
+ENGINE_INBOX = Gauge("agent_engine_inbox_depth", "Requests waiting for the engine thread", registry=REGISTRY)
+TURNS = Counter("agent_turns_total", "Turns sent to the engine", registry=REGISTRY)
+ERRORS = Counter("agent_errors_total", "Errors reported to clients", ["where"], registry=REGISTRY)
+
+
+def render() -> bytes:
+    """Prometheus text exposition of the registry."""
+    return generate_latest(REGISTRY)
