@@ -57,8 +57,13 @@ class Config:
     ingest_buffer_frames: int = 8  # bounded ring between ingest and the turn (5-10)
     jitter_prefetch: int = 1  # aiortc holds 4 x 20 ms by default
 
-    # sessions
+    # sessions, admission and the degradation ladder
     max_sessions: int = 8
+    max_turns_per_s: float = 20.0  # per engine
+    text_only_p95_ms: float = 300.0  # P95 first-response latency above this: text-only replies
+    fallback_p95_ms: float = 500.0  # above this: the text-only fallback model
+    ladder_margin_ms: float = 50.0  # step back only under threshold - margin ...
+    ladder_recover_s: float = 10.0  # ... held this long
     engine_inbox: int = 64  # bounded queue into the engine thread
 
     @property

@@ -50,6 +50,13 @@ PLAYOUT_UNDERRUNS = Counter(
 OFFERS_REJECTED = Counter(
     "agent_offers_rejected_total", "Offers refused", ["reason"], registry=REGISTRY
 )
+DEGRADATION_LEVEL = Gauge(
+    "agent_degradation_level", "0 audio replies, 1 text-only, 2 fallback model", registry=REGISTRY
+)
+GPU_UTILIZATION = Gauge(
+    "agent_gpu_utilization_ratio", "GPU busy ratio from NVML (absent without a GPU)", registry=REGISTRY
+)
+TURNS_REJECTED = Counter("agent_turns_rejected_total", "Turns refused by the turn rate limit", registry=REGISTRY)
 ENGINE_INBOX = Gauge("agent_engine_inbox_depth", "Requests waiting for the engine thread", registry=REGISTRY)
 TURNS = Counter("agent_turns_total", "Turns sent to the engine", registry=REGISTRY)
 ERRORS = Counter("agent_errors_total", "Errors reported to clients", ["where"], registry=REGISTRY)

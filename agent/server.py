@@ -14,6 +14,7 @@ from . import metrics
 from .config import Config
 from .engine import Engine, EngineBusy
 from .ice import keep_loopback_candidates, loopback_only
+from .ladder import Admission
 from .session import Session
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,9 @@ log = logging.getLogger(__name__)
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
 SESSIONS: web.AppKey[dict] = web.AppKey("sessions", dict)
+ADMISSION: web.AppKey[Admission] = web.AppKey("admission", Admission)
+ENGINE_START: web.AppKey[asyncio.Future] = web.AppKey("engine_start", asyncio.Future)
+LADDER_TICK: web.AppKey[asyncio.Future] = web.AppKey("ladder_tick", asyncio.Future)
 
 _MAX_SDP_BYTES = 64 * 1024  # a real offer is a few KB; anything huge is not an offer
 
@@ -59,7 +63,7 @@ async def offer(request: web.Request) -> web.Response:
     if loopback_only(config.ice_hosts):
         sdp = keep_loopback_candidates(sdp)
     pc = _peer_connection()
-    session = Session(config, engine, pc, on_closed=lambda s: _forget(sessions, s))
+    session = Session(config, engine, pc, request.app[ADMISSION], on_closed=lambda s: _forget(sessions, s))
     try:
         await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
     except (ValueError, KeyError, IndexError) as exc:  # aiortc's SDP parser raises these
@@ -93,8 +97,10 @@ def _forget(sessions: dict, session: Session) -> None:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    body = {"status": "ok" if engine.ready else "loading", "sessions": len(request.app[SESSIONS])}
+    engine, start = request.app[ENGINE], request.app[ENGINE_START]
+    body: dict[str, Any] = {"status": "ok" if engine.ready else "loading", "sessions": len(request.app[SESSIONS])}
+    if start.done() and start.exception() is not None:
+        body.update(status="failed", error=f"model load failed: {start.exception()}")
     return web.json_response(body, status=200 if engine.ready else 503)
 
 
@@ -131,11 +137,19 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(request.app[CONFIG].web_dir / "index.html")
 
 
+async def _tick(admission: Admission) -> None:
+    # Recovery is a matter of time passing, not only of new samples arriving.
+    while True:
+        await asyncio.sleep(1.0)
+        admission.tick()
+
+
 def create_app(config: Config, engine: Engine) -> web.Application:
     app = web.Application(client_max_size=_MAX_SDP_BYTES * 2)
     app[CONFIG] = config
     app[ENGINE] = engine
     app[SESSIONS] = {}
+    app[ADMISSION] = admission = Admission.from_config(config)
     app.router.add_get("/", index)
     app.router.add_post("/offer", offer)
     app.router.add_get("/healthz", healthz)
@@ -145,9 +159,11 @@ def create_app(config: Config, engine: Engine) -> web.Application:
 
     async def on_startup(app: web.Application) -> None:
         # Load in the background: /healthz says "loading" until the engine is ready.
-        app["engine_start"] = asyncio.ensure_future(engine.start())
+        app[ENGINE_START] = asyncio.ensure_future(engine.start())
+        app[LADDER_TICK] = asyncio.ensure_future(_tick(admission))
 
     async def on_shutdown(app: web.Application) -> None:
+        app[LADDER_TICK].cancel()
         for session in list(app[SESSIONS].values()):
             await session.close()
         await engine.stop()

@@ -24,8 +24,9 @@ from .engine import Engine, EngineBusy
 from .engine.api import AudioOut, ReplyDone, TextDelta
 from .ingest import AudioIn, VideoSample, VideoSampler
 from .jitter import lower_audio_jitter_hold
+from .ladder import LEVEL_NAMES, Admission
 from .playout import AgentAudioTrack
-from .vad import Endpointer, SpeechAudio, SpeechStarted, SpeechStopped, TurnAborted
+from .vad import Endpointer, SpeechAudio, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +42,19 @@ class _Reply:
     ttft: Optional[float] = None
     ttfa: Optional[float] = None
     engine_open: bool = True  # no ReplyDone received yet
+    text_only: bool = False
 
 
 class Session:
-    def __init__(self, config: Config, engine: Engine, pc: RTCPeerConnection, on_closed: Callable[["Session"], None]) -> None:
+    def __init__(self, config: Config, engine: Engine, pc: RTCPeerConnection, admission: Admission,
+                 on_closed: Callable[["Session"], None]) -> None:
         self.id = uuid.uuid4().hex[:12]
         self.config = config
         self.engine = engine
         self.pc = pc
         self._on_closed = on_closed
+        self.admission = admission
+        self._unlisten: Optional[Callable[[], None]] = None
         self.track = AgentAudioTrack()
         self.audio_in = AudioIn()
         self.video = VideoSampler(fps=config.video_fps, max_side=config.video_max_side)
@@ -69,7 +74,6 @@ class Session:
         self._stale_done = 0  # ReplyDone events still owed by cancelled replies
         self._closed = False
         self.turns = 0
-        self.track.on_first_audio = self._on_first_audio_sent
 
         pc.on("track", self._on_track)
         pc.on("datachannel", self._on_datachannel)
@@ -78,12 +82,16 @@ class Session:
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
         self.engine.open_session(self.id, self)
-        self.emit({"type": "session.created", "session_id": self.id})
+        self._unlisten = self.admission.listen(self._on_level)
+        self.emit({"type": "session.created", "session_id": self.id,
+                   "mode": LEVEL_NAMES[self.admission.ladder.level]})
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._unlisten is not None:
+            self._unlisten()
         for task in self._tasks:
             task.cancel()
         try:
@@ -141,19 +149,24 @@ class Session:
             elif isinstance(event, SpeechStopped):
                 self.emit({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": int(event.end_of_speech * 1000)})
                 self._begin_reply()
-            elif isinstance(event, TurnAborted):
-                self.engine.discard_turn(self.id)
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
             self.emit_error("engine is overloaded; this turn was dropped", "engine_busy")
 
     def _begin_reply(self) -> None:
         now = time.monotonic()
+        if not self.admission.turns.allow():
+            metrics.TURNS_REJECTED.inc()
+            self.engine.discard_turn(self.id)
+            self.emit_error("too many turns on this engine right now; please repeat", "rate_limited")
+            return
         images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
-        self.engine.begin_reply(self.id, images, text_only=self.text_only)
+        # The ladder's text-only level applies to new replies; a reply keeps its mode.
+        text_only = self.text_only or self.admission.ladder.level >= 1
+        self.engine.begin_reply(self.id, images, text_only=text_only)
         self.turns += 1
         metrics.TURNS.inc()
-        self._reply = _Reply(response_id="resp_" + uuid.uuid4().hex[:10], end_of_turn=now)
+        self._reply = _Reply(response_id="resp_" + uuid.uuid4().hex[:10], end_of_turn=now, text_only=text_only)
         self.track.begin_reply()
         self.emit({"type": "response.created", "response_id": self._reply.response_id})
 
@@ -208,7 +221,15 @@ class Session:
             metrics.ERRORS.labels(where="engine").inc()
             self.emit_error(f"reply failed: {done.stats.get('error', 'engine error')}", "engine_error")
         self.track.end_reply()
+        first_response = reply.ttft if reply.text_only else reply.ttfa
+        if first_response is not None:
+            self.admission.observe(first_response)
         self._finish(reply, {"stop": "completed", "length": "incomplete"}.get(done.reason, done.reason), done.stats)
+
+    def _on_level(self, level: int) -> None:
+        p95 = self.admission.ladder.current_p95()
+        self.emit({"type": "response.mode", "mode": LEVEL_NAMES[level],
+                   "reason": f"p95 first-response latency {p95 * 1000:.0f} ms" if p95 is not None else "recovered"})
 
     def _live_reply(self) -> Optional[_Reply]:
         if self._stale_done or self._reply is None or not self._reply.engine_open:
@@ -222,9 +243,6 @@ class Session:
         self.emit({"type": "response.done", "response_id": reply.response_id, "status": status,
                    "text": reply.text, "ttft_ms": ms(reply.ttft), "ttfa_ms": ms(reply.ttfa),
                    "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}})
-
-    def _on_first_audio_sent(self, wall: float) -> None:
-        pass  # the track reports when audio actually leaves; TTFA is measured at hand-over
 
     # ---- events out (data channel + SSE) ---------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:

@@ -1,0 +1,153 @@
+"""The engine thread's contract, with a scripted runner standing in for the model.
+
+Pins: the runner is built and driven only on the engine thread; outputs reach each
+session's sink on the asyncio loop thread, in order; a failing step ends the replies in
+flight with an error and the engine keeps serving; a full inbox raises EngineBusy instead
+of blocking the loop; a model that fails to load makes start() raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from agent.engine import Engine, EngineBusy
+from agent.engine.api import AudioOut, Output, ReplyDone, StageTime, TextDelta
+
+
+class ScriptedRunner:
+    """Replies with one text token and one audio frame per appended chunk, then done."""
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+        self.audio: dict[str, int] = {}
+        self.pending: list[str] = []
+        self.fail_next = False
+
+    def _mark(self) -> None:
+        self.threads.add(threading.current_thread().name)
+
+    def open_session(self, sid: str) -> None:
+        self._mark()
+        self.audio[sid] = 0
+
+    def close_session(self, sid: str) -> None:
+        self._mark()
+        self.audio.pop(sid, None)
+
+    def append_audio(self, sid: str, pcm: np.ndarray) -> None:
+        self._mark()
+        self.audio[sid] += 1
+
+    def discard_turn(self, sid: str) -> None:
+        self.audio[sid] = 0
+
+    def begin_reply(self, sid: str, images: list, text_only: bool = False) -> None:
+        self._mark()
+        self.pending.append(sid)
+
+    def cancel_reply(self, sid: str) -> None:
+        if sid in self.pending:
+            self.pending.remove(sid)
+
+    def has_work(self) -> bool:
+        return bool(self.pending)
+
+    def step(self) -> list[Output]:
+        self._mark()
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("kernel exploded")
+        sid = self.pending.pop(0)
+        n = self.audio[sid]
+        return [StageTime("generate", 0.001), TextDelta(sid, f"heard {n}"),
+                AudioOut(sid, np.full(1920, n, np.int16)), ReplyDone(sid, "stop")]
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, object, str]] = []
+        self.done = asyncio.Event()
+
+    def on_text(self, d: TextDelta) -> None:
+        self.got.append(("text", d.text, threading.current_thread().name))
+
+    def on_audio(self, a: AudioOut) -> None:
+        self.got.append(("audio", int(a.pcm[0]), threading.current_thread().name))
+
+    def on_done(self, d: ReplyDone) -> None:
+        self.got.append(("done", d.reason, threading.current_thread().name))
+        self.done.set()
+
+
+async def test_outputs_reach_sinks_on_the_loop_thread_in_order() -> None:
+    runner = ScriptedRunner()
+    engine = Engine(lambda: runner)
+    await engine.start()
+    a, b = Sink(), Sink()
+    engine.open_session("a", a)
+    engine.open_session("b", b)
+    for _ in range(3):
+        engine.append_audio("a", np.zeros(1280, np.float32))
+    engine.append_audio("b", np.zeros(1280, np.float32))
+    engine.begin_reply("a", [])
+    engine.begin_reply("b", [])
+    await asyncio.wait_for(asyncio.gather(a.done.wait(), b.done.wait()), 5)
+    await engine.stop()
+
+    loop_thread = threading.current_thread().name
+    assert [g[:2] for g in a.got] == [("text", "heard 3"), ("audio", 3), ("done", "stop")]
+    assert [g[:2] for g in b.got] == [("text", "heard 1"), ("audio", 1), ("done", "stop")]
+    assert {g[2] for g in a.got + b.got} == {loop_thread}
+    assert runner.threads == {"engine"}
+
+
+async def test_failed_step_ends_reply_with_error_and_engine_survives() -> None:
+    runner = ScriptedRunner()
+    engine = Engine(lambda: runner)
+    await engine.start()
+    s = Sink()
+    engine.open_session("s", s)
+    runner.fail_next = True
+    engine.begin_reply("s", [])
+    await asyncio.wait_for(s.done.wait(), 5)
+    assert s.got[-1][:2] == ("done", "error")
+    s.done.clear()
+    engine.append_audio("s", np.zeros(1280, np.float32))
+    engine.begin_reply("s", [])
+    await asyncio.wait_for(s.done.wait(), 5)
+    await engine.stop()
+    assert s.got[-1][:2] == ("done", "stop")
+    assert "kernel exploded" in engine.stats.last_error
+
+
+async def test_full_inbox_raises_instead_of_blocking() -> None:
+    gate = threading.Event()
+
+    def slow_factory() -> ScriptedRunner:
+        gate.wait(5)  # hold the thread so the inbox cannot drain
+        return ScriptedRunner()
+
+    engine = Engine(slow_factory, inbox_size=4)
+    start = asyncio.ensure_future(engine.start())
+    await asyncio.sleep(0.05)
+    for _ in range(4):
+        engine.append_audio("x", np.zeros(1280, np.float32))
+    with pytest.raises(EngineBusy):
+        engine.append_audio("x", np.zeros(1280, np.float32))
+    gate.set()
+    await start
+    await engine.stop()
+
+
+async def test_load_failure_surfaces_from_start() -> None:
+    def broken() -> ScriptedRunner:
+        raise OSError("no such checkpoint")
+
+    engine = Engine(broken)
+    with pytest.raises(OSError, match="no such checkpoint"):
+        await engine.start()
+    assert not engine.ready
