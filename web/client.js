@@ -231,6 +231,8 @@ async function start() {
       if (omni.pc !== pc) return; // a stopped call reporting late
       setState(pc.connectionState);
       if (pc.connectionState === "failed") showError("Connection failed: no media path to the server.");
+      // A dead call should not keep the camera light on; the state line keeps the verdict.
+      if (pc.connectionState === "failed" || pc.connectionState === "closed") teardown();
     });
     pc.addEventListener("track", (e) => {
       if (e.track.kind !== "audio") return;
