@@ -65,3 +65,25 @@ ERRORS = Counter("agent_errors_total", "Errors reported to clients", ["where"], 
 def render() -> bytes:
     """Prometheus text exposition of the registry."""
     return generate_latest(REGISTRY)
+
+
+class GpuSampler:
+    """Reads GPU utilization through NVML (nvidia-ml-py) when a GPU and the package exist."""
+
+    def __init__(self) -> None:
+        self._handle = None
+        try:
+            import pynvml  # optional: the `gpu` extra
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml = pynvml
+        except (ImportError, OSError, RuntimeError) as exc:  # no package / no driver / no device
+            self.unavailable = str(exc) or type(exc).__name__
+        except Exception as exc:  # pynvml.NVMLError has no common base we can import without pynvml
+            self.unavailable = str(exc)
+
+    def sample(self) -> None:
+        if self._handle is not None:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            GPU_UTILIZATION.set(util.gpu / 100.0)

@@ -139,9 +139,11 @@ async def index(request: web.Request) -> web.FileResponse:
 
 async def _tick(admission: Admission) -> None:
     # Recovery is a matter of time passing, not only of new samples arriving.
+    gpu = metrics.GpuSampler()
     while True:
         await asyncio.sleep(1.0)
         admission.tick()
+        gpu.sample()
 
 
 def create_app(config: Config, engine: Engine) -> web.Application:
