@@ -51,19 +51,16 @@ class WavTrack(MediaStreamTrack):
 
     kind = "audio"
 
-    def __init__(self, pcm: np.ndarray, repeat_after_s: Optional[float] = None) -> None:
+    def __init__(self, pcm: np.ndarray, repeat_after_s: Optional[float] = None, speech_end: Optional[int] = None) -> None:
         super().__init__()
         self._pcm = pcm
+        self._speech_end = speech_end_sample(pcm) if speech_end is None else speech_end
+        self.speech_ends: list[float] = []  # wall time the speech ended, one per play
         self._pos = 0
         self._start: Optional[float] = None
         self._pts = 0
-        self.sent_at: dict[int, float] = {}  # sample index → wall time the frame holding it left
         self._repeat_after = repeat_after_s
         self.plays = 0
-
-    def wall_time_of_sample(self, index: int) -> Optional[float]:
-        frame_start = (index // SEND_FRAME) * SEND_FRAME
-        return self.sent_at.get(frame_start)
 
     async def recv(self) -> av.AudioFrame:
         if self._start is None:
@@ -73,12 +70,16 @@ class WavTrack(MediaStreamTrack):
             await asyncio.sleep(wait)
         chunk = self._pcm[self._pos : self._pos + SEND_FRAME]
         if len(chunk) and self._pos < len(self._pcm):
-            self.sent_at[self._pos] = time.monotonic()
+            now = time.monotonic()
+            last = self._speech_end - 1
+            if self._pos <= last < self._pos + SEND_FRAME:
+                # The frame holding the last speech sample leaves now; speech ends inside it.
+                self.speech_ends.append(now + (last - self._pos) / SEND_RATE)
         self._pos += SEND_FRAME
         if len(chunk) < SEND_FRAME:
             chunk = np.concatenate([chunk, np.zeros(SEND_FRAME - len(chunk), np.int16)])
         if self._repeat_after is not None and self._pos >= len(self._pcm) + self._repeat_after * SEND_RATE:
-            self._pos, self.sent_at = 0, {}
+            self._pos = 0
             self.plays += 1
         frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = SEND_RATE
@@ -122,6 +123,9 @@ class ClientResult:
     received_samples: int = 0
     audible_samples: int = 0
     first_audible_at: Optional[float] = None  # wall time of the first audible received frame
+    audible_onsets: list[float] = field(default_factory=list)  # audible after >= 0.3 s of quiet
+    glitches: int = 0  # quiet 20 ms frames between audible ones inside a reply (underruns heard)
+    _last_audible: Optional[float] = None
     peak_rms: float = 0.0
     session_id: str = ""
 
@@ -136,7 +140,7 @@ class AgentClient:
         self.base_url = base_url
         self.pcm = load_wav_mono(wav)
         self.speech_end = speech_end_sample(self.pcm)
-        self.audio = WavTrack(self.pcm, repeat_after_s)
+        self.audio = WavTrack(self.pcm, repeat_after_s, self.speech_end)
         self.video = PatternVideoTrack() if video else None
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.result = ClientResult()
@@ -191,20 +195,33 @@ class AgentClient:
             pcm = frame.to_ndarray().astype(np.float64)
             rms = float(np.sqrt((pcm**2).mean())) if pcm.size else 0.0
             self.result.received_samples += frame.samples
+            r = self.result
             if rms > AUDIBLE_RMS:
-                self.result.audible_samples += frame.samples
-                self.result.peak_rms = max(self.result.peak_rms, rms)
-                if self.result.first_audible_at is None:
-                    self.result.first_audible_at = time.monotonic()
+                now = time.monotonic()
+                r.audible_samples += frame.samples
+                r.peak_rms = max(r.peak_rms, rms)
+                if r.first_audible_at is None:
+                    r.first_audible_at = now
+                if r._last_audible is None or now - r._last_audible >= 0.3:
+                    r.audible_onsets.append(now)
+                elif now - r._last_audible > 0.03:
+                    r.glitches += 1  # a short hole inside a reply: heard as a click/gap
+                r._last_audible = now
 
     def voice_to_voice(self) -> Optional[float]:
         """End of speech in the sent audio → first audible received sample (seconds)."""
-        sent = self.audio.wall_time_of_sample(self.speech_end - 1)
-        if sent is None or self.result.first_audible_at is None:
-            return None
-        # The frame holding the last speech sample left at `sent`; speech ended inside it.
-        offset = ((self.speech_end - 1) % SEND_FRAME) / SEND_RATE
-        return self.result.first_audible_at - (sent + offset)
+        turns = self.turn_latencies()
+        return turns[0] if turns else None
+
+    def turn_latencies(self) -> list[Optional[float]]:
+        """Voice-to-voice for each play of the WAV (None: no reply heard before the next play)."""
+        ends = self.audio.speech_ends
+        out: list[Optional[float]] = []
+        for i, end in enumerate(ends):
+            nxt = ends[i + 1] if i + 1 < len(ends) else float("inf")
+            onset = next((t for t in self.result.audible_onsets if end < t < nxt), None)
+            out.append(None if onset is None else onset - end)
+        return out
 
     async def close(self) -> None:
         for task in self._tasks:
