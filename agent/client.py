@@ -22,6 +22,8 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
+from .jitter import lower_audio_jitter_hold
+
 SEND_RATE = 48_000
 SEND_FRAME = 960  # 20 ms
 AUDIBLE_RMS = 10 ** (-50 / 20) * 32768  # int16 RMS above -50 dBFS counts as sound
@@ -136,7 +138,10 @@ class ClientResult:
 class AgentClient:
     """One aiortc peer talking to the agent at base_url over loopback."""
 
-    def __init__(self, base_url: str, wav: Path, video: bool = True, repeat_after_s: Optional[float] = None) -> None:
+    def __init__(self, base_url: str, wav: Path, video: bool = True, repeat_after_s: Optional[float] = None,
+                 receive_prefetch: Optional[int] = 1) -> None:
+        """receive_prefetch: frames aiortc holds before playing received audio; 1 (20 ms)
+        is browser-like, None keeps aiortc's default of 4 (80 ms)."""
         self.base_url = base_url
         self.pcm = load_wav_mono(wav)
         self.speech_end = speech_end_sample(self.pcm)
@@ -144,6 +149,7 @@ class AgentClient:
         self.video = PatternVideoTrack() if video else None
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.result = ClientResult()
+        self._prefetch = receive_prefetch
         self._tasks: list[asyncio.Task] = []
         self._event_waiters: list[tuple[str, asyncio.Future]] = []
         self.channel = self.pc.createDataChannel("events")
@@ -174,6 +180,10 @@ class AgentClient:
         @self.pc.on("track")
         def on_track(track: MediaStreamTrack) -> None:
             if track.kind == "audio":
+                if self._prefetch is not None:
+                    for t in self.pc.getTransceivers():
+                        if t.receiver.track is track:
+                            lower_audio_jitter_hold(t.receiver, self._prefetch)
                 self._tasks.append(asyncio.ensure_future(self._read_audio(track)))
 
         await self.pc.setLocalDescription(await self.pc.createOffer())

@@ -99,7 +99,10 @@ class Session:
         except EngineBusy:
             log.warning("session %s: engine inbox full on close", self.id)
         for q in self._sse:
-            q.put_nowait(None)
+            if not q.full():
+                q.put_nowait(None)
+        self.frames.clear()  # the ring's gauge is a sum over sessions
+        self.track.stop()
         await self.pc.close()
         self._on_closed(self)
 

@@ -147,6 +147,17 @@ def _is_complete(path: Path) -> bool:
 
 
 def _build_into(out: Path) -> None:
+    model, tokenizer = build_model()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _save_preprocessors(out)
+    (out / MARKER_FILE).write_text(
+        json.dumps({"build_version": BUILD_VERSION, "seed": SEED, "params": model.num_parameters()}, indent=2)
+    )
+
+
+def build_model():
+    """The tiny model and its tokenizer, in memory (what make_tiny saves)."""
     from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
 
     tokenizer = build_tokenizer()
@@ -154,8 +165,10 @@ def _build_into(out: Path) -> None:
     role_ids = {r: _single_token_id(tokenizer, r) for r in ("system", "user", "assistant")}
     config = tiny_config(vocab_size=len(tokenizer), ids=ids, role_ids=role_ids)
 
-    torch.manual_seed(SEED)
-    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    # fork_rng: seed the default init without disturbing the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = Qwen3OmniMoeForConditionalGeneration(config).eval()
     generator = torch.Generator().manual_seed(SEED + 1)
     _init_talker_experts(model, generator)
     _calibrate_code2wav(model, generator)
@@ -168,12 +181,7 @@ def _build_into(out: Path) -> None:
         pad_token_id=ids["<|endoftext|>"],
         bos_token_id=ids["<|im_start|>"],
     )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    _save_preprocessors(out)
-    (out / MARKER_FILE).write_text(
-        json.dumps({"build_version": BUILD_VERSION, "seed": SEED, "params": model.num_parameters()}, indent=2)
-    )
+    return model, tokenizer
 
 
 def build_tokenizer():
@@ -200,8 +208,14 @@ def build_tokenizer():
     bpe.train_from_iterator(_training_text(), trainer=trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    # Give the added tokens their ids in the vocab itself, in the real order: Qwen2Tokenizer
+    # registers its named specials (eos, pad, image_token, ...) first, and add_tokens keeps an
+    # id the vocab already has, so this is what fixes the order.
+    bpe_size = len(model["vocab"])
+    vocab = dict(model["vocab"])
+    vocab.update({tok: bpe_size + i for i, (tok, _) in enumerate(ADDED_TOKENS)})
     tokenizer = Qwen2Tokenizer(
-        vocab=model["vocab"],
+        vocab=vocab,
         merges=merges,
         unk_token=None,
         bos_token=None,
@@ -221,9 +235,9 @@ def build_tokenizer():
     )
     # One call, in order, so the ids follow the real checkpoint's order after the BPE vocab.
     tokenizer.add_tokens([AddedToken(tok, special=special, normalized=False) for tok, special in ADDED_TOKENS])
-    for tok, _ in ADDED_TOKENS:
-        if tokenizer.convert_tokens_to_ids(tok) < len(model["vocab"]):
-            raise RuntimeError(f"special token {tok} collides with the BPE vocabulary")
+    for i, (tok, _) in enumerate(ADDED_TOKENS):
+        if tokenizer.convert_tokens_to_ids(tok) != bpe_size + i:
+            raise RuntimeError(f"special token {tok} is not at its place in the real order")
     return tokenizer
 
 

@@ -1,0 +1,167 @@
+"""Per-session streaming state: one resettable dataclass per session, one per reply.
+
+Everything a session carries between engine steps lives here (KV caches, position counters,
+the talker's view of the user turns, the reply's codec history and code2wav state), so that
+a session can be dropped or reset in one assignment, and so that the fields can later become
+rows of batched slot tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from agent.engine.audio_stream import AudioStream
+from agent.engine.code2wav_stream import Code2WavStream
+
+
+@dataclass
+class KVState:
+    """A decoder's cache and where the next token goes.
+
+    `length` is the physical cache length (the text-position row and the causal mask);
+    `next_pos` the next multimodal-RoPE position, which runs ahead of `length` after images
+    (an image's tokens share positions, the text after it continues from their max + 1).
+    """
+
+    cache: DynamicCache
+    length: int = 0
+    next_pos: int = 0
+
+    def crop(self, length: int, next_pos: int) -> None:
+        self.cache.crop(length)
+        self.length, self.next_pos = length, next_pos
+
+
+@dataclass
+class TalkerTurn:
+    """One user turn as the talker sees it: the thinker's token ids and the talker inputs
+    (text_projection of embeddings at text positions, hidden_projection of the thinker's
+    accept layer at media positions), as generate() builds them."""
+
+    ids: list[int] = field(default_factory=list)
+    embeds: list[torch.Tensor] = field(default_factory=list)  # [1, n_i, hidden] pieces
+    image_grids: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class TurnState:
+    """The user turn being spoken: audio in, prefill as the audio becomes final."""
+
+    audio: AudioStream
+    header_done: bool = False  # <|im_start|>user\n (and the previous reply's closing) prefilled
+    audio_open: bool = False  # <|audio_start|> prefilled
+    pending_audio: list[torch.Tensor] = field(default_factory=list)  # final tokens not yet prefilled
+    audio_tokens: int = 0
+    samples: int = 0
+    # For a rollback (discard_turn) or a context reset: where the turn started, and what it
+    # prefilled so far (token ids and the audio features that fill its audio pads).
+    start_length: int = 0
+    start_pos: int = 0
+    ids: list[int] = field(default_factory=list)
+    audio_feats: list[torch.Tensor] = field(default_factory=list)
+    talker: TalkerTurn = field(default_factory=TalkerTurn)
+
+
+@dataclass
+class ReplyState:
+    """One reply in flight: thinker one token ahead of the talker, code2wav frame by frame."""
+
+    text_only: bool
+    talker_max_tokens: int
+    code2wav: Code2WavStream | None
+    started: float  # perf_counter at begin_reply
+    images: list[np.ndarray] = field(default_factory=list)
+    cancelled: bool = False
+    prefilled: bool = False
+    tokens: list[int] = field(default_factory=list)  # thinker tokens generated (the end token too)
+    fed: int = 0  # how many of `tokens` the thinker cache holds
+    thinker_done: bool = False
+    thinker_reason: str = ""  # "stop" | "length"
+    emitted_text: str = ""
+    # talker
+    talker_started: bool = False
+    talker_done: bool = False
+    talker_reason: str = ""
+    codes0: list[int] = field(default_factory=list)  # codebook-0 tokens generated
+    last_hidden: torch.Tensor | None = None  # talker's last hidden state for codes0[-1]
+    frame_codes: list[list[int]] = field(default_factory=list)  # all 16 codes of each rendered frame
+    pending_frame: bool = False  # codes0[-1] still needs its residual codes and audio
+    samples_out: int = 0
+    first_audio: float | None = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    wav: list[np.ndarray] = field(default_factory=list)  # float samples, kept when recording
+
+
+@dataclass(frozen=True)
+class ReplyRecord:
+    """What a finished reply produced, kept for tests and benchmarks (record=True)."""
+
+    text_ids: tuple[int, ...]
+    codes: np.ndarray  # [num_quantizers, frames]
+    wav: np.ndarray  # float32 at 24 kHz
+    prefill_tokens: int  # thinker tokens prefilled for this turn (its own, not the history's)
+
+
+@dataclass
+class SessionState:
+    thinker: KVState
+    talker: KVState
+    turn: TurnState
+    history_turns: list[TalkerTurn] = field(default_factory=list)  # earlier user turns, in the talker cache
+    talker_history_length: int = 0  # talker cache length covering history_turns
+    talker_history_pos: int = 0
+    closing: list[int] = field(default_factory=list)  # the previous reply's unfed tail + <|im_end|>\n
+    reply: ReplyState | None = None
+    history_reset: bool = False  # the context filled up and the history was dropped this turn
+    turn_prefill_tokens: int = 0
+    pending_stages: list[tuple[str, float]] = field(default_factory=list)  # timed outside step()
+
+
+def mrope_positions(
+    ids: Sequence[int],
+    start: int,
+    grids: Iterator[tuple[int, int, int]],
+    image_pad: int,
+    merge: int,
+    position_id_per_seconds: float,
+) -> tuple[torch.Tensor, int]:
+    """[3, n] multimodal RoPE positions of `ids`, continuing from `start`; and the next position.
+
+    Equal to transformers' get_rope_index on a prompt holding text, audio and images (no
+    video): text and audio advance by one per token; an image's tokens take (t, h, w) offsets
+    from the position after <|vision_start|>, and what follows continues from their max + 1.
+    """
+    out = torch.empty(3, len(ids), dtype=torch.long)
+    pos, i = start, 0
+    while i < len(ids):
+        if ids[i] != image_pad:
+            out[:, i] = pos
+            pos += 1
+            i += 1
+            continue
+        t, h, w = next(grids)
+        gh, gw = h // merge, w // merge
+        count = t * gh * gw
+        if any(tok != image_pad for tok in ids[i : i + count]):
+            raise ValueError("image placeholder run does not match its grid")
+        t_idx = (torch.arange(t).float() * position_id_per_seconds).long().view(-1, 1, 1).expand(t, gh, gw)
+        h_idx = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw)
+        w_idx = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw)
+        block = torch.stack([t_idx.flatten(), h_idx.flatten(), w_idx.flatten()]) + pos
+        out[:, i : i + count] = block
+        pos = int(block.max()) + 1
+        i += count
+    return out, pos
+
+
+def four_row_positions(rope: torch.Tensor, first_index: int) -> torch.Tensor:
+    """[4, 1, n]: the physical index row (causal mask) on top of the three RoPE rows, the
+    layout transformers' generate() passes to the Qwen3-Omni decoders."""
+    n = rope.shape[1]
+    text = torch.arange(first_index, first_index + n, dtype=torch.long).view(1, n)
+    return torch.cat([text, rope], dim=0).unsqueeze(1)

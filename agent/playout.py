@@ -1,0 +1,225 @@
+"""The agent's voice: an outbound audio track paced to the wall clock.
+
+aiortc's sender does no pacing of its own: it calls ``recv()`` again as soon as the last
+frame is encoded, so the track sleeps until ``start + pts / rate`` like aiortc's
+AudioStreamTrack. It never waits for audio: when nothing is queued it sends silence, so
+RTP timestamps keep advancing with real time and the browser's jitter buffer stays small.
+
+All methods run on the asyncio thread; the engine thread hands PCM over with
+``loop.call_soon_threadsafe(track.push, pcm)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fractions
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Optional
+
+import av
+import numpy as np
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from .config import OUTPUT_FRAME_SAMPLES, OUTPUT_RATE
+from .metrics import PLAYOUT_BUFFER, PLAYOUT_UNDERRUNS
+
+logger = logging.getLogger(__name__)
+
+TIME_BASE = fractions.Fraction(1, OUTPUT_RATE)
+
+_IDLE = "idle"
+_PLAYING = "playing"  # between begin_reply() and end_reply()
+_ENDING = "ending"  # end_reply() called, queued audio still playing
+
+
+class AgentAudioTrack(MediaStreamTrack):
+    """20 ms s16 mono 24 kHz frames: queued reply audio, or silence.
+
+    A reply is bracketed by ``begin_reply()`` and ``end_reply()``. Within it:
+    ``on_first_audio(wall_time)`` fires when its first frame carrying audio is returned to
+    the sender; a frame that runs short of audio after that (the engine fell behind real
+    time) counts as an underrun; ``on_drained(wall_time)`` fires once end_reply() was called
+    and everything queued has been sent. ``flush()`` (barge-in) drops the queue and ends the
+    reply without on_drained. Audio pushed outside a reply plays but fires no hooks.
+    Hooks run inside recv(): keep them short, and they must not raise.
+    """
+
+    kind = "audio"
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        max_buffer_s: float = 30.0,
+        stall_s: float = 0.1,
+        on_first_audio: Optional[Callable[[float], None]] = None,
+        on_drained: Optional[Callable[[float], None]] = None,
+    ) -> None:
+        super().__init__()
+        self._clock = clock
+        self._sleep = sleep
+        self._max_samples = int(max_buffer_s * OUTPUT_RATE)
+        self._stall_s = stall_s
+        self.on_first_audio = on_first_audio
+        self.on_drained = on_drained
+
+        self._chunks: deque[np.ndarray] = deque()
+        self._head = 0  # samples of _chunks[0] already sent
+        self._buffered = 0
+        self._reported_s = 0.0  # this track's share of the PLAYOUT_BUFFER gauge
+
+        self._start: Optional[float] = None
+        self._pts = 0
+
+        self._reply = _IDLE
+        self._first_audio_pending = False
+        self._overflowing = False
+
+        self.frames_sent = 0
+        self.underruns = 0
+        self.reanchors = 0
+        self.overflow_s = 0.0
+
+    # -- producer side -----------------------------------------------------------------
+
+    @property
+    def buffered_seconds(self) -> float:
+        return self._buffered / OUTPUT_RATE
+
+    @property
+    def in_reply(self) -> bool:
+        return self._reply != _IDLE
+
+    def push(self, pcm: np.ndarray) -> None:
+        """Queue int16 mono 24 kHz samples (any length). Past max_buffer_s the excess is dropped."""
+        if pcm.dtype != np.int16:
+            raise TypeError(f"expected int16 PCM, got {pcm.dtype}")
+        if self.readyState != "live":
+            return
+        pcm = pcm.reshape(-1)
+        room = self._max_samples - self._buffered
+        if len(pcm) > room:
+            # A 30 s backlog means the producer ignores real time; keep what is queued
+            # (it plays in order) and drop the newest rather than cut the reply's middle.
+            self.overflow_s += (len(pcm) - room) / OUTPUT_RATE
+            if not self._overflowing:
+                logger.warning("playout buffer full (%.1f s): dropping audio", self.buffered_seconds)
+            self._overflowing = True
+            pcm = pcm[:room]
+        if len(pcm):
+            # Copy: the caller may reuse its buffer (code2wav output, a test's array).
+            self._chunks.append(pcm.copy())
+            self._buffered += len(pcm)
+            self._update_gauge()
+
+    def flush(self) -> float:
+        """Drop everything queued at once (barge-in) and end the reply; return the seconds dropped."""
+        dropped = self.buffered_seconds
+        self._chunks.clear()
+        self._head = 0
+        self._buffered = 0
+        self._overflowing = False
+        self._reply = _IDLE
+        self._first_audio_pending = False
+        self._update_gauge()
+        return dropped
+
+    def begin_reply(self) -> None:
+        """A reply starts: arm on_first_audio and underrun counting."""
+        self._reply = _PLAYING
+        self._first_audio_pending = True
+
+    def end_reply(self) -> None:
+        """The producer has pushed the reply's last audio; on_drained fires once it is all sent."""
+        if self._reply == _PLAYING:
+            self._reply = _ENDING
+            if self._buffered == 0:
+                self._finish_reply(self._clock())
+
+    def stop(self) -> None:
+        self.flush()
+        super().stop()
+
+    # -- sender side -------------------------------------------------------------------
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+
+        if self._start is None:
+            self._start = self._clock()
+            self._pts = 0
+        else:
+            self._pts += OUTPUT_FRAME_SAMPLES
+            wait = self._start + self._pts / OUTPUT_RATE - self._clock()
+            if wait < -self._stall_s:
+                # The loop stalled: catching up would send a burst the browser's jitter
+                # buffer turns into delay. Re-anchor so this frame is due now.
+                self._start -= wait
+                self.reanchors += 1
+                wait = 0.0
+            await self._sleep(max(wait, 0.0))
+
+        # Read the queue after the sleep, so a flush() during it silences this frame.
+        pcm, real = self._take(OUTPUT_FRAME_SAMPLES)
+        now = self._clock()
+        self._account(real, now)
+
+        frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = OUTPUT_RATE
+        frame.pts = self._pts
+        frame.time_base = TIME_BASE
+        self.frames_sent += 1
+        return frame
+
+    def _take(self, n: int) -> tuple[np.ndarray, int]:
+        """The next n samples, zero-padded; and how many of them were queued audio."""
+        out = np.zeros(n, dtype=np.int16)
+        filled = 0
+        while filled < n and self._chunks:
+            head = self._chunks[0]
+            count = min(n - filled, len(head) - self._head)
+            out[filled : filled + count] = head[self._head : self._head + count]
+            filled += count
+            self._head += count
+            if self._head == len(head):
+                self._chunks.popleft()
+                self._head = 0
+        if filled:
+            self._buffered -= filled
+            if self._buffered < self._max_samples:
+                self._overflowing = False
+            self._update_gauge()
+        return out, filled
+
+    def _account(self, real: int, now: float) -> None:
+        """Reply bookkeeping for the frame about to be returned."""
+        if self._reply == _IDLE:
+            return
+        if real and self._first_audio_pending:
+            self._first_audio_pending = False
+            if self.on_first_audio is not None:
+                self.on_first_audio(now)
+        elif self._reply == _PLAYING and not self._first_audio_pending and real < OUTPUT_FRAME_SAMPLES:
+            # Audio has started and the producer has not said it is done, yet the queue
+            # ran dry: the listener hears a gap.
+            self.underruns += 1
+            PLAYOUT_UNDERRUNS.inc()
+        if self._reply == _ENDING and self._buffered == 0:
+            self._finish_reply(now)
+
+    def _finish_reply(self, now: float) -> None:
+        self._reply = _IDLE
+        self._first_audio_pending = False
+        if self.on_drained is not None:
+            self.on_drained(now)
+
+    def _update_gauge(self) -> None:
+        seconds = self._buffered / OUTPUT_RATE
+        # Deltas, not set(): the gauge is the sum over every session's track.
+        PLAYOUT_BUFFER.inc(seconds - self._reported_s)
+        self._reported_s = seconds

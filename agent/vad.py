@@ -1,0 +1,214 @@
+"""End-of-turn detection on the session's audio clock.
+
+webrtcvad classifies each 20 ms sub-frame of an 80 ms AudioChunk. A turn starts once
+``min_speech_ms`` of voiced audio has gathered (short clicks and breaths never start one,
+so there is no "aborted turn" event to undo), and ends when ``silence_ms`` of unvoiced audio
+follow the last voiced sub-frame, or by force after ``max_turn_s``. Every time is read off
+the audio clock, never the wall clock: the same audio always gives the same events.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+import webrtcvad
+
+from .config import INPUT_RATE
+from .ingest import CHUNK_SECONDS, AudioChunk
+
+SUBFRAME_MS = 20
+SUBFRAME_SAMPLES = INPUT_RATE * SUBFRAME_MS // 1000  # 320
+# webrtcvad calls the first few sub-frames of a stream speech while its noise model
+# settles (white noise at -40 dBFS: the first 4-5 are "voiced"); ignore that warm-up.
+WARMUP_SUBFRAMES = 5
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    """A turn began. ``at``: start of its audio (pre-roll included), ``onset``: first voiced sub-frame."""
+
+    at: float
+    onset: float
+
+
+@dataclass(frozen=True)
+class SpeechAudio:
+    """One chunk of the current turn: the pre-roll first, then every chunk until the turn ends."""
+
+    chunk: AudioChunk
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    """End of turn. ``at``: when the silence reached silence_ms (or the forced cut),
+    ``end_of_speech``: end of the last voiced sub-frame."""
+
+    at: float
+    end_of_speech: float
+    forced: bool = False  # max_turn_s reached while still speaking
+
+
+TurnEvent = Union[SpeechStarted, SpeechAudio, SpeechStopped]
+
+
+class Endpointer:
+    """Turns AudioChunks into SpeechStarted / SpeechAudio... / SpeechStopped events."""
+
+    def __init__(
+        self,
+        silence_ms: int = 300,
+        min_speech_ms: int = 120,
+        aggressiveness: int = 2,
+        max_turn_s: float = 30.0,
+        preroll_ms: int = 300,
+        min_level_dbfs: float = -55.0,
+    ) -> None:
+        assert silence_ms >= SUBFRAME_MS and min_speech_ms >= SUBFRAME_MS and max_turn_s > 0
+        self._vad = webrtcvad.Vad(aggressiveness)
+        self._silence_ms = silence_ms
+        self._min_speech_ms = min_speech_ms
+        self._max_turn_s = max_turn_s
+        self._preroll_s = preroll_ms / 1000
+        # webrtcvad is nearly level-blind: a floor keeps faint hiss and hum out of "speech".
+        self._min_rms = 10 ** (min_level_dbfs / 20)
+        # Room for the pre-roll plus a slow candidate (voiced sub-frames spread over time).
+        self._history: deque[AudioChunk] = deque(
+            maxlen=math.ceil(self._preroll_s / CHUNK_SECONDS) + 16
+        )
+        self._subframes = 0
+        self._expected_index: Optional[int] = None
+        # candidate (before a turn): first voiced time, voiced total, unvoiced run since
+        self._onset: Optional[float] = None
+        self._voiced_ms = 0
+        self._unvoiced_ms = 0
+        # turn
+        self._in_turn = False
+        self._turn_start = 0.0
+        self._last_voiced_end = 0.0
+
+    @property
+    def in_turn(self) -> bool:
+        return self._in_turn
+
+    def reset(self) -> None:
+        """Forget any turn or candidate (the VAD's noise model is kept)."""
+        self._history.clear()
+        self._expected_index = None
+        self._reset_candidate()
+        self._in_turn = False
+
+    def push(self, chunk: AudioChunk) -> list[TurnEvent]:
+        """Classify one chunk; return the events it causes, in order.
+
+        Decisions come at chunk granularity (80 ms): a stop whose silence completes in the
+        chunk's first sub-frame is reported when the whole chunk has arrived, with ``at``
+        still the exact sub-frame time.
+        """
+        events: list[TurnEvent] = []
+        self._skip_gap(chunk, events)
+        self._expected_index = chunk.index + 1
+
+        pcm16 = np.clip(np.round(chunk.pcm * 32768.0), -32768, 32767).astype(np.int16)
+        started_here = False
+        stopped_here = False
+        for k in range(len(pcm16) // SUBFRAME_SAMPLES):
+            sub = pcm16[k * SUBFRAME_SAMPLES : (k + 1) * SUBFRAME_SAMPLES]
+            t_end = chunk.start + (k + 1) * SUBFRAME_MS / 1000
+            voiced = self._voiced(sub)
+            if self._in_turn:
+                if voiced:
+                    self._last_voiced_end = t_end
+                elif self._silence_reached(t_end):
+                    # The chunk that completes the silence still belongs to the turn.
+                    events.append(SpeechAudio(chunk))
+                    events.append(self._stop(at=t_end))
+                    stopped_here = True
+            elif self._candidate(voiced, t_end) and not stopped_here:
+                events += self._start(chunk, t_end)
+                started_here = True
+
+        if self._in_turn:
+            if not started_here:
+                events.append(SpeechAudio(chunk))
+            if chunk.end - self._turn_start >= self._max_turn_s - 1e-9:
+                events.append(self._stop(at=chunk.end, forced=True))
+                # The speaker goes on: the next turn must not repeat this one's audio as pre-roll.
+                self._history.clear()
+                return events
+        self._history.append(chunk)
+        return events
+
+    # -- classification ----------------------------------------------------------------
+
+    def _voiced(self, sub: np.ndarray) -> bool:
+        self._subframes += 1
+        # Always feed webrtcvad so its noise model keeps adapting, even when we overrule it.
+        speech = self._vad.is_speech(sub.tobytes(), INPUT_RATE)
+        if self._subframes <= WARMUP_SUBFRAMES:
+            return False
+        rms = math.sqrt(float(np.mean(np.square(sub.astype(np.float64))))) / 32768.0
+        return speech and rms >= self._min_rms
+
+    # -- candidate -> turn ---------------------------------------------------------------
+
+    def _candidate(self, voiced: bool, t_end: float) -> bool:
+        """Track voiced audio before a turn; True once there is enough to start one."""
+        if voiced:
+            if self._onset is None:
+                self._onset = t_end - SUBFRAME_MS / 1000
+            self._voiced_ms += SUBFRAME_MS
+            self._unvoiced_ms = 0
+            return self._voiced_ms >= self._min_speech_ms
+        if self._onset is not None:
+            self._unvoiced_ms += SUBFRAME_MS
+            if self._unvoiced_ms >= self._silence_ms:
+                self._reset_candidate()
+        return False
+
+    def _start(self, chunk: AudioChunk, t_end: float) -> list[TurnEvent]:
+        assert self._onset is not None
+        onset = self._onset
+        preroll = [c for c in self._history if c.end > onset - self._preroll_s]
+        turn_audio = preroll + [chunk]
+        self._in_turn = True
+        self._turn_start = turn_audio[0].start
+        self._last_voiced_end = t_end  # the sub-frame that completed min_speech_ms
+        self._reset_candidate()
+        events: list[TurnEvent] = [SpeechStarted(at=self._turn_start, onset=onset)]
+        events += [SpeechAudio(c) for c in turn_audio]
+        return events
+
+    def _reset_candidate(self) -> None:
+        self._onset = None
+        self._voiced_ms = 0
+        self._unvoiced_ms = 0
+
+    # -- turn end --------------------------------------------------------------------------
+
+    def _silence_reached(self, t: float) -> bool:
+        # Unvoiced since the last voiced sub-frame, so the silence is simply t - last voiced.
+        return (t - self._last_voiced_end) * 1000 >= self._silence_ms - 1e-6
+
+    def _stop(self, at: float, forced: bool = False) -> SpeechStopped:
+        self._in_turn = False
+        self._reset_candidate()
+        return SpeechStopped(at=at, end_of_speech=self._last_voiced_end, forced=forced)
+
+    def _skip_gap(self, chunk: AudioChunk, events: list[TurnEvent]) -> None:
+        """Chunks the audio clock skipped (a long network gap) count as silence."""
+        expected = self._expected_index
+        if expected is None or chunk.index <= expected:
+            return
+        gap_start = expected * CHUNK_SECONDS
+        # Pre-roll and candidate do not survive a discontinuity.
+        self._history.clear()
+        self._reset_candidate()
+        if self._in_turn:
+            at = self._last_voiced_end + self._silence_ms / 1000
+            if at <= chunk.start:
+                events.append(SpeechStopped(at=max(at, gap_start), end_of_speech=self._last_voiced_end))
+                self._in_turn = False

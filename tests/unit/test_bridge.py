@@ -1,0 +1,114 @@
+"""FrameRing is bounded (5-10), drops the oldest when full and counts every drop in
+agent_ingest_dropped_frames_total{reason="full"}, keeps agent_ingest_buffer_frames equal to
+its occupancy; AsyncFrameRing.put_wait applies real back-pressure and get() waits for items."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agent.bridge import AsyncFrameRing, FrameRing
+from agent.metrics import REGISTRY
+
+
+def buffered(kind: str) -> float:
+    return REGISTRY.get_sample_value("agent_ingest_buffer_frames", {"kind": kind}) or 0.0
+
+
+def dropped(kind: str) -> float:
+    return (
+        REGISTRY.get_sample_value("agent_ingest_dropped_frames_total", {"kind": kind, "reason": "full"})
+        or 0.0
+    )
+
+
+@pytest.mark.parametrize("capacity", [0, 4, 11, 64])
+def test_capacity_outside_5_to_10_is_refused(capacity):
+    with pytest.raises(AssertionError):
+        FrameRing[int](capacity, kind="t-cap")
+
+
+def test_drop_oldest_when_full_and_count_it():
+    kind = "t-drop"
+    d0 = dropped(kind)
+    ring = FrameRing[int](5, kind=kind)
+    results = [ring.put(i) for i in range(8)]
+    assert results == [True] * 5 + [False] * 3
+    assert len(ring) == 5 and ring.dropped == 3
+    assert dropped(kind) - d0 == 3
+    assert buffered(kind) == 5
+    assert ring.latest(2) == [6, 7]  # newest two, oldest first
+    assert ring.latest(10) == [3, 4, 5, 6, 7]
+    assert ring.latest(0) == []
+    assert len(ring) == 5  # latest() does not remove
+    assert ring.drain() == [3, 4, 5, 6, 7]
+    assert len(ring) == 0 and buffered(kind) == 0
+    ring.put(9)
+    assert buffered(kind) == 1
+    ring.clear()
+    assert len(ring) == 0 and buffered(kind) == 0
+    assert dropped(kind) - d0 == 3  # draining and clearing are not drops
+
+
+def test_gauge_sums_rings_of_one_kind():
+    kind = "t-sum"
+    a, b = FrameRing[str](5, kind=kind), FrameRing[str](6, kind=kind)
+    for i in range(3):
+        a.put(f"a{i}")
+    for i in range(9):
+        b.put(f"b{i}")
+    assert buffered(kind) == 3 + 6
+    a.clear()
+    assert buffered(kind) == 6
+    b.drain()
+    assert buffered(kind) == 0
+
+
+async def test_put_wait_blocks_until_a_consumer_makes_room():
+    kind = "t-bp"
+    d0 = dropped(kind)
+    ring = AsyncFrameRing[int](5, kind=kind)
+    for i in range(5):
+        await ring.put_wait(i)
+    blocked = asyncio.ensure_future(ring.put_wait(5))
+    await asyncio.sleep(0.01)
+    assert not blocked.done()  # back-pressure: the producer waits
+    assert await ring.get() == 0
+    await asyncio.wait_for(blocked, 1.0)
+    assert ring.drain() == [1, 2, 3, 4, 5]
+    assert dropped(kind) == d0  # nothing was dropped
+    assert ring.dropped == 0
+
+
+async def test_get_waits_for_a_put():
+    ring = AsyncFrameRing[str](5, kind="t-get")
+    waiting = asyncio.ensure_future(ring.get())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    ring.put("x")  # the synchronous put wakes the waiter too
+    assert await asyncio.wait_for(waiting, 1.0) == "x"
+    assert len(ring) == 0
+
+
+async def test_drain_wakes_a_blocked_producer():
+    ring = AsyncFrameRing[int](5, kind="t-drain")
+    for i in range(5):
+        ring.put(i)
+    blocked = asyncio.ensure_future(ring.put_wait(99))
+    await asyncio.sleep(0.01)
+    assert not blocked.done()
+    ring.drain()
+    await asyncio.wait_for(blocked, 1.0)
+    assert ring.latest(1) == [99]
+
+
+async def test_cancelled_waiter_passes_the_wake_up_on():
+    ring = AsyncFrameRing[int](5, kind="t-cancel")
+    first = asyncio.ensure_future(ring.get())
+    second = asyncio.ensure_future(ring.get())
+    await asyncio.sleep(0.01)
+    ring.put(1)  # wakes `first` ...
+    first.cancel()  # ... which is cancelled before it runs
+    assert await asyncio.wait_for(second, 1.0) == 1
+    assert first.cancelled()
