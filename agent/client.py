@@ -64,6 +64,11 @@ class WavTrack(MediaStreamTrack):
         self._repeat_after = repeat_after_s
         self.plays = 0
 
+    def play(self) -> None:
+        """Speak the WAV again from its start, now (e.g. over the agent: barge-in)."""
+        self._pos = 0
+        self.plays += 1
+
     async def recv(self) -> av.AudioFrame:
         if self._start is None:
             self._start = time.monotonic()
@@ -81,8 +86,7 @@ class WavTrack(MediaStreamTrack):
         if len(chunk) < SEND_FRAME:
             chunk = np.concatenate([chunk, np.zeros(SEND_FRAME - len(chunk), np.int16)])
         if self._repeat_after is not None and self._pos >= len(self._pcm) + self._repeat_after * SEND_RATE:
-            self._pos = 0
-            self.plays += 1
+            self.play()
         frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
         frame.sample_rate = SEND_RATE
         frame.pts = self._pts
@@ -127,6 +131,7 @@ class ClientResult:
     first_audible_at: Optional[float] = None  # wall time of the first audible received frame
     audible_onsets: list[float] = field(default_factory=list)  # audible after >= 0.3 s of quiet
     glitches: int = 0  # quiet 20 ms frames between audible ones inside a reply (underruns heard)
+    audible_log: list[tuple[float, int]] = field(default_factory=list)  # (wall time, samples) per audible frame
     _last_audible: Optional[float] = None
     peak_rms: float = 0.0
     session_id: str = ""
@@ -209,6 +214,8 @@ class AgentClient:
             if rms > AUDIBLE_RMS:
                 now = time.monotonic()
                 r.audible_samples += frame.samples
+                if len(r.audible_log) < 100_000:  # bounded: ~30 min of audio
+                    r.audible_log.append((now, frame.samples))
                 r.peak_rms = max(r.peak_rms, rms)
                 if r.first_audible_at is None:
                     r.first_audible_at = now

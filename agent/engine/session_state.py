@@ -33,7 +33,10 @@ class KVState:
     next_pos: int = 0
 
     def crop(self, length: int, next_pos: int) -> None:
-        self.cache.crop(length)
+        """Forget everything after the first `length` tokens."""
+        if length < self.length:
+            # transformers 5.24: crop(-n) removes n tokens (a positive size is refused).
+            self.cache.crop(length - self.length)
         self.length, self.next_pos = length, next_pos
 
 
@@ -62,9 +65,11 @@ class TurnState:
     # prefilled so far (token ids and the audio features that fill its audio pads).
     start_length: int = 0
     start_pos: int = 0
-    ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # user-role ids prefilled (no closing, no assistant header)
     audio_feats: list[torch.Tensor] = field(default_factory=list)
     talker: TalkerTurn = field(default_factory=TalkerTurn)
+    prefill_tokens: int = 0  # thinker tokens prefilled for this turn (closing and header included)
+    history_reset: bool = False  # the context filled up and the history was dropped
 
 
 @dataclass
@@ -73,6 +78,7 @@ class ReplyState:
 
     text_only: bool
     talker_max_tokens: int
+    turn: TurnState | None  # the user turn answered (set at prefill; state.turn is the next one)
     code2wav: Code2WavStream | None
     started: float  # perf_counter at begin_reply
     images: list[np.ndarray] = field(default_factory=list)
@@ -89,6 +95,7 @@ class ReplyState:
     talker_reason: str = ""
     codes0: list[int] = field(default_factory=list)  # codebook-0 tokens generated
     last_hidden: torch.Tensor | None = None  # talker's last hidden state for codes0[-1]
+    next_codec_embed: torch.Tensor | None = None  # sum of the last frame's 16 codebook embeddings
     frame_codes: list[list[int]] = field(default_factory=list)  # all 16 codes of each rendered frame
     pending_frame: bool = False  # codes0[-1] still needs its residual codes and audio
     samples_out: int = 0
@@ -117,9 +124,7 @@ class SessionState:
     talker_history_pos: int = 0
     closing: list[int] = field(default_factory=list)  # the previous reply's unfed tail + <|im_end|>\n
     reply: ReplyState | None = None
-    history_reset: bool = False  # the context filled up and the history was dropped this turn
-    turn_prefill_tokens: int = 0
-    pending_stages: list[tuple[str, float]] = field(default_factory=list)  # timed outside step()
+    pending_stages: list[tuple[str, float]] = field(default_factory=list)  # emitted by the next step()
 
 
 def mrope_positions(

@@ -137,3 +137,37 @@ async def test_session_limit_answers_503_and_sessions_keep_working(agent_url: st
     finally:
         for c in clients:
             await c.close()
+
+
+async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: Path) -> None:
+    """Speaking over the agent's reply stops its audio within a few frames."""
+    client = AgentClient(agent_url, speech_wav, video=False)
+    try:
+        await client.connect()
+        await client.wait_event("response.audio.started", timeout=60)
+        # Wait until the reply is audible at the client, then talk over it.
+        for _ in range(100):
+            if client.result.audible_samples > 4800:
+                break
+            await asyncio.sleep(0.05)
+        client.audio.play()
+        for _ in range(150):
+            starts = client.result.of_type("input_audio_buffer.speech_started")
+            if len(starts) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the second utterance was not detected")
+        barge_at = starts[1]["_t"]
+        await asyncio.sleep(1.0)
+        first_done = client.result.of_type("response.done")
+    finally:
+        await client.close()
+    r = client.result
+    assert first_done, "the interrupted reply was never closed"
+    cancelled = first_done[0]["status"] == "cancelled" or r.of_type("response.audio.cancelled")
+    assert cancelled, f"no cancellation reported: {first_done[0]}"
+    # Audio still heard 150 ms after the server saw the barge-in: at most what was in
+    # flight (aiortc/jitter buffers), never the rest of a 4 s reply.
+    late = sum(n for t, n in r.audible_log if barge_at + 0.15 < t < barge_at + 1.0)
+    assert late <= 2400, f"{late / 48000:.2f} s of agent audio after barge-in"  # 48 kHz at the client

@@ -1,0 +1,201 @@
+"""StreamingRunner equals transformers' generate(), frame by frame, on the tiny model.
+
+Pins, under greedy decoding with audio + an image as input:
+- the streamed reply has the same text ids, the same 16 codec codes per frame and the same
+  waveform (within 1e-4) as `generate(return_audio=True)` on the same prompt;
+- the first AudioOut comes out of the very first step (one codec frame, not the whole reply);
+- a second turn in the same session prefills only its own tokens (the earlier turns and the
+  first reply stay in the KV caches) and still equals generate() on the two-turn prompt;
+- with a 1 s audio window the audio is prefilled while the user speaks and the result still
+  equals generate() run with the same window;
+- a reply whose model wants to end at once still speaks one token (same rule as GenerateRunner);
+- a full context drops the session's history, says so in ReplyDone.stats, and the reply then
+  equals generate() on the fresh single-turn prompt.
+The audio starts with its loudest sample: the streamed log-mel clamps with a running maximum
+(agent/engine/audio_stream.py), which equals the extractor's once the maximum has been seen.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
+from agent.engine.model import HistoryTurn, build_inputs, load_model
+from agent.engine.reference import SAMPLES_PER_FRAME
+from agent.engine.stream import StreamingRunner
+
+SYSTEM = "You are a helpful voice assistant."
+TOKENS = 8
+FRAMES = 20
+SECONDS = FRAMES * SAMPLES_PER_FRAME / 24000
+
+
+def make_audio(seconds: float, freq: float, seed: int) -> np.ndarray:
+    t = np.arange(int(16000 * seconds)) / 16000
+    noise = np.random.default_rng(seed).standard_normal(t.shape) * 0.02
+    wav = 0.2 * np.sin(2 * np.pi * freq * t) * (t > 0.2) + noise
+    wav[:40] = 0.5  # loudest first (see the module docstring)
+    return wav.astype(np.float32)
+
+
+def make_image(shift: int) -> np.ndarray:
+    y, x = np.mgrid[0:64, 0:64]
+    return np.stack([x * 4, y * 4, (x + y + shift) % 256], axis=-1).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    torch.set_num_threads(1)
+    return load_model(str(tiny_model_dir))
+
+
+def reference(loaded, audio, images, history=()):
+    """generate() on the same prompt: (text ids without the end, codes [16, frames], waveform)."""
+    inputs = build_inputs(loaded, audio, images, SYSTEM, history=history)
+    captured = {}
+    hook = loaded.model.code2wav.register_forward_pre_hook(lambda m, args: captured.setdefault("codes", args[0]))
+    try:
+        sequences, wav = loaded.model.generate(
+            **inputs,
+            speaker=loaded.speaker,
+            return_audio=True,
+            thinker_do_sample=False,
+            talker_do_sample=False,
+            thinker_max_new_tokens=TOKENS,
+            thinker_eos_token_id=loaded.thinker_eos_ids,
+            thinker_min_new_tokens=1,
+            talker_max_new_tokens=FRAMES + 1,
+        )
+    finally:
+        hook.remove()
+    generated = sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    text = [t for t in generated if t not in loaded.thinker_eos_ids]
+    return text, captured["codes"][0].numpy(), wav.reshape(-1).numpy(), inputs["input_ids"].shape[1]
+
+
+def stream_turn(runner, sid, audio, images):
+    """One turn fed in 80 ms pieces; returns (outputs per step, ReplyDone)."""
+    for i in range(0, len(audio), 1280):
+        runner.append_audio(sid, audio[i : i + 1280])
+    runner.begin_reply(sid, images)
+    steps = []
+    while runner.has_work():
+        steps.append(runner.step())
+    done = steps[-1][-1]
+    assert isinstance(done, ReplyDone)
+    return steps, done
+
+
+def assert_same(record, ref, atol=1e-4):
+    text, codes, wav, _ = ref
+    assert list(record.text_ids) == text
+    assert record.codes.shape == codes.shape and codes.shape[1] > 0
+    np.testing.assert_array_equal(record.codes, codes)
+    assert record.wav.shape == wav.shape
+    np.testing.assert_allclose(record.wav, wav, atol=atol, rtol=0)
+
+
+def test_single_turn_equals_generate_and_audio_starts_at_once(loaded):
+    audio, image = make_audio(1.5, 220, 1), make_image(0)
+    ref = reference(loaded, audio, [image])
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True)
+    runner.open_session("s")
+    steps, done = stream_turn(runner, "s", audio, [image])
+    assert_same(runner.records["s"], ref)
+
+    first = steps[0]
+    assert any(isinstance(o, AudioOut) for o in first), "no audio in the first step"
+    assert {o.stage for o in first if isinstance(o, StageTime)} >= {
+        "thinker_prefill", "audio_encoder", "vision_encoder", "talker_step", "code_predictor", "code2wav",
+    }
+    chunks = [o.pcm for step in steps for o in step if isinstance(o, AudioOut)]
+    assert all(c.dtype == np.int16 and len(c) <= SAMPLES_PER_FRAME for c in chunks)
+    assert sum(len(c) for c in chunks) == len(ref[2]) == done.stats["audio_samples"]
+    text = "".join(o.text for step in steps for o in step if isinstance(o, TextDelta))
+    assert text == done.text == loaded.tokenizer.decode(ref[0], skip_special_tokens=True)
+    assert done.stats["prefill_tokens"] == ref[3] - len(
+        loaded.tokenizer.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n", add_special_tokens=False)
+    )
+
+
+def test_second_turn_reuses_the_cache_and_equals_generate(loaded):
+    audio1, image1 = make_audio(1.5, 220, 1), make_image(0)
+    audio2, image2 = make_audio(1.2, 330, 2), make_image(40)
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True)
+    runner.open_session("s")
+    stream_turn(runner, "s", audio1, [image1])
+    first = runner.records["s"]
+    _, done = stream_turn(runner, "s", audio2, [image2])
+
+    history = [HistoryTurn(audio1, (image1,), first.text_ids)]
+    ref = reference(loaded, audio2, [image2], history=history)
+    assert_same(runner.records["s"], ref)
+    # Turn 1 left prompt1 + every reply token but the last (never fed) in the cache; turn 2
+    # prefilled the rest of the two-turn prompt and nothing else.
+    prompt1 = build_inputs(loaded, audio1, [image1], SYSTEM)["input_ids"].shape[1]
+    assert done.stats["prefill_tokens"] == ref[3] - (prompt1 + len(first.text_ids) - 1)
+    assert not done.stats["history_reset"]
+
+
+def test_audio_is_prefilled_while_the_user_speaks(loaded):
+    tower = loaded.model.thinker.model.audio_tower
+    audio, image = make_audio(2.4, 260, 3), make_image(7)
+    runner = StreamingRunner(
+        loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, audio_window_s=1.0, record=True
+    )
+    runner.open_session("s")
+    before = runner._sessions["s"].thinker.length
+    for i in range(0, len(audio), 1280):
+        runner.append_audio("s", audio[i : i + 1280])
+    # Two full 1 s windows are final: header + audio_start + 2 x 13 tokens are already in.
+    assert runner._sessions["s"].thinker.length - before == 3 + 1 + 26
+    runner.begin_reply("s", [image])
+    while runner.has_work():
+        runner.step()
+    saved = tower.n_window_infer
+    tower.n_window_infer = 100  # the reference must attend in the same 1 s windows
+    try:
+        ref = reference(loaded, audio, [image])
+    finally:
+        tower.n_window_infer = saved
+    assert_same(runner.records["s"], ref)
+
+
+def test_immediate_end_still_speaks_one_token(loaded):
+    im_end = loaded.ids.im_end
+
+    def push_eos(module, args, logits):
+        logits = logits.clone()
+        logits[..., im_end] += 1e4
+        return logits
+
+    handle = loaded.model.thinker.lm_head.register_forward_hook(push_eos)
+    try:
+        audio = make_audio(1.0, 200, 4)
+        ref = reference(loaded, audio, [])
+        runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True)
+        runner.open_session("s")
+        _, done = stream_turn(runner, "s", audio, [])
+    finally:
+        handle.remove()
+    assert done.stats["text_tokens"] == 1
+    assert_same(runner.records["s"], ref)
+
+
+def test_full_context_drops_the_history(loaded):
+    audio1, audio2 = make_audio(1.0, 220, 5), make_audio(1.0, 300, 6)
+    prompt = build_inputs(loaded, audio2, [], SYSTEM)["input_ids"].shape[1]
+    # Room for one turn and its reply, not for two.
+    limit = prompt + TOKENS + 8 + 4
+    runner = StreamingRunner(
+        loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, context_limit=limit, record=True
+    )
+    runner.open_session("s")
+    _, done1 = stream_turn(runner, "s", audio1, [])
+    assert not done1.stats["history_reset"]
+    _, done2 = stream_turn(runner, "s", audio2, [])
+    assert done2.stats["history_reset"]
+    assert done2.stats["context_tokens"] <= limit
+    assert_same(runner.records["s"], reference(loaded, audio2, []))
