@@ -11,6 +11,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -72,6 +73,7 @@ class Session:
         self._tasks: list[asyncio.Task] = []
         self._reply: Optional[_Reply] = None
         self._stale_done = 0  # ReplyDone events still owed by cancelled replies
+        self._history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
         self._closed = False
         self.turns = 0
 
@@ -164,14 +166,20 @@ class Session:
             self.emit_error("too many turns on this engine right now; please repeat", "rate_limited")
             return
         images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
-        # The ladder's text-only level applies to new replies; a reply keeps its mode.
-        text_only = self.text_only or self.admission.ladder.level >= 1
-        self.engine.begin_reply(self.id, images, text_only=text_only)
+        # The ladder's level applies to new replies; a reply keeps its mode to the end.
+        level = self.admission.ladder.level
+        mode = "audio"
+        if level >= 2 and self.engine.has_fallback:
+            mode = "fallback"
+        elif level >= 1 or self.text_only:
+            mode = "text"
+        self.engine.begin_reply(self.id, images, mode=mode, history=tuple(self._history))
         self.turns += 1
         metrics.TURNS.inc()
-        self._reply = _Reply(response_id="resp_" + uuid.uuid4().hex[:10], end_of_turn=now, text_only=text_only)
+        self._reply = _Reply(response_id="resp_" + uuid.uuid4().hex[:10], end_of_turn=now,
+                             text_only=mode != "audio")
         self.track.begin_reply()
-        self.emit({"type": "response.created", "response_id": self._reply.response_id})
+        self.emit({"type": "response.created", "response_id": self._reply.response_id, "mode": mode})
 
     def _barge_in(self) -> None:
         """The user speaks over the reply: stop generating and drop queued audio at once."""
@@ -224,6 +232,8 @@ class Session:
             metrics.ERRORS.labels(where="engine").inc()
             self.emit_error(f"reply failed: {done.stats.get('error', 'engine error')}", "engine_error")
         self.track.end_reply()
+        if reply.text:
+            self._history.append(("assistant", reply.text))
         first_response = reply.ttft if reply.text_only else reply.ttfa
         if first_response is not None:
             self.admission.observe(first_response)

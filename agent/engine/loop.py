@@ -37,13 +37,17 @@ class ReplySink(Protocol):
     def on_done(self, done: ReplyDone) -> None: ...
 
 
+MODES = ("audio", "text", "fallback")
+
+
 @dataclass(frozen=True)
 class _Cmd:
     op: str  # open | audio | discard | reply | cancel | close | stop
     session_id: str = ""
     pcm: Optional[np.ndarray] = None
     images: tuple = ()
-    text_only: bool = False
+    mode: str = "audio"  # audio | text | fallback (see MODES)
+    history: tuple = ()  # (role, text) pairs, for the fallback model
     sink: Optional[ReplySink] = None
 
 
@@ -62,13 +66,18 @@ class _Stats:
 class Engine:
     """Facade used by the asyncio side. Thread-safe methods; none of them touch torch."""
 
-    def __init__(self, runner_factory: Callable[[], Runner], inbox_size: int = 256) -> None:
+    def __init__(self, runner_factory: Callable[[], Runner], inbox_size: int = 256,
+                 fallback_factory: Optional[Callable[[], Runner]] = None) -> None:
+        """runner_factory builds the Omni runner; fallback_factory, when given, a text-only
+        runner that serves "fallback" replies (degradation level 2). Both run in the thread."""
         self._factory = runner_factory
+        self._fallback_factory = fallback_factory
         self._inbox: "queue.Queue[_Cmd]" = queue.Queue(maxsize=inbox_size)
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._ready: Optional[asyncio.Future] = None
         self._sinks: dict[str, ReplySink] = {}  # engine thread only
+        self._replying: dict[str, Runner] = {}  # session → runner its reply is on (engine thread)
         self.stats = _Stats()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -114,8 +123,15 @@ class Engine:
     def discard_turn(self, session_id: str) -> None:
         self._put(_Cmd("discard", session_id))
 
-    def begin_reply(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> None:
-        self._put(_Cmd("reply", session_id, images=tuple(images), text_only=text_only))
+    @property
+    def has_fallback(self) -> bool:
+        return self._fallback_factory is not None
+
+    def begin_reply(self, session_id: str, images: list[np.ndarray], mode: str = "audio",
+                    history: tuple[tuple[str, str], ...] = ()) -> None:
+        if mode not in MODES or (mode == "fallback" and not self.has_fallback):
+            raise ValueError(f"reply mode {mode!r} not available")
+        self._put(_Cmd("reply", session_id, images=tuple(images), mode=mode, history=tuple(history)))
 
     def cancel_reply(self, session_id: str) -> None:
         self._put(_Cmd("cancel", session_id))
@@ -127,7 +143,9 @@ class Engine:
     def _run(self) -> None:
         assert self._loop is not None and self._ready is not None
         try:
-            runner = self._factory()
+            runners = [self._factory()]
+            if self._fallback_factory is not None:
+                runners.append(self._fallback_factory())
         except Exception as exc:  # loading failed: report it to start(), end the thread
             log.exception("engine: model load failed")
             self._loop.call_soon_threadsafe(self._ready.set_exception, exc)
@@ -135,7 +153,7 @@ class Engine:
         self._loop.call_soon_threadsafe(self._ready.set_result, None)
         while True:
             # Block only when there is nothing to step; otherwise just drain what is there.
-            block = not runner.has_work()
+            block = not any(r.has_work() for r in runners)
             try:
                 cmd = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
             except queue.Empty:
@@ -143,59 +161,87 @@ class Engine:
             while cmd is not None:
                 if cmd.op == "stop":
                     for sid in list(self._sinks):
-                        runner.close_session(sid)
+                        for runner in runners:
+                            runner.close_session(sid)
                     return
-                self._apply(runner, cmd)
+                self._apply(runners, cmd)
                 try:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     cmd = None
             metrics.ENGINE_INBOX.set(self._inbox.qsize())
-            if not runner.has_work():
-                continue
-            t0 = time.perf_counter()
-            try:
-                outputs = runner.step()
-            except Exception as exc:
-                # A model error must end the replies in flight, not the engine or the process.
-                log.exception("engine: step failed")
-                self.stats.last_error = repr(exc)
-                outputs = []
-                for sid in list(self._sinks):
-                    try:
-                        runner.cancel_reply(sid)
-                    except Exception:
-                        log.exception("engine: cancel after failure failed")
-                    outputs.append(ReplyDone(sid, "error", stats={"error": str(exc)}))
-            self.stats.steps += 1
-            self.stats.step_seconds += time.perf_counter() - t0
-            self._emit(outputs)
+            for runner in runners:
+                if runner.has_work():
+                    self._step(runner)
 
-    def _apply(self, runner: Runner, cmd: _Cmd) -> None:
+    def _step(self, runner: Runner) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = runner.step()
+        except Exception as exc:
+            # A model error must end the replies in flight, not the engine or the process.
+            log.exception("engine: step failed")
+            self.stats.last_error = repr(exc)
+            outputs = []
+            for sid, owner in list(self._replying.items()):
+                if owner is not runner:
+                    continue
+                try:
+                    runner.cancel_reply(sid)
+                except Exception:
+                    log.exception("engine: cancel after failure failed")
+                # The runner's own "cancelled" done comes later and is dropped by _emit.
+                outputs.append(ReplyDone(sid, "error", stats={"error": str(exc)}))
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - t0
+        self._emit(outputs)
+
+    def _apply(self, runners: list[Runner], cmd: _Cmd) -> None:
         sid = cmd.session_id
+        primary = runners[0]
         try:
             if cmd.op == "open":
                 assert cmd.sink is not None
                 self._sinks[sid] = cmd.sink
-                runner.open_session(sid)
+                for runner in runners:
+                    runner.open_session(sid)
             elif sid not in self._sinks:
                 return  # session already closed: late audio is harmless
             elif cmd.op == "audio":
                 assert cmd.pcm is not None
-                runner.append_audio(sid, cmd.pcm)
+                for runner in runners:  # the fallback only counts it
+                    runner.append_audio(sid, cmd.pcm)
             elif cmd.op == "discard":
-                runner.discard_turn(sid)
+                for runner in runners:
+                    runner.discard_turn(sid)
+            elif cmd.op == "reply" and cmd.mode == "fallback":
+                # The Omni model skips this turn entirely: that is the point of level 2.
+                primary.discard_turn(sid)
+                fallback = runners[1]
+                set_history = getattr(fallback, "set_history", None)
+                if set_history is not None:
+                    set_history(sid, list(cmd.history))
+                fallback.begin_reply(sid, list(cmd.images), True)
+                self._replying[sid] = fallback
             elif cmd.op == "reply":
-                runner.begin_reply(sid, list(cmd.images), cmd.text_only)
+                for runner in runners[1:]:
+                    runner.discard_turn(sid)
+                primary.begin_reply(sid, list(cmd.images), cmd.mode == "text")
+                self._replying[sid] = primary
             elif cmd.op == "cancel":
-                runner.cancel_reply(sid)
+                for runner in runners:  # only the one with a reply in flight answers
+                    runner.cancel_reply(sid)
             elif cmd.op == "close":
-                runner.close_session(sid)
+                for runner in runners:
+                    runner.close_session(sid)
                 del self._sinks[sid]
+                self._replying.pop(sid, None)
         except Exception as exc:
             # Bad input from one session (e.g. an image the processor rejects) is that
             # session's error only.
             log.exception("engine: %s for %s failed", cmd.op, sid)
+            if cmd.op == "reply":
+                self._replying[sid] = primary  # so the error below reaches the session
             self._emit([ReplyDone(sid, "error", stats={"error": f"{cmd.op}: {exc}"})])
 
     def _emit(self, outputs: list[Output]) -> None:
@@ -212,4 +258,7 @@ class Engine:
             elif isinstance(out, AudioOut):
                 self._loop.call_soon_threadsafe(sink.on_audio, out)
             elif isinstance(out, ReplyDone):
-                self._loop.call_soon_threadsafe(sink.on_done, out)
+                # Exactly one done per reply: a runner's late "cancelled" after an error
+                # (or for a session with nothing in flight) has no reply left to end.
+                if self._replying.pop(out.session_id, None) is not None:
+                    self._loop.call_soon_threadsafe(sink.on_done, out)

@@ -119,8 +119,10 @@ class SessionState:
     thinker: KVState
     talker: KVState
     turn: TurnState
-    history_turns: list[TalkerTurn] = field(default_factory=list)  # earlier user turns, in the talker cache
-    talker_history_length: int = 0  # talker cache length covering history_turns
+    # The talker cache starts with every earlier user turn (generate() gives the talker all user
+    # turns of the prompt); a turn answered text-only waits in the backlog until the next spoken reply.
+    talker_backlog: list[TalkerTurn] = field(default_factory=list)
+    talker_history_length: int = 0  # talker cache length covering the earlier user turns
     talker_history_pos: int = 0
     closing: list[int] = field(default_factory=list)  # the previous reply's unfed tail + <|im_end|>\n
     reply: ReplyState | None = None

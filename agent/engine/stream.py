@@ -219,7 +219,7 @@ class StreamingRunner:
         audio = torch.cat(turn.audio_feats, dim=0) if turn.audio_feats else None
         state.thinker = KVState(self.thinker.new_cache())
         state.talker = KVState(self.talker.new_cache())
-        state.history_turns, state.closing = [], []
+        state.talker_backlog, state.closing = [], []
         state.talker_history_length = state.talker_history_pos = 0
         self._prefill_system(state)
         if state.thinker.length + len(replay) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
@@ -312,8 +312,9 @@ class StreamingRunner:
 
     def _talker_prefill(self, state: SessionState) -> list[Output]:
         reply, turn = state.reply, state.reply.turn
+        # Drop the previous reply's part; the earlier user turns stay, the new ones are added.
         state.talker.crop(state.talker_history_length, state.talker_history_pos)
-        turns = [*state.history_turns, turn.talker]
+        turns = [*state.talker_backlog, turn.talker]
         user_ids = [i for t in turns for i in t.ids]
         grids = [g for t in turns for g in t.image_grids]
         header = self.thinker.token_embeds(assistant_start_ids(self.loaded.ids))
@@ -323,9 +324,9 @@ class StreamingRunner:
         with self._timed(state, "talker_step"):
             logits, reply.last_hidden = self.talker.forward(state.talker, embeds, ids, grids)
         # From now on the cache holds every user turn: the next turn crops back to here.
-        state.talker_history_length = len(user_ids)
+        state.talker_history_length += len(user_ids)
         state.talker_history_pos = state.talker.next_pos - 9
-        state.history_turns = turns
+        state.talker_backlog = []
         reply.talker_started = True
         return self._take_code0(state, self.talker.pick_code0(logits, reply.codes0))
 
@@ -390,7 +391,7 @@ class StreamingRunner:
             state.closing = [t for t in reply.tokens[reply.fed :] if t not in self.eos]
             state.closing += [self.loaded.ids.im_end, *self.loaded.ids.newline]
             if not reply.talker_started:  # its user turn is not in the talker cache yet
-                state.history_turns = [*state.history_turns, turn.talker]
+                state.talker_backlog.append(turn.talker)
         stats = {
             "prefill_tokens": turn.prefill_tokens if turn else 0,
             "history_reset": turn.history_reset if turn else False,

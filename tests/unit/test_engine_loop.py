@@ -151,3 +151,30 @@ async def test_load_failure_surfaces_from_start() -> None:
     with pytest.raises(OSError, match="no such checkpoint"):
         await engine.start()
     assert not engine.ready
+
+
+async def test_fallback_mode_routes_to_the_fallback_runner_and_errors_stay_local() -> None:
+    primary, fallback = ScriptedRunner(), ScriptedRunner()
+    engine = Engine(lambda: primary, fallback_factory=lambda: fallback)
+    await engine.start()
+    a, b = Sink(), Sink()
+    engine.open_session("a", a)
+    engine.open_session("b", b)
+    engine.append_audio("a", np.zeros(1280, np.float32))
+    engine.append_audio("b", np.zeros(1280, np.float32))
+    fallback.fail_next = True
+    engine.begin_reply("a", [], mode="fallback", history=(("assistant", "hi"),))
+    engine.begin_reply("b", [], mode="audio")
+    await asyncio.wait_for(asyncio.gather(a.done.wait(), b.done.wait()), 5)
+    await engine.stop()
+    assert [g[:2] for g in a.got] == [("done", "error")]  # the fallback failed: only a hears it
+    assert [g[:2] for g in b.got] == [("text", "heard 1"), ("audio", 1), ("done", "stop")]
+    assert "a" not in primary.pending
+
+
+async def test_unavailable_mode_is_refused_on_the_caller_side() -> None:
+    engine = Engine(ScriptedRunner)
+    with pytest.raises(ValueError):
+        engine.begin_reply("x", [], mode="fallback")
+    with pytest.raises(ValueError):
+        engine.begin_reply("x", [], mode="shout")

@@ -199,3 +199,52 @@ def test_full_context_drops_the_history(loaded):
     assert done2.stats["history_reset"]
     assert done2.stats["context_tokens"] <= limit
     assert_same(runner.records["s"], reference(loaded, audio2, []))
+
+
+def test_text_only_turn_then_spoken_turn_equals_generate(loaded):
+    """A text-only reply does not run the talker; the next spoken reply still gives the talker
+    every user turn, as generate() does."""
+    audio1, audio2, image2 = make_audio(1.0, 240, 8), make_audio(1.1, 180, 9), make_image(90)
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True)
+    runner.open_session("s")
+    runner.append_audio("s", audio1)
+    runner.begin_reply("s", [], text_only=True)
+    steps = []
+    while runner.has_work():
+        steps.append(runner.step())
+    assert not any(isinstance(o, AudioOut) for step in steps for o in step)
+    first = runner.records["s"]
+    assert len(first.text_ids) > 0 and first.codes.shape[1] == 0
+    stream_turn(runner, "s", audio2, [image2])
+    ref = reference(loaded, audio2, [image2], history=[HistoryTurn(audio1, (), first.text_ids)])
+    assert_same(runner.records["s"], ref)
+
+
+def test_cancel_then_next_turn_keeps_what_was_said(loaded):
+    audio1, audio2 = make_audio(1.0, 210, 10), make_audio(1.0, 350, 11)
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True)
+    runner.open_session("s")
+    runner.append_audio("s", audio1)
+    runner.begin_reply("s", [])
+    for _ in range(3):
+        runner.step()
+    runner.cancel_reply("s")
+    done = runner.step()[-1]
+    assert isinstance(done, ReplyDone) and done.reason == "cancelled"
+    assert not runner.has_work()
+    said = runner.records["s"].text_ids
+    assert 0 < len(said) < TOKENS
+    stream_turn(runner, "s", audio2, [])
+    ref = reference(loaded, audio2, [], history=[HistoryTurn(audio1, (), said)])
+    assert_same(runner.records["s"], ref)
+
+
+def test_discard_turn_rolls_back_the_prefilled_audio(loaded):
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, audio_window_s=1.0)
+    runner.open_session("s")
+    start = runner._sessions["s"].thinker.length
+    runner.append_audio("s", make_audio(1.3, 220, 12))
+    assert runner._sessions["s"].thinker.length > start
+    runner.discard_turn("s")
+    assert runner._sessions["s"].thinker.length == start
+    assert runner._sessions["s"].thinker.cache.get_seq_length() == start
