@@ -38,7 +38,7 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
     cuda_graphs: bool = True
-    runner: str = "reference"  # stream | reference (transformers' generate(): whole reply at once)
+    runner: str = "stream"  # stream | reference (transformers' generate(): whole reply at once)
     speaker: str = ""  # "" = first speaker in the talker config
     system_prompt: str = "You are a helpful real-time voice assistant. Answer briefly."
     max_reply_tokens: int = 48  # thinker text tokens per reply

@@ -52,6 +52,6 @@ def runner_factory(config: Config) -> Callable[[], Runner]:
             )
         from .stream import StreamingRunner
 
-        return StreamingRunner(loaded, config)
+        return StreamingRunner.from_config(loaded, config)
 
     return build

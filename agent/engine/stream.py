@@ -409,7 +409,10 @@ class StreamingRunner:
             self.records[session_id] = ReplyRecord(tuple(text_ids), codes, wav, stats["prefill_tokens"])
         state.reply = None
         text = self.loaded.tokenizer.decode(text_ids, skip_special_tokens=True)
-        return [ReplyDone(session_id, reason, text=text, stats=stats)]
+        outputs: list[Output] = []
+        if text != reply.emitted_text:  # a split character held back at the very end
+            outputs.append(TextDelta(session_id, text[len(reply.emitted_text) :], ()))
+        return outputs + [ReplyDone(session_id, reason, text=text, stats=stats)]
 
     @contextmanager
     def _timed(self, state: SessionState, stage: str) -> Iterator[None]:

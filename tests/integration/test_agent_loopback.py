@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 @pytest.fixture
 async def agent_url(tiny_model_dir: Path, request):
-    runner_name = getattr(request, "param", "reference")
+    runner_name = getattr(request, "param", "stream")
     config = Config(host="127.0.0.1", port=_free_port(), ice_hosts=("127.0.0.1",),
                     model=str(tiny_model_dir), runner=runner_name, max_sessions=2, threads=1)
     engine = Engine(runner_factory(config), inbox_size=config.engine_inbox)

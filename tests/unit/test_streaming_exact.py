@@ -248,3 +248,20 @@ def test_discard_turn_rolls_back_the_prefilled_audio(loaded):
     runner.discard_turn("s")
     assert runner._sessions["s"].thinker.length == start
     assert runner._sessions["s"].thinker.cache.get_seq_length() == start
+
+
+def test_two_sessions_stepped_together_stay_independent(loaded):
+    inputs = {"a": (make_audio(1.2, 220, 13), [make_image(5)]), "b": (make_audio(1.0, 400, 14), [])}
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True)
+    for sid, (audio, images) in inputs.items():
+        runner.open_session(sid)
+        runner.append_audio(sid, audio)
+    runner.begin_reply("a", inputs["a"][1])
+    runner.step()  # "b" starts one frame later
+    runner.begin_reply("b", inputs["b"][1])
+    done = set()
+    while runner.has_work():
+        done |= {o.session_id for o in runner.step() if isinstance(o, ReplyDone)}
+    assert done == {"a", "b"}
+    for sid, (audio, images) in inputs.items():
+        assert_same(runner.records[sid], reference(loaded, audio, images))
