@@ -1,0 +1,194 @@
+"""Engine benchmark in the Qwen3-Omni report's terms, measured side by side in one run.
+
+For the same input (an utterance plus one camera frame) it times:
+  * transformers' generate(return_audio=True) (GenerateRunner): no audio until the whole
+    reply exists, so its TTFA is its whole run;
+  * the streaming engine (StreamingRunner) after a 1 s and an 8 s utterance, the audio
+    having been encoded and prefilled while it was "spoken" (untimed, as in a live call):
+    TTFA must not grow with the utterance;
+  * optionally several sessions ending their turns at the same moment (--batch).
+
+Stages: preprocessing + encoders at end of turn, Thinker first token, Talker first token,
+code predictor and code2wav per frame, TTFA, real-time factor (compute / audio length).
+Last line: `ttfa_ratio_vs_reference=R utterance_growth=G`.
+
+    .venv/bin/python scripts/bench_engine.py [--repeats 3] [--model PATH] [--batch 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent.config import INPUT_FRAME_SAMPLES, Config  # noqa: E402
+from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta  # noqa: E402
+
+
+def utterance(seconds: float, seed: int = 0) -> np.ndarray:
+    """Speech-like test audio: a loud onset, then noise under a syllable-rate envelope."""
+    rng = np.random.default_rng(seed)
+    n = int(seconds * 16000)
+    t = np.arange(n) / 16000
+    env = 0.25 + 0.2 * np.sin(2 * np.pi * 4 * t) ** 2
+    pcm = (rng.standard_normal(n) * env).astype(np.float32) * 0.3
+    pcm[:160] = 0.9  # the loudest part first: the streamed log-mel clamp is then exact
+    return np.clip(pcm, -1, 1)
+
+
+def camera_frame(seed: int = 0, side: int = 64) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, (side, side, 3), dtype=np.uint8)
+
+
+@dataclass
+class Reply:
+    ttft: float = float("nan")
+    ttfa: float = float("nan")
+    total: float = float("nan")
+    audio_s: float = 0.0
+    first: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # stage → s before first audio
+    per_frame: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+
+def run_replies(runner, audio: np.ndarray, image: np.ndarray, sessions: int, tag: str) -> list[Reply]:
+    """Open `sessions` sessions, 'speak' the audio into each, end all turns at once, step to the end."""
+    sids = [f"{tag}{i}" for i in range(sessions)]
+    for sid in sids:
+        runner.open_session(sid)
+        for i in range(0, len(audio), INPUT_FRAME_SAMPLES):
+            runner.append_audio(sid, audio[i : i + INPUT_FRAME_SAMPLES])
+    replies = {sid: Reply() for sid in sids}
+    t0 = time.perf_counter()
+    for sid in sids:
+        runner.begin_reply(sid, [image])
+    open_ = set(sids)
+    while open_:
+        for out in runner.step():
+            now = time.perf_counter() - t0
+            sid = getattr(out, "session_id", "")
+            r = replies.get(sid)
+            if r is None:
+                continue
+            if isinstance(out, StageTime):
+                if np.isnan(r.ttfa):
+                    r.first[out.stage] += out.seconds
+                if out.stage in ("code_predictor", "code2wav"):
+                    r.per_frame[out.stage].append(out.seconds)
+            elif isinstance(out, TextDelta) and np.isnan(r.ttft):
+                r.ttft = now
+            elif isinstance(out, AudioOut):
+                if np.isnan(r.ttfa):
+                    r.ttfa = now
+                r.audio_s += len(out.pcm) / 24000
+            elif isinstance(out, ReplyDone):
+                r.total = now
+                open_.discard(sid)
+    for sid in sids:
+        runner.close_session(sid)
+    return [replies[sid] for sid in sids]
+
+
+def med(values: list[float]) -> float:
+    values = [v for v in values if not np.isnan(v)]
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(name: str, runs: list[list[Reply]]) -> dict[str, float]:
+    flat = [r for run in runs for r in run]
+    pf = lambda stage: med([statistics.mean(r.per_frame[stage]) for r in flat if r.per_frame[stage]])  # noqa: E731
+    return {
+        "name": name,
+        "pre": med([r.first["audio_encoder"] + r.first["vision_encoder"] + r.first["preprocessing"] for r in flat]),
+        "thinker": med([r.first["thinker_prefill"] + r.first["thinker_decode"] for r in flat]),
+        "talker": med([r.first["talker_step"] for r in flat]),
+        "mtp": med([r.first["code_predictor"] for r in flat]),
+        "codec": med([r.first["code2wav"] for r in flat]),
+        "ttft": med([r.ttft for r in flat]),
+        "cp_frame": pf("code_predictor"),
+        "c2w_frame": pf("code2wav"),
+        "ttfa": med([r.ttfa for r in flat]),
+        "ttfa_max": max((r.ttfa for r in flat), default=float("nan")),
+        "rtf": med([r.total / r.audio_s for r in flat if r.audio_s]),
+        "audio_s": med([r.audio_s for r in flat]),
+    }
+
+
+def load(args: argparse.Namespace):
+    import torch
+
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from agent.engine import ensure_model
+    from agent.engine.model import load_model
+
+    if args.preset:
+        from agent.engine.presets import load_random
+
+        return load_random(args.preset, device=args.device, tokenizer_from=ensure_model(Config()))
+    return load_model(ensure_model(Config(model=args.model)), device=args.device, dtype=args.dtype)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="", help="checkpoint path or id (default: the tiny model)")
+    p.add_argument("--preset", default="", help="e.g. qwen3-omni-30b-a3b: real dimensions, random weights")
+    p.add_argument("--random-weights", action="store_true", help="with --preset (it never downloads)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1])
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--max-reply-tokens", type=int, default=24)
+    p.add_argument("--max-reply-seconds", type=float, default=2.0)
+    p.add_argument("--no-reference", action="store_true", help="skip generate() (slow at real size)")
+    args = p.parse_args()
+    if args.preset and not args.random_weights:
+        p.error("--preset needs --random-weights: no checkpoint is downloaded")
+
+    from agent.engine.reference import GenerateRunner
+    from agent.engine.stream import StreamingRunner
+
+    loaded = load(args)
+    cfg = Config(max_reply_tokens=args.max_reply_tokens, max_reply_seconds=args.max_reply_seconds, audio_window_s=1.0)
+    stream = StreamingRunner.from_config(loaded, cfg)
+    image = camera_frame()
+    short, long_ = utterance(1.0), utterance(8.0, seed=1)
+
+    run_replies(stream, short, image, 1, "warm")  # first-call allocations, lazy init
+    rows = []
+    for b in args.batch:
+        rows.append(summarize(f"stream 1 s x{b}", [run_replies(stream, short, image, b, f"s{b}_{i}_") for i in range(args.repeats)]))
+        rows.append(summarize(f"stream 8 s x{b}", [run_replies(stream, long_, image, b, f"l{b}_{i}_") for i in range(args.repeats)]))
+    ref_row = None
+    if not args.no_reference:
+        reference = GenerateRunner(loaded, cfg.system_prompt, args.max_reply_tokens, args.max_reply_seconds)
+        run_replies(reference, short, image, 1, "rwarm")
+        ref_row = summarize("generate() 1 s", [run_replies(reference, short, image, 1, f"r{i}_") for i in range(args.repeats)])
+        rows.insert(0, ref_row)
+
+    ms = lambda v: "     -" if np.isnan(v) else f"{v * 1000:6.1f}"  # noqa: E731
+    print(f"\nmodel={args.preset or args.model or 'tiny'} device={args.device} repeats={args.repeats} "
+          "(medians, ms; the five stage columns are time spent before the first audio frame)")
+    print(f"{'run':<18} {'pre+enc':>7} {'thinker':>7} {'talker':>6} {'MTP':>6} {'codec':>6} {'TTFT':>6} "
+          f"{'TTFA':>6} {'TTFA max':>8} {'MTP/frm':>7} {'c2w/frm':>7} {'RTF':>5} {'audio s':>7}")
+    for r in rows:
+        print(f"{r['name']:<18} {ms(r['pre']):>7} {ms(r['thinker']):>7} {ms(r['talker']):>6} {ms(r['mtp']):>6} "
+              f"{ms(r['codec']):>6} {ms(r['ttft']):>6} {ms(r['ttfa']):>6} {ms(r['ttfa_max']):>8} "
+              f"{ms(r['cp_frame']):>7} {ms(r['c2w_frame']):>7} {r['rtf']:5.2f} {r['audio_s']:7.2f}")
+    one = next(r for r in rows if r["name"] == "stream 1 s x1") if 1 in args.batch else rows[-2]
+    eight = next(r for r in rows if r["name"] == "stream 8 s x1") if 1 in args.batch else rows[-1]
+    ratio = one["ttfa"] / ref_row["ttfa"] if ref_row else float("nan")
+    print(f"ttfa_ratio_vs_reference={ratio:.3f} utterance_growth={eight['ttfa'] / one['ttfa']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
