@@ -36,6 +36,16 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vad-silence-ms", type=int, default=d.vad_silence_ms, help="silence that ends a turn")
     p.add_argument("--vad-aggressiveness", type=int, default=d.vad_aggressiveness, choices=[0, 1, 2, 3])
     p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="offers beyond this get 503")
+    p.add_argument("--max-turns-per-s", type=float, default=d.max_turns_per_s, help="turn rate limit per engine")
+    p.add_argument("--text-only-p95-ms", type=float, default=d.text_only_p95_ms,
+                   help="P95 first-response latency above which new replies are text-only")
+    p.add_argument("--fallback-p95-ms", type=float, default=d.fallback_p95_ms,
+                   help="P95 above which replies come from the fallback model")
+    p.add_argument("--ladder-margin-ms", type=float, default=d.ladder_margin_ms,
+                   help="step back down only under threshold minus this ...")
+    p.add_argument("--ladder-recover-s", type=float, default=d.ladder_recover_s, help="... held this long")
+    p.add_argument("--fallback-model", default=d.fallback_model, metavar="PATH_OR_ID|none",
+                   help="text-only model for the last ladder level (default: a tiny Qwen3; e.g. Qwen/Qwen3-8B)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -49,12 +59,12 @@ def config_from_args(ns: argparse.Namespace) -> Config:
 def serve(config: Config) -> None:
     from aiohttp import web
 
-    from .engine import Engine, runner_factory
+    from .engine import build_engine
     from .ice import restrict_ice_hosts
     from .server import create_app
 
     restrict_ice_hosts(config.ice_hosts)
-    engine = Engine(runner_factory(config), inbox_size=config.engine_inbox)
+    engine = build_engine(config)
     app = create_app(config, engine)
     print(f"omni-agent: serving on http://{config.host}:{config.port}  (model: {config.model or 'tiny'})", flush=True)
     web.run_app(app, host=config.host, port=config.port, print=None)

@@ -66,6 +66,12 @@ class Config:
     ladder_recover_s: float = 10.0  # ... held this long
     engine_inbox: int = 64  # bounded queue into the engine thread
 
+    # Text-only model for degradation level 2: "" = a tiny Qwen3 built on first use,
+    # "none" = no fallback (level 2 then stays text-only on the Omni model).
+    fallback_model: str = ""
+    ladder_min_samples: int = 5  # replies needed before the ladder judges
+    ladder_window: int = 50  # latest replies the P95 is taken over
+
     @property
     def model_path(self) -> str:
         return self.model or str(self.cache_dir / "tiny-qwen3-omni")

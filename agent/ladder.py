@@ -113,6 +113,8 @@ class Admission:
             fallback_p95_s=config.fallback_p95_ms / 1000,
             margin_s=config.ladder_margin_ms / 1000,
             recover_s=config.ladder_recover_s,
+            window=config.ladder_window,
+            min_samples=config.ladder_min_samples,
         )
         return cls(DegradationLadder(settings), TurnRateLimiter(config.max_turns_per_s))
 

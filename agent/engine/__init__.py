@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from ..config import Config
 from .api import Runner
 from .loop import Engine, EngineBusy, ReplySink
 
-__all__ = ["Engine", "EngineBusy", "ReplySink", "runner_factory", "ensure_model"]
+__all__ = ["Engine", "EngineBusy", "ReplySink", "runner_factory", "fallback_factory", "ensure_model", "build_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -55,3 +55,28 @@ def runner_factory(config: Config) -> Callable[[], Runner]:
         return StreamingRunner.from_config(loaded, config)
 
     return build
+
+
+def fallback_factory(config: Config) -> Optional[Callable[[], Runner]]:
+    """The text-only fallback runner for degradation level 2, or None when disabled."""
+    if config.fallback_model == "none":
+        return None
+
+    def build() -> Runner:
+        from .fallback import FallbackRunner, make_tiny_text
+
+        path = config.fallback_model
+        if not path:
+            # Shares the Omni checkpoint's tokenizer when it is a local folder, so ids agree.
+            omni = Path(ensure_model(config))
+            tokenizer_dir = omni if (omni / "tokenizer_config.json").is_file() else None
+            path = str(make_tiny_text(config.cache_dir / "tiny-qwen3-text", tokenizer_dir))
+        device = "cuda" if config.device == "cuda" else "cpu"
+        return FallbackRunner(path, device=device, max_reply_tokens=config.max_reply_tokens,
+                              system_prompt=config.system_prompt)
+
+    return build
+
+
+def build_engine(config: Config) -> Engine:
+    return Engine(runner_factory(config), inbox_size=config.engine_inbox, fallback_factory=fallback_factory(config))

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from agent.client import AgentClient
 from agent.config import Config
-from agent.engine import Engine, runner_factory
+from agent.engine import build_engine
 from agent.server import create_app
 
 
@@ -33,8 +33,9 @@ def _free_port() -> int:
 async def agent_url(tiny_model_dir: Path, request):
     runner_name = getattr(request, "param", "stream")
     config = Config(host="127.0.0.1", port=_free_port(), ice_hosts=("127.0.0.1",),
-                    model=str(tiny_model_dir), runner=runner_name, max_sessions=2, threads=1)
-    engine = Engine(runner_factory(config), inbox_size=config.engine_inbox)
+                    model=str(tiny_model_dir), runner=runner_name, max_sessions=2, threads=1,
+                    fallback_model="none")
+    engine = build_engine(config)
     app = create_app(config, engine)
     app_runner = web.AppRunner(app)
     await app_runner.setup()
