@@ -299,3 +299,53 @@ def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def token_id_overrides(tokenizer) -> dict[str, Any]:
+    """Config overrides that point a preset's special-token ids at `tokenizer`'s own ids.
+
+    A random-weight model at real size is driven with the tiny model's tokenizer (no
+    download); its prompt tokens must be the ids the config routes audio/image/tts by.
+    """
+    def one(token: str) -> int:
+        return int(tokenizer.convert_tokens_to_ids(token))
+
+    def word(text: str) -> int:
+        (token_id,) = tokenizer.encode(text, add_special_tokens=False)
+        return int(token_id)
+
+    media = {"audio_token_id": one("<|audio_pad|>"), "image_token_id": one("<|image_pad|>"),
+             "video_token_id": one("<|video_pad|>"), "audio_start_token_id": one("<|audio_start|>"),
+             "vision_start_token_id": one("<|vision_start|>")}
+    return {
+        "thinker_config": {**media, "user_token_id": word("user")},
+        "talker_config": dict(media),
+        "im_start_token_id": one("<|im_start|>"), "im_end_token_id": one("<|im_end|>"),
+        "tts_pad_token_id": one("<tts_pad>"), "tts_bos_token_id": one("<tts_text_bos>"),
+        "tts_eos_token_id": one("<tts_text_eod>"), "system_token_id": word("system"),
+        "user_token_id": word("user"), "assistant_token_id": word("assistant"),
+    }
+
+
+def load_random(preset: str, device: str, tokenizer_from: str, seed: int = 0):
+    """A LoadedModel of `preset` with random weights, driven by the tokenizer and
+    preprocessors saved at `tokenizer_from` (the tiny checkpoint): benchmarks at real size
+    without the checkpoint."""
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
+
+    from .model import LoadedModel, PromptIds, _load_image_processor, complete_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    model = build_random(preset, device, overrides=token_id_overrides(tokenizer), seed=seed)
+    complete_config(model.config)
+    model.talker.config.audio_config = model.thinker.config.audio_config
+    speakers = model.config.talker_config.speaker_id or {}
+    param = next(model.parameters())
+    return LoadedModel(
+        model=model, tokenizer=tokenizer,
+        feature_extractor=WhisperFeatureExtractor.from_pretrained(tokenizer_from),
+        image_processor=_load_image_processor(tokenizer_from),
+        device=param.device, dtype=param.dtype,
+        speaker="ethan" if "ethan" in speakers else next(iter(speakers), ""),
+        ids=PromptIds.from_tokenizer(tokenizer),
+    )
