@@ -307,13 +307,16 @@ class Session:
         try:
             event = json.loads(message)
             kind = event["type"]
-        except (ValueError, TypeError, KeyError):
+            if not isinstance(kind, str):
+                raise TypeError
+        except (ValueError, TypeError, KeyError, IndexError):
             self.emit_error("client events must be JSON objects with a 'type'", "invalid_event")
             return
         if kind == "response.cancel":
             self._barge_in()
         elif kind == "session.update":
-            modalities = event.get("session", {}).get("modalities")
+            body = event.get("session")
+            modalities = body.get("modalities") if isinstance(body, dict) else None
             if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"} or not modalities:
                 self.emit_error("session.update needs session.modalities: a list of 'text'/'audio'", "invalid_event")
                 return

@@ -172,3 +172,32 @@ async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: P
     # flight (aiortc/jitter buffers), never the rest of a 4 s reply.
     late = sum(n for t, n in r.audible_log if barge_at + 0.15 < t < barge_at + 1.0)
     assert late <= 2400, f"{late / 48000:.2f} s of agent audio after barge-in"  # 48 kHz at the client
+
+
+async def test_data_channel_errors_and_text_only_mode(agent_url: str, speech_wav: Path) -> None:
+    """Bad client events get `error` events (the session survives); a session switched to
+    text-only gets captions and no audio."""
+    client = AgentClient(agent_url, speech_wav, video=False)
+    try:
+        await client.connect()
+        await client.wait_event("session.created", timeout=10)
+        for _ in range(50):
+            if client.channel.readyState == "open":
+                break
+            await asyncio.sleep(0.1)
+        for bad in ("garbage", "[1, 2]", '{"type": 7}', '{"type": "no.such.event"}',
+                    '{"type": "session.update", "session": [1]}',
+                    '{"type": "session.update", "session": {"modalities": ["smell"]}}'):
+            client.channel.send(bad)
+        client.channel.send('{"type": "session.update", "session": {"modalities": ["text"]}}')
+        await client.wait_event("session.updated", timeout=10)
+        done = await client.wait_event("response.done", timeout=60)
+        await asyncio.sleep(0.5)
+    finally:
+        await client.close()
+    r = client.result
+    assert len(r.of_type("error")) == 6
+    assert {e["error"]["code"] for e in r.of_type("error")} == {"invalid_event", "unknown_event"}
+    assert r.of_type("response.created")[0]["mode"] == "text"
+    assert done["text"] and r.of_type("response.text.delta")
+    assert not r.of_type("response.audio.started") and r.audible_samples == 0
