@@ -43,6 +43,7 @@ class StageTime:
     # | talker_step | code_predictor | code2wav | generate
     seconds: float
     session_id: str = ""
+    batch: int = 1  # sessions served by the same (batched) call; `seconds` is the whole call's
 
 
 Output = Union[TextDelta, AudioOut, ReplyDone, StageTime]

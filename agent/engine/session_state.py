@@ -1,43 +1,46 @@
 """Per-session streaming state: one resettable dataclass per session, one per reply.
 
-Everything a session carries between engine steps lives here (KV caches, position counters,
-the talker's view of the user turns, the reply's codec history and code2wav state), so that
-a session can be dropped or reset in one assignment, and so that the fields can later become
-rows of batched slot tensors.
+Everything a session carries between engine steps lives here (its slot in the batched KV
+caches and code2wav state, position counters, the talker's view of the user turns, the reply's
+codec history), so that a session can be dropped or reset in one assignment. The tensors
+themselves are rows of the runner's slot tensors (agent/engine/slots.py, code2wav_slots.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from agent.engine.audio_stream import AudioStream
-from agent.engine.code2wav_stream import Code2WavStream
+from agent.engine.scheduler import PlayoutClock
+
+if TYPE_CHECKING:  # turns.py builds on this module: annotation only
+    from agent.engine.turns import ReplyPrefill
 
 
 @dataclass
 class KVState:
-    """A decoder's cache and where the next token goes.
+    """A session's row of a decoder's slot cache and where the next token goes.
 
     `length` is the physical cache length (the text-position row and the causal mask);
     `next_pos` the next multimodal-RoPE position, which runs ahead of `length` after images
     (an image's tokens share positions, the text after it continues from their max + 1).
     """
 
-    cache: DynamicCache
+    slot: int
     length: int = 0
     next_pos: int = 0
 
     def crop(self, length: int, next_pos: int) -> None:
-        """Forget everything after the first `length` tokens."""
-        if length < self.length:
-            # transformers 5.24: crop(-n) removes n tokens (a positive size is refused).
-            self.cache.crop(length - self.length)
-        self.length, self.next_pos = length, next_pos
+        """Forget everything after the first `length` tokens: a static cache masks keys by
+        index, so what lies beyond is never read again and is overwritten by the next tokens."""
+        self.length, self.next_pos = min(length, self.length), next_pos
 
 
 @dataclass
@@ -56,6 +59,7 @@ class TurnState:
     """The user turn being spoken: audio in, prefill as the audio becomes final."""
 
     audio: AudioStream
+    pcm: list[np.ndarray] = field(default_factory=list)  # mic audio not yet encoded (busy engine)
     header_done: bool = False  # <|im_start|>user\n (and the previous reply's closing) prefilled
     audio_open: bool = False  # <|audio_start|> prefilled
     pending_audio: list[torch.Tensor] = field(default_factory=list)  # final tokens not yet prefilled
@@ -78,11 +82,11 @@ class ReplyState:
 
     text_only: bool
     talker_max_tokens: int
-    turn: TurnState | None  # the user turn answered (set at prefill; state.turn is the next one)
-    code2wav: Code2WavStream | None
-    started: float  # perf_counter at begin_reply
+    turn: TurnState  # the user turn answered (from begin_reply on, state.turn is the next one)
+    started: float  # runner clock at begin_reply
     images: list[np.ndarray] = field(default_factory=list)
     cancelled: bool = False
+    job: ReplyPrefill | None = None  # the end-of-turn prefill while it runs in chunks
     prefilled: bool = False
     tokens: list[int] = field(default_factory=list)  # thinker tokens generated (the end token too)
     fed: int = 0  # how many of `tokens` the thinker cache holds
@@ -99,7 +103,8 @@ class ReplyState:
     frame_codes: list[list[int]] = field(default_factory=list)  # all 16 codes of each rendered frame
     pending_frame: bool = False  # codes0[-1] still needs its residual codes and audio
     samples_out: int = 0
-    first_audio: float | None = None
+    first_audio: float | None = None  # seconds from begin_reply to the first audio
+    playout: PlayoutClock = field(default_factory=PlayoutClock)  # the client's buffer, estimated
     stage_seconds: dict[str, float] = field(default_factory=dict)
     wav: list[np.ndarray] = field(default_factory=list)  # float samples, kept when recording
 
@@ -116,6 +121,7 @@ class ReplyRecord:
 
 @dataclass
 class SessionState:
+    slot: int  # the session's row in every slot tensor (thinker, talker, code2wav)
     thinker: KVState
     talker: KVState
     turn: TurnState
@@ -166,9 +172,19 @@ def mrope_positions(
     return out, pos
 
 
-def four_row_positions(rope: torch.Tensor, first_index: int) -> torch.Tensor:
-    """[4, 1, n]: the physical index row (causal mask) on top of the three RoPE rows, the
-    layout transformers' generate() passes to the Qwen3-Omni decoders."""
-    n = rope.shape[1]
-    text = torch.arange(first_index, first_index + n, dtype=torch.long).view(1, n)
-    return torch.cat([text, rope], dim=0).unsqueeze(1)
+@contextmanager
+def timed(state: SessionState, stage: str) -> Iterator[None]:
+    """Time one session's work: a StageTime of the next step() output and the reply's totals."""
+    started = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - started
+    state.pending_stages.append((stage, elapsed))
+    if state.reply is not None:
+        state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed
+
+
+def add_batch_time(states: Sequence[SessionState], stage: str, elapsed: float) -> None:
+    """A batched stage's wall time counts in full for every reply in the batch (each waited for it)."""
+    for state in states:
+        if state.reply is not None:
+            state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed

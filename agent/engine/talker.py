@@ -10,6 +10,9 @@ thinker and code2wav, step by step instead of all at once:
   the top 1024 ids suppressed except codec EOS), the 15 residual codebooks from the code
   predictor (greedy), and the next talker input = sum of the 16 codebook embeddings plus the
   next text-side entry (the projection of the next fed reply token, then tts_eos, then tts_pad).
+
+The talker runs on a static slot cache (agent/engine/slots.py): a session's prefix is one
+forward of its own, and the per-frame step of every speaking session is one batched forward.
 """
 
 from __future__ import annotations
@@ -17,18 +20,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
 
 from agent.engine.model import LoadedModel
-from agent.engine.session_state import KVState, four_row_positions, mrope_positions
+from agent.engine.session_state import KVState, mrope_positions
+from agent.engine.slots import Rows, SlotKV, decoder_forward
 
 
 class TalkerOps:
-    def __init__(self, loaded: LoadedModel, repetition_penalty: float = 1.05) -> None:
+    def __init__(self, loaded: LoadedModel, slots: int, limit: int, repetition_penalty: float = 1.05) -> None:
         model = loaded.model
         self.loaded = loaded
         self.talker = model.talker
-        self.predictor = model.talker.code_predictor
         cfg = model.config
         tcfg = cfg.talker_config
         self.num_groups = tcfg.num_code_groups
@@ -41,10 +43,10 @@ class TalkerOps:
         speaker_id = (tcfg.speaker_id or {}).get(loaded.speaker.lower())
         if speaker_id is None:
             raise ValueError(f"speaker {loaded.speaker!r} is not in the talker config")
-        vocab = tcfg.text_config.vocab_size
+        self.vocab = tcfg.text_config.vocab_size
         # generate(): every id in the top 1024 of the talker vocab except codec EOS is suppressed.
-        self.suppress = torch.zeros(vocab, dtype=torch.bool, device=loaded.device)
-        self.suppress[vocab - 1024 :] = True
+        self.suppress = torch.zeros(self.vocab, dtype=torch.bool, device=loaded.device)
+        self.suppress[self.vocab - 1024 :] = True
         self.suppress[self.codec_eos] = False
         with torch.no_grad():
             special = torch.tensor(
@@ -61,11 +63,8 @@ class TalkerOps:
             hidden = tcfg.text_config.hidden_size
             zeros = torch.zeros(1, 3, hidden, device=loaded.device, dtype=projected.dtype)
             self.codec_prefix = torch.cat([zeros, self.talker.get_input_embeddings()(codec_prefix)], dim=1)
+        self.kv = SlotKV(self.talker.model, slots, limit, loaded.device, loaded.dtype)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.talker.config.text_config)
-
-    @torch.no_grad()
     def user_embeds(
         self, is_media: torch.Tensor, embeds: torch.Tensor, accept_hidden: torch.Tensor
     ) -> torch.Tensor:
@@ -82,7 +81,6 @@ class TalkerOps:
             out[~mask] = self.talker.text_projection(embeds[~mask])
         return out
 
-    @torch.no_grad()
     def assistant_prefix(self, header_embeds: torch.Tensor, first_token_embed: torch.Tensor) -> torch.Tensor:
         """[1, 9, hidden]: text side (header, 4 x tts_pad, tts_bos, first reply token) plus
         codec side (3 zeros, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos)."""
@@ -92,60 +90,48 @@ class TalkerOps:
         )
         return text_side + self.codec_prefix
 
-    @torch.no_grad()
-    def text_side(self, token_embed: torch.Tensor | None, ended: bool) -> torch.Tensor:
-        """The text-side entry of one talker step: a fed reply token's projection, else tts_eos
-        once (right after the last fed token), else tts_pad."""
-        if token_embed is not None:
-            return self.talker.text_projection(token_embed)
-        return self.tts_eos if not ended else self.tts_pad
+    def text_sides(self, token_embeds: Sequence[torch.Tensor | None], ended: Sequence[bool]) -> torch.Tensor:
+        """[B, 1, hidden]: the text-side entry of one talker step per row: a fed reply token's
+        projection, else tts_eos once (right after the last fed token), else tts_pad."""
+        fed = [i for i, e in enumerate(token_embeds) if e is not None]
+        projected = self.talker.text_projection(torch.cat([token_embeds[i] for i in fed], dim=0)) if fed else None
+        rows = [
+            projected[fed.index(i) : fed.index(i) + 1] if e is not None else (self.tts_pad if end else self.tts_eos)
+            for i, (e, end) in enumerate(zip(token_embeds, ended))
+        ]
+        return torch.cat(rows, dim=0)
 
-    @torch.no_grad()
-    def forward(
+    def prefill(
         self, state: KVState, embeds: torch.Tensor, ids: Sequence[int], grids: Sequence[tuple[int, int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append talker inputs; return (float32 logits [vocab], last hidden [1, 1, hidden])."""
+        """Append one session's talker inputs [1, n, hidden]; return (float32 logits [1, vocab],
+        last hidden [1, 1, hidden])."""
         rope, next_pos = mrope_positions(
             ids, state.next_pos, iter(grids), self.image_pad, self.merge, self.position_id_per_seconds
         )
-        out = self.talker.model(
-            inputs_embeds=embeds,
-            position_ids=four_row_positions(rope, state.length).to(embeds.device),
-            cache=state.cache,
-            use_cache=True,
-        )
+        rows = Rows.make([state.slot], [state.length], embeds.shape[1], embeds.device)
+        hidden, _ = decoder_forward(self.talker.model, self.kv, rows, embeds, rope.to(embeds.device).unsqueeze(1))
         state.length += embeds.shape[1]
         state.next_pos = next_pos
-        last = out.last_hidden_state[:, -1:]
-        return self.talker.codec_head(last)[0, -1].float(), last
+        last = hidden[:, -1:]
+        return self.talker.codec_head(last)[:, -1].float(), last
 
-    def pick_code0(self, logits: torch.Tensor, history: Sequence[int]) -> int:
-        """Greedy codebook 0 with generate()'s repetition penalty and special-token suppression."""
-        scores = logits.clone()
-        if history:
-            seen = torch.tensor(sorted(set(history)), device=scores.device)
-            picked = scores[seen]
-            scores[seen] = torch.where(picked < 0, picked * self.repetition_penalty, picked / self.repetition_penalty)
-        scores = scores.masked_fill(self.suppress, float("-inf"))
-        return int(scores.argmax())
+    def step(self, states: Sequence[KVState], embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One talker step for B sessions at once: embeds [B, 1, hidden] (each row's last frame
+        plus its text side); returns (float32 logits [B, vocab], last hidden [B, 1, hidden])."""
+        device = embeds.device
+        rows = Rows.make([s.slot for s in states], [s.length for s in states], 1, device)
+        rope = torch.tensor([s.next_pos for s in states], dtype=torch.long, device=device).view(1, -1, 1)
+        hidden, _ = decoder_forward(self.talker.model, self.kv, rows, embeds, rope.expand(3, -1, -1))
+        for s in states:
+            s.length += 1
+            s.next_pos += 1
+        return self.talker.codec_head(hidden)[:, -1].float(), hidden
 
-    @torch.no_grad()
-    def residual_codes(self, last_hidden: torch.Tensor, code0: int) -> tuple[list[int], torch.Tensor]:
-        """The 15 residual codes for one frame, and the next talker input's codec side (the
-        sum of all 16 codebook embeddings) [1, 1, hidden]."""
-        device = last_hidden.device
-        c0 = torch.tensor([[code0]], device=device)
-        c0_embed = self.talker.get_input_embeddings()(c0)
-        cache = DynamicCache(config=self.predictor.config)
-        out = self.predictor(inputs_embeds=torch.cat([last_hidden, c0_embed], dim=1), cache=cache, use_cache=True)
-        codes: list[int] = []
-        pieces = [c0_embed]
-        table = self.predictor.get_input_embeddings()
-        for step in range(1, self.num_groups):
-            code = int(out.logits[0, -1].float().argmax())
-            codes.append(code)
-            token = torch.tensor([[code]], device=device)
-            pieces.append(table[step - 1](token))
-            if step < self.num_groups - 1:
-                out = self.predictor(input_ids=token, generation_steps=step, cache=cache, use_cache=True)
-        return codes, torch.cat(pieces, dim=1).sum(1, keepdim=True)
+    def pick_code0(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """Greedy codebook 0 per row [B] with generate()'s repetition penalty over the row's
+        earlier codebook-0 tokens (`seen`, [B, vocab] bool) and special-token suppression."""
+        p = self.repetition_penalty
+        penalized = torch.where(logits < 0, logits * p, logits / p)
+        scores = torch.where(seen, penalized, logits).masked_fill(self.suppress, float("-inf"))
+        return scores.argmax(-1)

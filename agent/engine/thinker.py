@@ -1,21 +1,28 @@
-"""Thinker operations for the streaming engine: chunked prefill and one-token decode.
+"""Thinker operations for the streaming engine: chunked prefill and batched one-token decode.
 
-The thinker's language model is driven directly (not through `thinker.forward`) so that the
-audio tokens can come from the incremental encoder and each prefill chunk can continue a
-session's KV cache with explicit positions. What goes in is what generate() builds: token
-embeddings with the audio features and image features scattered over their placeholders,
-DeepStack image features added at the early layers, multimodal RoPE positions.
+The thinker's language model is driven layer by layer on a static slot cache (agent/engine/
+slots.py) instead of through `thinker.forward`, so that the audio tokens can come from the
+incremental encoder, each prefill chunk continues a session's cache with explicit positions,
+and the decode step of every session that needs a token is one batched forward. What goes in
+is what generate() builds: token embeddings with the audio features and image features
+scattered over their placeholders, DeepStack image features added at the early layers,
+multimodal RoPE positions.
+
+A prefill is a `PrefillJob`: its input embeddings and positions are made once, then it runs in
+chunks of at most `max_tokens` so that the scheduler can put decode steps of other sessions
+between the chunks of a long prefill.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from agent.engine.model import LoadedModel
-from agent.engine.session_state import KVState, four_row_positions, mrope_positions
+from agent.engine.session_state import KVState, mrope_positions
+from agent.engine.slots import Rows, SlotKV, decoder_forward
 
 
 @dataclass
@@ -34,8 +41,34 @@ class PrefillOut:
     accept_hidden: torch.Tensor  # [1, n, hidden]: hidden_states[accept_hidden_layer]
 
 
+@dataclass
+class PrefillJob:
+    """Tokens to append to one session's thinker cache, runnable in chunks."""
+
+    ids: list[int]
+    embeds: torch.Tensor  # [1, n, hidden] inputs, media features already scattered in
+    rope: torch.Tensor  # [3, n] multimodal RoPE positions
+    next_pos: int  # the RoPE position after the whole job
+    visual: torch.Tensor | None  # [n] bool: image token positions (DeepStack)
+    deepstack: list[torch.Tensor] | None  # per DeepStack layer, [n_image_tokens, hidden]
+    done: int = 0  # tokens prefilled so far
+    outs: list[PrefillOut] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= len(self.ids)
+
+    def result(self) -> PrefillOut:
+        """The whole job's output (after the last chunk)."""
+        return PrefillOut(
+            last_logits=self.outs[-1].last_logits,
+            embeds=torch.cat([o.embeds for o in self.outs], dim=1),
+            accept_hidden=torch.cat([o.accept_hidden for o in self.outs], dim=1),
+        )
+
+
 class ThinkerOps:
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, slots: int, context_limit: int) -> None:
         self.loaded = loaded
         thinker = loaded.model.thinker
         self.thinker = thinker
@@ -50,13 +83,8 @@ class ThinkerOps:
             cfg.thinker_config.image_token_id,
             cfg.thinker_config.video_token_id,
         )
+        self.kv = SlotKV(self.lm, slots, context_limit, loaded.device, loaded.dtype)
 
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.lm.config)
-
-    @torch.no_grad()
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> ImageFeatures:
         out = self.thinker.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
         return ImageFeatures(
@@ -65,16 +93,16 @@ class ThinkerOps:
             grids=[tuple(int(x) for x in g) for g in image_grid_thw.tolist()],
         )
 
-    @torch.no_grad()
-    def prefill(
+    def start_prefill(
         self,
         state: KVState,
         ids: Sequence[int],
         audio: torch.Tensor | None = None,
         images: ImageFeatures | None = None,
-    ) -> PrefillOut:
-        """Append `ids` to the cache. `audio` fills the chunk's <|audio_pad|> tokens in order,
-        `images` its <|image_pad|> tokens."""
+    ) -> PrefillJob:
+        """A job appending `ids` to the session's cache. `audio` fills its <|audio_pad|> tokens
+        in order, `images` its <|image_pad|> tokens. Positions continue from `state`; no other
+        prefill may run on this session until the job is finished."""
         device, dtype = self.loaded.device, self.loaded.dtype
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
         embeds = self.embed(input_ids)
@@ -82,56 +110,79 @@ class ThinkerOps:
             mask = (input_ids == self.media_ids[0]).unsqueeze(-1)
             if int(mask.sum()) != audio.shape[0]:
                 raise ValueError(f"{int(mask.sum())} audio placeholders for {audio.shape[0]} audio tokens")
-            embeds = embeds.masked_scatter(mask.to(device), audio.to(device, dtype))
-        deepstack = visual_mask = None
-        grids = iter(images.grids if images is not None else ())
+            embeds = embeds.masked_scatter(mask, audio.to(device, dtype))
+        visual = deepstack = None
         if images is not None:
-            visual_mask = input_ids == self.media_ids[1]
-            if int(visual_mask.sum()) != images.embeds.shape[0]:
+            visual = input_ids[0] == self.media_ids[1]
+            if int(visual.sum()) != images.embeds.shape[0]:
                 raise ValueError("image placeholders do not match the image features")
-            embeds = embeds.masked_scatter(visual_mask.unsqueeze(-1), images.embeds.to(device, dtype))
+            embeds = embeds.masked_scatter(visual.view(1, -1, 1), images.embeds.to(device, dtype))
             deepstack = [d.to(device, dtype) for d in images.deepstack]
+        grids = iter(images.grids if images is not None else ())
         rope, next_pos = mrope_positions(
             ids, state.next_pos, grids, self.media_ids[1], self.merge, self.position_id_per_seconds
         )
-        out = self.lm(
-            inputs_embeds=embeds,
-            position_ids=four_row_positions(rope, state.length).to(device),
-            cache=state.cache,
-            use_cache=True,
-            output_hidden_states=True,
-            deepstack_visual_embeds=deepstack,
-            visual_pos_masks=visual_mask,
-        )
-        state.length += len(ids)
-        state.next_pos = next_pos
-        logits = self.thinker.lm_head(out.last_hidden_state[:, -1:])
-        return PrefillOut(
-            last_logits=logits[0, -1].float(),
-            embeds=out.hidden_states[0],
-            accept_hidden=out.hidden_states[self.accept_layer],
-        )
+        return PrefillJob(list(ids), embeds, rope.to(device), next_pos, visual, deepstack)
 
-    @torch.no_grad()
-    def decode(self, state: KVState, token: int) -> torch.Tensor:
-        """Feed one token; return the next token's logits [vocab] (float32)."""
-        device = self.loaded.device
-        embeds = self.embed(torch.tensor([[token]], dtype=torch.long, device=device))
-        rope = torch.full((3, 1), state.next_pos, dtype=torch.long)
-        out = self.lm(
-            inputs_embeds=embeds,
-            position_ids=four_row_positions(rope, state.length).to(device),
-            cache=state.cache,
-            use_cache=True,
+    def run_prefill(self, state: KVState, job: PrefillJob, max_tokens: int | None = None) -> int:
+        """Prefill the next chunk of `job` (at most max_tokens); returns the tokens done."""
+        start = job.done
+        end = len(job.ids) if max_tokens is None else min(len(job.ids), start + max_tokens)
+        n = end - start
+        rows = Rows.make([state.slot], [state.length], n, self.loaded.device)
+        visual = deepstack = None
+        if job.visual is not None:
+            visual = job.visual[start:end].view(1, -1)
+            before = int(job.visual[:start].sum())
+            count = int(visual.sum())
+            if count:
+                deepstack = [d[before : before + count] for d in job.deepstack]
+        hidden, accept = decoder_forward(
+            self.lm,
+            self.kv,
+            rows,
+            job.embeds[:, start:end],
+            job.rope[:, start:end].unsqueeze(1),
+            capture_layer=self.accept_layer,
+            deepstack=deepstack,
+            visual_mask=visual if deepstack is not None else None,
         )
-        state.length += 1
-        state.next_pos += 1
-        return self.thinker.lm_head(out.last_hidden_state)[0, -1].float()
+        state.length += n
+        job.done = end
+        if job.finished:
+            state.next_pos = job.next_pos
+        logits = self.thinker.lm_head(hidden[:, -1:])
+        job.outs.append(PrefillOut(logits[0, -1].float(), job.embeds[:, start:end], accept))
+        return n
+
+    def prefill(
+        self,
+        state: KVState,
+        ids: Sequence[int],
+        audio: torch.Tensor | None = None,
+        images: ImageFeatures | None = None,
+    ) -> PrefillOut:
+        """Append `ids` in one forward (see start_prefill)."""
+        job = self.start_prefill(state, ids, audio, images)
+        self.run_prefill(state, job)
+        return job.result()
+
+    def decode(self, states: Sequence[KVState], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed one token per session, all in one forward; return next-token logits [B, vocab]
+        (float32). Sessions may have any cache lengths and RoPE positions."""
+        device = self.loaded.device
+        embeds = self.embed(torch.tensor(list(tokens), dtype=torch.long, device=device).view(-1, 1))
+        rows = Rows.make([s.slot for s in states], [s.length for s in states], 1, device)
+        rope = torch.tensor([s.next_pos for s in states], dtype=torch.long, device=device).view(1, -1, 1)
+        hidden, _ = decoder_forward(self.lm, self.kv, rows, embeds, rope.expand(3, -1, -1))
+        for s in states:
+            s.length += 1
+            s.next_pos += 1
+        return self.thinker.lm_head(hidden[:, -1]).float()
 
     def is_media(self, ids: torch.Tensor) -> torch.Tensor:
         return (ids == self.media_ids[0]) | (ids == self.media_ids[1]) | (ids == self.media_ids[2])
 
-    @torch.no_grad()
     def token_embeds(self, ids: Sequence[int]) -> torch.Tensor:
         """[1, n, hidden] input embeddings of text tokens (hidden_states[0] for text)."""
         return self.embed(torch.tensor([list(ids)], dtype=torch.long, device=self.loaded.device))

@@ -246,8 +246,8 @@ def test_discard_turn_rolls_back_the_prefilled_audio(loaded):
     runner.append_audio("s", make_audio(1.3, 220, 12))
     assert runner._sessions["s"].thinker.length > start
     runner.discard_turn("s")
+    # The static slot cache masks keys by index: the length is all there is to roll back.
     assert runner._sessions["s"].thinker.length == start
-    assert runner._sessions["s"].thinker.cache.get_seq_length() == start
 
 
 def test_two_sessions_stepped_together_stay_independent(loaded):

@@ -1,0 +1,188 @@
+"""One engine tick's decode work for many sessions, each stage one batched call.
+
+For the rows the scheduler picked: the thinker decodes one token for every reply that needs
+one (text-only replies, and spoken ones whose talker is about to need the next text token: the
+thinker stays exactly one token ahead), in one forward; the talker steps every speaking reply
+in one forward; then every reply with a new codebook-0 token (these, plus replies whose prefill
+just finished) gets its 15 residual codes from one batched code-predictor loop and its 1920
+samples from one batched code2wav call. Rows carry their own cache lengths and positions, so
+sessions at any point of their replies share the calls.
+
+A batched stage is reported for every session in the batch as StageTime(stage, seconds,
+session_id, batch=B) with the whole call's time: each of them waited for all of it (so a
+per-session view, e.g. "code predictor time of this frame", stays right; the engine's cost
+per tick is the step time).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from agent.engine.api import AudioOut, Output, StageTime, TextDelta
+from agent.engine.code2wav_slots import SlotCode2Wav
+from agent.engine.code_predictor import CodePredictorOps
+from agent.engine.model import LoadedModel
+from agent.engine.reference import to_pcm16
+from agent.engine.session_state import SessionState, add_batch_time
+from agent.engine.talker import TalkerOps
+from agent.engine.thinker import ThinkerOps
+
+Row = tuple[str, SessionState]
+
+
+class FrameBatcher:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        thinker: ThinkerOps,
+        talker: TalkerOps,
+        slots: int,
+        max_reply_tokens: int,
+        record: bool,
+    ) -> None:
+        self.loaded, self.thinker, self.talker = loaded, thinker, talker
+        self.predictor = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype)
+        self.code2wav = SlotCode2Wav(loaded.model.code2wav, slots)
+        self.max_reply_tokens = max_reply_tokens
+        self.record = record
+        self.eos = set(loaded.thinker_eos_ids)
+        # Per slot: the codebook-0 ids its reply has produced (generate()'s repetition penalty).
+        self.seen = torch.zeros(slots, talker.vocab, dtype=torch.bool, device=loaded.device)
+        self.stage_times: list[StageTime] = []  # batched stages of this tick, drained by the runner
+
+    def start_reply(self, state: SessionState) -> None:
+        self.seen[state.slot] = False
+        self.code2wav.reset(state.slot)
+
+    @contextmanager
+    def _batched(self, stage: str, rows: Sequence[Row]) -> Iterator[None]:
+        started = time.perf_counter()
+        yield
+        elapsed = time.perf_counter() - started
+        self.stage_times += [StageTime(stage, elapsed, sid, batch=len(rows)) for sid, _ in rows]
+        add_batch_time([st for _, st in rows], stage, elapsed)
+
+    # ---- text -------------------------------------------------------------------------------
+
+    def take_token(self, session_id: str, state: SessionState, token: int) -> list[Output]:
+        reply = state.reply
+        reply.tokens.append(token)
+        if token in self.eos:
+            reply.thinker_done, reply.thinker_reason = True, "stop"
+            return []
+        if len(reply.tokens) >= self.max_reply_tokens:
+            reply.thinker_done, reply.thinker_reason = True, "length"
+        text_ids = [t for t in reply.tokens if t not in self.eos]
+        text = self.loaded.tokenizer.decode(text_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+            return []
+        delta, reply.emitted_text = text[len(reply.emitted_text) :], text
+        return [TextDelta(session_id, delta, (token,))] if delta else []
+
+    def _needs_token(self, state: SessionState, first_pass: bool) -> bool:
+        reply = state.reply
+        if reply.thinker_done:
+            return False
+        if reply.text_only or reply.talker_done:
+            return first_pass  # one token per tick
+        # Talker entry j (= len(codes0) - 1) needs reply token j + 1 (or the end).
+        return len(reply.tokens) <= len(reply.codes0)
+
+    def _thinker(self, rows: list[Row]) -> list[Output]:
+        outputs: list[Output] = []
+        first_pass = True
+        while need := [(sid, st) for sid, st in rows if self._needs_token(st, first_pass)]:
+            states = [st for _, st in need]
+            with self._batched("thinker_decode", need):
+                logits = self.thinker.decode([st.thinker for st in states], [st.reply.tokens[-1] for st in states])
+                tokens = logits.argmax(-1).tolist()
+            for (sid, st), token in zip(need, tokens):
+                st.reply.fed += 1
+                outputs += self.take_token(sid, st, token)
+            first_pass = False
+        return outputs
+
+    # ---- codec ------------------------------------------------------------------------------
+
+    def take_code0(self, states: Sequence[SessionState], logits: torch.Tensor) -> None:
+        """Pick every row's codebook-0 token from its logits [B, vocab] and record it."""
+        slots = torch.tensor([st.slot for st in states], device=logits.device)
+        codes = self.talker.pick_code0(logits, self.seen.index_select(0, slots))
+        self.seen[slots, codes] = True
+        for st, code in zip(states, codes.tolist()):
+            reply = st.reply
+            reply.codes0.append(code)
+            if code == self.talker.codec_eos:
+                reply.talker_done, reply.talker_reason = True, "stop"
+            elif len(reply.codes0) >= reply.talker_max_tokens:
+                # generate() stops here too: the last codebook-0 token never gets residual codes.
+                reply.talker_done, reply.talker_reason = True, "length"
+            else:
+                reply.pending_frame = True
+
+    def _talker(self, rows: list[Row]) -> None:
+        rows = [(sid, st) for sid, st in rows if not (st.reply.text_only or st.reply.talker_done)]
+        if not rows:
+            return
+        states = [st for _, st in rows]
+        fed: list[int] = []  # reply token fed on the text side, per row (-1: tts_eos / tts_pad)
+        ended: list[bool] = []
+        for st in states:
+            reply = st.reply
+            j, n = len(reply.codes0) - 1, len(reply.tokens)  # j: generate()'s generation_step
+            use = j + 1 < n and not (reply.thinker_done and j + 1 == n - 1)
+            fed.append(reply.tokens[j + 1] if use else -1)
+            ended.append(j + 1 > n - 1)
+        with self._batched("talker_step", rows):
+            ids = [t for t in fed if t >= 0]
+            embeds = self.thinker.token_embeds(ids).transpose(0, 1) if ids else None
+            rows_embeds, k = [], 0
+            for t in fed:
+                rows_embeds.append(embeds[k : k + 1] if t >= 0 else None)
+                k += t >= 0
+            text = self.talker.text_sides(rows_embeds, ended)
+            codec = torch.cat([st.reply.next_codec_embed for st in states], dim=0)
+            logits, hidden = self.talker.step([st.talker for st in states], codec + text)
+            for i, st in enumerate(states):
+                st.reply.last_hidden = hidden[i : i + 1]
+            self.take_code0(states, logits)
+
+    def decode(self, rows: list[Row]) -> list[Output]:
+        """Advance the given replies: thinker token(s), then the talker's next codebook 0."""
+        outputs = self._thinker(rows)
+        self._talker(rows)
+        return outputs
+
+    def render(self, rows: list[Row], clock: float) -> list[Output]:
+        """Residual codes and audio for every row with a pending frame; AudioOut in row order."""
+        rows = [(sid, st) for sid, st in rows if st.reply.pending_frame]
+        if not rows:
+            return []
+        states = [st for _, st in rows]
+        with self._batched("code_predictor", rows):
+            hidden = torch.cat([st.reply.last_hidden for st in states], dim=0)
+            code0 = torch.tensor([st.reply.codes0[-1] for st in states], device=hidden.device)
+            codes, codec_sum = self.predictor.run(hidden, code0)
+            frame_codes = codes.tolist()
+        with self._batched("code2wav", rows):
+            wavs = self.code2wav.push([st.slot for st in states], codes.unsqueeze(-1))
+            pcms = [to_pcm16(w) for w in wavs]
+        outputs: list[Output] = []
+        for i, ((sid, st), wav, pcm) in enumerate(zip(rows, wavs, pcms)):
+            reply = st.reply
+            reply.pending_frame = False
+            reply.next_codec_embed = codec_sum[i : i + 1]
+            reply.frame_codes.append(frame_codes[i])
+            if self.record:
+                reply.wav.append(wav.detach().float().cpu().numpy())
+            reply.samples_out += len(pcm)
+            if reply.first_audio is None:
+                reply.first_audio = clock - reply.started
+            if len(pcm):
+                reply.playout.add(clock, len(pcm) / self.loaded.output_rate)
+                outputs.append(AudioOut(sid, pcm))
+        return outputs

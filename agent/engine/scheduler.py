@@ -1,0 +1,107 @@
+"""Which replies an engine tick advances: first-audio deadlines first, then playout buffers.
+
+Pure policy on plain data (no torch): the runner describes each reply in flight as a
+`ReplyView` and gets back a `Plan`. The rules, in priority order:
+
+1. First audio. A reply that has not produced its first output yet (end-of-turn prefill pending
+   or in progress) is prefilled, earliest `begin_reply` first, within a token budget per tick
+   (`prefill_chunk_tokens`, so a long prefill is split and other sessions' frames get out
+   between its chunks); the tick in which its prefill completes also renders its first frame.
+   Such a tick serves *only* the sessions that cannot wait: other speaking sessions join it only
+   when their playout buffer is under the low-water mark; the rest get their next frame in the
+   next tick, i.e. after the new reply's first frame.
+2. Playout. Speaking sessions are ordered by their estimated playout buffer (least first), and
+   at most `max_batch` rows go into one batched step (first-audio rows included). A session far
+   ahead of real time (buffer over the high-water mark) skips the tick whenever anything else
+   is to be done, so its rows go to sessions that need them; on an otherwise idle tick it runs
+   (the engine has nothing better to do, and a bigger buffer rides out the next contention).
+   Text-only replies have no playout buffer and rank as if at the low-water mark.
+3. Audio prefill of users still speaking (encoding and prefilling their microphone audio) runs
+   only in ticks with no first-audio work and no speaking session under the low-water mark.
+
+The playout buffer is estimated on the engine side (`PlayoutClock`): the outbound track plays
+the audio it gets back to back and plays silence when it runs dry, so the buffer is the time
+at which the audio sent so far ends playing, minus now. Until the first underrun that is
+"audio produced - wall time since the first audio"; after one, the track resumes with the late
+frame and so does the estimate. A negative value is how long the session has been silent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    low_water_s: float = 0.16  # under this a speaking session steps first, even in first-audio ticks
+    high_water_s: float = 1.0  # over this it may skip a tick
+    max_batch: int = 0  # rows per batched step (first-audio rows included); 0: no cap
+    prefill_chunk_tokens: int = 256  # thinker prefill tokens per tick and per kind of prefill
+
+
+@dataclass
+class PlayoutClock:
+    """Where the session's outbound audio stands, as the engine can tell without the client."""
+
+    first_audio_at: float | None = None  # runner clock at the reply's first audio
+    play_end: float | None = None  # when the audio handed out so far ends playing
+    produced_s: float = 0.0
+
+    def add(self, now: float, seconds: float) -> None:
+        if self.first_audio_at is None:
+            self.first_audio_at = now
+        start = now if self.play_end is None else max(self.play_end, now)
+        self.play_end = start + seconds
+        self.produced_s += seconds
+
+    def buffer_s(self, now: float) -> float | None:
+        return None if self.play_end is None else self.play_end - now
+
+
+@dataclass(frozen=True)
+class PlayoutEstimate:
+    """One reply's standing, exported for metrics (StreamingRunner.playout())."""
+
+    session_id: str
+    phase: str  # "first_audio" (prefill / first frame pending) | "speaking" | "text"
+    buffer_s: float | None  # estimated audio buffered at the client; None before the first audio
+    produced_s: float  # audio handed out in this reply
+    waiting_s: float  # since begin_reply (first_audio phase) or since the first audio
+
+
+@dataclass(frozen=True)
+class ReplyView:
+    session_id: str
+    started: float  # runner clock at begin_reply: the first-audio deadline order
+    awaiting_first: bool  # its end-of-turn prefill has not finished
+    buffer_s: float | None  # None for text-only replies
+
+
+@dataclass
+class Plan:
+    first: list[str] = field(default_factory=list)  # replies to prefill (and start), earliest first
+    decode: list[str] = field(default_factory=list)  # replies to advance one frame, most urgent first
+    audio_prefill: bool = False  # microphone audio of speaking users may be prefilled this tick
+
+
+def plan_tick(replies: list[ReplyView], config: SchedulerConfig) -> Plan:
+    cap = config.max_batch if config.max_batch > 0 else len(replies) + 1
+    first = sorted((r for r in replies if r.awaiting_first), key=lambda r: r.started)[:cap]
+    ongoing = [r for r in replies if not r.awaiting_first]
+
+    def urgency(r: ReplyView) -> float:
+        return config.low_water_s if r.buffer_s is None else r.buffer_s
+
+    ongoing.sort(key=urgency)
+    room = cap - len(first)
+    if first:
+        decode = [r for r in ongoing if urgency(r) < config.low_water_s][:room]
+    else:
+        busy = [r for r in ongoing if urgency(r) <= config.high_water_s]
+        decode = (busy or ongoing)[:room]
+    starving = any(urgency(r) < config.low_water_s for r in ongoing)
+    return Plan(
+        first=[r.session_id for r in first],
+        decode=[r.session_id for r in decode],
+        audio_prefill=not first and not starving,
+    )

@@ -1,0 +1,210 @@
+"""Static per-session KV slots and one decoder forward that advances many sessions at once.
+
+gpt-fast's layout, for continuous batching: every session owns a *slot* (a row) of each
+decoder's cache, `keys[layer]` of shape [slots, kv_heads, capacity, head_dim]. A forward takes
+the rows of the sessions it advances (`slots`), the physical cache index of every new token
+(`index`, [B, T]: where its key/value is written, and up to where it may attend) and its RoPE
+positions (3-D multimodal rows for the thinker and talker, 1-D for the code predictor). So
+sessions with different history lengths decode in one batched forward with no padding
+copies: a key at index j of row b is visible to a query at index i iff j <= i, and whatever a
+row held beyond its current length (a cropped turn, an earlier reply) is masked the same way.
+Cropping a session is therefore just lowering its length counter.
+
+The forward drives the Hugging Face layers' own submodules (projections, norms, MoE / MLP
+blocks, rotary embedding) and replaces only the attention-with-cache plumbing, so the numbers
+are those of transformers' forward up to float rounding; the streaming tests pin tokens and
+codes against generate().
+
+Capacity grows on demand (in steps of `GROW`, up to `limit`) so that a CPU test does not
+allocate a full context per slot; a CUDA-graph path must `reserve()` the limit up front, since
+captured graphs hold tensor addresses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+GROW = 256  # capacity step (tokens): amortises re-allocation without over-allocating on CPU
+
+
+class SlotPool:
+    """Slot indices handed to sessions: one per open session, reused after close."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("a slot pool needs at least one slot")
+        self.size = size
+        self._free = list(range(size))
+
+    def take(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"all {self.size} session slots are in use (max_sessions)")
+        return self._free.pop(0)
+
+    def give(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.size:
+            raise ValueError(f"slot {slot} is not taken")
+        self._free.append(slot)
+        self._free.sort()  # low slots first: active rows stay contiguous more often (cheap views)
+
+
+class SlotKV:
+    """One decoder's static KV cache: [slots, kv_heads, capacity, head_dim] per layer."""
+
+    def __init__(self, body: nn.Module, slots: int, limit: int, device: torch.device, dtype: torch.dtype) -> None:
+        config = body.config
+        self.n_layers = len(body.layers)
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.slots, self.limit = slots, limit
+        self.device, self.dtype = device, dtype
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.capacity = 0
+
+    def reserve(self, length: int) -> None:
+        """Make room for `length` tokens per slot (rounded up to GROW, at most `limit`)."""
+        if length <= self.capacity:
+            return
+        if length > self.limit:
+            raise RuntimeError(f"KV slot overflow: {length} tokens > limit {self.limit}")
+        capacity = min(self.limit, -(-length // GROW) * GROW)
+        shape = (self.slots, self.kv_heads, capacity, self.head_dim)
+        # Zeros, not empty: a masked key still meets the query in the dot product, and garbage
+        # NaN/inf there would poison the softmax (NaN * 0 is NaN).
+        grown = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(2 * self.n_layers)]
+        for old, new in zip(self.keys + self.values, grown):
+            new[:, :, : self.capacity].copy_(old)
+        self.keys, self.values = grown[: self.n_layers], grown[self.n_layers :]
+        self.capacity = capacity
+
+
+@dataclass
+class Rows:
+    """Which slots a forward advances and where their new tokens go."""
+
+    slots: list[int]
+    index: torch.Tensor  # [B, T] long: physical cache index of each new token
+    key_len: int  # max(index) + 1: how much of the cache the batch reads
+    mask: torch.Tensor | None  # [B, 1, T, key_len] bool, None when every row sees all key_len keys
+    slot_range: slice | None  # the rows as a slice when they are consecutive (views, no gather)
+    slot_tensor: torch.Tensor
+    start: int | None = None  # the common first index when all rows write at the same place
+
+    @classmethod
+    def make(cls, slots: Sequence[int], starts: Sequence[int], n_new: int, device: torch.device) -> "Rows":
+        """Rows whose `n_new` new tokens go at starts[b], starts[b] + 1, ..."""
+        slots = list(slots)
+        index = torch.tensor(list(starts), dtype=torch.long).view(-1, 1) + torch.arange(n_new).view(1, -1)
+        key_len = max(starts) + n_new
+        mask = None
+        if n_new > 1 or min(starts) != max(starts):
+            keys = torch.arange(key_len).view(1, 1, -1)
+            mask = (keys <= index.unsqueeze(-1)).unsqueeze(1).to(device)
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        slot_range = slice(slots[0], slots[0] + len(slots)) if consecutive else None
+        return cls(
+            slots=slots,
+            index=index.to(device),
+            key_len=key_len,
+            mask=mask,
+            slot_range=slot_range,
+            slot_tensor=torch.tensor(slots, dtype=torch.long, device=device),
+            start=starts[0] if min(starts) == max(starts) else None,
+        )
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor: x [B, heads, T, d], cos/sin [B, T, d]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def attention(
+    attn: nn.Module,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    rows: Rows,
+) -> torch.Tensor:
+    """One attention block of a Qwen3-style layer (q/k norms, RoPE, GQA) against the slot cache."""
+    batch, n_new, _ = hidden.shape
+    shape = (batch, n_new, -1, attn.head_dim)
+    q = attn.q_norm(attn.q_proj(hidden).view(shape)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
+    v = attn.v_proj(hidden).view(shape).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if rows.slot_range is not None and rows.start is not None:  # one block: a plain copy
+        cache_k[rows.slot_range, :, rows.start : rows.start + n_new] = k
+        cache_v[rows.slot_range, :, rows.start : rows.start + n_new] = v
+    else:
+        # Advanced indices split by a slice put their broadcast dims first: [B, T, kv_heads, d].
+        write = (rows.slot_tensor.view(-1, 1), slice(None), rows.index)
+        cache_k[write] = k.transpose(1, 2)
+        cache_v[write] = v.transpose(1, 2)
+    if rows.slot_range is not None:
+        keys = cache_k[rows.slot_range, :, : rows.key_len]
+        values = cache_v[rows.slot_range, :, : rows.key_len]
+    else:
+        keys = cache_k[:, :, : rows.key_len].index_select(0, rows.slot_tensor)
+        values = cache_v[:, :, : rows.key_len].index_select(0, rows.slot_tensor)
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=rows.mask, scale=attn.scaling, enable_gqa=keys.shape[1] != q.shape[1]
+    )
+    return attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, -1))
+
+
+def decoder_forward(
+    body: nn.Module,
+    kv: SlotKV,
+    rows: Rows,
+    embeds: torch.Tensor,
+    rope_positions: torch.Tensor,
+    capture_layer: int | None = None,
+    deepstack: list[torch.Tensor] | None = None,
+    visual_mask: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run `body` (a transformers decoder: .layers, .norm, .rotary_emb) on new tokens of `rows`.
+
+    rope_positions: [3, B, T] (multimodal RoPE) or [B, T]. Returns the final-normed hidden
+    states [B, T, hidden] and, when `capture_layer` is given, transformers' hidden_states[k]
+    (0: the inputs; k: layer k-1's output before DeepStack is added; the last: the normed output).
+    DeepStack features are added at the visual positions after the first layers, as transformers does.
+    `rope`: (cos, sin) already made by `body.rotary_emb` for these positions (a caller that
+    repeats the same positions, like the code predictor, makes them once).
+    """
+    kv.reserve(rows.key_len)
+    cos, sin = rope if rope is not None else body.rotary_emb(embeds, rope_positions)
+    hidden = embeds
+    captured = embeds if capture_layer == 0 else None
+    for i, layer in enumerate(body.layers):
+        residual = hidden
+        out = attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, kv.keys[i], kv.values[i], rows)
+        scale = getattr(layer, "self_attn_layer_scale", None)
+        hidden = residual + (scale(out) if scale is not None else out)
+        residual = hidden
+        out = layer.mlp(layer.post_attention_layernorm(hidden))
+        scale = getattr(layer, "mlp_layer_scale", None)
+        hidden = residual + (scale(out) if scale is not None else out)
+        if capture_layer == i + 1:
+            captured = hidden
+        if deepstack is not None and i < len(deepstack):
+            hidden = hidden.clone()
+            hidden[visual_mask] = hidden[visual_mask] + deepstack[i]
+    hidden = body.norm(hidden)
+    if capture_layer == len(body.layers):
+        captured = hidden
+    return hidden, captured

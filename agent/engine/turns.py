@@ -1,0 +1,277 @@
+"""The prefill side of a session: system prompt, the user's audio as it becomes final, the end of
+the turn (audio tail, frames, assistant header) in bounded chunks, and the talker's prefix.
+
+Prompt policies that keep the stream equal to generate() (tests/unit/test_streaming_exact.py):
+the user turn is `<|im_start|>user\\n<|audio_start|>[audio]<|audio_end|>[images]<|im_end|>\\n`
+then `<|im_start|>assistant\\n`; an earlier reply stays in the history as its text tokens then
+`<|im_end|>\\n` (its "closing", prefilled with the next turn); the talker gets every user turn.
+A full context drops the history: the system prompt is prefilled again and the turn replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from agent.engine.audio_stream import AudioStream
+from agent.engine.model import LoadedModel, assistant_start_ids, encode_images, system_turn_ids
+from agent.engine.session_state import KVState, SessionState, TalkerTurn, TurnState, timed
+from agent.engine.talker import TalkerOps
+from agent.engine.thinker import ImageFeatures, PrefillJob, PrefillOut, ThinkerOps
+
+# Room kept free in the context for the reply and its closing tokens.
+CLOSING_MARGIN = 8
+
+
+@dataclass
+class TurnJob:
+    """Part of a user turn being prefilled: the thinker job and which of its tokens are the
+    user's (the previous reply's closing before, the assistant header after, are not)."""
+
+    job: PrefillJob
+    n_closing: int
+    assistant_tail: int
+    images: ImageFeatures | None
+    history_reset: bool = False  # the context was full: the history went, this replays the turn
+
+
+@dataclass
+class ReplyPrefill:
+    """An end-of-turn prefill in progress, and what to restore if its reply is cancelled first."""
+
+    part: TurnJob
+    start_length: int
+    start_pos: int
+    header_done: bool
+    audio_open: bool
+    audio: torch.Tensor | None  # the audio tokens this prefill took from the turn
+
+
+class TurnPrefill:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        thinker: ThinkerOps,
+        talker: TalkerOps,
+        system_prompt: str,
+        max_reply_tokens: int,
+        context_limit: int,
+        n_window_infer: int | None,
+    ) -> None:
+        self.loaded, self.thinker, self.talker = loaded, thinker, talker
+        self.ids = loaded.ids
+        self.system_prompt = system_prompt
+        self.max_reply_tokens = max_reply_tokens
+        self.context_limit = context_limit
+        self.n_window_infer = n_window_infer
+
+    def new_turn(self) -> TurnState:
+        tower = self.loaded.model.thinker.model.audio_tower
+        stream = AudioStream(tower, extractor=self.loaded.feature_extractor, n_window_infer=self.n_window_infer)
+        return TurnState(audio=stream)
+
+    def prefill_system(self, state: SessionState) -> None:
+        ids = system_turn_ids(self.ids, self.loaded.tokenizer, self.system_prompt)
+        with timed(state, "thinker_prefill"):
+            self.thinker.prefill(state.thinker, ids)
+
+    # ---- audio while the user speaks ---------------------------------------------------------
+
+    def encode_audio(self, state: SessionState) -> None:
+        """Run the queued microphone audio of the turn being spoken through the incremental encoder."""
+        self._encode(state, state.turn)
+
+    @staticmethod
+    def _encode(state: SessionState, turn: TurnState) -> None:
+        if not turn.pcm:
+            return
+        with timed(state, "audio_encoder"):
+            for pcm in turn.pcm:
+                tokens = turn.audio.push(pcm)
+                turn.samples += len(pcm)
+                if tokens.shape[0]:
+                    turn.pending_audio.append(tokens)
+        turn.pcm.clear()
+
+    def flush_audio(self, state: SessionState, max_tokens: int | None = None) -> int:
+        """Prefill final audio tokens (at most max_tokens); returns how many. Only while no
+        reply runs: during a reply the thinker cache is busy and they wait for the next turn."""
+        turn = state.turn
+        if not turn.pending_audio or state.reply is not None:
+            return 0
+        audio = torch.cat(turn.pending_audio, dim=0)
+        take = audio.shape[0] if max_tokens is None else min(max_tokens, audio.shape[0])
+        turn.pending_audio = [audio[take:]] if take < audio.shape[0] else []
+        audio = audio[:take]
+        ids = self._open_turn_ids(state, turn)
+        if not turn.audio_open:
+            ids.append(self.ids.audio_start)
+            turn.audio_open = True
+        ids += [self.ids.audio_pad] * take
+        turn.audio_feats.append(audio)
+        part = self._start(state, turn, ids, audio=audio)
+        self._run(state, turn, part, None)
+        return take
+
+    def _open_turn_ids(self, state: SessionState, turn: TurnState) -> list[int]:
+        """The previous reply's closing and this turn's header, the first time the turn prefills."""
+        if turn.header_done:
+            return []
+        turn.header_done = True
+        turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
+        return [*state.closing, self.ids.im_start, *self.ids.user, *self.ids.newline]
+
+    # ---- one part of the turn: start, run in chunks, finish -------------------------------------
+
+    def _start(
+        self,
+        state: SessionState,
+        turn: TurnState,
+        ids: list[int],
+        audio: torch.Tensor | None = None,
+        images: ImageFeatures | None = None,
+        assistant_tail: int = 0,
+    ) -> TurnJob:
+        n_closing = len(state.closing) if not turn.ids else 0
+        if state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
+            return self._reset_history(state, turn, ids[n_closing:], images, assistant_tail)
+        job = self.thinker.start_prefill(state.thinker, ids, audio=audio, images=images)
+        return TurnJob(job, n_closing, assistant_tail, images)
+
+    def _run(self, state: SessionState, turn: TurnState, part: TurnJob, max_tokens: int | None) -> int:
+        with timed(state, "thinker_prefill"):
+            done = self.thinker.run_prefill(state.thinker, part.job, max_tokens)
+        if part.job.finished:
+            self._finish(turn, part)
+        return done
+
+    def _finish(self, turn: TurnState, part: TurnJob) -> None:
+        """Record the user's tokens of a finished part for the talker (and for a replay)."""
+        ids = part.job.ids
+        out = part.job.result()
+        turn.prefill_tokens += len(ids)
+        user = slice(part.n_closing, len(ids) - part.assistant_tail)
+        turn.ids += ids[user]
+        is_media = self.thinker.is_media(torch.tensor([ids[user]], device=self.loaded.device))
+        turn.talker.ids += ids[user]
+        turn.talker.embeds.append(self.talker.user_embeds(is_media, out.embeds[:, user], out.accept_hidden[:, user]))
+        if part.images is not None:
+            turn.talker.image_grids += part.images.grids
+
+    def _reset_history(
+        self, state: SessionState, turn: TurnState, new_ids: list[int], images, assistant_tail: int
+    ) -> TurnJob:
+        """The context is full: drop the history, keep the system prompt and replay this turn."""
+        replay = turn.ids + new_ids
+        audio = torch.cat(turn.audio_feats, dim=0) if turn.audio_feats else None
+        state.thinker = KVState(state.slot)
+        state.talker = KVState(state.slot)
+        state.talker_backlog, state.closing = [], []
+        state.talker_history_length = state.talker_history_pos = 0
+        self.prefill_system(state)
+        if state.thinker.length + len(replay) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
+            raise RuntimeError("one turn is longer than the context limit")
+        turn.ids, turn.talker, turn.prefill_tokens, turn.history_reset = [], TalkerTurn(), 0, True
+        turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
+        part = self._start(state, turn, replay, audio=audio, images=images, assistant_tail=assistant_tail)
+        part.history_reset = True
+        return part
+
+    # ---- end of turn ---------------------------------------------------------------------------
+
+    def start_reply(self, state: SessionState) -> ReplyPrefill:
+        """End of turn: the audio tail, the frames, <|im_end|>\\n<|im_start|>assistant\\n.
+        The answered turn is reply.turn (begin_reply moved it out of state.turn)."""
+        reply, turn = state.reply, state.reply.turn
+        self._encode(state, turn)
+        with timed(state, "audio_encoder"):
+            tail = turn.audio.finish()
+        if tail.shape[0]:
+            turn.pending_audio.append(tail)
+        audio = torch.cat(turn.pending_audio, dim=0) if turn.pending_audio else None
+        turn.pending_audio = []
+        before = (state.thinker.length, state.thinker.next_pos, turn.header_done, turn.audio_open)
+        images = None
+        if reply.images:
+            with timed(state, "vision_encoder"):
+                pixels = encode_images(self.loaded, reply.images)
+                images = self.thinker.encode_images(pixels["pixel_values"], pixels["image_grid_thw"])
+        ids = self._open_turn_ids(state, turn)
+        if audio is not None:
+            if not turn.audio_open:
+                ids.append(self.ids.audio_start)
+                turn.audio_open = True
+            ids += [self.ids.audio_pad] * audio.shape[0]
+            turn.audio_feats.append(audio)
+        if turn.audio_open:
+            ids.append(self.ids.audio_end)
+        for t, h, w in images.grids if images is not None else ():
+            n_tokens = t * h * w // self.thinker.merge**2
+            ids += [self.ids.vision_start, *([self.ids.image_pad] * n_tokens), self.ids.vision_end]
+        header = assistant_start_ids(self.ids)
+        ids += [self.ids.im_end, *self.ids.newline, *header]
+        part = self._start(state, turn, ids, audio=audio, images=images, assistant_tail=len(header))
+        return ReplyPrefill(part, *before, audio=audio)
+
+    def run_reply(self, state: SessionState, max_tokens: int) -> tuple[PrefillOut | None, int]:
+        """Advance the end-of-turn prefill by at most max_tokens; (its output when finished, tokens done)."""
+        reply = state.reply
+        if reply.job is None:
+            reply.job = self.start_reply(state)
+        part: TurnJob = reply.job.part
+        done = self._run(state, reply.turn, part, max_tokens)
+        if not part.job.finished:
+            return None, done
+        state.closing = []
+        reply.prefilled, reply.job = True, None
+        return part.job.result(), done
+
+    def abandon_reply(self, state: SessionState) -> None:
+        """A reply cancelled before its prefill finished: its turn was not answered, so it is the
+        turn being spoken again (with the audio that came since), as if the reply never began."""
+        reply, turn = state.reply, state.reply.turn
+        prefill: ReplyPrefill | None = reply.job
+        if prefill is not None:
+            if prefill.part.history_reset:
+                turn = self.new_turn()  # the history went with the context reset: so did the turn
+            else:
+                state.thinker.crop(prefill.start_length, prefill.start_pos)
+                turn.header_done, turn.audio_open = prefill.header_done, prefill.audio_open
+                if prefill.audio is not None:
+                    turn.audio_feats.pop()
+                    turn.pending_audio = [prefill.audio]
+                # Its encoder was finished: later audio is encoded from a fresh stream.
+                turn.audio = self.new_turn().audio
+        turn.pcm += state.turn.pcm
+        state.turn = turn
+
+    def talker_prefill(self, state: SessionState) -> torch.Tensor:
+        """The talker's prefix for this reply: every user turn not in its cache yet, then the
+        assistant part; returns codebook-0 logits [1, vocab] (sets reply.last_hidden)."""
+        reply, turn = state.reply, state.reply.turn
+        # Drop the previous reply's part; the earlier user turns stay, the new ones are added.
+        state.talker.crop(state.talker_history_length, state.talker_history_pos)
+        turns = [*state.talker_backlog, turn.talker]
+        user_ids = [i for t in turns for i in t.ids]
+        grids = [g for t in turns for g in t.image_grids]
+        header = self.thinker.token_embeds(assistant_start_ids(self.ids))
+        first = self.thinker.token_embeds([reply.tokens[0]])
+        embeds = torch.cat([*(e for t in turns for e in t.embeds), self.talker.assistant_prefix(header, first)], dim=1)
+        ids = user_ids + [self.talker.tts_pad_id] * 9
+        with timed(state, "talker_step"):
+            logits, reply.last_hidden = self.talker.prefill(state.talker, embeds, ids, grids)
+        # From now on the cache holds every user turn: the next turn crops back to here.
+        state.talker_history_length += len(user_ids)
+        state.talker_history_pos = state.talker.next_pos - 9
+        state.talker_backlog = []
+        reply.talker_started = True
+        return logits
+
+    def pcm_queued(self, state: SessionState) -> bool:
+        return bool(state.turn.pcm) or (state.reply is None and bool(state.turn.pending_audio))
+
+    @staticmethod
+    def queue_pcm(state: SessionState, pcm: np.ndarray) -> None:
+        state.turn.pcm.append(np.asarray(pcm, dtype=np.float32).reshape(-1))
