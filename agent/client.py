@@ -144,14 +144,14 @@ class AgentClient:
     """One aiortc peer talking to the agent at base_url over loopback."""
 
     def __init__(self, base_url: str, wav: Path, video: bool = True, repeat_after_s: Optional[float] = None,
-                 receive_prefetch: Optional[int] = 1) -> None:
+                 receive_prefetch: Optional[int] = 1, video_fps: int = 10) -> None:
         """receive_prefetch: frames aiortc holds before playing received audio; 1 (20 ms)
         is browser-like, None keeps aiortc's default of 4 (80 ms)."""
         self.base_url = base_url
         self.pcm = load_wav_mono(wav)
         self.speech_end = speech_end_sample(self.pcm)
         self.audio = WavTrack(self.pcm, repeat_after_s, self.speech_end)
-        self.video = PatternVideoTrack() if video else None
+        self.video = PatternVideoTrack(fps=video_fps) if video else None
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.result = ClientResult()
         self._prefetch = receive_prefetch

@@ -55,7 +55,7 @@ class Config:
     video_max_side: int = 448  # frames are resized so the longer side is at most this
     video_frames_per_turn: int = 2  # latest sampled frames sent with a turn
     ingest_buffer_frames: int = 8  # bounded ring between ingest and the turn (5-10)
-    jitter_prefetch: int = 1  # aiortc holds 4 x 20 ms by default
+    jitter_prefetch: int = 0  # aiortc holds 4 x 20 ms; 0 = release in-order packets at once
 
     # sessions, admission and the degradation ladder
     max_sessions: int = 8

@@ -69,6 +69,15 @@ class AudioIn:
     def next_index(self) -> int:
         return self._next_index
 
+    @property
+    def partial(self) -> tuple[int, np.ndarray]:
+        """The chunk still being filled: its index and the samples it has so far.
+
+        Lets the endpointer decide end of turn on each 20 ms as it arrives instead of
+        waiting for the whole 80 ms chunk (up to 60 ms sooner).
+        """
+        return self._next_index, self._pending
+
     def push(self, frame: av.AudioFrame) -> list[AudioChunk]:
         """Feed one received frame; return the chunks it completed (often none, sometimes two)."""
         chunks: list[AudioChunk] = []

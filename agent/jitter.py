@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 
-from aiortc.jitterbuffer import JitterBuffer
+from typing import Optional
+
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.rtcrtpreceiver import RTCRtpReceiver
 
 logger = logging.getLogger(__name__)
@@ -24,9 +26,37 @@ _BUFFER_ATTR = "_RTCRtpReceiver__jitter_buffer"
 _KIND_ATTR = "_RTCRtpReceiver__kind"
 
 
+class ImmediateAudioJitterBuffer(JitterBuffer):
+    """Releases an audio packet the moment it arrives in order.
+
+    aiortc's buffer knows a frame is complete only when a packet of the *next* frame
+    arrives (video frames span packets), which holds every audio frame at least 20 ms. An
+    Opus frame is one packet, so an in-order packet is a whole frame at once. A hole (loss
+    or reordering) is waited for until `patience` newer packets are here, then skipped.
+    """
+
+    def __init__(self, capacity: int = 16, patience: int = 2) -> None:
+        super().__init__(capacity=capacity, prefetch=0)
+        self._patience = patience
+
+    def _remove_frame(self, sequence_number: int) -> Optional[JitterFrame]:
+        slot = self._origin % self._capacity  # type: ignore[operator]
+        if self._packets[slot] is None:
+            if sum(p is not None for p in self._packets) < self._patience:
+                return None  # maybe only reordered: give it a packet or two
+            while self._packets[self._origin % self._capacity] is None:  # type: ignore[operator]
+                self.remove(1)  # lost: skip the hole
+            slot = self._origin % self._capacity  # type: ignore[operator]
+        packet = self._packets[slot]
+        assert packet is not None
+        self.remove(1)
+        return JitterFrame(data=packet._data, timestamp=packet.timestamp)  # type: ignore[attr-defined]
+
+
 def lower_audio_jitter_hold(receiver: RTCRtpReceiver, prefetch: int = 1) -> bool:
     """Replace an audio receiver's jitter buffer with one holding ``prefetch`` frames.
 
+    ``prefetch=0`` installs ImmediateAudioJitterBuffer (no hold for in-order packets).
     True when the receiver now holds ``prefetch`` frames; False (with a warning) when it
     is not an unused audio receiver of the expected shape, in which case it is unchanged.
     """
@@ -34,21 +64,24 @@ def lower_audio_jitter_hold(receiver: RTCRtpReceiver, prefetch: int = 1) -> bool
     if kind != "audio":
         return _refuse(f"receiver kind is {kind!r}, not 'audio'")
     buffer = getattr(receiver, _BUFFER_ATTR, None)
-    if type(buffer) is not JitterBuffer:
+    if type(buffer) not in (JitterBuffer, ImmediateAudioJitterBuffer):
         return _refuse(f"{_BUFFER_ATTR} is {type(buffer).__name__}, not aiortc's JitterBuffer")
     for attr in ("_origin", "_prefetch", "_packets", "capacity"):
         if not hasattr(buffer, attr):
             return _refuse(f"JitterBuffer has no {attr!r}")
     capacity = buffer.capacity
-    if not 1 <= prefetch < capacity:
-        return _refuse(f"prefetch {prefetch} not in 1..{capacity - 1}")
-    if buffer._prefetch == prefetch:
+    if not 0 <= prefetch < capacity:
+        return _refuse(f"prefetch {prefetch} not in 0..{capacity - 1}")
+    if buffer._prefetch == prefetch and (prefetch > 0) != isinstance(buffer, ImmediateAudioJitterBuffer):
         return True  # already lowered (a second call, or aiortc's default changed)
     if buffer._origin is not None or any(p is not None for p in buffer._packets):
         # Packets are in flight: swapping now would lose them.
         return _refuse("jitter buffer already in use")
     try:
-        replacement = JitterBuffer(capacity=capacity, prefetch=prefetch)
+        replacement: JitterBuffer = (
+            ImmediateAudioJitterBuffer(capacity=capacity) if prefetch == 0
+            else JitterBuffer(capacity=capacity, prefetch=prefetch)
+        )
     except TypeError as exc:  # the constructor's signature changed
         return _refuse(f"JitterBuffer(capacity=, prefetch=) failed: {exc}")
     setattr(receiver, _BUFFER_ATTR, replacement)

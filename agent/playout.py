@@ -79,6 +79,8 @@ class AgentAudioTrack(MediaStreamTrack):
         self._first_audio_pending = False
         self._overflowing = False
 
+        self._first_audio = asyncio.Event()
+        self.early_starts = 0  # frames sent ahead of their slot because a reply began
         self.frames_sent = 0
         self.underruns = 0
         self.reanchors = 0
@@ -115,6 +117,8 @@ class AgentAudioTrack(MediaStreamTrack):
             self._chunks.append(pcm.copy())
             self._buffered += len(pcm)
             self._update_gauge()
+            if self._first_audio_pending:
+                self._first_audio.set()  # a reply's first audio: don't wait out the frame slot
 
     def flush(self) -> float:
         """Drop everything queued at once (barge-in) and end the reply; return the seconds dropped."""
@@ -162,7 +166,10 @@ class AgentAudioTrack(MediaStreamTrack):
                 self._start -= wait
                 self.reanchors += 1
                 wait = 0.0
-            await self._sleep(max(wait, 0.0))
+            if self._first_audio_pending and not self._buffered and wait > 0:
+                await self._sleep_or_first_audio(wait)
+            else:
+                await self._sleep(max(wait, 0.0))
 
         # Read the queue after the sleep, so a flush() during it silences this frame.
         pcm, real = self._take(OUTPUT_FRAME_SAMPLES)
@@ -175,6 +182,27 @@ class AgentAudioTrack(MediaStreamTrack):
         frame.time_base = TIME_BASE
         self.frames_sent += 1
         return frame
+
+    async def _sleep_or_first_audio(self, wait: float) -> None:
+        """Sleep to the frame's slot, but go at once when a reply's first audio arrives.
+
+        Waiting out the current 20 ms slot would add 10 ms on average to every reply's
+        first sound. Going early shifts the schedule (start) so later frames keep their
+        20 ms spacing from this one; RTP timestamps still advance by one frame.
+        """
+        self._first_audio.clear()
+        sleep = asyncio.ensure_future(self._sleep(wait))
+        woken = asyncio.ensure_future(self._first_audio.wait())
+        try:
+            await asyncio.wait({sleep, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleep.cancel()
+            woken.cancel()
+        assert self._start is not None
+        early = self._start + self._pts / OUTPUT_RATE - self._clock()
+        if early > 0:
+            self._start -= early
+            self.early_starts += 1
 
     def _take(self, n: int) -> tuple[np.ndarray, int]:
         """The next n samples, zero-padded; and how many of them were queued audio."""

@@ -132,6 +132,8 @@ class Session:
             for chunk in self.audio_in.push(frame):
                 for event in self.endpointer.push(chunk):
                     self._on_turn_event(event)
+            for event in self.endpointer.peek(*self.audio_in.partial):
+                self._on_turn_event(event)
 
     async def _read_video(self, track: MediaStreamTrack) -> None:
         while True:

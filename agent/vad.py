@@ -80,6 +80,9 @@ class Endpointer:
             maxlen=math.ceil(self._preroll_s / CHUNK_SECONDS) + 16
         )
         self._subframes = 0
+        # Sub-frames already classified by peek(), so push() feeds webrtcvad (which adapts
+        # its noise model on every call) each sub-frame exactly once.
+        self._peeked: dict[tuple[int, int], bool] = {}
         self._expected_index: Optional[int] = None
         # candidate (before a turn): first voiced time, voiced total, unvoiced run since
         self._onset: Optional[float] = None
@@ -97,9 +100,32 @@ class Endpointer:
     def reset(self) -> None:
         """Forget any turn or candidate (the VAD's noise model is kept)."""
         self._history.clear()
+        self._peeked.clear()
         self._expected_index = None
         self._reset_candidate()
         self._in_turn = False
+
+    def peek(self, index: int, partial: np.ndarray) -> list[TurnEvent]:
+        """End the turn from the complete 20 ms sub-frames of chunk `index`, still being filled.
+
+        Only ends a turn (a start or a voiced sub-frame waits for push()). The chunk that is
+        still filling is then not part of the turn: it would only add silence the model
+        does not need, and waiting for it would delay the end of turn by up to 60 ms.
+        """
+        if not self._in_turn or (self._expected_index is not None and index != self._expected_index):
+            return []
+        start = index * CHUNK_SECONDS
+        pcm16 = np.clip(np.round(partial * 32768.0), -32768, 32767).astype(np.int16)
+        for k in range(len(pcm16) // SUBFRAME_SAMPLES):
+            voiced = self._peeked.get((index, k))
+            if voiced is None:
+                voiced = self._peeked[(index, k)] = self._voiced(pcm16[k * SUBFRAME_SAMPLES : (k + 1) * SUBFRAME_SAMPLES])
+            if voiced:
+                return []
+            t_end = start + (k + 1) * SUBFRAME_MS / 1000
+            if self._silence_reached(t_end):
+                return [self._stop(at=t_end)]
+        return []
 
     def push(self, chunk: AudioChunk) -> list[TurnEvent]:
         """Classify one chunk; return the events it causes, in order.
@@ -118,7 +144,9 @@ class Endpointer:
         for k in range(len(pcm16) // SUBFRAME_SAMPLES):
             sub = pcm16[k * SUBFRAME_SAMPLES : (k + 1) * SUBFRAME_SAMPLES]
             t_end = chunk.start + (k + 1) * SUBFRAME_MS / 1000
-            voiced = self._voiced(sub)
+            voiced = self._peeked.pop((chunk.index, k), None)
+            if voiced is None:
+                voiced = self._voiced(sub)
             if self._in_turn:
                 if voiced:
                     self._last_voiced_end = t_end
@@ -131,6 +159,7 @@ class Endpointer:
                 events += self._start(chunk, t_end)
                 started_here = True
 
+        self._peeked = {key: v for key, v in self._peeked.items() if key[0] > chunk.index}
         if self._in_turn:
             if not started_here:
                 events.append(SpeechAudio(chunk))

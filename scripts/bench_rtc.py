@@ -85,8 +85,9 @@ def histogram_quantile(q: float, before: dict[float, float], after: dict[float, 
     return les[-1]
 
 
-async def run_level(url: str, wav: Path, n: int, turns: int, gap_s: float, limit_s: float, silence_s: float) -> dict:
-    clients = [AgentClient(url, wav, video=True, repeat_after_s=gap_s) for _ in range(n)]
+async def run_level(url: str, wav: Path, n: int, turns: int, gap_s: float, limit_s: float, silence_s: float,
+                    video_fps: int) -> dict:
+    clients = [AgentClient(url, wav, video=True, repeat_after_s=gap_s, video_fps=video_fps) for _ in range(n)]
     async with aiohttp.ClientSession() as http:
         before = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         t0 = time.monotonic()
@@ -130,6 +131,10 @@ def start_server(port: int, args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--ice-host", "127.0.0.1", "--runner", args.runner, "--max-sessions", str(max(args.levels) + 1),
            "--vad-silence-ms", str(args.silence_ms), "--log-level", "WARNING"]
+    if not args.ladder:
+        # Measure the spoken path's capacity: keep the degradation ladder from switching
+        # replies to text (which would hide exactly the latency we are measuring).
+        cmd += ["--text-only-p95-ms", "1e9", "--fallback-p95-ms", "1e9", "--fallback-model", "none"]
     if args.model:
         cmd += ["--model", args.model]
     return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
@@ -162,7 +167,8 @@ async def main_async(args: argparse.Namespace) -> None:
         await wait_ready(url)
         results = []
         for n in args.levels:
-            r = await run_level(url, wav, n, args.turns, args.gap_s, args.level_timeout_s, args.silence_ms / 1000)
+            r = await run_level(url, wav, n, args.turns, args.gap_s, args.level_timeout_s, args.silence_ms / 1000,
+                                args.video_fps)
             results.append(r)
             print(f"  level {n}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
     finally:
@@ -194,6 +200,8 @@ def main() -> None:
     p.add_argument("--silence-ms", type=int, default=300, help="the agent's end-of-turn silence")
     p.add_argument("--level-timeout-s", type=float, default=90.0)
     p.add_argument("--runner", default="stream", choices=["stream", "reference"])
+    p.add_argument("--ladder", action="store_true", help="leave the degradation ladder on (default: off)")
+    p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
     args = p.parse_args()
     asyncio.run(main_async(args))

@@ -2,7 +2,9 @@
 one with prefetch=1 only when that is safe, and refuses (False, receiver untouched) otherwise.
 These tests fail when an aiortc upgrade renames the attribute, changes the JitterBuffer
 constructor or its prefetch meaning; two real aiortc peers over loopback show frames still
-flow with the lowered hold and arrive ~60 ms sooner than with the default."""
+flow with the lowered hold and arrive ~60 ms sooner than with the default; prefetch=0
+releases each in-order audio packet at once (another 20 ms), waits a packet or two for a
+hole and then skips it, and drops packets that come after their turn."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from aiortc.rtcicetransport import RTCIceGatherer, RTCIceTransport
 from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtp import RtpPacket
 
-from agent.jitter import lower_audio_jitter_hold
+from agent.jitter import ImmediateAudioJitterBuffer, lower_audio_jitter_hold
 from agent.playout import AgentAudioTrack
 
 ATTR = "_RTCRtpReceiver__jitter_buffer"
@@ -83,7 +85,7 @@ async def test_buffer_in_use_is_left_alone():
     assert getattr(receiver, ATTR) is old
 
 
-@pytest.mark.parametrize("prefetch", [0, 16, -1])
+@pytest.mark.parametrize("prefetch", [16, -1])
 async def test_prefetch_out_of_range_is_refused(prefetch):
     receiver = make_receiver("audio")
     old = getattr(receiver, ATTR)
@@ -116,7 +118,7 @@ class StampedTrack(AgentAudioTrack):
         return await super().recv()
 
 
-async def receive_delays(lower: bool, frames: int = 60) -> tuple[list[float], int | None]:
+async def receive_delays(lower: bool, frames: int = 60, prefetch: int = 1) -> tuple[list[float], int | None]:
     """Run two loopback peers; per received frame, arrival minus its send schedule."""
     sender = RTCPeerConnection(RTCConfiguration(iceServers=[]))
     receiver = RTCPeerConnection(RTCConfiguration(iceServers=[]))
@@ -129,8 +131,8 @@ async def receive_delays(lower: bool, frames: int = 60) -> tuple[list[float], in
         await receiver.setRemoteDescription(sender.localDescription)
         (rtp_receiver,) = receiver.getReceivers()
         if lower:
-            assert lower_audio_jitter_hold(rtp_receiver, prefetch=1)
-        prefetch = getattr(rtp_receiver, ATTR)._prefetch
+            assert lower_audio_jitter_hold(rtp_receiver, prefetch=prefetch)
+        held = getattr(rtp_receiver, ATTR)._prefetch
         await receiver.setLocalDescription(await receiver.createAnswer())
         await sender.setRemoteDescription(receiver.localDescription)
         remote = await asyncio.wait_for(got, 5.0)
@@ -139,7 +141,7 @@ async def receive_delays(lower: bool, frames: int = 60) -> tuple[list[float], in
             frame = await asyncio.wait_for(remote.recv(), 5.0)
             assert track.t0 is not None
             delays.append(time.time() - (track.t0 + frame.pts / frame.sample_rate))
-        return delays, prefetch
+        return delays, held
     finally:
         await sender.close()
         await receiver.close()
@@ -153,3 +155,40 @@ async def test_two_loopback_peers_flow_and_lowered_hold_arrives_sooner():
     d, lo = float(np.percentile(default, 25)), float(np.percentile(lowered, 25))
     # Expected gap: 3 frames x 20 ms. Half of it is a generous margin on a busy machine.
     assert d - lo > 0.03, f"default {d * 1000:.0f} ms vs lowered {lo * 1000:.0f} ms"
+
+
+def test_immediate_buffer_releases_in_order_packets_at_once():
+    buffer = ImmediateAudioJitterBuffer()
+    for seq in range(5):
+        _, frame = buffer.add(packet(seq))
+        assert frame is not None and frame.timestamp == seq * 960
+
+
+def test_immediate_buffer_waits_briefly_for_a_hole_then_skips_it():
+    buffer = ImmediateAudioJitterBuffer(patience=2)
+    assert buffer.add(packet(0))[1].timestamp == 0
+    assert buffer.add(packet(2))[1] is None  # 1 is missing: maybe just late
+    late = buffer.add(packet(1))[1]  # it came: both flow in order
+    assert late.timestamp == 960
+    assert buffer.add(packet(3))[1].timestamp == 2 * 960
+    assert buffer.add(packet(5))[1].timestamp == 3 * 960  # 4 is missing: 5 waits
+    assert buffer.add(packet(6))[1].timestamp == 5 * 960  # two newer than the hole: 4 given up
+    assert buffer.add(packet(7))[1].timestamp == 6 * 960
+    assert buffer.add(packet(4))[1] is None  # too late now: dropped, not replayed
+    assert buffer.add(packet(8))[1].timestamp == 7 * 960
+
+
+async def test_lowering_to_zero_installs_the_immediate_buffer():
+    receiver = make_receiver("audio")
+    assert lower_audio_jitter_hold(receiver, prefetch=0) is True
+    assert type(getattr(receiver, ATTR)) is ImmediateAudioJitterBuffer
+    assert lower_audio_jitter_hold(receiver, prefetch=0) is True  # idempotent
+    assert released_after(getattr(receiver, ATTR)) == 1
+
+
+async def test_immediate_buffer_over_loopback_beats_prefetch_1():
+    one, _ = await receive_delays(lower=True)
+    zero, prefetch = await receive_delays(lower=True, prefetch=0)
+    assert prefetch == 0
+    d1, d0 = float(np.percentile(one, 25)), float(np.percentile(zero, 25))
+    assert d1 - d0 > 0.01, f"prefetch 1 {d1 * 1000:.0f} ms vs immediate {d0 * 1000:.0f} ms"

@@ -251,3 +251,53 @@ async def test_stopped_track_raises_and_gives_its_buffer_back():
     assert playout_buffer() - g0 == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(MediaStreamError):
         await track.recv()
+
+
+async def test_first_audio_of_a_reply_goes_without_waiting_for_its_slot():
+    """A reply's first audio wakes the track mid-slot; the next frame keeps 20 ms spacing."""
+    import asyncio
+
+    clock = FakeClock()
+    release = asyncio.Event()
+
+    async def held_sleep(seconds: float) -> None:  # time stands still until released
+        clock.sleeps.append(seconds)
+        await release.wait()
+
+    track = AgentAudioTrack(clock=clock, sleep=held_sleep)
+    await track.recv()  # the first frame goes at once and anchors the schedule
+    track.begin_reply()
+    pending = asyncio.ensure_future(track.recv())
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not pending.done() and clock.sleeps == [pytest.approx(0.02)]
+    track.push(np.full(N, 1000, np.int16))
+    frame = await asyncio.wait_for(pending, 1.0)
+    assert (pcm_of(frame) == 1000).all() and frame.pts == N
+    assert track.early_starts == 1
+    release.set()
+    track.push(np.full(N, 7, np.int16))
+    frame = await track.recv()
+    assert clock.sleeps[-1] == pytest.approx(0.02)  # 20 ms after the early frame, not after its slot
+    assert frame.pts == 2 * N and (pcm_of(frame) == 7).all()
+
+
+async def test_outside_a_reply_audio_waits_for_its_slot():
+    import asyncio
+
+    clock = FakeClock()
+    release = asyncio.Event()
+
+    async def held_sleep(seconds: float) -> None:
+        clock.sleeps.append(seconds)
+        await release.wait()
+
+    track = AgentAudioTrack(clock=clock, sleep=held_sleep)
+    await track.recv()
+    pending = asyncio.ensure_future(track.recv())
+    await asyncio.sleep(0)
+    track.push(np.full(N, 5, np.int16))
+    await asyncio.sleep(0.01)
+    assert not pending.done() and track.early_starts == 0
+    release.set()
+    assert (pcm_of(await pending) == 5).all()

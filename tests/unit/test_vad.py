@@ -185,3 +185,38 @@ def test_level_floor_ignores_faint_speech_that_webrtcvad_alone_would_take(speech
     assert len(marks(run(faint, min_level_dbfs=-200.0))) >= 2  # webrtcvad is level-blind
     quieter = np.concatenate([speech * 10 ** (-20 / 20), silence(1.0)])
     assert [type(e) for e in marks(run(quieter))] == [SpeechStarted, SpeechStopped]
+
+
+def test_peek_ends_the_turn_on_the_20ms_that_completes_the_silence(say) -> None:
+    """Fed 20 ms at a time (as audio arrives), the stop comes on the sub-frame that
+    completes the silence, not when its 80 ms chunk is full; the events are otherwise the
+    same as chunk-only feeding, and the VAD sees every sub-frame once."""
+    pcm = np.concatenate([silence(0.5), say("hello there, how are you"), silence(1.0)])
+    chunks = to_chunks(pcm)
+
+    plain = Endpointer()
+    plain_events = [e for c in chunks for e in plain.push(c)]
+
+    live = Endpointer()
+    live_events: list[tuple[int, TurnEvent]] = []  # (20 ms steps fed so far, event)
+    fed = 0
+    for c in chunks:
+        for k in range(1, 4):  # the first three sub-frames arrive before the chunk is whole
+            fed += 1
+            live_events += [(fed, e) for e in live.peek(c.index, c.pcm[: k * 320])]
+        fed += 1
+        live_events += [(fed, e) for e in live.push(c)]
+
+    plain_stop = [e for e in plain_events if isinstance(e, SpeechStopped)]
+    live_stop = [(n, e) for n, e in live_events if isinstance(e, SpeechStopped)]
+    assert len(plain_stop) == len(live_stop) == 1
+    n, stop = live_stop[0]
+    assert stop == plain_stop[0]  # same times: same decision, same sub-frames
+    assert abs(n * 0.02 - stop.at) < 1e-9, "decided on the very sub-frame that completed the silence"
+    starts = [e for _, e in live_events if isinstance(e, SpeechStarted)]
+    assert starts == [e for e in plain_events if isinstance(e, SpeechStarted)]
+    live_audio = [e.chunk.index for _, e in live_events if isinstance(e, SpeechAudio)]
+    plain_audio = [e.chunk.index for e in plain_events if isinstance(e, SpeechAudio)]
+    # The chunk still filling when the turn ended is not part of it (unless it was complete).
+    assert plain_audio[: len(live_audio)] == live_audio and len(plain_audio) - len(live_audio) <= 1
+    assert live._subframes == plain._subframes == len(chunks) * 4
