@@ -29,6 +29,35 @@ from .metrics import PLAYOUT_BUFFER, PLAYOUT_UNDERRUNS
 logger = logging.getLogger(__name__)
 
 TIME_BASE = fractions.Fraction(1, OUTPUT_RATE)
+TIME_BASE_48K = fractions.Fraction(1, 2 * OUTPUT_RATE)
+
+
+class Upsampler2x:
+    """Stateful x2 interpolator: windowed-sinc FIR, 47 taps at the output rate (0.5 ms delay).
+
+    Why the track upsamples at all: aiortc's Opus encoder resamples anything that is not
+    48 kHz with a filter whose delay makes it emit each packet one frame late (20 ms on
+    every reply's first sound); 960-sample 48 kHz frames pass straight through.
+    Even output samples are the input samples themselves (the filter's even phase is a unit
+    impulse), odd ones are interpolated; streaming in any chunking equals one-shot.
+    """
+
+    def __init__(self, half_width: int = 12) -> None:
+        n = np.arange(-2 * half_width + 1, 2 * half_width)
+        window = np.hanning(len(n) + 2)[1:-1]
+        self._taps = np.sinc(n / 2.0) * window
+        self._history = np.zeros(len(self._taps) - 1)
+
+    def reset(self) -> None:
+        self._history[:] = 0.0
+
+    def process(self, pcm: np.ndarray) -> np.ndarray:
+        stuffed = np.zeros(2 * len(pcm))
+        stuffed[0::2] = pcm
+        signal = np.concatenate([self._history, stuffed])
+        out = np.convolve(signal, self._taps, mode="valid")
+        self._history = signal[len(signal) - len(self._history) :]
+        return np.clip(np.round(out), -32768, 32767).astype(np.int16)
 
 _IDLE = "idle"
 _PLAYING = "playing"  # between begin_reply() and end_reply()
@@ -58,8 +87,12 @@ class AgentAudioTrack(MediaStreamTrack):
         stall_s: float = 0.1,
         on_first_audio: Optional[Callable[[float], None]] = None,
         on_drained: Optional[Callable[[float], None]] = None,
+        upsample_to_48k: bool = False,
     ) -> None:
+        """upsample_to_48k: send 960-sample 48 kHz frames (what the Opus encoder takes
+        without delay) instead of 480-sample 24 kHz ones; pacing and push() stay at 24 kHz."""
         super().__init__()
+        self._upsampler = Upsampler2x() if upsample_to_48k else None
         self._clock = clock
         self._sleep = sleep
         self._max_samples = int(max_buffer_s * OUTPUT_RATE)
@@ -129,6 +162,8 @@ class AgentAudioTrack(MediaStreamTrack):
         self._overflowing = False
         self._reply = _IDLE
         self._first_audio_pending = False
+        if self._upsampler is not None:
+            self._upsampler.reset()  # no ringing of the dropped audio into the silence
         self._update_gauge()
         return dropped
 
@@ -176,10 +211,17 @@ class AgentAudioTrack(MediaStreamTrack):
         now = self._clock()
         self._account(real, now)
 
+        if self._upsampler is not None:
+            pcm = self._upsampler.process(pcm)
         frame = av.AudioFrame.from_ndarray(pcm.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = OUTPUT_RATE
-        frame.pts = self._pts
-        frame.time_base = TIME_BASE
+        if self._upsampler is not None:
+            frame.sample_rate = 2 * OUTPUT_RATE
+            frame.pts = 2 * self._pts
+            frame.time_base = TIME_BASE_48K
+        else:
+            frame.sample_rate = OUTPUT_RATE
+            frame.pts = self._pts
+            frame.time_base = TIME_BASE
         self.frames_sent += 1
         return frame
 

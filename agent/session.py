@@ -56,7 +56,7 @@ class Session:
         self._on_closed = on_closed
         self.admission = admission
         self._unlisten: Optional[Callable[[], None]] = None
-        self.track = AgentAudioTrack()
+        self.track = AgentAudioTrack(upsample_to_48k=True)
         self.audio_in = AudioIn()
         self.video = VideoSampler(fps=config.video_fps, max_side=config.video_max_side)
         self.frames: FrameRing[VideoSample] = FrameRing(config.ingest_buffer_frames, kind="video")

@@ -301,3 +301,51 @@ async def test_outside_a_reply_audio_waits_for_its_slot():
     assert not pending.done() and track.early_starts == 0
     release.set()
     assert (pcm_of(await pending) == 5).all()
+
+
+def test_upsampler_streams_exactly_and_keeps_voice_band() -> None:
+    """Upsampler2x: any chunking equals one-shot; input samples pass through on even
+    outputs; a 1 kHz tone keeps its level and its image near 23 kHz is suppressed."""
+    from agent.playout import Upsampler2x
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(2400) * 3000).astype(np.int16)
+    whole = Upsampler2x().process(x)
+    up = Upsampler2x()
+    cuts = [0, 1, 480, 481, 1000, 2400]
+    pieces = np.concatenate([up.process(x[a:b]) for a, b in zip(cuts, cuts[1:])])
+    assert np.array_equal(pieces, whole) and len(whole) == 4800
+    delay = 23  # (47 - 1) / 2 output samples
+    assert np.array_equal(whole[delay::2], x[: len(whole[delay::2])])
+
+    t = np.arange(24000) / 24000
+    tone = (np.sin(2 * np.pi * 1000 * t) * 10000).astype(np.int16)
+    y = Upsampler2x().process(tone)[1000:-1000].astype(np.float64)
+    spectrum = np.abs(np.fft.rfft(y * np.hanning(len(y))))
+    freqs = np.fft.rfftfreq(len(y), 1 / 48000)
+    peak = spectrum[np.argmin(np.abs(freqs - 1000))]
+    image = spectrum[np.argmin(np.abs(freqs - 23000))]
+    assert 20 * np.log10(image / peak) < -40
+    assert np.sqrt(np.mean(y**2)) == pytest.approx(10000 / np.sqrt(2), rel=0.02)
+
+
+async def test_48k_frames_reach_the_opus_encoder_without_a_frame_of_delay():
+    """The reason for 48 kHz output: aiortc's Opus encoder packs a 48 kHz frame at once,
+    while a 24 kHz one comes out a frame (20 ms) later."""
+    from aiortc.codecs import get_encoder
+    from aiortc.rtcrtpparameters import RTCRtpCodecParameters
+
+    opus = RTCRtpCodecParameters(mimeType="audio/opus", clockRate=48000, channels=2, payloadType=111)
+    first_packet_at = {}
+    for upsample in (False, True):
+        track = make_track(FakeClock(), upsample_to_48k=upsample)
+        track.push(np.full(10 * N, 3000, np.int16))
+        encoder = get_encoder(opus)
+        for i in range(3):
+            frame = await track.recv()
+            assert frame.sample_rate == (48000 if upsample else 24000)
+            assert frame.samples == (2 * N if upsample else N) and frame.pts == i * frame.samples
+            payloads, _ = encoder.encode(frame)
+            if payloads and upsample not in first_packet_at:
+                first_packet_at[upsample] = i
+    assert first_packet_at == {False: 1, True: 0}
