@@ -43,7 +43,7 @@ class Config:
     system_prompt: str = "You are a helpful real-time voice assistant. Answer briefly."
     max_reply_tokens: int = 48  # thinker text tokens per reply
     max_reply_seconds: float = 4.0  # audio cap per reply (random tiny models rarely stop)
-    threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    threads: int = 0  # torch intra-op threads on CPU; 0 = all cores but one
     audio_window_s: float = 1.0  # AuT attention window (n_window_infer) used for prefill
 
     # ingest / turns

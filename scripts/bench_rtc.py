@@ -6,7 +6,8 @@ speech in the sent audio → first audible received sample), TTFT from events, a
 glitches (short holes inside a reply). The server's own TTFA comes from /metrics. The
 stack overhead is voice-to-voice − end-of-turn silence − server TTFA.
 
-Prints a table per concurrency level; last line: `p95_ratio_4_vs_1=R overhead_p50_ms=O`.
+Prints a table per concurrency level; last line: `p95_ratio_4_vs_1=R overhead_p50_ms=O`
+(voice-to-voice P95 at 4 sessions over 1 session; overhead P50 at 1 session).
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
 
     .venv/bin/python scripts/bench_rtc.py [--levels 1,2,4,8] [--turns 3] [--runner stream]
@@ -137,6 +138,8 @@ def start_server(port: int, args: argparse.Namespace) -> subprocess.Popen:
         cmd += ["--text-only-p95-ms", "1e9", "--fallback-p95-ms", "1e9", "--fallback-model", "none"]
     if args.model:
         cmd += ["--model", args.model]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
     return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -188,7 +191,9 @@ async def main_async(args: argparse.Namespace) -> None:
     by_n = {r["n"]: r for r in results}
     base = pct(by_n[1]["v2v"], 95) if 1 in by_n else float("nan")
     four = pct(by_n[4]["v2v"], 95) if 4 in by_n else float("nan")
-    overhead = pct([o for r in results for o in r["overhead"]], 50)
+    # The headline overhead is the stack's own cost at one session; under load it grows with
+    # CPU contention on this shared 2-core machine (the table shows it per level).
+    overhead = pct(by_n[1]["overhead"] if 1 in by_n else [o for r in results for o in r["overhead"]], 50)
     print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f}")
 
 
@@ -200,6 +205,7 @@ def main() -> None:
     p.add_argument("--silence-ms", type=int, default=300, help="the agent's end-of-turn silence")
     p.add_argument("--level-timeout-s", type=float, default=90.0)
     p.add_argument("--runner", default="stream", choices=["stream", "reference"])
+    p.add_argument("--threads", type=int, default=0, help="the agent's torch CPU threads (0: its default)")
     p.add_argument("--ladder", action="store_true", help="leave the degradation ladder on (default: off)")
     p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))

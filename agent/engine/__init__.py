@@ -7,6 +7,7 @@ so that model loading (and, on CUDA, graph capture) happens inside that thread.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -38,6 +39,10 @@ def runner_factory(config: Config) -> Callable[[], Runner]:
 
         if config.threads:
             torch.set_num_threads(config.threads)
+        elif not (config.device in ("auto", "cuda") and torch.cuda.is_available()):
+            # On CPU leave a core to the asyncio thread: SRTP, Opus and pacing stall when
+            # torch's intra-op threads take every core (measured: TTFA x10 on 2 cores).
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         from .model import load_model
 
         loaded = load_model(ensure_model(config), device=config.device, dtype=config.dtype)

@@ -21,6 +21,10 @@ reach a conv with state (so the state sees what the one-shot decode's zero paddi
 been) and cut off the output: the first push of one frame yields 1920 - 555 samples, every
 later one 1920, and the concatenation equals `code2wav(codes)` up to float rounding
 (tests/unit/test_batching.py pins it against the one-shot decode and against Code2WavStream).
+
+A push is host bookkeeping (frame counters, which rows are fresh) around one step function of
+device tensors only (`_step`), which graphs on (agent/engine/graphing.py) capture per batch
+bucket; pad rows then run in a scratch slot (row `slots`) of every state.
 """
 
 from __future__ import annotations
@@ -38,22 +42,24 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeSnakeBeta,
 )
 
+from agent.engine.graphing import Graphing
 from agent.engine.slots import Rows, SlotKV, decoder_forward
 
 FAR_PAST = -(2**40)  # stored position of an empty ring entry: outside every window
 
 
 class _Batch:
-    """The rows of one push: their slots, and how many leading junk columns each has at the
-    current rate of the stack (only a slot's first push has any)."""
+    """The rows of one push: their slots, and which are fresh (first push since reset). All
+    device tensors, so that a push can be a CUDA graph; `junk_scale` is a Python int that is
+    the same at every call: the leading junk columns a fresh row has at the stack's current
+    rate (0 for the others)."""
 
-    def __init__(self, slots: Sequence[int], fresh: Sequence[bool], device: torch.device) -> None:
-        self.slots = list(slots)
-        consecutive = self.slots == list(range(self.slots[0], self.slots[0] + len(self.slots)))
-        self.range = slice(self.slots[0], self.slots[0] + len(self.slots)) if consecutive else None
-        self.index = torch.tensor(self.slots, dtype=torch.long, device=device)
-        self.fresh = [int(f) for f in fresh]
-        self.junk = [0] * len(self.slots)
+    def __init__(
+        self, index: torch.Tensor, fresh: torch.Tensor, slot_range: slice | None, any_fresh: bool | None
+    ) -> None:
+        self.index, self.fresh, self.range = index, fresh, slot_range
+        self.any_fresh = any_fresh  # known on the host when eager; None in a graph (always mask)
+        self.junk_scale = 0
 
     def gather(self, state: torch.Tensor) -> torch.Tensor:
         return state[self.range] if self.range is not None else state.index_select(0, self.index)
@@ -65,18 +71,19 @@ class _Batch:
             state.index_copy_(0, self.index, rows)
 
     def zero_junk(self, x: torch.Tensor) -> torch.Tensor:
-        if not any(self.junk):
+        if not self.junk_scale or self.any_fresh is False:
             return x
-        keep = torch.arange(x.shape[-1], device=x.device).view(1, 1, -1) >= torch.tensor(
-            self.junk, device=x.device
-        ).view(-1, 1, 1)
-        return x * keep
+        # Multiplying the other rows by 1 leaves them bit for bit as they were.
+        junk = (self.fresh * self.junk_scale).view(-1, 1, 1)
+        return x * (torch.arange(x.shape[-1], device=x.device).view(1, 1, -1) >= junk)
 
 
 class SlotCode2Wav:
     """Per-slot streaming code2wav. push(slots, codes) -> new final samples of each row."""
 
-    def __init__(self, code2wav: nn.Module, slots: int, max_frames_per_push: int = 4) -> None:
+    def __init__(
+        self, code2wav: nn.Module, slots: int, max_frames_per_push: int = 4, graphing: Graphing | None = None
+    ) -> None:
         self.code2wav = code2wav
         config = code2wav.config
         weight = code2wav.code_embedding.weight
@@ -86,11 +93,45 @@ class SlotCode2Wav:
         # A push of n frames overwrites n ring entries while its first query still needs the
         # window before it: window + n - 1 entries keep every key a query can see.
         self.ring = self.window + max_frames_per_push - 1
-        self.kv = SlotKV(code2wav.pre_transformer, slots, self.ring, self.device, self.dtype)
-        self.key_pos = torch.full((slots, self.ring), FAR_PAST, dtype=torch.long, device=self.device)
+        rows = graphing.cache_rows(slots) if graphing is not None else slots
+        self.pad_slot = slots
+        self.kv = SlotKV(code2wav.pre_transformer, rows, self.ring, self.device, self.dtype)
+        self.kv.reserve(self.ring)
+        self.key_pos = torch.full((rows, self.ring), FAR_PAST, dtype=torch.long, device=self.device)
         self.frames = [0] * slots  # frames pushed per slot since its reset
-        self.states: dict[int, torch.Tensor] = {}  # id(conv module) -> [slots, channels, columns]
-        self._make_states(slots)
+        self.states: dict[int, torch.Tensor] = {}  # id(conv module) -> [rows, channels, columns]
+        self._make_states(rows)
+        self.junk = self._junk_samples()  # leading output samples a slot's first push drops
+        # Pad rows: code 0 at frame 0, not fresh, in the scratch slot. Outputs cloned: callers
+        # keep the samples (numpy views of a CPU tensor would see the next replay).
+        self._graph = (
+            graphing.pool("code2wav", self._step, (0, self.pad_slot, 0, 0), clone_outputs=True) if graphing else None
+        )
+
+    def capture_graphs(self) -> None:
+        """Capture the one-frame push for every batch bucket."""
+        if self._graph is None:
+            return
+        quantizers = self.code2wav.config.num_quantizers
+
+        def example(batch: int) -> tuple[torch.Tensor, ...]:
+            zeros = torch.zeros(batch, dtype=torch.long, device=self.device)
+            codes = torch.zeros(batch, quantizers, 1, dtype=torch.long, device=self.device)
+            return codes, torch.full_like(zeros, self.pad_slot), zeros, zeros.clone()
+
+        self._graph.capture_all(example)
+
+    def _junk_samples(self) -> int:
+        """A fresh row's junk at the output rate: the recurrence `_trans_conv` follows, walked
+        over the transposed convs in the order a push runs them."""
+        scale = 0
+        blocks = [block for group in self.code2wav.upsample for block in group] + list(self.code2wav.decoder)
+        for block in blocks:
+            for module in block.modules():
+                if isinstance(module, Qwen3OmniMoeCausalTransConvNet):
+                    stride = module.conv.stride[0]
+                    scale = (scale + 1) * stride if id(module) in self.states else scale * stride
+        return scale
 
     def _make_states(self, slots: int) -> None:
         for module in self.code2wav.modules():
@@ -120,28 +161,52 @@ class SlotCode2Wav:
         """codes [B, num_quantizers, n] (n equal for all rows, <= max_frames_per_push) for the
         given slots -> each row's new final samples (1-D float), in row order."""
         batch, quantizers, n_new = codes.shape
-        model = self.code2wav
-        if quantizers != model.config.num_quantizers:
-            raise ValueError(f"expected {model.config.num_quantizers} quantizers, got {quantizers}")
+        if quantizers != self.code2wav.config.num_quantizers:
+            raise ValueError(f"expected {self.code2wav.config.num_quantizers} quantizers, got {quantizers}")
         if not 1 <= n_new <= self.max_frames:
             raise ValueError(f"push 1..{self.max_frames} frames at a time, got {n_new}")
-        rows = _Batch(slots, [self.frames[s] == 0 for s in slots], self.device)
-        embeds = model.code_embedding(codes + model.code_offset).mean(1)
-        hidden = self._pre_transformer(rows, embeds).transpose(1, 2)
+        slots = list(slots)
+        fresh = [self.frames[s] == 0 for s in slots]
+        meta = torch.tensor([slots, [self.frames[s] for s in slots], fresh], dtype=torch.long).to(self.device)
+        if self._graph is not None:
+            wav = self._graph(codes, meta[0], meta[1], meta[2])
+        else:
+            consecutive = slots == list(range(slots[0], slots[0] + batch))
+            slot_range = slice(slots[0], slots[0] + batch) if consecutive else None
+            wav = self._step(codes, meta[0], meta[1], meta[2], slot_range, any(fresh))
         for s in slots:
             self.frames[s] += n_new
+        return [wav[i, self.junk if fresh[i] else 0 :] for i in range(batch)]
+
+    def _step(
+        self,
+        codes: torch.Tensor,
+        slots: torch.Tensor,
+        frames: torch.Tensor,
+        fresh: torch.Tensor,
+        slot_range: slice | None = None,
+        any_fresh: bool | None = None,
+    ) -> torch.Tensor:
+        """One push on device tensors: codes [B, Q, n], slots / frames pushed so far / fresh
+        [B] long -> samples [B, n * 1920] (a fresh row's first `junk` are to be dropped).
+        Eager callers may pass `slot_range` (the slots as a slice when consecutive: views, not
+        gathers) and `any_fresh` (skip the junk masks when False)."""
+        model = self.code2wav
+        rows = _Batch(slots, fresh, slot_range, any_fresh)
+        embeds = model.code_embedding(codes + model.code_offset).mean(1)
+        hidden = self._pre_transformer(rows, embeds, frames).transpose(1, 2)
         for blocks in model.upsample:
             for block in blocks:
                 hidden = self._run(block, hidden, rows)
         for block in model.decoder:
             hidden = self._run(block, hidden, rows)
-        wav = hidden.clamp(min=-1, max=1)[:, 0]
-        return [wav[i, rows.junk[i] :] for i in range(batch)]
+        if rows.junk_scale != self.junk:  # Python-only check: the walk and the run must agree
+            raise RuntimeError(f"code2wav junk {rows.junk_scale} != {self.junk} derived at init")
+        return hidden.clamp(min=-1, max=1)[:, 0]
 
-    def _pre_transformer(self, rows: _Batch, embeds: torch.Tensor) -> torch.Tensor:
+    def _pre_transformer(self, rows: _Batch, embeds: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
         batch, n_new, _ = embeds.shape
-        positions = torch.tensor([self.frames[s] for s in rows.slots], dtype=torch.long, device=self.device)
-        positions = positions.view(-1, 1) + torch.arange(n_new, device=self.device).view(1, -1)
+        positions = frames.view(-1, 1) + torch.arange(n_new, device=self.device).view(1, -1)
         index = positions % self.ring
         key_pos = rows.gather(self.key_pos)
         key_pos.scatter_(1, index, positions)
@@ -150,8 +215,7 @@ class SlotCode2Wav:
         seen = key_pos.unsqueeze(1)
         query = positions.unsqueeze(-1)
         mask = ((seen <= query) & (seen > query - self.window)).unsqueeze(1)
-        slot_range = rows.range if rows.range is not None else None
-        kv_rows = Rows(rows.slots, index, self.ring, mask, slot_range, rows.index)
+        kv_rows = Rows([], index, self.ring, mask, rows.range, rows.index)
         body = self.code2wav.pre_transformer
         hidden, _ = decoder_forward(body, self.kv, kv_rows, embeds, positions)
         return hidden
@@ -189,12 +253,12 @@ class SlotCode2Wav:
         stride = module.conv.stride[0]
         state = self.states.get(id(module))
         if state is None:  # kernel == stride: every input column has its own output samples
-            rows.junk = [j * stride for j in rows.junk]
+            rows.junk_scale *= stride
             return module.conv(x)
         x = rows.zero_junk(x)
         full = torch.cat([rows.gather(state), x], dim=-1)
         rows.scatter(state, x[..., -1:])
         # Output samples [stride, stride + n * stride) read the previous column and the new ones.
         out = module.conv(full)[..., stride : stride * (x.shape[-1] + 1)]
-        rows.junk = [(j + fresh) * stride for j, fresh in zip(rows.junk, rows.fresh)]
+        rows.junk_scale = (rows.junk_scale + 1) * stride  # only fresh rows have junk
         return out

@@ -6,7 +6,8 @@ loop runs on the decoder's own layers with a tiny static cache per batch size: e
 batch is at the same position at every step (a frame always starts from the talker's hidden
 state and codebook 0), so one set of positions and cache indices serves all rows and is
 made once. Codes stay on the device until the loop is done: one host sync per frame batch,
-and nothing in the loop that a CUDA graph could not capture.
+and nothing in the loop that a CUDA graph could not capture. With graphs on, the whole loop
+(15 steps, argmax and embedding sums included) is one captured graph per batch bucket.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from agent.engine.graphing import Graphing
 from agent.engine.slots import Rows, SlotKV, decoder_forward
 
 
 class CodePredictorOps:
-    def __init__(self, talker: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, talker: nn.Module, device: torch.device, dtype: torch.dtype, graphing: Graphing | None = None
+    ) -> None:
         predictor = talker.code_predictor
         self.body = predictor.model
         self.heads = predictor.lm_head
@@ -28,12 +32,29 @@ class CodePredictorOps:
         self.device, self.dtype = device, dtype
         # batch size -> (cache, rows per step, RoPE (cos, sin) per step); made on first use.
         self._plans: dict[int, tuple[SlotKV, list[Rows], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        # Pad rows: a zero hidden state and code 0, each batch bucket has its own cache anyway.
+        # Outputs cloned: the codec sums are kept per reply until its next talker step.
+        self._graph = graphing.pool("code_predictor", self._run, (0.0, 0), clone_outputs=True) if graphing else None
+
+    def capture_graphs(self) -> None:
+        if self._graph is None:
+            return
+        hidden = self.talker_embed.embedding_dim
+
+        def example(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                torch.zeros(batch, 1, hidden, device=self.device, dtype=self.dtype),
+                torch.zeros(batch, dtype=torch.long, device=self.device),
+            )
+
+        self._graph.capture_all(example)
 
     def _plan(self, batch: int) -> tuple[SlotKV, list[Rows], list[tuple[torch.Tensor, torch.Tensor]]]:
         plan = self._plans.get(batch)
         if plan is None:
             # Step 1 feeds [talker hidden, embed(c0)] at positions 0, 1; step k feeds code k-1 at k.
             kv = SlotKV(self.body, batch, self.num_groups + 1, self.device, self.dtype)
+            kv.reserve(self.num_groups + 1)  # now, not inside a graph capture
             rows, ropes = [], []
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)  # rotary_emb reads only its dtype
             for step in range(1, self.num_groups):
@@ -48,6 +69,11 @@ class CodePredictorOps:
         """last_hidden [B, 1, hidden] (the talker's, for code0), code0 [B] -> all 16 codes
         [B, num_groups] (code0 first) and the next talker input's codec side: the sum of the 16
         codebook embeddings [B, 1, hidden]."""
+        if self._graph is not None:
+            return self._graph(last_hidden, code0)
+        return self._run(last_hidden, code0)
+
+    def _run(self, last_hidden: torch.Tensor, code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch = code0.shape[0]
         kv, rows, ropes = self._plan(batch)
         c0_embed = self.talker_embed(code0.view(batch, 1))

@@ -25,6 +25,7 @@ import torch
 from agent.engine.api import AudioOut, Output, StageTime, TextDelta
 from agent.engine.code2wav_slots import SlotCode2Wav
 from agent.engine.code_predictor import CodePredictorOps
+from agent.engine.graphing import Graphing
 from agent.engine.model import LoadedModel
 from agent.engine.reference import to_pcm16
 from agent.engine.session_state import SessionState, add_batch_time
@@ -43,16 +44,21 @@ class FrameBatcher:
         slots: int,
         max_reply_tokens: int,
         record: bool,
+        graphing: Graphing | None = None,
     ) -> None:
         self.loaded, self.thinker, self.talker = loaded, thinker, talker
-        self.predictor = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype)
-        self.code2wav = SlotCode2Wav(loaded.model.code2wav, slots)
+        self.predictor = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype, graphing)
+        self.code2wav = SlotCode2Wav(loaded.model.code2wav, slots, graphing=graphing)
         self.max_reply_tokens = max_reply_tokens
         self.record = record
         self.eos = set(loaded.thinker_eos_ids)
         # Per slot: the codebook-0 ids its reply has produced (generate()'s repetition penalty).
         self.seen = torch.zeros(slots, talker.vocab, dtype=torch.bool, device=loaded.device)
         self.stage_times: list[StageTime] = []  # batched stages of this tick, drained by the runner
+
+    def capture_graphs(self) -> None:
+        self.predictor.capture_graphs()
+        self.code2wav.capture_graphs()
 
     def start_reply(self, state: SessionState) -> None:
         self.seen[state.slot] = False

@@ -243,14 +243,17 @@ class GraphPool(CUDAGraphed):
         warmup_iters: int = 1,
         disabled: bool = False,
         clone_outputs: bool = False,
+        max_graphs: int | None = None,
         backend: CaptureBackend | None = None,
     ) -> None:
         sizes = sorted(set(batch_sizes))
         if not sizes or sizes[0] < 1:
             raise ValueError(f"batch sizes must be >= 1, got {batch_sizes}")
+        # One graph per bucket by default; more when another input dimension also varies
+        # (e.g. the attention length bucket of a decode step): each value gets its own graphs.
         super().__init__(
             fn, warmup_iters=warmup_iters, disabled=disabled, clone_outputs=clone_outputs,
-            max_graphs=len(sizes), backend=backend,
+            max_graphs=max_graphs if max_graphs is not None else len(sizes), backend=backend,
         )
         self.batch_sizes = tuple(sizes)
         self.pad_values = tuple(pad_values) if pad_values is not None else None
@@ -270,9 +273,14 @@ class GraphPool(CUDAGraphed):
                 return
             # Warm-up calls, then the capturing one; bounded so a refused signature cannot spin.
             for _ in range(self.warmup_iters + 1):
-                if self.bucket_captured(batch):
+                if self.captured_for(args):
                     break
                 self(*args)
+
+    def captured_for(self, args: Sequence[Tensor]) -> bool:
+        """Whether a call with these arguments would replay a graph (not warm up or run eagerly)."""
+        key = self._key(args)
+        return key is not None and key in self._state.graphs
 
     def bucket_captured(self, batch: int) -> bool:
         return any(key[0][0][0] == batch for key in self._state.graphs)

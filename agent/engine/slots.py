@@ -118,6 +118,20 @@ class Rows:
             start=starts[0] if min(starts) == max(starts) else None,
         )
 
+    @classmethod
+    def static(cls, slots: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> "Rows":
+        """One new token per row, everything a device tensor (a graphed decode step): slots,
+        index [B] long, mask [B, key_len] bool. Attention reads key_len = mask.shape[-1] keys
+        of every row whatever its length, so the shapes are the same at every call."""
+        return cls(
+            slots=[],
+            index=index.view(-1, 1),
+            key_len=mask.shape[-1],
+            mask=mask.view(mask.shape[0], 1, 1, -1),
+            slot_range=None,
+            slot_tensor=slots,
+        )
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)

@@ -26,19 +26,29 @@ Scheduling, each tick (policy in agent/engine/scheduler.py, estimates from `play
 Under greedy decoding the result equals transformers' generate() on the same prompt (same
 text ids, same codec codes, same waveform up to float rounding): tests/unit/test_streaming_exact.py;
 and a batched tick equals the same sessions stepped alone: tests/unit/test_batching.py.
+
+GPU path (agent/engine/graphing.py; on by default on CUDA, off with `--no-cuda-graphs`): the
+MoE experts are fused (agent/engine/moe.py), the slot caches reserved at their limit, and the
+thinker decode, talker step, code-predictor loop and code2wav step captured as CUDA graphs per
+batch bucket, here in the constructor, i.e. on the engine thread that builds the runner; only
+that thread may replay them. `graphs="fake"` runs the same wiring on CPU for tests
+(tests/unit/test_graph_wiring.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
 from agent.engine.frames import FrameBatcher, Row
+from agent.engine.graphing import GraphConfig, GraphMode, Graphing
 from agent.engine.model import LoadedModel
+from agent.engine.moe import fuse_moe
 from agent.engine.reference import talker_tokens_for
 from agent.engine.scheduler import PlayoutEstimate, ReplyView, SchedulerConfig, plan_tick
 from agent.engine.session_state import KVState, ReplyRecord, ReplyState, SessionState
@@ -62,12 +72,16 @@ class StreamingRunner:
         max_sessions: int = 8,
         schedule: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        graphs: GraphConfig | GraphMode = "auto",
     ) -> None:
         """audio_window_s: the audio encoder's attention window (n_window_infer) for the
         incremental prefill; None keeps the checkpoint's (8 s), which is what generate() uses.
         record: keep each session's last reply (codes, float waveform) in `records`.
         max_sessions: slots in the static caches (open sessions at most).
-        clock: the scheduler's time source (seconds), injectable for tests."""
+        clock: the scheduler's time source (seconds), injectable for tests.
+        graphs: CUDA graph mode or settings ("auto": graphs on a CUDA device, eager elsewhere;
+        "off"; "cuda"; "fake": the graph wiring on CPU). With graphs on, this fuses the MoE
+        experts of `loaded.model` in place (same outputs) and captures here."""
         if max_reply_tokens < 2:
             raise ValueError("max_reply_tokens must be >= 2 (a reply is one text token plus its end)")
         self.loaded = loaded
@@ -79,20 +93,38 @@ class StreamingRunner:
         self.record = record
         self.records: dict[str, ReplyRecord] = {}
         n_window_infer = None if audio_window_s is None else int(round(audio_window_s * 100))
-        self.thinker = ThinkerOps(loaded, max_sessions, context_limit)
+        config = graphs if isinstance(graphs, GraphConfig) else GraphConfig(mode=graphs)
+        self.graphing = Graphing(config, loaded.device, max_sessions)
+        if self.graphing.enabled:
+            # transformers picks the experts' implementation at run time and may pick a loop
+            # with host syncs; the fused block is graph-safe and gives the same outputs.
+            fuse_moe(loaded.model)
+        self.thinker = ThinkerOps(loaded, max_sessions, context_limit, self.graphing)
         # The talker holds every user turn plus the reply's frames (one per codec frame).
-        self.talker = TalkerOps(loaded, max_sessions, context_limit + self.talker_max_tokens + 16)
+        talker_limit = context_limit + self.talker_max_tokens + 16
+        self.talker = TalkerOps(loaded, max_sessions, talker_limit, graphing=self.graphing)
         self.turns = TurnPrefill(
             loaded, self.thinker, self.talker, system_prompt, max_reply_tokens, context_limit, n_window_infer
         )
-        self.frames = FrameBatcher(loaded, self.thinker, self.talker, max_sessions, max_reply_tokens, record)
+        self.frames = FrameBatcher(
+            loaded, self.thinker, self.talker, max_sessions, max_reply_tokens, record, self.graphing
+        )
+        # Every cache is in place (reserved): capture now, on the thread that will replay.
+        self.thinker.capture_graphs()
+        self.talker.capture_graphs()
+        self.frames.capture_graphs()
         self._slots = SlotPool(max_sessions)
         self._sessions: dict[str, SessionState] = {}
 
     @classmethod
-    def from_config(cls, loaded: LoadedModel, config) -> "StreamingRunner":
+    def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
         """From agent.config.Config (system_prompt, max_reply_tokens, max_reply_seconds,
-        audio_window_s, max_sessions)."""
+        audio_window_s, max_sessions, cuda_graphs). `graphs`: graph settings (default "auto":
+        graphs on a CUDA device); `config.cuda_graphs=False` (--no-cuda-graphs) turns them off
+        whatever they say."""
+        graphs = graphs or GraphConfig()
+        if not config.cuda_graphs:
+            graphs = replace(graphs, mode="off")
         return cls(
             loaded,
             system_prompt=config.system_prompt,
@@ -100,6 +132,7 @@ class StreamingRunner:
             max_reply_seconds=config.max_reply_seconds,
             audio_window_s=config.audio_window_s,
             max_sessions=config.max_sessions,
+            graphs=graphs,
         )
 
     # ---- Runner protocol -------------------------------------------------------------------

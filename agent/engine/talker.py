@@ -12,7 +12,8 @@ thinker and code2wav, step by step instead of all at once:
   next text-side entry (the projection of the next fed reply token, then tts_eos, then tts_pad).
 
 The talker runs on a static slot cache (agent/engine/slots.py): a session's prefix is one
-forward of its own, and the per-frame step of every speaking session is one batched forward.
+forward of its own, and the per-frame step of every speaking session is one batched forward
+(a captured graph per batch and attention-length bucket when graphs are on).
 """
 
 from __future__ import annotations
@@ -21,13 +22,21 @@ from collections.abc import Sequence
 
 import torch
 
+from agent.engine.graphing import Graphing
 from agent.engine.model import LoadedModel
 from agent.engine.session_state import KVState, mrope_positions
 from agent.engine.slots import Rows, SlotKV, decoder_forward
 
 
 class TalkerOps:
-    def __init__(self, loaded: LoadedModel, slots: int, limit: int, repetition_penalty: float = 1.05) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        slots: int,
+        limit: int,
+        repetition_penalty: float = 1.05,
+        graphing: Graphing | None = None,
+    ) -> None:
         model = loaded.model
         self.loaded = loaded
         self.talker = model.talker
@@ -63,7 +72,33 @@ class TalkerOps:
             hidden = tcfg.text_config.hidden_size
             zeros = torch.zeros(1, 3, hidden, device=loaded.device, dtype=projected.dtype)
             self.codec_prefix = torch.cat([zeros, self.talker.get_input_embeddings()(codec_prefix)], dim=1)
-        self.kv = SlotKV(self.talker.model, slots, limit, loaded.device, loaded.dtype)
+        self.graphing = graphing
+        rows = graphing.cache_rows(slots) if graphing is not None else slots
+        self.kv = SlotKV(self.talker.model, rows, limit, loaded.device, loaded.dtype)
+        self.pad_slot = slots
+        self._graph = None
+        if graphing is not None and graphing.enabled:
+            self.kv.reserve(limit)  # graphs hold the cache's addresses: it may never move
+            # Outputs cloned: the hidden rows are kept per reply until the code predictor runs.
+            self._graph = graphing.pool(
+                "talker_step", self._step, (0.0, self.pad_slot, 0, 0, 1),
+                clone_outputs=True, variants=len(graphing.key_lens(self.kv.capacity)),
+            )
+
+    def capture_graphs(self) -> None:
+        """Capture the step for every batch bucket at the shortest attention length."""
+        if self._graph is None:
+            return
+        key_len = self.graphing.key_lens(self.kv.capacity)[0]
+        hidden = self.talker.config.text_config.hidden_size
+        device, dtype = self.loaded.device, self.loaded.dtype
+
+        def example(batch: int) -> tuple[torch.Tensor, ...]:
+            rows = self.graphing.example_rows(batch, self.pad_slot, key_len, device)
+            embeds = torch.zeros(batch, 1, hidden, device=device, dtype=dtype)
+            return embeds, rows.slots, rows.index, rows.positions, rows.mask
+
+        self._graph.capture_all(example)
 
     def user_embeds(
         self, is_media: torch.Tensor, embeds: torch.Tensor, accept_hidden: torch.Tensor
@@ -120,12 +155,25 @@ class TalkerOps:
         """One talker step for B sessions at once: embeds [B, 1, hidden] (each row's last frame
         plus its text side); returns (float32 logits [B, vocab], last hidden [B, 1, hidden])."""
         device = embeds.device
-        rows = Rows.make([s.slot for s in states], [s.length for s in states], 1, device)
-        rope = torch.tensor([s.next_pos for s in states], dtype=torch.long, device=device).view(1, -1, 1)
-        hidden, _ = decoder_forward(self.talker.model, self.kv, rows, embeds, rope.expand(3, -1, -1))
+        if self._graph is not None:
+            rows = self.graphing.decode_rows(states, self.kv.capacity, device)
+            logits, hidden = self._graph(embeds, rows.slots, rows.index, rows.positions, rows.mask)
+        else:
+            batch = Rows.make([s.slot for s in states], [s.length for s in states], 1, device)
+            rope = torch.tensor([s.next_pos for s in states], dtype=torch.long, device=device).view(1, -1, 1)
+            hidden, _ = decoder_forward(self.talker.model, self.kv, batch, embeds, rope.expand(3, -1, -1))
+            logits = self.talker.codec_head(hidden)[:, -1].float()
         for s in states:
             s.length += 1
             s.next_pos += 1
+        return logits, hidden
+
+    def _step(
+        self, embeds: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graphed step: embeds [B, 1, hidden], [B] long inputs, mask [B, key_len] bool."""
+        rope = positions.view(1, -1, 1).expand(3, -1, -1)
+        hidden, _ = decoder_forward(self.talker.model, self.kv, Rows.static(slots, index, mask), embeds, rope)
         return self.talker.codec_head(hidden)[:, -1].float(), hidden
 
     def pick_code0(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

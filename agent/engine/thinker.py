@@ -11,6 +11,9 @@ multimodal RoPE positions.
 A prefill is a `PrefillJob`: its input embeddings and positions are made once, then it runs in
 chunks of at most `max_tokens` so that the scheduler can put decode steps of other sessions
 between the chunks of a long prefill.
+
+With graphs on (agent/engine/graphing.py), the decode step runs as a captured graph per batch
+and attention-length bucket, its inputs all device tensors; prefill stays eager.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agent.engine.graphing import DecodeRows, Graphing
 from agent.engine.model import LoadedModel
 from agent.engine.session_state import KVState, mrope_positions
 from agent.engine.slots import Rows, SlotKV, decoder_forward
@@ -68,7 +72,7 @@ class PrefillJob:
 
 
 class ThinkerOps:
-    def __init__(self, loaded: LoadedModel, slots: int, context_limit: int) -> None:
+    def __init__(self, loaded: LoadedModel, slots: int, context_limit: int, graphing: Graphing | None = None) -> None:
         self.loaded = loaded
         thinker = loaded.model.thinker
         self.thinker = thinker
@@ -83,7 +87,30 @@ class ThinkerOps:
             cfg.thinker_config.image_token_id,
             cfg.thinker_config.video_token_id,
         )
-        self.kv = SlotKV(self.lm, slots, context_limit, loaded.device, loaded.dtype)
+        self.graphing = graphing
+        rows = graphing.cache_rows(slots) if graphing is not None else slots
+        self.kv = SlotKV(self.lm, rows, context_limit, loaded.device, loaded.dtype)
+        self.pad_slot = slots
+        self._graph = None
+        if graphing is not None and graphing.enabled:
+            self.kv.reserve(context_limit)  # graphs hold the cache's addresses: it may never move
+            # Pad rows: token 0 into the scratch row at index 0, seeing one key (no empty softmax).
+            self._graph = graphing.pool(
+                "thinker_decode", self._decode_step, (0, self.pad_slot, 0, 0, 1),
+                clone_outputs=False, variants=len(graphing.key_lens(self.kv.capacity)),
+            )
+
+    def capture_graphs(self) -> None:
+        """Capture the decode step for every batch bucket at the shortest attention length."""
+        if self._graph is None:
+            return
+        key_len = self.graphing.key_lens(self.kv.capacity)[0]
+
+        def example(batch: int) -> tuple[torch.Tensor, ...]:
+            rows = self.graphing.example_rows(batch, self.pad_slot, key_len, self.loaded.device)
+            return rows.tokens, rows.slots, rows.index, rows.positions, rows.mask
+
+        self._graph.capture_all(example)
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> ImageFeatures:
         out = self.thinker.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
@@ -169,8 +196,16 @@ class ThinkerOps:
 
     def decode(self, states: Sequence[KVState], tokens: Sequence[int]) -> torch.Tensor:
         """Feed one token per session, all in one forward; return next-token logits [B, vocab]
-        (float32). Sessions may have any cache lengths and RoPE positions."""
+        (float32). Sessions may have any cache lengths and RoPE positions. Graphed: the logits
+        are the graph's output buffer, valid until the next decode."""
         device = self.loaded.device
+        if self._graph is not None:
+            rows: DecodeRows = self.graphing.decode_rows(states, self.kv.capacity, device, tokens)
+            logits = self._graph(rows.tokens, rows.slots, rows.index, rows.positions, rows.mask)
+            for s in states:
+                s.length += 1
+                s.next_pos += 1
+            return logits
         embeds = self.embed(torch.tensor(list(tokens), dtype=torch.long, device=device).view(-1, 1))
         rows = Rows.make([s.slot for s in states], [s.length for s in states], 1, device)
         rope = torch.tensor([s.next_pos for s in states], dtype=torch.long, device=device).view(1, -1, 1)
@@ -178,6 +213,15 @@ class ThinkerOps:
         for s in states:
             s.length += 1
             s.next_pos += 1
+        return self.thinker.lm_head(hidden[:, -1]).float()
+
+    def _decode_step(
+        self, tokens: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The graphed decode step: all [B] long but mask [B, key_len] bool -> logits [B, vocab]."""
+        embeds = self.embed(tokens.view(-1, 1))
+        rope = positions.view(1, -1, 1).expand(3, -1, -1)
+        hidden, _ = decoder_forward(self.lm, self.kv, Rows.static(slots, index, mask), embeds, rope)
         return self.thinker.lm_head(hidden[:, -1]).float()
 
     def is_media(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,152 @@
+"""How the streaming engine uses CUDA graphs (agent/engine/graphs.py): mode, buckets, pools.
+
+Four step functions are graphed, each by a `GraphPool` (one graph per batch bucket, rows padded
+up to it, all of a pool's graphs in one memory pool): the thinker's decode step, the talker's
+step, the whole code-predictor loop (15 residual codebooks, argmax and embedding sums) and
+code2wav's per-frame step. Prefill stays eager (its shapes vary with every chunk).
+
+What makes a step graphable here:
+- every per-call value is a device tensor input (slots, cache index, RoPE position, mask),
+  copied into the graph's static buffers; nothing is read on the host inside the step;
+- pad rows write into a scratch row of every slot cache (`pad_slot`, one row past the
+  sessions' rows), so they can never touch a session's state;
+- caches are reserved at their limit before capture: a graph holds their addresses;
+- attention reads a fixed number of keys, the mask says which are valid. Reading the whole
+  context limit (32k keys) every step would cost more than the graph saves, so the read length
+  is bucketed: 256, 512, ... up to the cache capacity, a graph per (batch, length) bucket,
+  the shortest captured at start-up and longer ones on first use.
+
+Modes: "cuda" (real graphs), "fake" (agent/engine/fake_graphs.py: the same wiring on CPU, for
+tests), "off" (the eager path: exact-length attention, no padding), "auto" (cuda on a CUDA
+device, else off). `--no-cuda-graphs` makes it "off".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from agent.engine.fake_graphs import FakeCaptureBackend
+from agent.engine.graphs import CaptureBackend, CudaBackend, GraphPool, GraphStats, StepFn
+from agent.engine.session_state import KVState
+
+GraphMode = Literal["auto", "off", "cuda", "fake"]
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    mode: GraphMode = "auto"
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    min_key_len: int = 256  # shortest attention read of a graphed decode step
+    warmup_iters: int = 1  # eager calls per graph before its capture (lazy CUDA init)
+    check_replays: bool = True  # fake mode: compare every replay's ops with the capture's
+
+
+@dataclass
+class DecodeRows:
+    """Static-shape inputs of one graphed decode step for B sessions (all [B] long but mask)."""
+
+    slots: Tensor
+    index: Tensor  # where each row's new key/value goes (its cache length)
+    positions: Tensor  # RoPE position of each row's new token
+    mask: Tensor  # [B, key_len] bool: key j visible iff j <= index
+    tokens: Tensor | None = None
+
+
+def resolve_mode(mode: GraphMode, device: torch.device) -> Literal["off", "cuda", "fake"]:
+    if mode == "auto":
+        return "cuda" if device.type == "cuda" else "off"
+    if mode == "cuda" and device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, the model is on {device}")
+    if mode == "fake" and device.type != "cpu":
+        raise ValueError(f"fake graphs run on CPU tensors, the model is on {device}")
+    if mode not in ("off", "cuda", "fake"):
+        raise ValueError(f"unknown graph mode {mode!r}")
+    return mode
+
+
+class Graphing:
+    """One runner's graph setup: the resolved mode, its backend and the pools it made."""
+
+    def __init__(self, config: GraphConfig, device: torch.device, max_sessions: int) -> None:
+        self.config = config
+        self.mode = resolve_mode(config.mode, device)
+        sizes = sorted(set(config.batch_sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"graph batch sizes must be >= 1, got {config.batch_sizes}")
+        # Buckets above the first one that holds every session would never be used.
+        fits = [b for b in sizes if b >= max_sessions]
+        self.batch_sizes = tuple(b for b in sizes if b < max_sessions) + tuple(fits[:1])
+        self.backend: CaptureBackend | None = None
+        if self.mode == "cuda":
+            self.backend = CudaBackend()
+        elif self.mode == "fake":
+            self.backend = FakeCaptureBackend(check_replays=config.check_replays)
+        self.pools: dict[str, GraphPool] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def cache_rows(self, slots: int) -> int:
+        """Rows of a slot cache for `slots` sessions: one more (row `slots`) for pad rows."""
+        return slots + 1 if self.enabled else slots
+
+    def pool(
+        self, name: str, fn: StepFn, pad_values: Sequence[float | int], *, clone_outputs: bool, variants: int = 1
+    ) -> GraphPool | None:
+        """A pool for `fn`, or None when graphs are off. `variants`: how many values another
+        input dimension takes (attention length buckets): graphs allowed per batch bucket."""
+        if not self.enabled:
+            return None
+        pool = GraphPool(
+            fn,
+            self.batch_sizes,
+            pad_values=pad_values,
+            warmup_iters=self.config.warmup_iters,
+            clone_outputs=clone_outputs,
+            max_graphs=len(self.batch_sizes) * variants,
+            backend=self.backend,
+        )
+        self.pools[name] = pool
+        return pool
+
+    def stats(self) -> dict[str, GraphStats]:
+        return {name: pool.stats for name, pool in self.pools.items()}
+
+    def key_lens(self, capacity: int) -> list[int]:
+        """Attention read lengths: min_key_len doubling, capped by (and ending at) capacity."""
+        lens, n = [], self.config.min_key_len
+        while n < capacity:
+            lens.append(n)
+            n *= 2
+        return lens + [capacity]
+
+    def key_len(self, needed: int, capacity: int) -> int:
+        if needed > capacity:
+            raise RuntimeError(f"KV slot overflow: {needed} keys > capacity {capacity}")
+        return next(n for n in self.key_lens(capacity) if n >= needed)
+
+    def decode_rows(
+        self, states: Sequence[KVState], capacity: int, device: torch.device, tokens: Sequence[int] | None = None
+    ) -> DecodeRows:
+        """The per-call inputs of a graphed decode step for these sessions: one host-to-device
+        copy for the integers, the mask made on the device from the cache index."""
+        rows = [[s.slot for s in states], [s.length for s in states], [s.next_pos for s in states]]
+        if tokens is not None:
+            rows.append(list(tokens))
+        meta = torch.tensor(rows, dtype=torch.long).to(device)
+        key_len = self.key_len(max(s.length for s in states) + 1, capacity)
+        mask = torch.arange(key_len, device=device).view(1, -1) <= meta[1].view(-1, 1)
+        return DecodeRows(meta[0], meta[1], meta[2], mask, meta[3] if tokens is not None else None)
+
+    def example_rows(self, batch: int, pad_slot: int, key_len: int, device: torch.device) -> DecodeRows:
+        """Harmless decode inputs for capture at start-up: every row is a pad row."""
+        zeros = torch.zeros(batch, dtype=torch.long, device=device)
+        slots = torch.full((batch,), pad_slot, dtype=torch.long, device=device)
+        mask = torch.ones(batch, key_len, dtype=torch.bool, device=device)
+        return DecodeRows(slots, zeros, zeros.clone(), mask, zeros.clone())
