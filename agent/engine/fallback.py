@@ -9,11 +9,7 @@ call per token, not N.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +19,7 @@ import numpy as np
 import torch
 
 from .api import Output, ReplyDone, StageTime, TextDelta
+from .builds import build_once
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -43,43 +40,22 @@ DEFAULT_NOTICE = (
 def make_tiny_text(path: Path, tokenizer_dir: Path | None = None) -> Path:
     """Build the tiny Qwen3 text checkpoint into `path` unless a complete build is there.
 
-    As tiny.make_tiny: written into a sibling temp dir, marker last, renamed into place in one
-    step, so a racing or interrupted build never leaves a half checkpoint behind.
+    Atomic and idempotent like tiny.make_tiny (builds.build_once).
     """
     from transformers import AutoTokenizer
 
     from .tiny import build_tokenizer
 
-    path = Path(path)
-    if _is_complete(path):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    def build_into(out: Path) -> dict:
         # The tiny Omni's own tokenizer when given, so ids match the Omni model's.
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if tokenizer_dir else build_tokenizer()
         model = build_tiny_text(tokenizer)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        marker = {"build_version": BUILD_VERSION, "seed": SEED, "params": model.num_parameters(),
-                  "tokenizer_from": str(tokenizer_dir) if tokenizer_dir else "tiny.build_tokenizer"}
-        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2))
-        if path.exists():
-            if _is_complete(path):  # a racing builder finished first: keep theirs
-                return path
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return path
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return {"seed": SEED, "params": model.num_parameters(),
+                "tokenizer_from": str(tokenizer_dir) if tokenizer_dir else "tiny.build_tokenizer"}
 
-
-def _is_complete(path: Path) -> bool:
-    try:
-        return json.loads((path / MARKER_FILE).read_text()).get("build_version") == BUILD_VERSION
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
-        return False
+    return build_once(path, MARKER_FILE, BUILD_VERSION, build_into)
 
 
 def build_tiny_text(tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:

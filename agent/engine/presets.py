@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .tiny import calibrate_code2wav
+
 REAL = "qwen3-omni-30b-a3b"
 PRESETS = ("tiny", REAL)
 # Calibrated output level for random codes, as in tiny.py: clearly audible in int16.
@@ -197,7 +199,7 @@ def build_random(
     with torch.no_grad():
         _init_parameters(model, config.initializer_range, config.code2wav_config.layer_scale_initial_scale, generator)
         _restore_buffers(model)
-        _calibrate_code2wav(model.code2wav, generator)
+        calibrate_code2wav(model.code2wav, generator, TARGET_RMS)
     return model.eval().requires_grad_(False)
 
 
@@ -269,26 +271,6 @@ def _restore_buffers(model: nn.Module) -> None:
             module.code_offset.copy_(torch.arange(cfg.num_quantizers).view(1, -1, 1) * cfg.codebook_size)
         else:
             raise RuntimeError(f"don't know how to initialise buffers {sorted(owned)} of {name} ({type(module).__name__})")
-
-
-def _calibrate_code2wav(code2wav: nn.Module, generator: torch.Generator) -> None:
-    """Scale the last conv so random codes decode at TARGET_RMS (measured before the clamp)."""
-    cfg = code2wav.config
-    last = code2wav.decoder[-1].conv
-    last.bias.zero_()
-    device = last.weight.device
-    codes = torch.randint(0, cfg.codebook_size, (1, cfg.num_quantizers, 24), generator=generator, device=device)
-    hidden = code2wav.code_embedding(codes + code2wav.code_offset).mean(1)
-    hidden = code2wav.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
-    for blocks in code2wav.upsample:
-        for block in blocks:
-            hidden = block(hidden)
-    for block in code2wav.decoder:
-        hidden = block(hidden)
-    rms = hidden.float().pow(2).mean().sqrt().item()
-    if not rms > 0:
-        raise RuntimeError("code2wav produced silence before calibration")
-    last.weight.mul_(TARGET_RMS / rms)
 
 
 def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

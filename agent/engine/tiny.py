@@ -10,12 +10,12 @@ the real order (ids differ: they follow our ~1024-entry vocabulary).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+
+from .builds import build_once
 
 # Bump when anything below changes the written files: a stale build is then rebuilt.
 BUILD_VERSION = 1
@@ -113,47 +113,17 @@ _WORDS = (
 def make_tiny(path: Path) -> Path:
     """Build the tiny checkpoint into `path` unless a complete build is already there.
 
-    Idempotent and safe against concurrent or interrupted builds: the files are written into a
-    sibling temp dir, the marker last, and the dir is renamed into place in one step.
+    Idempotent and safe against concurrent or interrupted builds (see builds.build_once).
     """
-    path = Path(path)
-    if _is_complete(path):
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        _build_into(tmp)
-        if path.exists():
-            # An incomplete or stale build: replace it. A complete one (a racing builder
-            # finished first) is kept and ours discarded.
-            if _is_complete(path):
-                return path
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return path
+    return build_once(path, MARKER_FILE, BUILD_VERSION, _build_into)
 
 
-def _is_complete(path: Path) -> bool:
-    marker = path / MARKER_FILE
-    if not marker.is_file():
-        return False
-    try:
-        return json.loads(marker.read_text()).get("build_version") == BUILD_VERSION
-    except json.JSONDecodeError:
-        return False
-
-
-def _build_into(out: Path) -> None:
+def _build_into(out: Path) -> dict:
     model, tokenizer = build_model()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     _save_preprocessors(out)
-    (out / MARKER_FILE).write_text(
-        json.dumps({"build_version": BUILD_VERSION, "seed": SEED, "params": model.num_parameters()}, indent=2)
-    )
+    return {"seed": SEED, "params": model.num_parameters()}
 
 
 def build_model():
@@ -352,12 +322,19 @@ def _init_talker_experts(model, generator: torch.Generator) -> None:
 
 @torch.no_grad()
 def _calibrate_code2wav(model, generator: torch.Generator) -> None:
-    """Scale the last conv so random codes decode at TARGET_RMS (default init: ~-108 dBFS)."""
-    code2wav = model.code2wav
+    """Default init decodes random codes at ~-108 dBFS: inaudible once in int16."""
+    calibrate_code2wav(model.code2wav, generator, TARGET_RMS)
+
+
+@torch.no_grad()
+def calibrate_code2wav(code2wav, generator: torch.Generator, target_rms: float) -> None:
+    """Scale code2wav's last conv so random codes decode at `target_rms` (a random model
+    meant to be heard; the presets' real-size random model uses it too)."""
     cfg = code2wav.config
     last = code2wav.decoder[-1].conv
     last.bias.zero_()
-    codes = torch.randint(0, cfg.codebook_size, (1, cfg.num_quantizers, 24), generator=generator)
+    device = last.weight.device
+    codes = torch.randint(0, cfg.codebook_size, (1, cfg.num_quantizers, 24), generator=generator, device=device)
     # The output clamps at +-1, so measure before the clamp by running the stack by hand.
     hidden = code2wav.code_embedding(codes + code2wav.code_offset).mean(1)
     hidden = code2wav.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
@@ -366,10 +343,10 @@ def _calibrate_code2wav(model, generator: torch.Generator) -> None:
             hidden = block(hidden)
     for block in code2wav.decoder:
         hidden = block(hidden)
-    rms = hidden.pow(2).mean().sqrt().item()
+    rms = hidden.float().pow(2).mean().sqrt().item()
     if not rms > 0:
         raise RuntimeError("code2wav produced silence before calibration")
-    last.weight.mul_(TARGET_RMS / rms)
+    last.weight.mul_(target_rms / rms)
 
 
 def _check_finite(model) -> None:
