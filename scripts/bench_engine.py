@@ -155,6 +155,7 @@ def main() -> None:
     p.add_argument("--max-reply-tokens", type=int, default=24)
     p.add_argument("--max-reply-seconds", type=float, default=2.0)
     p.add_argument("--no-reference", action="store_true", help="skip generate() (slow at real size)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="stream eagerly on CUDA")
     args = p.parse_args()
     if args.preset and not args.random_weights:
         p.error("--preset needs --random-weights: no checkpoint is downloaded")
@@ -163,7 +164,12 @@ def main() -> None:
     from agent.engine.stream import StreamingRunner
 
     loaded = load(args)
-    cfg = Config(max_reply_tokens=args.max_reply_tokens, max_reply_seconds=args.max_reply_seconds, audio_window_s=1.0)
+    cfg = Config(
+        max_reply_tokens=args.max_reply_tokens,
+        max_reply_seconds=args.max_reply_seconds,
+        audio_window_s=1.0,
+        cuda_graphs=args.cuda_graphs,
+    )
     stream = StreamingRunner.from_config(loaded, cfg)
     image = camera_frame()
     short, long_ = utterance(1.0), utterance(8.0, seed=1)
@@ -180,6 +186,14 @@ def main() -> None:
         ref_row = summarize("generate() 1 s", [run_replies(reference, short, image, 1, f"r{i}_") for i in range(args.repeats)])
         rows.insert(0, ref_row)
 
+    # Whether the streamed rows ran on CUDA graphs (captures per stage stay at one per batch
+    # bucket and attention length; refused = batches above the largest bucket, run eagerly).
+    stats = [f"{k}={v.captures}c/{v.replays}r/{v.refused}x" for k, v in stream.graphing.stats().items()]
+    print(f"\ngraphs={stream.graphing.mode} " + " ".join(stats))
+    if args.device == "cuda":
+        import torch
+
+        print(f"cuda_peak_allocated_gib={torch.cuda.max_memory_allocated() / 2**30:.1f}")
     ms = lambda v: "     -" if np.isnan(v) else f"{v * 1000:6.1f}"  # noqa: E731
     print(f"\nmodel={args.preset or args.model or 'tiny'} device={args.device} repeats={args.repeats} "
           "(medians, ms; the five stage columns are time spent before the first audio frame)")

@@ -57,6 +57,14 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
 
+async def scrape_value(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with http.get(f"{url}/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def scrape_histogram(http: aiohttp.ClientSession, url: str, name: str) -> dict[float, float]:
     async with http.get(f"{url}/metrics") as resp:
         text = await resp.text()
@@ -91,6 +99,7 @@ async def run_level(url: str, wav: Path, n: int, turns: int, gap_s: float, limit
     clients = [AgentClient(url, wav, video=True, repeat_after_s=gap_s, video_fps=video_fps) for _ in range(n)]
     async with aiohttp.ClientSession() as http:
         before = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
+        underruns_before = await scrape_value(http, url, "agent_playout_underruns_total")
         t0 = time.monotonic()
         try:
             for c in clients:
@@ -106,6 +115,7 @@ async def run_level(url: str, wav: Path, n: int, turns: int, gap_s: float, limit
             for c in clients:
                 await c.close()
         after = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
+        underruns = await scrape_value(http, url, "agent_playout_underruns_total") - underruns_before
     v2v, ttft, ttfa, overhead, glitches, missing = [], [], [], [], 0, 0
     for c in clients:
         lat = c.turn_latencies()[:turns]
@@ -122,7 +132,7 @@ async def run_level(url: str, wav: Path, n: int, turns: int, gap_s: float, limit
         glitches += c.result.glitches
     return {
         "n": n, "turns": len(v2v), "missing": missing, "v2v": v2v, "ttft": ttft, "ttfa": ttfa,
-        "overhead": overhead, "glitches": glitches,
+        "overhead": overhead, "glitches": glitches, "underruns": underruns,
         "server_ttfa_p50": histogram_quantile(0.5, before, after),
         "server_ttfa_p95": histogram_quantile(0.95, before, after),
     }
@@ -182,12 +192,12 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"\nrunner={args.runner} silence={args.silence_ms} ms  (voice-to-voice at the client; "
           "TTFT/TTFA from the server)")
     print(f"{'sessions':>8} {'turns':>5} {'v2v p50':>8} {'v2v p95':>8} {'v2v p99':>8} {'TTFT p50':>8} "
-          f"{'TTFA p50':>8} {'TTFA p95':>8} {'/metrics p95':>12} {'ovh p50':>8} {'glitch':>6}")
+          f"{'TTFA p50':>8} {'TTFA p95':>8} {'/metrics p95':>12} {'ovh p50':>8} {'glitch':>6} {'underrun':>8}")
     for r in results:
         print(f"{r['n']:>8} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
               f"{ms(pct(r['v2v'], 99)):>8} {ms(pct(r['ttft'], 50)):>8} {ms(pct(r['ttfa'], 50)):>8} "
               f"{ms(pct(r['ttfa'], 95)):>8} {ms(r['server_ttfa_p95']):>12} {ms(pct(r['overhead'], 50)):>8} "
-              f"{r['glitches']:>6}")
+              f"{r['glitches']:>6} {r['underruns']:>8.0f}")
     by_n = {r["n"]: r for r in results}
     base = pct(by_n[1]["v2v"], 95) if 1 in by_n else float("nan")
     four = pct(by_n[4]["v2v"], 95) if 4 in by_n else float("nan")

@@ -57,7 +57,11 @@ def runner_factory(config: Config) -> Callable[[], Runner]:
             )
         from .stream import StreamingRunner
 
-        return StreamingRunner.from_config(loaded, config)
+        # from_config reads config.cuda_graphs (--no-cuda-graphs): graphs on CUDA unless off.
+        runner = StreamingRunner.from_config(loaded, config)
+        graphing = runner.graphing
+        log.info("streaming runner on %s, graphs %s %s", loaded.device, graphing.mode, graphing.batch_sizes)
+        return runner
 
     return build
 

@@ -81,7 +81,7 @@ class StreamingRunner:
         clock: the scheduler's time source (seconds), injectable for tests.
         graphs: CUDA graph mode or settings ("auto": graphs on a CUDA device, eager elsewhere;
         "off"; "cuda"; "fake": the graph wiring on CPU). With graphs on, this fuses the MoE
-        experts of `loaded.model` in place (same outputs) and captures here."""
+        experts of `loaded.model` in place and captures here."""
         if max_reply_tokens < 2:
             raise ValueError("max_reply_tokens must be >= 2 (a reply is one text token plus its end)")
         self.loaded = loaded
@@ -97,7 +97,8 @@ class StreamingRunner:
         self.graphing = Graphing(config, loaded.device, max_sessions)
         if self.graphing.enabled:
             # transformers picks the experts' implementation at run time and may pick a loop
-            # with host syncs; the fused block is graph-safe and gives the same outputs.
+            # with host syncs; the fused block is graph-safe, the same function (bit for bit on
+            # CPU, to bf16 rounding on CUDA: tests/unit/test_moe.py).
             fuse_moe(loaded.model)
         self.thinker = ThinkerOps(loaded, max_sessions, context_limit, self.graphing)
         # The talker holds every user turn plus the reply's frames (one per codec frame).

@@ -169,7 +169,12 @@ class TalkerOps:
         return logits, hidden
 
     def _step(
-        self, embeds: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self,
+        embeds: torch.Tensor,
+        slots: torch.Tensor,
+        index: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed step: embeds [B, 1, hidden], [B] long inputs, mask [B, key_len] bool."""
         rope = positions.view(1, -1, 1).expand(3, -1, -1)

@@ -216,7 +216,12 @@ class ThinkerOps:
         return self.thinker.lm_head(hidden[:, -1]).float()
 
     def _decode_step(
-        self, tokens: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        slots: torch.Tensor,
+        index: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
         """The graphed decode step: all [B] long but mask [B, key_len] bool -> logits [B, vocab]."""
         embeds = self.embed(tokens.view(-1, 1))

@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# One short GPU check of the engine's CUDA path (target: under 8 minutes on an H200):
+#   1. machine, driver and Python versions, nvidia-smi;
+#   2. install: the machine's CUDA torch is kept (the project pins torch==2.13.0, whose CPU wheel
+#      this repo's own machines use; a pip resolve would replace a CUDA build), the rest of the
+#      dependencies go in around it; with no CUDA torch at all, torch==2.13.0 from PyPI (a CUDA
+#      build on x86_64);
+#   3. pytest -m gpu over the test files that hold GPU tests (real CUDA graphs of the engine,
+#      fused MoE, the full-size preset);
+#   4. scripts/bench_engine.py at full size with random weights, batch 1 and 4, graphs on.
+# Every step has a time limit. A failed setup (install, imports, no CUDA) stops the script before
+# the GPU steps; a failing GPU step is recorded and the next one still runs; the exit status is
+# non-zero if any step failed. Output goes to the terminal and to files under $OUT
+# when set (the device tool brings those back), else bench/results/.
+#
+#   bash scripts/gpu_check.sh                       # from the repo root
+#   PYTHON=/path/to/python bash scripts/gpu_check.sh
+#
+# Offline machines (the lent H200 reaches no package index; its python3 has CUDA torch 2.11,
+# transformers 5.17, pytest, prometheus-client): carry the missing wheels (14 MB, pure Python)
+# in `.whl/`, named in the run's `carry`, made here with
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 aioice==0.13.0 dnspython ifaddr
+# (transformers must be the pinned 5.24.0: the engine drives its qwen3_omni_moe modules
+# directly; aioice because tests/conftest.py pins ICE through it). They are installed with
+# --no-index into /tmp/site, first on PYTHONPATH.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+RESULTS="${OUT:-bench/results}"
+mkdir -p "$RESULTS"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+FAILED=()
+START=$(date +%s)
+
+section() { printf '\n== %s (+%ss)\n' "$1" "$(($(date +%s) - START))"; }
+
+# run NAME LIMIT_S CMD...: tee the output into $RESULTS/NAME.txt; record a failure, go on.
+run() {
+  local name=$1 limit=$2
+  shift 2
+  section "$name (limit ${limit}s): $*"
+  local rc=0
+  timeout --kill-after=20 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.txt" || rc=$?
+  echo "-- $name: rc=$rc$([ "$rc" -eq 124 ] && echo ' (timed out)')"
+  if [ "$rc" -ne 0 ]; then FAILED+=("$name:rc=$rc"); fi
+  return 0
+}
+
+machine() {
+  date -u
+  uname -a
+  (git rev-parse HEAD && git status --short | head -20) 2>/dev/null || echo "(no git)"
+  nvidia-smi || echo "nvidia-smi failed"
+  command -v "$PY"
+  "$PY" --version
+  "$PY" - <<'EOF'
+import importlib
+for name in ("torch", "transformers", "tokenizers", "huggingface_hub", "numpy", "aioice", "pytest"):
+    try:
+        print(f"{name} {importlib.import_module(name).__version__}")
+    except ImportError as e:
+        print(f"{name} missing ({type(e).__name__}: {e})")
+import torch
+print("cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device {p.name} sm{p.major}{p.minor} {p.total_memory / 2**30:.1f} GiB")
+EOF
+}
+
+# The project's dependencies without torch (and without the browser-test extra), from pyproject.
+deps_without_torch() {
+  "$PY" - <<'EOF'
+import re, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+for spec in project["dependencies"] + project["optional-dependencies"]["test"]:
+    name = re.split(r"[<>=!~\[ ;]", spec, maxsplit=1)[0].lower()
+    if name not in ("torch", "playwright"):
+        print(spec)
+EOF
+}
+
+export PY
+export -f machine
+run machine 60 bash -c machine
+
+if [ -d .whl ]; then
+  run install 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+elif "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  mapfile -t DEPS < <(deps_without_torch)
+  run install 300 bash -c '"$0" -m pip install -q --no-deps -e . && "$0" -m pip install -q "$@"' "$PY" "${DEPS[@]}"
+else
+  run install 480 bash -c '"$0" -m pip install -q torch==2.13.0 && "$0" -m pip install -q -e ".[test]"' "$PY"
+fi
+# The repo root on the path too: the checks run from the tree even if the editable install failed.
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+
+run imports 60 "$PY" -c '
+import sys, torch, transformers, aioice
+from agent.engine.stream import StreamingRunner
+print("torch", torch.__version__, "transformers", transformers.__version__)
+if not torch.cuda.is_available():
+    sys.exit("torch sees no CUDA device")
+if transformers.__version__ != "5.24.0":
+    print("WARNING: the engine is pinned to transformers 5.24.0")
+'
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "setup failed (${FAILED[*]}): not running the GPU checks" | tee "$RESULTS/summary.txt"
+  exit 1
+fi
+
+mapfile -t GPU_TESTS < <(grep -rl "pytest.mark.gpu" tests | sort)
+run pytest_gpu 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${GPU_TESTS[@]}"
+
+run bench_engine 300 "$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weights --device cuda \
+  --batch 1,4 --no-reference --repeats 3
+
+section "done in $(($(date +%s) - START)) s"
+{
+  echo "elapsed_s=$(($(date +%s) - START))"
+  if [ ${#FAILED[@]} -eq 0 ]; then echo "all steps passed"; else echo "failed: ${FAILED[*]}"; fi
+} | tee "$RESULTS/summary.txt"
+[ ${#FAILED[@]} -eq 0 ]
