@@ -33,6 +33,7 @@ from torch import Tensor
 from agent.engine.fake_graphs import FakeCaptureBackend
 from agent.engine.graphs import CaptureBackend, CudaBackend, GraphPool, GraphStats, StepFn
 from agent.engine.session_state import KVState
+from agent.engine.slots import SlotKV
 
 GraphMode = Literal["auto", "off", "cuda", "fake"]
 
@@ -150,3 +151,21 @@ class Graphing:
         slots = torch.full((batch,), pad_slot, dtype=torch.long, device=device)
         mask = torch.ones(batch, key_len, dtype=torch.bool, device=device)
         return DecodeRows(slots, zeros, zeros.clone(), mask, zeros.clone())
+
+
+def slot_cache_with_graph(
+    graphing: Graphing | None, decoder: torch.nn.Module, slots: int, limit: int, device: torch.device,
+    dtype: torch.dtype, name: str, step: StepFn, pad_values: Sequence[float | int], *, clone_outputs: bool,
+) -> tuple[SlotKV, GraphPool | None]:
+    """A decoder's KV slots and, when graphs are on, the pool of its decode step.
+
+    Graphs hold the cache's addresses, so it is reserved at its limit up front and never
+    moves; its extra row (index `slots`) takes the writes of pad rows.
+    """
+    rows = graphing.cache_rows(slots) if graphing is not None else slots
+    kv = SlotKV(decoder, rows, limit, device, dtype)
+    if graphing is None or not graphing.enabled:
+        return kv, None
+    kv.reserve(limit)
+    variants = len(graphing.key_lens(kv.capacity))
+    return kv, graphing.pool(name, step, pad_values, clone_outputs=clone_outputs, variants=variants)

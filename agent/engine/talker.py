@@ -22,10 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
-from agent.engine.graphing import Graphing
+from agent.engine.graphing import Graphing, slot_cache_with_graph
 from agent.engine.model import LoadedModel
 from agent.engine.session_state import KVState, mrope_positions
-from agent.engine.slots import Rows, SlotKV, decoder_forward
+from agent.engine.slots import Rows, decoder_forward
 
 
 class TalkerOps:
@@ -73,17 +73,12 @@ class TalkerOps:
             zeros = torch.zeros(1, 3, hidden, device=loaded.device, dtype=projected.dtype)
             self.codec_prefix = torch.cat([zeros, self.talker.get_input_embeddings()(codec_prefix)], dim=1)
         self.graphing = graphing
-        rows = graphing.cache_rows(slots) if graphing is not None else slots
-        self.kv = SlotKV(self.talker.model, rows, limit, loaded.device, loaded.dtype)
         self.pad_slot = slots
-        self._graph = None
-        if graphing is not None and graphing.enabled:
-            self.kv.reserve(limit)  # graphs hold the cache's addresses: it may never move
-            # Outputs cloned: the hidden rows are kept per reply until the code predictor runs.
-            self._graph = graphing.pool(
-                "talker_step", self._step, (0.0, self.pad_slot, 0, 0, 1),
-                clone_outputs=True, variants=len(graphing.key_lens(self.kv.capacity)),
-            )
+        # Outputs cloned: the hidden rows are kept per reply until the code predictor runs.
+        self.kv, self._graph = slot_cache_with_graph(
+            graphing, self.talker.model, slots, limit, loaded.device, loaded.dtype,
+            "talker_step", self._step, (0.0, self.pad_slot, 0, 0, 1), clone_outputs=True,
+        )
 
     def capture_graphs(self) -> None:
         """Capture the step for every batch bucket at the shortest attention length."""

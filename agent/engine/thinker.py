@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agent.engine.graphing import DecodeRows, Graphing
+from agent.engine.graphing import DecodeRows, Graphing, slot_cache_with_graph
 from agent.engine.model import LoadedModel
 from agent.engine.session_state import KVState, mrope_positions
-from agent.engine.slots import Rows, SlotKV, decoder_forward
+from agent.engine.slots import Rows, decoder_forward
 
 
 @dataclass
@@ -88,17 +88,12 @@ class ThinkerOps:
             cfg.thinker_config.video_token_id,
         )
         self.graphing = graphing
-        rows = graphing.cache_rows(slots) if graphing is not None else slots
-        self.kv = SlotKV(self.lm, rows, context_limit, loaded.device, loaded.dtype)
         self.pad_slot = slots
-        self._graph = None
-        if graphing is not None and graphing.enabled:
-            self.kv.reserve(context_limit)  # graphs hold the cache's addresses: it may never move
-            # Pad rows: token 0 into the scratch row at index 0, seeing one key (no empty softmax).
-            self._graph = graphing.pool(
-                "thinker_decode", self._decode_step, (0, self.pad_slot, 0, 0, 1),
-                clone_outputs=False, variants=len(graphing.key_lens(self.kv.capacity)),
-            )
+        # Pad rows: token 0 into the scratch row at index 0, seeing one key (no empty softmax).
+        self.kv, self._graph = slot_cache_with_graph(
+            graphing, self.lm, slots, context_limit, loaded.device, loaded.dtype,
+            "thinker_decode", self._decode_step, (0, self.pad_slot, 0, 0, 1), clone_outputs=False,
+        )
 
     def capture_graphs(self) -> None:
         """Capture the decode step for every batch bucket at the shortest attention length."""
