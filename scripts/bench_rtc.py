@@ -25,7 +25,6 @@ import tempfile
 import time
 import wave
 from pathlib import Path
-from typing import Optional
 
 import aiohttp
 import numpy as np

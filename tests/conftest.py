@@ -29,7 +29,6 @@ def speech_wav(tmp_path_factory) -> Path:
         ["espeak-ng", "-v", "en-us", "-s", "170", "-w", str(raw), "Hello agent, what do you see?"],
         check=True,
     )
-    import av  # noqa: F401  (resample with numpy below to keep the file exact)
     import wave
 
     import numpy as np

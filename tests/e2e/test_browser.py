@@ -21,7 +21,6 @@ Outside one they skip rather than send a packet beyond 127.0.0.0/8.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import socket
 import subprocess
