@@ -36,6 +36,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vad-silence-ms", type=int, default=d.vad_silence_ms, help="silence that ends a turn")
     p.add_argument("--vad-aggressiveness", type=int, default=d.vad_aggressiveness, choices=[0, 1, 2, 3])
     p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="offers beyond this get 503")
+    p.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s,
+                   help="close a session whose peer has not connected by then (frees its slot)")
     p.add_argument("--max-turns-per-s", type=float, default=d.max_turns_per_s, help="turn rate limit per engine")
     p.add_argument("--text-only-p95-ms", type=float, default=d.text_only_p95_ms,
                    help="P95 first-response latency above which new replies are text-only")

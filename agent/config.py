@@ -59,6 +59,7 @@ class Config:
 
     # sessions, admission and the degradation ladder
     max_sessions: int = 8
+    connect_timeout_s: float = 15.0  # an answered offer that never connects frees its slot
     max_turns_per_s: float = 20.0  # per engine
     text_only_p95_ms: float = 300.0  # P95 first-response latency above this: text-only replies
     fallback_p95_ms: float = 500.0  # above this: the text-only fallback model

@@ -75,6 +75,7 @@ class Session:
         self._stale_done = 0  # ReplyDone events still owed by cancelled replies
         self._history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
         self._closed = False
+        self._closing: Optional[asyncio.Future] = None
         self.turns = 0
 
         pc.on("track", self._on_track)
@@ -87,6 +88,8 @@ class Session:
         self._unlisten = self.admission.listen(self._on_level)
         self.emit({"type": "session.created", "session_id": self.id,
                    "mode": LEVEL_NAMES[self.admission.ladder.level]})
+        # A peer that takes its answer and never connects would hold a session slot forever.
+        asyncio.get_running_loop().call_later(self.config.connect_timeout_s, self._connect_deadline)
 
     async def close(self) -> None:
         if self._closed:
@@ -107,6 +110,13 @@ class Session:
         self.track.stop()
         await self.pc.close()
         self._on_closed(self)
+
+    def _connect_deadline(self) -> None:
+        if not self._closed and self.pc.connectionState != "connected":
+            log.info("session %s: not connected after %.0f s, closing", self.id, self.config.connect_timeout_s)
+            metrics.OFFERS_REJECTED.labels(reason="connect_timeout").inc()
+            # Not in _tasks: close() cancels those, and must not cancel itself.
+            self._closing = asyncio.ensure_future(self.close())
 
     async def _on_connection_state(self) -> None:
         if self.pc.connectionState in ("failed", "closed"):

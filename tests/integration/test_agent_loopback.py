@@ -201,3 +201,43 @@ async def test_data_channel_errors_and_text_only_mode(agent_url: str, speech_wav
     assert r.of_type("response.created")[0]["mode"] == "text"
     assert done["text"] and r.of_type("response.text.delta")
     assert not r.of_type("response.audio.started") and r.audible_samples == 0
+
+
+async def test_offer_that_never_connects_frees_its_slot(tiny_model_dir: Path, speech_wav: Path) -> None:
+    """An answered offer whose peer never completes ICE is closed after connect_timeout_s,
+    so dead offers cannot fill the session limit."""
+    config = Config(host="127.0.0.1", port=_free_port(), ice_hosts=("127.0.0.1",), model=str(tiny_model_dir),
+                    max_sessions=1, threads=1, fallback_model="none", connect_timeout_s=1.0)
+    engine = build_engine(config)
+    app_runner = web.AppRunner(create_app(config, engine))
+    await app_runner.setup()
+    await web.TCPSite(app_runner, config.host, config.port).start()
+    url = f"http://{config.host}:{config.port}"
+    ghost = AgentClient(url, speech_wav, video=False)
+    try:
+        for _ in range(300):
+            if engine.ready:
+                break
+            await asyncio.sleep(0.1)
+        # Post the offer but never apply the answer: the agent's ICE checks get no reply.
+        ghost.pc.addTrack(ghost.audio)
+        await ghost.pc.setLocalDescription(await ghost.pc.createOffer())
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/offer", json={"sdp": ghost.pc.localDescription.sdp, "type": "offer"}) as resp:
+                assert resp.status == 200
+            async with http.post(f"{url}/offer", json={"sdp": ghost.pc.localDescription.sdp, "type": "offer"}) as resp:
+                assert resp.status == 503  # the ghost holds the only slot ...
+            for _ in range(50):
+                async with http.get(f"{url}/healthz") as resp:
+                    if (await resp.json())["sessions"] == 0:
+                        break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the never-connected session kept its slot")
+        real = AgentClient(url, speech_wav, video=False)  # ... until it times out
+        await real.connect()
+        await real.wait_event("session.created", timeout=10)
+        await real.close()
+    finally:
+        await ghost.close()
+        await app_runner.cleanup()
