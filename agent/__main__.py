@@ -31,6 +31,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-reply-tokens", type=int, default=d.max_reply_tokens, help="text tokens per reply")
     p.add_argument("--max-reply-seconds", type=float, default=d.max_reply_seconds, help="audio seconds per reply")
     p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: on CPU all cores but one, left to the network thread)")
+    p.add_argument("--context-limit", type=int, default=d.context_limit,
+                   help="tokens per session; when full, history is dropped, system prompt kept")
     p.add_argument("--audio-window", type=float, default=d.audio_window_s, dest="audio_window_s",
                    help="audio encoder attention window in seconds, 1..8 (default %(default)s)")
     p.add_argument("--vad-silence-ms", type=int, default=d.vad_silence_ms, help="silence that ends a turn")

@@ -44,6 +44,9 @@ class Config:
     max_reply_tokens: int = 48  # thinker text tokens per reply
     max_reply_seconds: float = 4.0  # audio cap per reply (random tiny models rarely stop)
     threads: int = 0  # torch intra-op threads on CPU; 0 = all cores but one
+    # Tokens a session's conversation may hold; when a turn would overflow it, the session's
+    # history is dropped (system prompt kept) and the reply says so (stats.history_reset).
+    context_limit: int = 32768
     audio_window_s: float = 1.0  # AuT attention window (n_window_infer) used for prefill
 
     # ingest / turns

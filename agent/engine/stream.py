@@ -120,7 +120,7 @@ class StreamingRunner:
     @classmethod
     def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
         """From agent.config.Config (system_prompt, max_reply_tokens, max_reply_seconds,
-        audio_window_s, max_sessions, cuda_graphs). `graphs`: graph settings (default "auto":
+        audio_window_s, max_sessions, context_limit, cuda_graphs). `graphs`: graph settings (default "auto":
         graphs on a CUDA device); `config.cuda_graphs=False` (--no-cuda-graphs) turns them off
         whatever they say."""
         graphs = graphs or GraphConfig()
@@ -133,6 +133,7 @@ class StreamingRunner:
             max_reply_seconds=config.max_reply_seconds,
             audio_window_s=config.audio_window_s,
             max_sessions=config.max_sessions,
+            context_limit=config.context_limit,
             graphs=graphs,
         )
 
