@@ -20,6 +20,7 @@ import torch
 
 from .api import Output, ReplyDone, StageTime, TextDelta
 from .builds import build_once
+from .detok import IncrementalDecoder
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -81,37 +82,6 @@ def build_tiny_text(tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
                 param.copy_(torch.randn(param.shape, generator=generator) * config.initializer_range)
     model.generation_config = GenerationConfig(eos_token_id=[im_end, eot], pad_token_id=eot, bos_token_id=im_start)
     return model
-
-
-class IncrementalDecoder:
-    """A reply's text as deltas whose concatenation is exactly the full decode of its tokens.
-
-    The reply is re-decoded per token and a trailing run of U+FFFD held back: a multi-byte
-    character split across byte-level tokens, which the next token may complete. finish()
-    releases what is held. Assumes a prefix-stable decode (byte-level BPE, as Qwen's).
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        self._tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        return self._advance(self._decode().rstrip("\ufffd"))
-
-    def finish(self) -> str:
-        return self._advance(self._decode())
-
-    def _decode(self) -> str:
-        return self._tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def _advance(self, target: str) -> str:
-        if not target.startswith(self.text):  # a decode that rewrites sent text: keep what was sent
-            log.warning("fallback: decode is not prefix-stable; dropping %r", target[len(self.text):])
-            return ""
-        delta, self.text = target[len(self.text):], target
-        return delta
 
 
 @dataclass

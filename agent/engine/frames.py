@@ -82,11 +82,8 @@ class FrameBatcher:
             return []
         if len(reply.tokens) >= self.max_reply_tokens:
             reply.thinker_done, reply.thinker_reason = True, "length"
-        text_ids = [t for t in reply.tokens if t not in self.eos]
-        text = self.loaded.tokenizer.decode(text_ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
-            return []
-        delta, reply.emitted_text = text[len(reply.emitted_text) :], text
+        assert reply.decoder is not None
+        delta = reply.decoder.push(token)  # holds back a character split across tokens
         return [TextDelta(session_id, delta, (token,))] if delta else []
 
     def _needs_token(self, state: SessionState, first_pass: bool) -> bool:

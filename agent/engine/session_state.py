@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from agent.engine.audio_stream import AudioStream
+from agent.engine.detok import IncrementalDecoder
 from agent.engine.scheduler import PlayoutClock
 
 if TYPE_CHECKING:  # turns.py builds on this module: annotation only
@@ -92,7 +93,7 @@ class ReplyState:
     fed: int = 0  # how many of `tokens` the thinker cache holds
     thinker_done: bool = False
     thinker_reason: str = ""  # "stop" | "length"
-    emitted_text: str = ""
+    decoder: IncrementalDecoder | None = None  # the reply's text deltas (set at begin_reply)
     # talker
     talker_started: bool = False
     talker_done: bool = False

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
+from agent.engine.detok import IncrementalDecoder
 from agent.engine.frames import FrameBatcher, Row
 from agent.engine.graphing import GraphConfig, GraphMode, Graphing
 from agent.engine.model import LoadedModel
@@ -178,6 +179,7 @@ class StreamingRunner:
             turn=state.turn,
             started=self.clock(),
             images=list(images),
+            decoder=IncrementalDecoder(self.loaded.tokenizer),
         )
         state.turn = self.turns.new_turn()
         if not text_only:
@@ -314,8 +316,7 @@ class StreamingRunner:
             wav = np.concatenate(reply.wav) if reply.wav else np.zeros(0, dtype=np.float32)
             self.records[session_id] = ReplyRecord(tuple(text_ids), codes, wav, stats["prefill_tokens"])
         state.reply = None
-        text = self.loaded.tokenizer.decode(text_ids, skip_special_tokens=True)
-        outputs: list[Output] = []
-        if text != reply.emitted_text:  # a split character held back at the very end
-            outputs.append(TextDelta(session_id, text[len(reply.emitted_text) :], ()))
-        return outputs + [ReplyDone(session_id, reason, text=text, stats=stats)]
+        assert reply.decoder is not None
+        tail = reply.decoder.finish()  # a split character held back at the very end
+        outputs: list[Output] = [TextDelta(session_id, tail, ())] if tail else []
+        return outputs + [ReplyDone(session_id, reason, text=reply.decoder.text, stats=stats)]
