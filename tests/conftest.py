@@ -55,3 +55,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from agent.engine.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("model") / "tiny-qwen3-omni")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path):
+    """The tiny model loaded the real way (from_pretrained), once per test module."""
+    import torch
+
+    from agent.engine.model import load_model
+
+    torch.set_num_threads(1)
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture
+def eager_to_end(loaded):
+    """Make the thinker want <|im_end|> at every step (the 1-token reply seen in the field)."""
+    im_end = loaded.ids.im_end
+
+    def push_eos(module, args, logits):
+        logits = logits.clone()
+        logits[..., im_end] += 1e4
+        return logits
+
+    handle = loaded.model.thinker.lm_head.register_forward_hook(push_eos)
+    yield
+    handle.remove()

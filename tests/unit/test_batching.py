@@ -28,7 +28,6 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime
 from agent.engine.code2wav_slots import SlotCode2Wav
-from agent.engine.model import load_model
 from agent.engine.scheduler import PlayoutClock, ReplyView, SchedulerConfig, plan_tick
 from agent.engine.stream import StreamingRunner
 
@@ -50,12 +49,6 @@ def make_audio(seconds: float, freq: float, seed: int) -> np.ndarray:
     wav = 0.2 * np.sin(2 * np.pi * freq * t) + np.random.default_rng(seed).standard_normal(t.shape) * 0.02
     wav[:40] = 0.5  # loudest first: the streamed log-mel then equals the extractor's
     return wav.astype(np.float32)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    torch.set_num_threads(1)
-    return load_model(str(tiny_model_dir))
 
 
 def speak(runner: StreamingRunner, sid: str, audio: np.ndarray) -> None:

@@ -12,7 +12,6 @@ from transformers import AutoTokenizer
 
 from agent.engine.api import ReplyDone, TextDelta
 from agent.engine.detok import IncrementalDecoder
-from agent.engine.model import load_model
 from agent.engine.stream import StreamingRunner
 
 
@@ -37,8 +36,7 @@ def test_trailing_broken_bytes_are_released_at_the_end(tiny_model_dir) -> None:
     assert tail == tokenizer.decode(ids[:-1]) and decoder.text == tail
 
 
-def test_streaming_deltas_join_to_the_reply_text(tiny_model_dir) -> None:
-    loaded = load_model(str(tiny_model_dir))
+def test_streaming_deltas_join_to_the_reply_text(loaded) -> None:
     runner = StreamingRunner(loaded, "hi", max_reply_tokens=24, max_reply_seconds=0.5)
     runner.open_session("s")
     runner.append_audio("s", (np.random.default_rng(3).standard_normal(16000) * 0.1).astype(np.float32))
