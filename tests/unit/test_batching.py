@@ -267,6 +267,26 @@ def test_slot_code2wav_equals_one_shot_for_rows_at_different_frames(code2wav):
         torch.testing.assert_close(torch.cat(pieces[i]), expected[i], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunks", [[1], [2], [7], [1, 2, 7, 3, 5]])
+def test_slot_code2wav_equals_one_shot_for_any_chunking(code2wav, chunks):
+    """The production code2wav path, pushed several frames at a time (cycling `chunks`)."""
+    generator = torch.Generator().manual_seed(2)
+    frames = 90
+    codes = torch.randint(0, 256, (1, 16, frames), generator=generator)
+    with torch.no_grad():
+        expected = code2wav(codes)[0, 0]
+    stream = SlotCode2Wav(code2wav, slots=2, max_frames_per_push=max(chunks))
+    stream.reset(1)
+    pieces, at, k = [], 0, 0
+    with torch.no_grad():
+        while at < frames:
+            n = min(chunks[k % len(chunks)], frames - at)
+            pieces += stream.push([1], codes[:, :, at : at + n])
+            at, k = at + n, k + 1
+    assert pieces[0].shape[0] == chunks[0] * 1920 - 555
+    torch.testing.assert_close(torch.cat(pieces), expected, rtol=0, atol=1e-5)
+
+
 def test_session_slots_are_bounded_and_reused(loaded):
     runner = StreamingRunner(loaded, SYSTEM, max_sessions=2)
     runner.open_session("a")
