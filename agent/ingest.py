@@ -66,10 +66,6 @@ class AudioIn:
         return self._next_index * CHUNK_SECONDS
 
     @property
-    def next_index(self) -> int:
-        return self._next_index
-
-    @property
     def partial(self) -> tuple[int, np.ndarray]:
         """The chunk still being filled: its index and the samples it has so far.
 

@@ -282,9 +282,6 @@ class GraphPool(CUDAGraphed):
         key = self._key(args)
         return key is not None and key in self._state.graphs
 
-    def bucket_captured(self, batch: int) -> bool:
-        return any(key[0][0][0] == batch for key in self._state.graphs)
-
     def _key(self, args: Sequence[Tensor]) -> Signature | None:
         batch = _batch_of(args)
         bucket = self.bucket(batch)
