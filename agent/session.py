@@ -196,8 +196,7 @@ class Session:
     def _barge_in(self) -> None:
         """The user speaks over the reply: stop generating and drop queued audio at once."""
         reply = self._reply
-        dropped = self.track.flush()
-        self.track.end_reply()
+        dropped = self.track.flush()  # also ends the track's reply
         if reply is None:
             return
         if reply.engine_open:
