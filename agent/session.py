@@ -231,7 +231,9 @@ class Session:
             mode = "fallback"
         elif level >= 1 or modalities == ["text"]:
             mode = "text"
-        limit = params.get("max_output_tokens", self.settings["max_output_tokens"])
+        limit = session_config.max_output_tokens(params.get("max_output_tokens", self.settings["max_output_tokens"]))
+        if limit is not None and limit >= self.config.max_reply_tokens:
+            limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
         if params.get("instructions"):
             self._engine_call("set_reply_instructions", params["instructions"])
         images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
@@ -241,7 +243,7 @@ class Session:
         voice = self.settings["audio"]["output"].get("voice") or "default"
         reply = Response(audio=mode == "audio", mode=mode, end_of_turn=time.monotonic(),
                          conversation_id=self.conversation_id, voice=voice if isinstance(voice, str) else "default",
-                         max_tokens=session_config.max_output_tokens(limit), metadata=params.get("metadata"))
+                         max_tokens=limit, metadata=params.get("metadata"))
         self._reply = self._last = reply
         if self.track is not None and reply.audio:
             self.track.begin_reply()
