@@ -16,7 +16,7 @@ import time
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import aiohttp
 import av
@@ -207,7 +207,9 @@ class AgentClient:
         self._event_waiters.append((kind, fut))
         return await asyncio.wait_for(fut, timeout)
 
-    async def connect(self) -> None:
+    async def connect(self, signal: Optional[Callable[[str], Awaitable[tuple[str, str]]]] = None) -> None:
+        """Offer, POST it, apply the answer. signal(offer_sdp) -> (answer_sdp, location) replaces
+        the built-in POST (e.g. the openai SDK's realtime.calls.create)."""
         self.pc.addTrack(self.audio)
         if self.video is not None:
             self.pc.addTrack(self.video)
@@ -223,6 +225,14 @@ class AgentClient:
 
         await self.pc.setLocalDescription(await self.pc.createOffer())
         offer = self.pc.localDescription.sdp
+        if signal is not None:
+            answer, self.result.location = await signal(offer)
+        else:
+            answer = await self._post_offer(offer)
+        self.result.call_id = self.result.location.rsplit("/", 1)[-1]
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+
+    async def _post_offer(self, offer: str) -> str:
         async with aiohttp.ClientSession() as http:
             if self.session_config is None:
                 data: Any = offer
@@ -237,8 +247,7 @@ class AgentClient:
                 if resp.status != 201:
                     raise RuntimeError(f"offer refused: {resp.status} {body}")
                 self.result.location = resp.headers.get("Location", "")
-        self.result.call_id = self.result.location.rsplit("/", 1)[-1]
-        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body, type="answer"))
+                return body
 
     async def hangup(self) -> int:
         """DELETE the call; returns the HTTP status (204 when the agent ended it)."""
