@@ -11,6 +11,8 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
 - response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works;
 - a bad event gets `error` naming its event_id (and the field) and the connection goes on;
 - truncating the latest reply answers conversation.item.truncated and shortens its transcript;
+- server VAD with create_response false commits a turn without answering it, and with
+  interrupt_response false speaking over a reply does not cancel it;
 - every server event validates strictly against the SDK's GA pydantic models.
 """
 
@@ -285,6 +287,37 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
         await conn.send({"type": "conversation.item.delete", "event_id": "evt_del", "item_id": item_id})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_del")
         assert err["error"]["code"] == "unsupported"
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    """create_response false: a detected turn is committed, not answered; interrupt_response
+    false: speaking over a reply does not cancel it."""
+    manager, conn, ev = await _connect(agent, strict_event)
+    try:
+        await ev.wait("session.created", 10)
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+            "type": "server_vad", "create_response": False, "interrupt_response": False}}}})
+        await ev.wait("session.updated", 10)
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Talk to me."}]})
+        await conn.response.create()
+        await ev.wait("response.output_audio.delta", 90)
+        await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
+        committed = await ev.wait("input_audio_buffer.committed", 30)
+        first = await ev.wait("response.done", 90)
+        started = ev.of("input_audio_buffer.speech_started")[0]
+        assert ev.all.index(started) < ev.all.index(first), "the speech did not overlap the reply"
+        assert first["response"]["status"] in ("completed", "incomplete")
+        await asyncio.sleep(1.0)
+        assert len(ev.of("response.created")) == 1, "create_response false still answered the turn"
+        mark = len(ev.all)
+        await conn.response.create()
+        done = await ev.wait("response.done", 90, after=mark)
+        assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
+        assert ev.all.index(committed) < mark
     finally:
         ev.close()
         await manager.__aexit__(None, None, None)
