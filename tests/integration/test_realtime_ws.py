@@ -13,6 +13,7 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
 - truncating the latest reply answers conversation.item.truncated and shortens its transcript;
 - server VAD with create_response false commits a turn without answering it, and with
   interrupt_response false speaking over a reply does not cancel it;
+- agent.client.WsAgentClient (the benchmark's WebSocket client) times a turn;
 - every server event validates strictly against the SDK's GA pydantic models.
 """
 
@@ -321,3 +322,24 @@ async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: 
     finally:
         ev.close()
         await manager.__aexit__(None, None, None)
+
+
+async def test_ws_agent_client_times_a_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    """agent.client.WsAgentClient (what the benchmark uses) hears a reply after its speech ended."""
+    from agent.client import WsAgentClient
+
+    client = WsAgentClient(agent.url, speech_wav)
+    try:
+        await client.connect()
+        await client.wait_event("response.done", 90)
+        for _ in range(50):
+            if client.turn_latencies() and client.turn_latencies()[0] is not None:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+    latencies = client.turn_latencies()
+    assert latencies and latencies[0] is not None and latencies[0] > 0
+    assert client.result.audible_samples > 0
+    for event in client.result.events:
+        strict_event(event)
