@@ -8,7 +8,8 @@ Pins:
   deltas on the channel, output_audio_buffer.started/stopped around the reply, and every
   event validates strictly against the SDK's GA models; SSE streams the same events;
 - `calls.hangup` ends the call; raw SDP on /v1/realtime/calls?model= and the older
-  POST /v1/realtime?model= are answered 201 too; DELETE ends a call (204), then 404.
+  POST /v1/realtime?model= are answered 201 too; a sideband WebSocket (?call_id=) carries the
+  call's events; DELETE ends a call (204), then 404.
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ async def test_raw_sdp_url_forms_and_delete(agent: RunningAgent, speech_wav: Pat
                 assert (await resp.text()).startswith("v=0")
                 location = resp.headers["Location"]
             assert location.startswith("/v1/realtime/calls/rtc_")
+            # A sideband WebSocket on the call: client events in, the call's events out.
+            call_id = location.rsplit("/", 1)[-1]
+            async with http.ws_connect(f"{agent.url.replace('http', 'ws')}/v1/realtime?call_id={call_id}") as ws:
+                await ws.send_str(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_none",
+                                              "event_id": "evt_side"}))
+                reply = json.loads((await ws.receive(timeout=10)).data)
+                assert reply["type"] == "error" and reply["error"]["event_id"] == "evt_side"
             async with http.delete(f"{agent.url}{location}") as resp:
                 assert resp.status == 204
             async with http.delete(f"{agent.url}{location}") as resp:
