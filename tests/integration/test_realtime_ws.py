@@ -6,8 +6,9 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
 - a spoken WAV streamed as 24 kHz pcm16 in real time gets speech_started → speech_stopped →
   committed → response.created → transcript deltas and non-silent output_audio deltas →
   response.done with usage, ids consistent across the response's events;
-- a manual turn (turn_detection null: commit + response.create) and a text turn
-  (conversation.item.create) are answered; an empty commit is an error;
+- a manual turn (turn_detection null: commit + response.create), a text turn and an audio
+  item (conversation.item.create, with per-response instructions) are answered; an empty
+  commit is an error;
 - response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works;
 - a bad event gets `error` naming its event_id (and the field) and the connection goes on;
 - truncating the latest reply answers conversation.item.truncated and shortens its transcript;
@@ -238,6 +239,17 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         assert done["response"]["output_modalities"] == ["text"]
         usage = done["response"]["usage"]
         assert usage["input_token_details"]["audio_tokens"] == 0 and usage["input_token_details"]["text_tokens"] > 0
+
+        # A whole audio message as an item, answered with per-response instructions.
+        mark = len(ev.all)
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_audio", "audio": b64(pcm)}]})
+        added = await ev.wait("conversation.item.added", 10, after=mark)
+        assert added["item"]["content"][0]["type"] == "input_audio"
+        await conn.response.create(response={"output_modalities": ["text"], "instructions": "One word only."})
+        done = await ev.wait("response.done", 90, after=mark)
+        assert not [e for e in ev.all[mark:] if e["type"] == "error"]
+        assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
     finally:
         ev.close()
         await manager.__aexit__(None, None, None)
