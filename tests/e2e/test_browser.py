@@ -1,15 +1,23 @@
-"""Headless Chromium holds a real call with the agent through web/, on loopback only.
+"""Headless Chromium holds a real call with the agent through web/, on loopback only, over
+the OpenAI Realtime API (GA) protocol the page speaks.
 
 What it pins, end to end (`python -m agent serve` with the tiny model as a subprocess,
 Debian's Chromium driven by Playwright, a fake mic playing espeak-ng speech and a fake
 camera playing a synthetic y4m):
-- the page's RTCPeerConnection reaches "connected" and its status line says so;
-- the agent's words arrive as `response.text.delta` events on the "events" data channel and
-  appear in the caption overlay; `response.done` fills the TTFT/TTFA readout;
+- the page signals with one raw-SDP POST to /v1/realtime/calls (201, Location naming an
+  rtc_ call), its RTCPeerConnection reaches "connected" and its status line says so;
+- events arrive on the client-created "oai-events" channel; the page's session.update is
+  answered by session.updated; the agent's words arrive as
+  response.output_audio_transcript.delta and appear in the caption overlay; response.done's
+  `omni` figures fill the TTFT/TTFA readout;
 - the agent's voice arrives and is audible: inbound-rtp audio packetsReceived > 0 and
-  totalAudioEnergy > 0, and the page's own analyser measured end-of-turn -> audible;
+  totalAudioEnergy > 0, and the page's own analyser measured speech_stopped -> audible;
 - the page asked the camera sender for 4 fps (RTCRtpSender.setParameters);
-- a refused offer (the server's 4xx JSON error) is shown to the user, not swallowed.
+- Stop hangs up with DELETE on the call's Location (204);
+- a refused offer (the server's 4xx JSON error) is shown to the user, not swallowed;
+- against a server started with --api-key, the page shows its key field, tells the user a
+  key is needed when none is given, and with the key mints an ek_ key on its own origin and
+  signals with it (the API key itself never goes to /v1/realtime/calls).
 A screenshot of the live call goes to the test's tmp_path and to test-output/browser/page.png.
 
 Network rule: Chromium gathers every interface's address and aiortc probes whatever the
@@ -21,6 +29,7 @@ Outside one they skip rather than send a packet beyond 127.0.0.0/8.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import socket
 import subprocess
@@ -62,7 +71,9 @@ SNAPSHOT_JS = """async () => {
   const text = (id) => document.getElementById(id).innerText.trim();
   const done = byType("response.done");
   const s = {
-    state: o.state, statusText: text("state-text"), deltas: byType("response.text.delta").length,
+    state: o.state, statusText: text("state-text"), channel: o.channel?.label ?? null, callUrl: o.callUrl,
+    deltas: byType("response.output_audio_transcript.delta").length + byType("response.output_text.delta").length,
+    updated: byType("session.updated").length,
     dones: done.length, lastDone: done.at(-1) ?? null, errors: byType("error"),
     caption: text("captions"), errorBox: document.getElementById("error").hidden ? "" : text("error"),
     ttftText: text("ttft"), ttfaText: text("ttfa"), latency: o.latency,
@@ -175,7 +186,8 @@ def drive_call(page, base_url: str, out_dir: Path, timeout_s: float = CALL_TIMEO
     """
     page.goto(base_url)
     page.get_by_role("button", name="Start the call").click()
-    need = ["connected", "text delta", "caption", "audio packets", "audio energy", "response.done", "audible"]
+    need = ["connected", "session.updated", "transcript delta", "caption", "audio packets", "audio energy",
+            "response.done", "audible"]
     seen: dict[str, dict] = {}
     snap: dict = {}
     deadline = time.monotonic() + timeout_s
@@ -185,7 +197,8 @@ def drive_call(page, base_url: str, out_dir: Path, timeout_s: float = CALL_TIMEO
         assert snap["state"] not in ("failed", "closed"), f"call {snap['state']}: {snap['errorBox']}"
         checks = {
             "connected": snap["state"] == "connected" and snap["statusText"] == "connected",
-            "text delta": snap["deltas"] > 0,
+            "session.updated": snap["updated"] > 0,
+            "transcript delta": snap["deltas"] > 0,
             "caption": bool(snap["caption"]),
             "audio packets": snap["audioPackets"] > 0,
             "audio energy": snap["audioEnergy"] > 0,
@@ -206,12 +219,20 @@ def drive_call(page, base_url: str, out_dir: Path, timeout_s: float = CALL_TIMEO
     raise AssertionError(f"after {timeout_s} s still missing {missing}; last snapshot: {snap}")
 
 
+def hang_up(page) -> dict:
+    """Press Stop and return the DELETE the page sent to the call's Location."""
+    with page.expect_response(lambda r: r.request.method == "DELETE") as response_info:
+        page.get_by_role("button", name="Stop the call").click()
+    response = response_info.value
+    return {"url": response.url, "status": response.status, "state": page.evaluate("window.omni.state")}
+
+
 def drive_refused_offer(page, base_url: str) -> dict:
-    """Press Start while the browser mangles the offer body into invalid JSON on its way out:
+    """Press Start while the browser mangles the SDP offer into garbage on its way out:
     the real server refuses it, and the page must tell the user so."""
-    page.route("**/offer", lambda route: route.continue_(post_data="{not json"))
+    page.route("**/v1/realtime/calls", lambda route: route.continue_(post_data="this is not an SDP offer"))
     page.goto(base_url)
-    with page.expect_response("**/offer") as response_info:
+    with page.expect_response("**/v1/realtime/calls") as response_info:
         page.get_by_role("button", name="Start the call").click()
     response = response_info.value
     error_box = page.get_by_role("alert")
@@ -237,15 +258,30 @@ def _require_loopback_namespace():
         pytest.skip("needs Debian's chromium and sox (apt-get install chromium sox)")
 
 
-@pytest.fixture(scope="module")
-def agent_url(tiny_model_dir, tmp_path_factory):
+def serve(tiny_model_dir: Path, log_dir: Path, *extra: str):
+    """The agent on a free loopback port; yields its base URL and stops it afterwards."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
     cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--ice-host", "127.0.0.1", "--model", str(tiny_model_dir)]
-    proc = start_server(cmd, url, tmp_path_factory.mktemp("server") / "server.log")
-    yield url
-    stop_server(proc)
+           "--ice-host", "127.0.0.1", "--model", str(tiny_model_dir), *extra]
+    proc = start_server(cmd, url, log_dir / "server.log")
+    try:
+        yield url
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def agent_url(tiny_model_dir, tmp_path_factory):
+    yield from serve(tiny_model_dir, tmp_path_factory.mktemp("server"))
+
+
+API_KEY = "sk-test-" + "0123456789abcdef" * 2
+
+
+@pytest.fixture(scope="module")
+def keyed_agent_url(tiny_model_dir, tmp_path_factory):
+    yield from serve(tiny_model_dir, tmp_path_factory.mktemp("keyed-server"), "--api-key", API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -278,9 +314,11 @@ def page(chromium):
 def test_call_shows_captions_and_plays_the_agents_voice(page, agent_url, tmp_path):
     snap = drive_call(page, agent_url, tmp_path)
 
+    assert snap["channel"] == "oai-events"
+    assert re.fullmatch(re.escape(agent_url) + r"v1/realtime/calls/rtc_[0-9a-f]{24}", snap["callUrl"] or ""), snap
     assert snap["videoFpsCap"] == 4, "the camera sender was not capped at 4 fps"
-    done = snap["lastDone"]
-    assert snap["ttftText"] == js_ms(done.get("ttft_ms")) and snap["ttfaText"] == js_ms(done.get("ttfa_ms"))
+    figures = snap["lastDone"]["response"]["omni"]
+    assert snap["ttftText"] == js_ms(figures.get("ttft_ms")) and snap["ttfaText"] == js_ms(figures.get("ttfa_ms"))
 
     keep = REPO / "test-output" / "browser" / "page.png"
     keep.parent.mkdir(parents=True, exist_ok=True)
@@ -289,12 +327,49 @@ def test_call_shows_captions_and_plays_the_agents_voice(page, agent_url, tmp_pat
     print(f"caption: {snap['caption']!r}; latency: {snap['latency']}; "
           f"audio packets {snap['audioPackets']}, energy {snap['audioEnergy']:.4f}")
 
+    hung = hang_up(page)
+    assert hung["url"] == snap["callUrl"] and hung["status"] == 204, hung
+    assert hung["state"] == "closed", hung
+
 
 def test_refused_offer_is_shown_to_the_user(page, agent_url):
     result = drive_refused_offer(page, agent_url)
 
     assert 400 <= result["status"] < 500, result
-    assert isinstance(result["body"].get("error"), str) and result["body"]["error"], result
+    error = result["body"].get("error")
+    reason = error.get("message") if isinstance(error, dict) else error
+    assert isinstance(reason, str) and reason, result
     assert f"HTTP {result['status']}" in result["error_text"], result
-    assert result["body"]["error"] in result["error_text"], result
+    assert reason in result["error_text"], result
     assert result["start_enabled"], "Start must be usable again after a refused call"
+
+
+def test_keyed_server_page_mints_an_ephemeral_key(page, keyed_agent_url):
+    calls: list[dict] = []
+    page.on("request", lambda r: calls.append({"url": r.url, "method": r.method,
+                                                "auth": r.headers.get("authorization", "")})
+            if "/v1/realtime/calls" in r.url else None)
+    page.goto(keyed_agent_url)
+    key_field = page.get_by_label("API key")
+    key_field.wait_for(state="visible", timeout=10_000)
+
+    # No key: the mint is refused and the page says a key is needed; no call is attempted.
+    page.get_by_role("button", name="Start the call").click()
+    page.wait_for_function("window.omni.state === 'failed'", timeout=10_000)
+    error_text = page.get_by_role("alert").inner_text()
+    assert "HTTP 401" in error_text and "API key" in error_text, error_text
+    assert not calls, calls
+
+    # With the key: the page mints an ek_ key and signals with that, never with the API key.
+    key_field.fill(API_KEY)
+    page.get_by_role("button", name="Start the call").click()
+    page.wait_for_function(
+        "window.omni.state === 'connected' && window.omni.events.some((e) => e.type === 'session.updated')",
+        timeout=CALL_TIMEOUT_S * 1000)
+    posts = [c for c in calls if c["method"] == "POST"]
+    assert len(posts) == 1 and posts[0]["auth"].startswith("Bearer ek_"), calls
+    assert API_KEY not in str(calls)
+
+    hung = hang_up(page)
+    assert hung["status"] == 204, hung
+    assert page.evaluate("window.omni.events.filter((e) => e.type === 'error')") == []
