@@ -19,11 +19,7 @@ camera playing a synthetic y4m):
   key is needed when none is given, and with the key mints an ek_ key on its own origin and
   signals with it (the API key itself never goes to /v1/realtime/calls).
 A screenshot of the live call goes to the test's tmp_path and to test-output/browser/page.png.
-
-Network rule: Chromium gathers every interface's address and aiortc probes whatever the
-browser offers, so these tests only run inside a loopback-only namespace:
-    unshare -n sh -c 'ip link set lo up && pytest -m browser'
-Outside one they skip rather than send a packet beyond 127.0.0.0/8.
+The agent, the browser and the loopback-only rule live in tests/e2e/conftest.py.
 """
 
 from __future__ import annotations
@@ -31,40 +27,16 @@ from __future__ import annotations
 import math
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[2]
 CALL_TIMEOUT_S = 90
-SERVER_START_TIMEOUT_S = 120
 
-# The flags FACTS.md found to work headless. The fake-capture files are appended per launch.
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--use-fake-ui-for-media-stream",
-    "--use-fake-device-for-media-stream",
-    "--autoplay-policy=no-user-gesture-required",
-    "--allow-loopback-in-peer-connection",
-    "--disable-features=WebRtcHideLocalIpsWithMdns",
-]
-
-# One atomic look at the page: everything the assertions need, read in a single evaluate
-# so the captions, events and stats describe the same moment.
 SNAPSHOT_JS = """async () => {
   const o = window.omni;
   const byType = (t) => o.events.filter((e) => e.type === t);
@@ -94,82 +66,6 @@ SNAPSHOT_JS = """async () => {
 
 
 # ---- helpers (plain functions, so they can also drive a stand-in server by hand) -----------
-
-
-def loopback_only() -> bool:
-    return [name for _, name in socket.if_nameindex()] == ["lo"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def make_fake_mic(speech_wav: Path, out: Path, silence_s: float = 3.0) -> Path:
-    """48 kHz copy of the speech plus trailing silence: Chromium loops the file, and the
-    silence is what lets the agent's endpointer see an end of turn before the next loop."""
-    subprocess.run(
-        ["sox", str(speech_wav), "-r", "48000", "-c", "1", "-b", "16", str(out), "pad", "0", str(silence_s)],
-        check=True,
-    )
-    return out
-
-
-def make_fake_camera(out: Path, width: int = 320, height: int = 240, frames: int = 20) -> Path:
-    """A y4m (4:2:0) clip: drifting colour gradient with a white square crossing it."""
-    yy, xx = np.mgrid[0:height, 0:width]
-    cy, cx = np.mgrid[0 : height // 2, 0 : width // 2]
-    with open(out, "wb") as f:
-        f.write(f"YUV4MPEG2 W{width} H{height} F15:1 Ip A1:1 C420jpeg\n".encode())
-        for i in range(frames):
-            luma = (40 + ((xx + yy + 6 * i) % 160)).astype(np.uint8)
-            x0 = int(i * (width - 64) / max(frames - 1, 1))
-            luma[height // 2 - 32 : height // 2 + 32, x0 : x0 + 64] = 235
-            u = (128 + 60 * np.sin((cx + 4 * i) / 20)).astype(np.uint8)
-            v = (128 + 60 * np.cos((cy + 4 * i) / 15)).astype(np.uint8)
-            f.write(b"FRAME\n" + luma.tobytes() + u.tobytes() + v.tobytes())
-    return out
-
-
-def start_server(cmd: list[str], base_url: str, log_path: Path) -> subprocess.Popen:
-    """Start the server and wait until GET /healthz answers 200 (it loads the model first)."""
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{tail(log_path)}")
-        try:
-            with urllib.request.urlopen(base_url + "healthz", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    stop_server(proc)
-    raise TimeoutError(f"no 200 from /healthz in {SERVER_START_TIMEOUT_S} s:\n{tail(log_path)}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def tail(path: Path, n: int = 4000) -> str:
-    return path.read_bytes()[-n:].decode(errors="replace") if path.exists() else ""
-
-
-def launch_chromium(playwright, fake_mic: Path, fake_camera: Path):
-    return playwright.chromium.launch(
-        executable_path=shutil.which("chromium"),
-        headless=True,
-        args=CHROMIUM_FLAGS
-        + [f"--use-file-for-fake-audio-capture={fake_mic}", f"--use-file-for-fake-video-capture={fake_camera}"],
-    )
 
 
 def js_ms(value) -> str:
@@ -246,68 +142,6 @@ def drive_refused_offer(page, base_url: str) -> dict:
     }
 
 
-# ---- fixtures ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _require_loopback_namespace():
-    if not loopback_only():
-        pytest.skip("browser tests send ICE checks to every interface: run them inside "
-                    "`unshare -n sh -c 'ip link set lo up && pytest -m browser'`")
-    if shutil.which("chromium") is None or shutil.which("sox") is None:
-        pytest.skip("needs Debian's chromium and sox (apt-get install chromium sox)")
-
-
-def serve(tiny_model_dir: Path, log_dir: Path, *extra: str):
-    """The agent on a free loopback port; yields its base URL and stops it afterwards."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--ice-host", "127.0.0.1", "--model", str(tiny_model_dir), *extra]
-    proc = start_server(cmd, url, log_dir / "server.log")
-    try:
-        yield url
-    finally:
-        stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def agent_url(tiny_model_dir, tmp_path_factory):
-    yield from serve(tiny_model_dir, tmp_path_factory.mktemp("server"))
-
-
-API_KEY = "sk-test-" + "0123456789abcdef" * 2
-
-
-@pytest.fixture(scope="module")
-def keyed_agent_url(tiny_model_dir, tmp_path_factory):
-    yield from serve(tiny_model_dir, tmp_path_factory.mktemp("keyed-server"), "--api-key", API_KEY)
-
-
-@pytest.fixture(scope="module")
-def chromium(speech_wav, tmp_path_factory):
-    from playwright.sync_api import sync_playwright
-
-    media = tmp_path_factory.mktemp("fake-media")
-    mic = make_fake_mic(speech_wav, media / "mic.wav")
-    camera = make_fake_camera(media / "camera.y4m")
-    with sync_playwright() as p:
-        browser = launch_chromium(p, mic, camera)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(chromium):
-    context = chromium.new_context(viewport={"width": 820, "height": 1000})
-    page = context.new_page()
-    page_errors: list[str] = []
-    page.on("pageerror", lambda exc: page_errors.append(str(exc)))
-    yield page
-    context.close()
-    assert not page_errors, f"uncaught errors in the page: {page_errors}"
-
-
 # ---- tests -------------------------------------------------------------------------------
 
 
@@ -344,7 +178,7 @@ def test_refused_offer_is_shown_to_the_user(page, agent_url):
     assert result["start_enabled"], "Start must be usable again after a refused call"
 
 
-def test_keyed_server_page_mints_an_ephemeral_key(page, keyed_agent_url):
+def test_keyed_server_page_mints_an_ephemeral_key(page, keyed_agent_url, api_key):
     calls: list[dict] = []
     page.on("request", lambda r: calls.append({"url": r.url, "method": r.method,
                                                 "auth": r.headers.get("authorization", "")})
@@ -361,14 +195,14 @@ def test_keyed_server_page_mints_an_ephemeral_key(page, keyed_agent_url):
     assert not calls, calls
 
     # With the key: the page mints an ek_ key and signals with that, never with the API key.
-    key_field.fill(API_KEY)
+    key_field.fill(api_key)
     page.get_by_role("button", name="Start the call").click()
     page.wait_for_function(
         "window.omni.state === 'connected' && window.omni.events.some((e) => e.type === 'session.updated')",
         timeout=CALL_TIMEOUT_S * 1000)
     posts = [c for c in calls if c["method"] == "POST"]
     assert len(posts) == 1 and posts[0]["auth"].startswith("Bearer ek_"), calls
-    assert API_KEY not in str(calls)
+    assert api_key not in str(calls)
 
     hung = hang_up(page)
     assert hung["status"] == 204, hung
