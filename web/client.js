@@ -214,7 +214,8 @@ async function mintEphemeralKey() {
   });
   if (!res.ok) {
     const hint = res.status === 401 ? (key ? " The API key was not accepted." : " This server needs an API key: enter it above.") : "";
-    throw new Error(`${await httpError(res, "The server refused to mint a key")}${hint}`);
+    const message = await httpError(res, "The server refused to mint a key");
+    throw new Error(hint ? `${message.replace(/\.?$/, ".")}${hint}` : message);
   }
   return (await res.json()).value;
 }
