@@ -1,6 +1,8 @@
 """A loopback client peer: sends a WAV (then silence) and synthetic video, measures replies.
 
-Used by the integration tests and by scripts/bench_rtc.py. It measures what a user would:
+Used by the integration tests and by scripts/bench_rtc.py. It speaks the Realtime API's GA
+WebRTC form like a browser client: POST /v1/realtime/calls with the raw SDP offer, events on
+the `oai-events` data channel it creates itself. It measures what a user would:
 voice-to-voice is the time from the real end of speech in the sent audio to the first
 audible sample received back.
 """
@@ -134,20 +136,34 @@ class ClientResult:
     audible_log: list[tuple[float, int]] = field(default_factory=list)  # (wall time, samples) per audible frame
     _last_audible: Optional[float] = None
     peak_rms: float = 0.0
-    session_id: str = ""
+    call_id: str = ""  # rtc_…, from the Location header
+    location: str = ""
+
+    @property
+    def session_id(self) -> str:  # the call id names the session in every /v1/realtime/calls route
+        return self.call_id
 
     def of_type(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("type") == kind]
+
+    def done_omni(self) -> list[dict[str, Any]]:
+        """The agent's figures of each finished response: {"ttft_ms", "ttfa_ms", "mode", "stats"}."""
+        return [e["response"].get("omni", {}) for e in self.of_type("response.done")]
 
 
 class AgentClient:
     """One aiortc peer talking to the agent at base_url over loopback."""
 
     def __init__(self, base_url: str, wav: Path, video: bool = True, repeat_after_s: Optional[float] = None,
-                 receive_prefetch: Optional[int] = 1, video_fps: int = 10) -> None:
-        """receive_prefetch: frames aiortc holds before playing received audio; 1 (20 ms)
-        is browser-like, None keeps aiortc's default of 4 (80 ms)."""
-        self.base_url = base_url
+                 receive_prefetch: Optional[int] = 1, video_fps: int = 10, api_key: Optional[str] = None,
+                 session: Optional[dict[str, Any]] = None) -> None:
+        """base_url: the agent's root (http://host:port). receive_prefetch: frames aiortc holds
+        before playing received audio; 1 (20 ms) is browser-like, None keeps aiortc's default of
+        4 (80 ms). api_key: sent as Bearer (the API key or an ek_ key). session: a GA session
+        config sent with the offer (multipart); None sends the raw SDP only."""
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.session_config = session
         self.pcm = load_wav_mono(wav)
         self.speech_end = speech_end_sample(self.pcm)
         self.audio = WavTrack(self.pcm, repeat_after_s, self.speech_end)
@@ -157,8 +173,22 @@ class AgentClient:
         self._prefetch = receive_prefetch
         self._tasks: list[asyncio.Task] = []
         self._event_waiters: list[tuple[str, asyncio.Future]] = []
-        self.channel = self.pc.createDataChannel("events")
+        self.channel = self.pc.createDataChannel("oai-events")
         self.channel.on("message", self._on_message)
+
+    def send(self, event: dict[str, Any]) -> None:
+        """A client event on the data channel (it must be open: see wait_open)."""
+        self.channel.send(json.dumps(event))
+
+    async def wait_open(self, timeout: float = 10.0) -> None:
+        for _ in range(int(timeout / 0.05)):
+            if self.channel.readyState == "open":
+                return
+            await asyncio.sleep(0.05)
+        raise TimeoutError("the oai-events data channel did not open")
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _on_message(self, message: str | bytes) -> None:
         event = json.loads(message)
@@ -192,14 +222,29 @@ class AgentClient:
                 self._tasks.append(asyncio.ensure_future(self._read_audio(track)))
 
         await self.pc.setLocalDescription(await self.pc.createOffer())
+        offer = self.pc.localDescription.sdp
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{self.base_url}/offer", json={
-                "sdp": self.pc.localDescription.sdp, "type": self.pc.localDescription.type}) as resp:
-                body = await resp.json()
-                if resp.status != 200:
+            if self.session_config is None:
+                data: Any = offer
+                headers = {**self._headers(), "Content-Type": "application/sdp"}
+            else:
+                data = aiohttp.FormData()
+                data.add_field("sdp", offer, content_type="application/sdp")
+                data.add_field("session", json.dumps(self.session_config), content_type="application/json")
+                headers = self._headers()
+            async with http.post(f"{self.base_url}/v1/realtime/calls", data=data, headers=headers) as resp:
+                body = await resp.text()
+                if resp.status != 201:
                     raise RuntimeError(f"offer refused: {resp.status} {body}")
-        self.result.session_id = body["session_id"]
-        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type=body["type"]))
+                self.result.location = resp.headers.get("Location", "")
+        self.result.call_id = self.result.location.rsplit("/", 1)[-1]
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body, type="answer"))
+
+    async def hangup(self) -> int:
+        """DELETE the call; returns the HTTP status (204 when the agent ended it)."""
+        async with aiohttp.ClientSession() as http:
+            async with http.delete(f"{self.base_url}{self.result.location}", headers=self._headers()) as resp:
+                return resp.status
 
     async def _read_audio(self, track: MediaStreamTrack) -> None:
         while True:

@@ -52,7 +52,7 @@ from agent.engine.model import LoadedModel
 from agent.engine.moe import fuse_moe
 from agent.engine.reference import talker_tokens_for
 from agent.engine.scheduler import PlayoutEstimate, ReplyView, SchedulerConfig, plan_tick
-from agent.engine.session_state import KVState, ReplyRecord, ReplyState, SessionState
+from agent.engine.session_state import KVState, LastReply, ReplyRecord, ReplyState, SessionState
 from agent.engine.slots import SlotPool
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import PrefillOut, ThinkerOps
@@ -182,6 +182,7 @@ class StreamingRunner:
             decoder=IncrementalDecoder(self.loaded.tokenizer),
         )
         state.turn = self.turns.new_turn()
+        state.last_reply = None  # the previous reply can no longer be truncated
         if not text_only:
             self.frames.start_reply(state)
 
@@ -189,6 +190,62 @@ class StreamingRunner:
         state = self._sessions.get(session_id)
         if state is not None and state.reply is not None:
             state.reply.cancelled = True
+
+    # ---- conversation edits (the Realtime API's items; additive to the Runner protocol) -------
+
+    def add_user_text(self, session_id: str, text: str) -> int:
+        """A user text message: it joins the turn being spoken, after its audio (prefilled at the
+        end of the turn). Returns its token count."""
+        ids = self.turns.text_ids(text)
+        self._sessions[session_id].turn.text_ids += ids
+        return len(ids)
+
+    @torch.inference_mode()
+    def set_instructions(self, session_id: str, text: str) -> str:
+        """The session's system prompt. Before the first turn it replaces the prefilled one
+        ("replaced"); later it is added as a system message before the next user turn
+        ("appended"), and it is what a history reset prefills."""
+        state = self._sessions[session_id]
+        state.system_prompt = text
+        pristine = state.reply is None and state.last_reply is None and not state.turn.header_done
+        if pristine and not state.closing:
+            state.thinker.crop(0, 0)
+            self.turns.prefill_system(state)
+            return "replaced"
+        ids = self.turns.system_message_ids(text)
+        if state.reply is None and not state.turn.header_done:
+            state.closing += ids  # prefilled at the start of the next user turn
+        else:
+            state.pending_system = ids  # a reply or a turn is under way: after this reply ends
+        return "appended"
+
+    def set_reply_instructions(self, session_id: str, text: str) -> int:
+        """Per-response instructions: a system message right before this reply's assistant
+        header (it stays in the history). Call before begin_reply; returns its token count."""
+        ids = self.turns.system_message_ids(text) if text else []
+        self._sessions[session_id].turn.reply_system_ids = ids
+        return len(ids)
+
+    @torch.inference_mode()
+    def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
+        """The listener heard only the first `audio_frames` codec frames of the latest reply: keep
+        the text tokens the talker had consumed by then (frame i was made after reading reply token
+        i) and close the assistant turn there, in the thinker cache. A turn being spoken is taken
+        back out of the cache first and prefilled again after the new end."""
+        state = self._sessions[session_id]
+        last = state.last_reply
+        if state.reply is not None or last is None:
+            raise RuntimeError("only the latest reply can be truncated, once it has ended")
+        keep = max(0, min(audio_frames, len(last.tokens)))
+        self.turns.unprefill_turn(state)
+        im_end = [self.loaded.ids.im_end, *self.loaded.ids.newline]
+        # The closing is the reply's unfed tokens and its end, then whatever was queued after it.
+        after = state.closing[len(last.tokens) - last.fed + len(im_end) :]
+        if keep <= last.fed:
+            state.thinker.crop(last.start_length + keep, last.start_pos + keep)
+        state.closing = [*last.tokens[min(keep, last.fed) : keep], *im_end, *after]
+        state.last_reply = LastReply(last.start_length, last.start_pos, last.tokens[:keep], min(keep, last.fed))
+        return {"kept_tokens": keep, "dropped_tokens": len(last.tokens) - keep, "context_tokens": state.thinker.length}
 
     def has_work(self) -> bool:
         return self._replying() or any(self.turns.pcm_queued(s) for s in self._sessions.values())
@@ -296,12 +353,18 @@ class StreamingRunner:
             # The history keeps this reply as text: what the thinker has not fed yet, then the end.
             state.closing = [t for t in reply.tokens[reply.fed :] if t not in self.eos]
             state.closing += [self.loaded.ids.im_end, *self.loaded.ids.newline]
+            fed = min(reply.fed, len(text_ids))
+            state.last_reply = LastReply(state.thinker.length - fed, state.thinker.next_pos - fed, tuple(text_ids), fed)
+            state.closing += state.pending_system  # instructions changed during the reply
+            state.pending_system = []
             if not reply.talker_started:  # its user turn is not in the talker cache yet
                 state.talker_backlog.append(turn.talker)
         else:
             self.turns.abandon_reply(state)
         stats = {
             "prefill_tokens": turn.prefill_tokens if reply.prefilled else 0,
+            "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefilled else 0,
+            "input_image_tokens": turn.ids.count(self.loaded.ids.image_pad) if reply.prefilled else 0,
             "history_reset": turn.history_reset if reply.prefilled else False,
             "text_tokens": len(text_ids),
             "audio_frames": len(reply.frame_codes),

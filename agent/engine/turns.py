@@ -73,7 +73,8 @@ class TurnPrefill:
         return TurnState(audio=stream)
 
     def prefill_system(self, state: SessionState) -> None:
-        ids = system_turn_ids(self.ids, self.loaded.tokenizer, self.system_prompt)
+        prompt = self.system_prompt if state.system_prompt is None else state.system_prompt
+        ids = system_turn_ids(self.ids, self.loaded.tokenizer, prompt)
         with timed(state, "thinker_prefill"):
             self.thinker.prefill(state.thinker, ids)
 
@@ -210,8 +211,9 @@ class TurnPrefill:
         for t, h, w in images.grids if images is not None else ():
             n_tokens = t * h * w // self.thinker.merge**2
             ids += [self.ids.vision_start, *([self.ids.image_pad] * n_tokens), self.ids.vision_end]
+        ids += turn.text_ids  # user text items close the user message, after the audio and frames
         header = assistant_start_ids(self.ids)
-        ids += [self.ids.im_end, *self.ids.newline, *header]
+        ids += [self.ids.im_end, *self.ids.newline, *turn.reply_system_ids, *header]
         part = self._start(state, turn, ids, audio=audio, images=images, assistant_tail=len(header))
         return ReplyPrefill(part, *before, audio=audio)
 
@@ -245,6 +247,8 @@ class TurnPrefill:
                 # Its encoder was finished: later audio is encoded from a fresh stream.
                 turn.audio = self.new_turn().audio
         turn.pcm += state.turn.pcm
+        turn.text_ids += state.turn.text_ids
+        turn.reply_system_ids = []  # a per-response override ends with its response
         state.turn = turn
 
     def talker_prefill(self, state: SessionState) -> torch.Tensor:
@@ -268,6 +272,25 @@ class TurnPrefill:
         state.talker_backlog = []
         reply.talker_started = True
         return logits
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.loaded.tokenizer.encode(text, add_special_tokens=False)
+
+    def system_message_ids(self, text: str) -> list[int]:
+        return system_turn_ids(self.ids, self.loaded.tokenizer, text)
+
+    def unprefill_turn(self, state: SessionState) -> None:
+        """Take the turn being spoken back out of the thinker cache (its audio tokens wait to be
+        prefilled again), so that something can change before it: a truncated reply's end."""
+        turn = state.turn
+        if not turn.header_done:
+            return
+        if turn.history_reset:
+            raise RuntimeError("the turn being spoken replaced the history: nothing before it to change")
+        state.thinker.crop(turn.start_length, turn.start_pos)
+        turn.pending_audio = [*turn.audio_feats, *turn.pending_audio]
+        turn.audio_feats, turn.ids, turn.talker, turn.prefill_tokens = [], [], TalkerTurn(), 0
+        turn.header_done = turn.audio_open = False
 
     def pcm_queued(self, state: SessionState) -> bool:
         return bool(state.turn.pcm) or (state.reply is None and bool(state.turn.pending_audio))
