@@ -20,7 +20,7 @@ Prints a table per concurrency level and one per transport; last line:
 minus WebRTC P50 end of speech → first audio, target ≤ 30 ms).
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
 
-    .venv/bin/python scripts/bench_rtc.py [--levels 1,2,4,8] [--turns 3] [--transport-turns 3] [--runner stream]
+    .venv/bin/python scripts/bench_rtc.py [--levels 1,2,4,8] [--turns 3] [--transport-turns 5] [--runner stream]
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="the agent's torch CPU threads (0: its default)")
     p.add_argument("--ladder", action="store_true", help="leave the degradation ladder on (default: off)")
     p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
-    p.add_argument("--transport-turns", type=int, default=3,
+    p.add_argument("--transport-turns", type=int, default=5,
                    help="turns each for the WebRTC vs WebSocket comparison (0: skip it)")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
     args = p.parse_args()

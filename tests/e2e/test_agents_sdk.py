@@ -35,7 +35,7 @@ STRICT_TYPES = [
     "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
     "conversation.item.done", "conversation.item.retrieved", "response.created",
     "response.output_item.added", "response.output_item.done", "response.content_part.added",
-    "response.content_part.done", "response.output_audio_transcript.delta",
+    "response.content_part.done", "response.output_audio_transcript.delta", "response.output_audio.done",
     "response.output_audio_transcript.done", "output_audio_buffer.started", "output_audio_buffer.stopped",
     "response.done", "error",
 ]

@@ -13,6 +13,8 @@ camera playing a synthetic y4m):
 - the agent's voice arrives and is audible: inbound-rtp audio packetsReceived > 0 and
   totalAudioEnergy > 0, and the page's own analyser measured speech_stopped -> audible;
 - the page asked the camera sender for 4 fps (RTCRtpSender.setParameters);
+- ticking "Text replies only" mid-call sends session.update (output_modalities ["text"]); the
+  next reply comes as response.output_text.delta, and its readout shows TTFT but no TTFA;
 - Stop hangs up with DELETE on the call's Location (204);
 - a refused offer (the server's 4xx JSON error) is shown to the user, not swallowed;
 - against a server started with --api-key, the page shows its key field, tells the user a
@@ -115,6 +117,25 @@ def drive_call(page, base_url: str, out_dir: Path, timeout_s: float = CALL_TIMEO
     raise AssertionError(f"after {timeout_s} s still missing {missing}; last snapshot: {snap}")
 
 
+def switch_to_text(page, timeout_s: float = CALL_TIMEOUT_S) -> dict:
+    """Tick "Text replies only" mid-call and wait for a whole text reply (the fake mic loops)."""
+    page.get_by_label("Text replies only").check()
+    page.wait_for_function("""() => {
+      const o = window.omni;
+      const at = o.events.findIndex((e) => e.type === "session.updated" && e.session.output_modalities[0] === "text");
+      return at >= 0 && o.events.slice(at).some((e) => e.type === "response.done" && e.response.omni?.mode === "text");
+    }""", timeout=timeout_s * 1000)
+    return page.evaluate("""() => {
+      const o = window.omni;
+      const text = (id) => document.getElementById(id).innerText.trim();
+      const done = o.events.filter((e) => e.type === "response.done").at(-1);
+      const id = done.response.id;
+      return { done, textDeltas: o.events.filter((e) => e.type === "response.output_text.delta" && e.response_id === id).length,
+               audioDeltas: o.events.filter((e) => e.type === "response.output_audio_transcript.delta" && e.response_id === id).length,
+               ttftText: text("ttft"), ttfaText: text("ttfa") };
+    }""")
+
+
 def hang_up(page) -> dict:
     """Press Stop and return the DELETE the page sent to the call's Location."""
     with page.expect_response(lambda r: r.request.method == "DELETE") as response_info:
@@ -160,6 +181,11 @@ def test_call_shows_captions_and_plays_the_agents_voice(page, agent_url, tmp_pat
     print(f"\nscreenshot: {snap['screenshot']} (copy: {keep})")
     print(f"caption: {snap['caption']!r}; latency: {snap['latency']}; "
           f"audio packets {snap['audioPackets']}, energy {snap['audioEnergy']:.4f}")
+
+    text = switch_to_text(page)
+    assert text["textDeltas"] > 0 and text["audioDeltas"] == 0, text
+    assert text["done"]["response"]["output_modalities"] == ["text"], text["done"]
+    assert text["ttfaText"] == "–" and text["ttftText"] == js_ms(text["done"]["response"]["omni"]["ttft_ms"]), text
 
     hung = hang_up(page)
     assert hung["url"] == snap["callUrl"] and hung["status"] == 204, hung
