@@ -10,7 +10,6 @@ ReplySink methods (scheduled with call_soon_threadsafe by the engine thread).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
@@ -24,18 +23,19 @@ from .bridge import FrameRing
 from .config import INPUT_FRAME_SAMPLES, OUTPUT_RATE, Config
 from .engine import Engine, EngineBusy
 from .engine.api import AudioOut, ReplyDone, TextDelta
-from .ingest import AudioIn, VideoSample, VideoSampler
+from .ingest import VideoSample, VideoSampler
 from .ladder import LEVEL_NAMES, Admission
 from .playout import AgentAudioTrack
 from .realtime import session_config
 from .realtime.conversation import Conversation
-from .realtime.events import error_event, new_id, user_audio_item, user_text_item
+from .realtime.input_buffer import InputBuffer
+from .realtime.events import new_id, user_audio_item, user_text_item
+from .realtime.outbox import Outbox
 from .realtime.response import STATUS_BY_REASON, Response
-from .vad import Endpointer, SpeechAudio, SpeechStarted, SpeechStopped
+from .vad import SpeechAudio, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
 
-_SSE_QUEUE = 256  # per SSE subscriber; a subscriber that falls this far behind is dropped
 FRAME_MS = 80  # one codec frame: the unit a truncation is counted in
 
 
@@ -45,7 +45,7 @@ class Session:
                  session_id: Optional[str] = None) -> None:
         self.id = session_id or new_id("sess")
         self.config, self.engine, self.admission = config, engine, admission
-        self._send = send
+        self.outbox = Outbox(send)  # server events: the transport, and SSE subscribers
         self._on_closed = on_closed
         self.webrtc = webrtc
         self.settings = settings or session_config.default_session(config)
@@ -56,20 +56,16 @@ class Session:
         self.track: Optional[AgentAudioTrack] = (
             AgentAudioTrack(upsample_to_48k=True, on_first_audio=self._on_first_audio, on_drained=self._on_drained)
             if webrtc else None)
-        self.audio_in = AudioIn()
         self.video = VideoSampler(fps=config.video_fps, max_side=config.video_max_side)
         self.frames: FrameRing[VideoSample] = FrameRing(config.ingest_buffer_frames, kind="video")
-        self.turn_detection = session_config.turn_detection(self.settings, config.vad_silence_ms)
-        self.endpointer = self._endpointer()
+        self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms))
         self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
-        self._manual: list[np.ndarray] = []  # uncommitted audio (manual turns), 16 kHz float
         self._reply: Optional[Response] = None  # the response in progress
         self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
         self._last: Optional[Response] = None  # the latest response (what a truncation may cut)
         self._stale_done = 0  # ReplyDone events still owed by cancelled replies
         self._when_engine_idle: list[Callable[[], None]] = []
         self._history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
-        self._sse: list[asyncio.Queue] = []
         self._unlisten: Optional[Callable[[], None]] = None
         self._closed = False
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
@@ -98,9 +94,7 @@ class Session:
             self.engine.close_session(self.id)
         except EngineBusy:
             log.warning("session %s: engine inbox full on close", self.id)
-        for q in self._sse:
-            if not q.full():
-                q.put_nowait(None)
+        self.outbox.close()
         self.frames.clear()  # the ring's gauge is a sum over sessions
         if self.track is not None:
             self.track.stop()
@@ -109,32 +103,18 @@ class Session:
         self._on_closed(self)
 
     # ---- audio and video in ------------------------------------------------------------
-    def _endpointer(self) -> Endpointer:
-        td = self.turn_detection
-        return Endpointer(silence_ms=td.silence_ms if td else self.config.vad_silence_ms,
-                          min_speech_ms=self.config.vad_min_speech_ms, aggressiveness=self.config.vad_aggressiveness,
-                          max_turn_s=self.config.max_turn_seconds, preroll_ms=td.prefix_padding_ms if td else 300)
-
     def push_audio(self, frame: av.AudioFrame) -> None:
         """Microphone audio, any rate and layout (a WebRTC track's frames, decoded WebSocket appends)."""
-        for chunk in self.audio_in.push(frame):
-            if self.turn_detection is None:
-                if len(self._manual) * FRAME_MS < self.config.max_turn_seconds * 1000:
-                    self._manual.append(chunk.pcm)
-                continue
-            for event in self.endpointer.push(chunk):
-                self._on_turn_event(event)
-        if self.turn_detection is not None:
-            for event in self.endpointer.peek(*self.audio_in.partial):
-                self._on_turn_event(event)
+        for event in self.input.push(frame):
+            self._on_turn_event(event)
 
     def push_video(self, frame: av.VideoFrame) -> None:
-        sample = self.video.push(frame, self.audio_in.clock)
+        sample = self.video.push(frame, self.input.audio_in.clock)
         if sample is not None:
             self.frames.put(sample)
 
     def _on_turn_event(self, event: object) -> None:
-        td = self.turn_detection
+        td = self.input.turn_detection
         try:
             if isinstance(event, SpeechStarted):
                 if td is not None and td.interrupt_response:
@@ -157,44 +137,43 @@ class Session:
             self.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
 
     def _commit_item(self, item_id: str, event_id: Optional[str]) -> None:
-        item = user_audio_item(item_id)
-        previous = self.conversation.add(item)
+        previous = self.conversation.last_id()
         self.emit({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": previous})
+        self._add_item(user_audio_item(item_id))
+
+    def _add_item(self, item: dict[str, Any]) -> None:
+        previous = self.conversation.add(item)
         self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
         self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
 
     def commit_audio(self, event_id: Optional[str]) -> None:
         """input_audio_buffer.commit: the buffered audio becomes a user item (no reply by itself)."""
-        if self.turn_detection is not None:
-            if not self.endpointer.in_turn:
+        if not self.input.manual:
+            if not self.input.in_turn:
                 self.emit_error("the input audio buffer is empty", "input_audio_buffer_commit_empty", event_id=event_id)
                 return
-            self.endpointer.reset()
+            self.input.reset()
             item_id, self._speech_item = self._speech_item or new_id("item"), None
             self._commit_item(item_id, event_id)
             return
-        if len(self._manual) * FRAME_MS < 100:
+        if self.input.buffered_ms() < 100:
             self.emit_error("commit needs at least 100 ms of audio", "input_audio_buffer_commit_empty", event_id=event_id)
             return
         try:
-            for pcm in self._manual:
+            for pcm in self.input.take():
                 self.engine.append_audio(self.id, pcm)
         except EngineBusy:
             self.emit_error("engine is overloaded; the audio was dropped", "engine_busy", kind="server_error",
                             event_id=event_id)
             return
-        finally:
-            self._manual = []
         self._commit_item(new_id("item"), event_id)
 
     def clear_audio(self) -> None:
         """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
-        if self.turn_detection is None:
-            self._manual = []
-        elif self.endpointer.in_turn:
-            self.endpointer.reset()
-            self._speech_item = None
+        if self.input.in_turn:
             self.engine.discard_turn(self.id)
+        self.input.reset()
+        self._speech_item = None
         self.emit({"type": "input_audio_buffer.cleared"})
 
     def apply_settings(self, merged: dict[str, Any]) -> None:
@@ -203,11 +182,11 @@ class Session:
         if merged["instructions"] != old["instructions"]:
             self._engine_call("set_instructions", merged["instructions"])
         td = session_config.turn_detection(merged, self.config.vad_silence_ms)
-        if td != self.turn_detection:
-            if self.endpointer.in_turn:  # the turn so far cannot be judged by new rules
+        if td != self.input.turn_detection:
+            if self.input.in_turn:  # the turn so far cannot be judged by new rules
                 self.engine.discard_turn(self.id)
-            self.turn_detection, self._speech_item, self._manual = td, None, []
-            self.endpointer = self._endpointer()
+            self.input.set_turn_detection(td)
+            self._speech_item = None
         self.emit({"type": "session.updated", "session": merged})
 
     # ---- responses -------------------------------------------------------------------
@@ -231,7 +210,9 @@ class Session:
             mode = "fallback"
         elif level >= 1 or modalities == ["text"]:
             mode = "text"
-        limit = params.get("max_output_tokens", self.settings["max_output_tokens"])
+        limit = session_config.max_output_tokens(params.get("max_output_tokens", self.settings["max_output_tokens"]))
+        if limit is not None and limit >= self.config.max_reply_tokens:
+            limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
         if params.get("instructions"):
             self._engine_call("set_reply_instructions", params["instructions"])
         images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
@@ -241,7 +222,7 @@ class Session:
         voice = self.settings["audio"]["output"].get("voice") or "default"
         reply = Response(audio=mode == "audio", mode=mode, end_of_turn=time.monotonic(),
                          conversation_id=self.conversation_id, voice=voice if isinstance(voice, str) else "default",
-                         max_tokens=session_config.max_output_tokens(limit), metadata=params.get("metadata"))
+                         max_tokens=limit, metadata=params.get("metadata"))
         self._reply = self._last = reply
         if self.track is not None and reply.audio:
             self.track.begin_reply()
@@ -361,19 +342,13 @@ class Session:
         """A user text message: it joins the user turn being spoken, after its audio."""
         self._engine_call("add_user_text", text, event_id=event_id)
         self._history.append(("user", text))
-        item = user_text_item(item_id, text)
-        previous = self.conversation.add(item)
-        self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
-        self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
+        self._add_item(user_text_item(item_id, text))
 
     def add_user_audio(self, item_id: str, pcm16k: np.ndarray) -> None:
         """A user audio message given whole (conversation.item.create with input_audio)."""
         for start in range(0, len(pcm16k), INPUT_FRAME_SAMPLES):
             self.engine.append_audio(self.id, pcm16k[start : start + INPUT_FRAME_SAMPLES])
-        item = user_audio_item(item_id)
-        previous = self.conversation.add(item)
-        self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
-        self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
+        self._add_item(user_audio_item(item_id))
 
     def truncate(self, item_id: str, audio_end_ms: int, event_id: Optional[str]) -> None:
         """Cut the latest spoken reply to what the listener heard, in the item and in the model's context."""
@@ -434,30 +409,8 @@ class Session:
 
     # ---- events out --------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
-        if self._closed:
-            return
-        event.setdefault("event_id", new_id("event"))
-        text = json.dumps(event)
-        self._send(text)
-        for q in list(self._sse):
-            try:
-                q.put_nowait(text)
-            except asyncio.QueueFull:
-                # A stalled reader loses its stream, not our memory.
-                self._sse.remove(q)
+        self.outbox.emit(event)
 
     def emit_error(self, message: str, code: str, *, param: Optional[str] = None, event_id: Optional[str] = None,
                    kind: str = "invalid_request_error") -> None:
-        self.emit(error_event(message, code, param=param, event_id=event_id, kind=kind))
-
-    def subscribed(self, q: asyncio.Queue) -> bool:
-        return q in self._sse and not self._closed
-
-    def subscribe(self) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue(maxsize=_SSE_QUEUE)
-        self._sse.append(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        if q in self._sse:
-            self._sse.remove(q)
+        self.outbox.error(message, code, param=param, event_id=event_id, kind=kind)

@@ -126,13 +126,13 @@ async def call_events(request: web.Request) -> web.StreamResponse:
     session = call.session
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    q = session.subscribe()
+    q = session.outbox.subscribe()
     try:
         while True:
             try:
                 text = await asyncio.wait_for(q.get(), timeout=_SSE_KEEPALIVE_S)
             except asyncio.TimeoutError:
-                if not session.subscribed(q):
+                if not session.outbox.subscribed(q):
                     break
                 await resp.write(b": keep-alive\n\n")
                 continue
@@ -142,5 +142,5 @@ async def call_events(request: web.Request) -> web.StreamResponse:
     except (ConnectionResetError, asyncio.CancelledError):
         pass
     finally:
-        session.unsubscribe(q)
+        session.outbox.unsubscribe(q)
     return resp

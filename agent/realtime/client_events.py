@@ -13,6 +13,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from ..engine import EngineBusy
 from . import audio_codec, session_config
 from .events import new_id
 
@@ -53,6 +54,11 @@ def handle(session: "Session", message: str | bytes) -> None:
         session.emit_error(str(exc), exc.code, param=exc.param, event_id=event_id)
     except session_config.ConfigError as exc:
         session.emit_error(str(exc), "invalid_value", param=exc.param, event_id=event_id)
+    except EngineBusy:
+        session.emit_error("engine is overloaded; try again", "engine_busy", kind="server_error", event_id=event_id)
+    except Exception:  # a bug in one event's handling must not end the session
+        log.exception("session %s: %s failed", session.id, kind)
+        session.emit_error(f"{kind} failed on the server", "server_error", kind="server_error", event_id=event_id)
 
 
 def _event_id(event: dict[str, Any]) -> Optional[str]:

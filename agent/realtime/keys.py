@@ -39,7 +39,7 @@ class _Ephemeral:
 class KeyStore:
     def __init__(self, api_key: str = "", clock: Callable[[], float] = time.time) -> None:
         self._api_key = api_key
-        self._clock = clock
+        self.clock = clock  # public: tests move time forward
         self._ephemeral: dict[str, _Ephemeral] = {}
 
     @property
@@ -57,7 +57,7 @@ class KeyStore:
             entry = self._ephemeral.get(public)
             if entry is None or not hmac.compare_digest(entry.secret.encode(), secret.encode()):
                 return None
-            if self._clock() >= entry.expires_at:
+            if self.clock() >= entry.expires_at:
                 del self._ephemeral[public]
                 return None
             return Grant(ephemeral=True, session=entry.session)
@@ -69,7 +69,7 @@ class KeyStore:
         """A new ephemeral key valid for ttl_s seconds: (value, expires_at unix seconds)."""
         if not MIN_TTL_S <= ttl_s <= MAX_TTL_S:
             raise ValueError(f"expires_after.seconds must be {MIN_TTL_S}..{MAX_TTL_S}")
-        now = self._clock()
+        now = self.clock()
         self._ephemeral = {k: v for k, v in self._ephemeral.items() if v.expires_at > now}
         while len(self._ephemeral) >= _MAX_LIVE_KEYS:
             del self._ephemeral[next(iter(self._ephemeral))]

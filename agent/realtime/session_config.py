@@ -91,7 +91,8 @@ def merge(session: dict[str, Any], update: Any) -> dict[str, Any]:
         raise ConfigError("session must be an object", "session")
     if update.get("type", "realtime") != "realtime":
         raise ConfigError("only realtime sessions are served (no transcription-only sessions)", "session.type")
-    merged = _merge(session, update)
+    # Unknown top-level fields (beta-era `modalities`, `voice`, …) are dropped, not echoed.
+    merged = _merge(session, {k: v for k, v in update.items() if k in session})
     # Fields that are the server's, whatever the client says.
     merged["id"], merged["object"], merged["type"] = session["id"], session["object"], "realtime"
     validate(merged)

@@ -107,7 +107,7 @@ async def _sideband(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=None)
     await ws.prepare(request)
     session = call.session
-    q = session.subscribe()
+    q = session.outbox.subscribe()
 
     async def forward() -> None:
         while True:
@@ -123,6 +123,6 @@ async def _sideband(request: web.Request) -> web.StreamResponse:
             if msg.type == WSMsgType.TEXT:
                 client_events.handle(session, msg.data)
     finally:
-        session.unsubscribe(q)
+        session.outbox.unsubscribe(q)
         task.cancel()
     return ws

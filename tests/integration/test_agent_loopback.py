@@ -65,7 +65,7 @@ async def _metric(url: str, name: str) -> float:
     return total
 
 
-async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wav: Path) -> None:
+async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wav: Path, strict_event) -> None:
     ttfa_count_before = await _metric(agent_url, "agent_time_to_first_audio_seconds_count")
     client = AgentClient(agent_url, speech_wav)
     try:
@@ -82,6 +82,8 @@ async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wa
         await client.close()
 
     r = client.result
+    for event in r.events:
+        strict_event(event)
     types = [e["type"] for e in r.events]
     assert types[0] == "session.created"
     assert r.call_id.startswith("rtc_") and r.location == f"/v1/realtime/calls/{r.call_id}"
@@ -147,7 +149,7 @@ async def test_session_limit_answers_503_and_sessions_keep_working(agent_url: st
             await c.close()
 
 
-async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: Path) -> None:
+async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: Path, strict_event) -> None:
     """Speaking over the agent's reply stops its audio within a few frames."""
     client = AgentClient(agent_url, speech_wav, video=False)
     try:
@@ -172,6 +174,8 @@ async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: P
     finally:
         await client.close()
     r = client.result
+    for event in r.events:
+        strict_event(event)
     assert first_done, "the interrupted reply was never closed"
     cancelled = first_done[0]["response"]["status"] == "cancelled" or r.of_type("output_audio_buffer.cleared")
     assert cancelled, f"no cancellation reported: {first_done[0]}"

@@ -8,6 +8,7 @@ Pins, by the tokens in the session's KV slot:
 - truncating the latest reply to the audio heard keeps exactly the text tokens the talker had
   read by then: the cache is cut there and the assistant turn closed (<|im_end|>) before the
   next turn; a turn already being prefilled is taken back out and prefilled again after it;
+- per-response instructions are a system message right before that reply's assistant header;
 - a truncation while a reply runs is refused.
 """
 
@@ -124,3 +125,19 @@ def test_truncate_while_replying_is_refused(runner) -> None:
     runner.step()
     with pytest.raises(RuntimeError):
         runner.truncate_reply("s", 1)
+
+
+def test_per_response_instructions_sit_before_the_assistant_header(runner, loaded) -> None:
+    runner.open_session("s")
+    n = runner.add_user_text("s", "Hi")
+    m = runner.set_reply_instructions("s", "Answer in one word.")
+    assert m == len(system_turn_ids(loaded.ids, loaded.tokenizer, "Answer in one word."))
+    done = run_reply(runner, "s", text_only=True)
+    ids = loaded.ids
+    own = 1 + len(ids.user) + len(ids.newline) + n + 1 + len(ids.newline) + len(assistant_start_ids(ids))
+    assert done.stats["prefill_tokens"] == own + m
+    # Only that response: the next one has no system message of its own.
+    runner.add_user_text("s", "Hi")
+    done = run_reply(runner, "s", text_only=True)
+    closing = done.stats["prefill_tokens"] - own
+    assert 0 < closing < m
