@@ -7,12 +7,11 @@ glitches (short holes inside a reply). The server's own TTFA comes from /metrics
 stack overhead is voice-to-voice − end-of-turn silence − server TTFA.
 
 Then the transport comparison, in the same run against the same agent: one audio-only
-WebRTC session, then one WebSocket session through the `openai` SDK
-(`client.realtime.connect`, the same speech streamed as 24 kHz pcm16 in real time), each
-for --turns turns; both measured at the client from the end of speech in the sent audio to
-the first audible reply audio (WebRTC: the first audible received frame; WebSocket: the
-first non-silent `response.output_audio.delta`, plus the offset of its first audible 20 ms
-within the delta, i.e. when a client playing deltas on arrival would make it heard).
+WebRTC session, then one WebSocket session (agent.client.WsAgentClient: the same speech
+streamed as 24 kHz pcm16 `input_audio_buffer.append` events in real time), each for
+--transport-turns turns; both measured at the client from the end of speech in the sent
+audio to the first audible reply audio (WebRTC: the first audible received 20 ms frame;
+WebSocket: the arrival of the first audible `response.output_audio.delta`).
 
 Prints a table per concurrency level and one per transport; last line:
 `p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D`
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import os
 import socket
 import subprocess
@@ -36,13 +34,14 @@ import tempfile
 import time
 import wave
 from pathlib import Path
+from typing import Callable, Union
 
 import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.client import AUDIBLE_RMS, AgentClient, load_wav_mono, speech_end_sample  # noqa: E402
+from agent.client import AgentClient, WsAgentClient  # noqa: E402
 from agent.ice import restrict_ice_hosts  # noqa: E402
 
 
@@ -61,89 +60,9 @@ def make_speech(path: Path, text: str = "Hello agent, what do you see?") -> Path
     return path
 
 
-# The Realtime API's pcm16 rate, and a microphone-like 20 ms per input_audio_buffer.append.
-WS_RATE = 24_000
-WS_CHUNK = WS_RATE // 50
-
-
 def omni_figures(done: dict) -> dict:
     """The agent's latency extras on a GA response.done: response.omni {ttft_ms, ttfa_ms, mode}."""
     return (done.get("response") or {}).get("omni") or {}
-
-
-def first_audible_offset(pcm: np.ndarray) -> int | None:
-    """Index of the first 20 ms window above AUDIBLE_RMS (the WebRTC client's threshold)."""
-    for pos in range(0, len(pcm), WS_CHUNK):
-        window = pcm[pos : pos + WS_CHUNK].astype(np.float64)
-        if float(np.sqrt((window**2).mean())) > AUDIBLE_RMS:
-            return pos
-    return None
-
-
-def turn_onsets(ends: list[float], audible: list[float]) -> list[float | None]:
-    """For each end of speech: seconds to the first audible reply before the next one."""
-    out: list[float | None] = []
-    for i, end in enumerate(ends):
-        nxt = ends[i + 1] if i + 1 < len(ends) else float("inf")
-        onset = next((t for t in audible if end < t < nxt), None)
-        out.append(None if onset is None else onset - end)
-    return out
-
-
-async def run_ws(url: str, wav: Path, turns: int, gap_s: float, limit_s: float) -> dict:
-    """One WebSocket session through the openai SDK: speak the WAV `turns` times in real time
-    (each followed by gap_s of silence, as a live mic would send), timing the replies."""
-    from openai import AsyncOpenAI
-
-    pcm = load_wav_mono(wav, WS_RATE)
-    end = speech_end_sample(pcm, WS_RATE) - 1  # the last speech sample
-    stream = np.concatenate([pcm, np.zeros(int(gap_s * WS_RATE), np.int16)])
-    speech_ends: list[float] = []
-    audible: list[float] = []  # when a client playing deltas on arrival makes each one heard
-    dones: list[dict] = []
-    errors: list[dict] = []
-    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="loopback-unused", max_retries=0)
-    async with client.realtime.connect(model="qwen3-omni") as conn:
-        await conn.session.update(session={
-            "type": "realtime", "output_modalities": ["audio"],
-            "audio": {"input": {"format": {"type": "audio/pcm", "rate": WS_RATE}}}})
-
-        async def speak() -> None:
-            t0, sent = time.monotonic(), 0
-            for _ in range(turns):
-                for pos in range(0, len(stream), WS_CHUNK):
-                    wait = t0 + sent / WS_RATE - time.monotonic()
-                    if wait > 0:
-                        await asyncio.sleep(wait)
-                    chunk = stream[pos : pos + WS_CHUNK]
-                    if pos <= end < pos + WS_CHUNK:
-                        speech_ends.append(time.monotonic() + (end - pos) / WS_RATE)
-                    await conn.input_audio_buffer.append(audio=base64.b64encode(chunk.tobytes()).decode())
-                    sent += len(chunk)
-
-        async def listen() -> None:
-            async for event in conn:
-                now = time.monotonic()
-                if event.type == "response.output_audio.delta":
-                    offset = first_audible_offset(np.frombuffer(base64.b64decode(event.delta), np.int16))
-                    if offset is not None:
-                        audible.append(now + offset / WS_RATE)
-                elif event.type == "response.done":
-                    dones.append(event.to_dict())
-                elif event.type == "error":
-                    errors.append(event.to_dict())
-
-        listener = asyncio.create_task(listen())
-        try:
-            await asyncio.wait_for(speak(), timeout=limit_s)
-        except asyncio.TimeoutError:
-            pass  # bounded: whatever turns completed are measured
-        finally:
-            listener.cancel()
-    lat = turn_onsets(speech_ends, audible)
-    ttfa = [f["ttfa_ms"] / 1000 for f in map(omni_figures, dones) if f.get("ttfa_ms") is not None]
-    return {"turns": len([v for v in lat if v is not None]), "missing": lat.count(None),
-            "v2v": [v for v in lat if v is not None], "ttfa": ttfa, "errors": errors}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -189,9 +108,11 @@ def histogram_quantile(q: float, before: dict[float, float], after: dict[float, 
     return les[-1]
 
 
-async def run_level(url: str, wav: Path, n: int, turns: int, gap_s: float, limit_s: float, silence_s: float,
-                    video_fps: int, video: bool = True) -> dict:
-    clients = [AgentClient(url, wav, video=video, repeat_after_s=gap_s, video_fps=video_fps) for _ in range(n)]
+Client = Callable[[], Union[AgentClient, WsAgentClient]]
+
+
+async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: float, silence_s: float) -> dict:
+    clients = [make_client() for _ in range(n)]
     async with aiohttp.ClientSession() as http:
         before = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         underruns_before = await scrape_value(http, url, "agent_playout_underruns_total")
@@ -276,23 +197,25 @@ async def main_async(args: argparse.Namespace) -> None:
     try:
         await wait_ready(url)
         results = []
+        silence_s, limit_s = args.silence_ms / 1000, args.level_timeout_s
         for n in args.levels:
-            r = await run_level(url, wav, n, args.turns, args.gap_s, args.level_timeout_s, args.silence_ms / 1000,
-                                args.video_fps)
+            r = await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
+                                                         video_fps=args.video_fps),
+                                n, args.turns, limit_s, silence_s)
             results.append(r)
             print(f"  level {n}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
         transports = {}
         if args.transport_turns:
             # Same agent, same speech, one session at a time, no video on either: only the
             # transport differs.
-            transports["webrtc"] = await run_level(url, wav, 1, args.transport_turns, args.gap_s,
-                                                   args.level_timeout_s, args.silence_ms / 1000, args.video_fps,
-                                                   video=False)
-            transports["websocket"] = await run_ws(url, wav, args.transport_turns, args.gap_s, args.level_timeout_s)
+            transports["webrtc"] = await run_level(
+                url, lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s),
+                1, args.transport_turns, limit_s, silence_s)
+            transports["websocket"] = await run_level(
+                url, lambda: WsAgentClient(url, wav, repeat_after_s=args.gap_s),
+                1, args.transport_turns, limit_s, silence_s)
             for name, r in transports.items():
                 print(f"  {name}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
-            if transports["websocket"]["errors"]:
-                print(f"  websocket error events: {transports['websocket']['errors'][:3]}", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
