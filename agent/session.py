@@ -41,9 +41,9 @@ FRAME_MS = 80  # one codec frame: the unit a truncation is counted in
 
 class Session:
     def __init__(self, config: Config, engine: Engine, admission: Admission, send: Callable[[str], None],
-                 on_closed: Callable[["Session"], None], webrtc: bool, settings: Optional[dict[str, Any]] = None,
-                 session_id: Optional[str] = None) -> None:
-        self.id = session_id or new_id("sess")
+                 on_closed: Callable[["Session"], None], webrtc: bool,
+                 settings: Optional[dict[str, Any]] = None) -> None:
+        self.id = new_id("sess")
         self.config, self.engine, self.admission = config, engine, admission
         self.outbox = Outbox(send)  # server events: the transport, and SSE subscribers
         self._on_closed = on_closed

@@ -69,7 +69,10 @@ def _event_id(event: dict[str, Any]) -> Optional[str]:
 def _session_update(session: "Session", event: dict[str, Any]) -> None:
     if "session" not in event:
         raise BadEvent("session.update needs a session object", "missing_required_parameter", "session")
-    session.apply_settings(session_config.merge(session.settings, event["session"]))
+    update = event["session"]
+    if isinstance(update, dict) and set(update) - set(session.settings):
+        log.debug("session %s: session.update fields not served: %s", session.id, sorted(set(update) - set(session.settings)))
+    session.apply_settings(session_config.merge(session.settings, update))
 
 
 def _append(session: "Session", event: dict[str, Any]) -> None:

@@ -91,6 +91,7 @@ async def test_sdk_calls_create_and_a_spoken_turn(agent: RunningAgent, speech_wa
     for event in r.events:
         strict_event(event)
     types = [e["type"] for e in r.events]
+    assert not r.of_type("error"), r.of_type("error")
     assert not server_channels, "the agent must use the client's oai-events channel"
     assert r.audible_samples >= 24_000, f"only {r.audible_samples} audible samples"
     assert not r.of_type("response.output_audio.delta")

@@ -164,6 +164,7 @@ async def test_session_update_and_spoken_turn(agent: RunningAgent, speech_wav: P
         ev.close()
         await manager.__aexit__(None, None, None)
 
+    assert not ev.of("error"), ev.of("error")  # the instructions were taken, nothing refused
     types = [e["type"] for e in ev.all]
     order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
              "input_audio_buffer.committed", "response.created", "response.output_item.added",
