@@ -26,6 +26,7 @@ import torch
 from agent.engine.graphing import DecodeRows, Graphing, slot_cache_with_graph
 from agent.engine.model import LoadedModel
 from agent.engine.session_state import KVState, mrope_positions
+from agent.engine.prefill import BucketedPrefill, PrefillRow
 from agent.engine.slots import Rows, decoder_forward
 
 
@@ -94,9 +95,16 @@ class ThinkerOps:
             graphing, self.lm, slots, context_limit, loaded.device, loaded.dtype,
             "thinker_decode", self._decode_step, (0, self.pad_slot, 0, 0, 1), clone_outputs=False,
         )
+        # Prefill chunks of many sessions in one forward, padded to token buckets (graphed too).
+        self.prefiller = BucketedPrefill(
+            self.lm, self.kv, thinker.lm_head, capture_layer=self.accept_layer, graphing=graphing,
+            pad_slot=self.pad_slot, name="thinker_prefill",
+        )
 
     def capture_graphs(self) -> None:
-        """Capture the decode step for every batch bucket at the shortest attention length."""
+        """Capture the decode step for every batch bucket at the shortest attention length,
+        and the prefill for every (batch, token) bucket."""
+        self.prefiller.capture_graphs()
         if self._graph is None:
             return
         key_len = self.graphing.key_lens(self.kv.capacity)[0]
@@ -148,34 +156,35 @@ class ThinkerOps:
 
     def run_prefill(self, state: KVState, job: PrefillJob, max_tokens: int | None = None) -> int:
         """Prefill the next chunk of `job` (at most max_tokens); returns the tokens done."""
-        start = job.done
-        end = len(job.ids) if max_tokens is None else min(len(job.ids), start + max_tokens)
-        n = end - start
-        rows = Rows.make([state.slot], [state.length], n, self.loaded.device)
-        visual = deepstack = None
-        if job.visual is not None:
-            visual = job.visual[start:end].view(1, -1)
-            before = int(job.visual[:start].sum())
-            count = int(visual.sum())
-            if count:
-                deepstack = [d[before : before + count] for d in job.deepstack]
-        hidden, accept = decoder_forward(
-            self.lm,
-            self.kv,
-            rows,
-            job.embeds[:, start:end],
-            job.rope[:, start:end].unsqueeze(1),
-            capture_layer=self.accept_layer,
-            deepstack=deepstack,
-            visual_mask=visual if deepstack is not None else None,
-        )
-        state.length += n
-        job.done = end
-        if job.finished:
-            state.next_pos = job.next_pos
-        logits = self.thinker.lm_head(hidden[:, -1:])
-        job.outs.append(PrefillOut(logits[0, -1].float(), job.embeds[:, start:end], accept))
-        return n
+        return self.run_prefills([(state, job, max_tokens)])[0]
+
+    def run_prefills(self, items: Sequence[tuple[KVState, PrefillJob, int | None]]) -> list[int]:
+        """The next chunk of several sessions' jobs (each at most its max_tokens) in one batched
+        forward (agent/engine/prefill.py); returns the tokens done per job."""
+        rows, spans = [], []
+        for state, job, max_tokens in items:
+            start = job.done
+            end = len(job.ids) if max_tokens is None else min(len(job.ids), start + max_tokens)
+            if end <= start:
+                raise ValueError("a prefill chunk needs at least one token")
+            visual = deepstack = None
+            if job.visual is not None:
+                visual = job.visual[start:end]
+                before, count = int(job.visual[:start].sum()), int(visual.sum())
+                if count:
+                    deepstack = [d[before : before + count] for d in job.deepstack]
+            rows.append(
+                PrefillRow(state.slot, state.length, job.embeds[0, start:end], job.rope[:, start:end], visual, deepstack)
+            )
+            spans.append((start, end))
+        out = self.prefiller.run(rows)
+        for i, ((state, job, _), (start, end)) in enumerate(zip(items, spans)):
+            state.length += end - start
+            job.done = end
+            if job.finished:
+                state.next_pos = job.next_pos
+            job.outs.append(PrefillOut(out.logits[i], job.embeds[:, start:end], out.captured[i].unsqueeze(0)))
+        return [end - start for start, end in spans]
 
     def prefill(
         self,
