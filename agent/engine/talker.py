@@ -139,13 +139,6 @@ class TalkerOps:
         ]
         return torch.cat(rows, dim=0)
 
-    def prefill(
-        self, state: KVState, embeds: torch.Tensor, ids: Sequence[int], grids: Sequence[tuple[int, int, int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append one session's talker inputs [1, n, hidden]; return (float32 logits [1, vocab],
-        last hidden [1, 1, hidden])."""
-        return self.prefills([(state, embeds, ids, grids)])
-
     def prefills(
         self, items: Sequence[tuple[KVState, torch.Tensor, Sequence[int], Sequence[tuple[int, int, int]]]]
     ) -> tuple[torch.Tensor, torch.Tensor]:

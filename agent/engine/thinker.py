@@ -154,10 +154,6 @@ class ThinkerOps:
         )
         return PrefillJob(list(ids), embeds, rope.to(device), next_pos, visual, deepstack)
 
-    def run_prefill(self, state: KVState, job: PrefillJob, max_tokens: int | None = None) -> int:
-        """Prefill the next chunk of `job` (at most max_tokens); returns the tokens done."""
-        return self.run_prefills([(state, job, max_tokens)])[0]
-
     def run_prefills(self, items: Sequence[tuple[KVState, PrefillJob, int | None]]) -> list[int]:
         """The next chunk of several sessions' jobs (each at most its max_tokens) in one batched
         forward (agent/engine/prefill.py); returns the tokens done per job."""
@@ -195,7 +191,7 @@ class ThinkerOps:
     ) -> PrefillOut:
         """Append `ids` in one forward (see start_prefill)."""
         job = self.start_prefill(state, ids, audio, images)
-        self.run_prefill(state, job)
+        self.run_prefills([(state, job, None)])
         return job.result()
 
     def decode(self, states: Sequence[KVState], tokens: Sequence[int]) -> torch.Tensor:
