@@ -24,7 +24,7 @@ from agent.engine.slots import Rows, SlotKV, decoder_forward
 
 def sdpa_reference(q, cache_k, cache_v, slots, index, scale):
     key_len = int(index.max()) + 1
-    mask = (torch.arange(key_len).view(1, 1, -1) <= index.unsqueeze(-1)).unsqueeze(1)
+    mask = (torch.arange(key_len, device=index.device).view(1, 1, -1) <= index.unsqueeze(-1)).unsqueeze(1)
     return sdpa_attend(q, cache_k, cache_v, slots, scale, key_len=key_len, mask=mask)
 
 
@@ -110,3 +110,41 @@ def test_kv_traffic_flex_reads_whole_blocks_sdpa_math_expands():
     assert sdpa.ratio > 10 * flex.ratio
     with pytest.raises(ValueError):
         kv_traffic("flex", [], **dims)
+
+
+# ---- on a CUDA device (`-m gpu`; skipped without one) ------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["flex", "flash"])
+def test_gpu_backends_equal_sdpa_and_replay_in_a_cuda_graph(backend, dtype):
+    from agent.engine.attention import attend, flash_available
+    from agent.engine.graphs import CUDAGraphed
+
+    device = torch.device("cuda")
+    if backend == "flash" and not flash_available(device, dtype, 128):
+        pytest.skip("flash-attn is not installed or does not take this dtype")
+    rows, kv_heads, q_heads, head_dim, capacity = 9, 4, 32, 128, 2048
+    cache_k = torch.randn(rows, kv_heads, capacity, head_dim, device=device, dtype=dtype)
+    cache_v = torch.randn(rows, kv_heads, capacity, head_dim, device=device, dtype=dtype)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    for n_new, starts in ((1, [127, 1000, 5, 1500]), (64, [100, 900, 0, 1400])):
+        slots = torch.tensor([3, 0, 7, 8], device=device)
+        index = torch.tensor(starts, device=device).view(-1, 1) + torch.arange(n_new, device=device)
+        q = torch.randn(4, q_heads, n_new, head_dim, device=device, dtype=dtype)
+
+        def run(q, slots, index):
+            return attend(backend, q, cache_k, cache_v, slots, index, head_dim**-0.5, key_len=1, mask=None)
+
+        out = run(q, slots, index)
+        ref = sdpa_reference(q.float(), cache_k.float(), cache_v.float(), slots, index, head_dim**-0.5)
+        torch.testing.assert_close(out.float(), ref, **tol)
+        graphed = CUDAGraphed(run, warmup_iters=1)
+        for _ in range(3):  # warm-up (compiles), capture, replay
+            replayed = graphed(q, slots, index)
+        assert graphed.stats.replays >= 1
+        torch.testing.assert_close(replayed.float(), out.float(), atol=1e-3, rtol=1e-3)
