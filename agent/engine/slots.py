@@ -15,6 +15,10 @@ blocks, rotary embedding) and replaces only the attention-with-cache plumbing, s
 are those of transformers' forward up to float rounding; the streaming tests pin tokens and
 codes against generate().
 
+Attention itself is one of three kernels (agent/engine/attention.py), chosen per cache by a
+capability check: sdpa on CPU, FlexAttention or flash-attn on CUDA (both read the cache in
+place, each row only up to its own length). `SlotKV.traffic` gives the KV bytes a step reads.
+
 Capacity grows on demand (in steps of `GROW`, up to `limit`) so that a CPU test does not
 allocate a full context per slot; a CUDA-graph path must `reserve()` the limit up front, since
 captured graphs hold tensor addresses.
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agent.engine.attention import Backend, attend, select_backend
+from agent.engine.attention import Backend, KVTraffic, attend, kv_traffic, select_backend
 
 GROW = 256  # capacity step (tokens): amortises re-allocation without over-allocating on CPU
 
@@ -79,6 +83,14 @@ class SlotKV:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.capacity = 0
+
+    def traffic(self, lengths: Sequence[int], key_len: int | None = None) -> KVTraffic:
+        """KV bytes one decode step of rows holding `lengths` keys reads with this cache's
+        backend, next to the bytes they hold (`key_len`: sdpa's window, default the longest)."""
+        return kv_traffic(
+            self.backend, lengths, layers=self.n_layers, kv_heads=self.kv_heads, q_heads=self.q_heads,
+            head_dim=self.head_dim, dtype_bytes=torch.empty(0, dtype=self.dtype).element_size(), key_len=key_len,
+        )
 
     def reserve(self, length: int) -> None:
         """Make room for `length` tokens per slot (rounded up to GROW, at most `limit`)."""

@@ -14,7 +14,9 @@ Scheduling, each tick (policy in agent/engine/scheduler.py, estimates from `play
 1. cancelled replies end;
 2. first-audio deadlines: replies still to be prefilled, earliest end of turn first, prefilled
    within `prefill_chunk_tokens` per tick (a long prefill spans ticks, other sessions' frames
-   get out in between); one whose prefill completes renders its first frame in the same tick,
+   get out in between), all of the tick's chunks in one batched forward padded to a token
+   bucket (agent/engine/prefill.py), and the talker prefixes of those that finish in another;
+   one whose prefill completes renders its first frame in the same tick,
    and in such a tick only speaking sessions under the low-water mark (160 ms buffered) also
    step: everyone else's next frame comes after the new reply's first one;
 3. playout: speaking sessions, least buffered first, `max_batch` rows at most; a session more

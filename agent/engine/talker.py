@@ -11,8 +11,8 @@ thinker and code2wav, step by step instead of all at once:
   predictor (greedy), and the next talker input = sum of the 16 codebook embeddings plus the
   next text-side entry (the projection of the next fed reply token, then tts_eos, then tts_pad).
 
-The talker runs on a static slot cache (agent/engine/slots.py): a session's prefix is one
-forward of its own, and the per-frame step of every speaking session is one batched forward
+The talker runs on a static slot cache (agent/engine/slots.py): the prefixes of replies that
+start in the same tick share one forward (agent/engine/prefill.py), and the per-frame step of every speaking session is one batched forward
 (a captured graph per batch and attention-length bucket when graphs are on).
 """
 

@@ -12,8 +12,10 @@ A prefill is a `PrefillJob`: its input embeddings and positions are made once, t
 chunks of at most `max_tokens` so that the scheduler can put decode steps of other sessions
 between the chunks of a long prefill.
 
-With graphs on (agent/engine/graphing.py), the decode step runs as a captured graph per batch
-and attention-length bucket, its inputs all device tensors; prefill stays eager.
+Prefill chunks of several sessions run in one forward, padded to a token bucket
+(agent/engine/prefill.py). With graphs on (agent/engine/graphing.py), the decode step runs as a
+captured graph per batch and attention-length bucket, its inputs all device tensors, and the
+prefill as a graph per batch and token bucket.
 """
 
 from __future__ import annotations

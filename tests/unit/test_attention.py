@@ -148,3 +148,16 @@ def test_gpu_backends_equal_sdpa_and_replay_in_a_cuda_graph(backend, dtype):
             replayed = graphed(q, slots, index)
         assert graphed.stats.replays >= 1
         torch.testing.assert_close(replayed.float(), out.float(), atol=1e-3, rtol=1e-3)
+
+
+def test_a_slot_cache_reports_its_backend_traffic(loaded):
+    lm = loaded.model.thinker.model.language_model
+    for backend in ("sdpa", "flex"):
+        kv = SlotKV(lm, 2, 1024, loaded.device, loaded.dtype, backend=backend)
+        got = kv.traffic([300, 700])
+        want = kv_traffic(
+            backend, [300, 700], layers=len(lm.layers), kv_heads=lm.config.num_key_value_heads,
+            q_heads=lm.config.num_attention_heads, head_dim=kv.head_dim,
+            dtype_bytes=torch.finfo(loaded.dtype).bits // 8,
+        )
+        assert got == want and got.backend == backend
