@@ -89,7 +89,8 @@ class BucketedPrefill:
         if graphing is not None and graphing.enabled and self.buckets:
             variants = len(self.buckets) * (len(graphing.key_lens(kv.capacity)) if self._windowed else 1)
             # Pads: zero inputs into the scratch row at 0..T-1, every key visible (never empty).
-            self.pool = graphing.pool(name, self._step, (0.0, pad_slot, 0, 0, 0, 1), clone_outputs=True, variants=variants)
+            pads = (0.0, pad_slot, 0, 0, 0, 1)
+            self.pool = graphing.pool(name, self._step, pads, clone_outputs=True, variants=variants)
 
     @property
     def _windowed(self) -> bool:

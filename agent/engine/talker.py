@@ -12,8 +12,9 @@ thinker and code2wav, step by step instead of all at once:
   next text-side entry (the projection of the next fed reply token, then tts_eos, then tts_pad).
 
 The talker runs on a static slot cache (agent/engine/slots.py): the prefixes of replies that
-start in the same tick share one forward (agent/engine/prefill.py), and the per-frame step of every speaking session is one batched forward
-(a captured graph per batch and attention-length bucket when graphs are on).
+start in the same tick share one forward (agent/engine/prefill.py), and the per-frame step
+of every speaking session is one batched forward (a captured graph per batch and
+attention-length bucket when graphs are on).
 """
 
 from __future__ import annotations

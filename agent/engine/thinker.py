@@ -171,9 +171,8 @@ class ThinkerOps:
                 before, count = int(job.visual[:start].sum()), int(visual.sum())
                 if count:
                     deepstack = [d[before : before + count] for d in job.deepstack]
-            rows.append(
-                PrefillRow(state.slot, state.length, job.embeds[0, start:end], job.rope[:, start:end], visual, deepstack)
-            )
+            embeds, rope = job.embeds[0, start:end], job.rope[:, start:end]
+            rows.append(PrefillRow(state.slot, state.length, embeds, rope, visual, deepstack))
             spans.append((start, end))
         out = self.prefiller.run(rows)
         for i, ((state, job, _), (start, end)) in enumerate(zip(items, spans)):
