@@ -55,8 +55,10 @@ def flex_available(device: torch.device) -> bool:
 
 def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> Backend:
     """flash-attn where it is installed (CUDA, half precision), flex on any other CUDA device,
-    sdpa on CPU: eager CPU measures faster with sdpa than with compiled flex at the lengths a
-    CPU serves (see docs; `kv_traffic` is what changes on a GPU)."""
+    sdpa on CPU. Measured on this project's CPU (one thread, warm): at the tiny model's sizes
+    sdpa is 5x faster than compiled flex for a decode step and 1.5x for a 64-token prefill, and
+    flex compiles for 5-18 s per new shape; at real head counts flex wins decode (2-2.6x at 1k-4k
+    keys) and ties prefill, but a CPU does not serve the real model."""
     if flash_available(device, dtype, head_dim):
         return "flash"
     if device.type == "cuda" and flex_available(device):
@@ -160,8 +162,9 @@ def slot_block_mask(index_full: torch.Tensor, capacity: int):
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    # One kernel per (query length, cache shape): the lengths live in the block mask.
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    # The row lengths live in the block mask (no recompile when they change). Shapes: automatic
+    # dynamic, so an eager cache that grows (no graphs) recompiles once, not at every growth.
+    return torch.compile(flex_attention, fullgraph=True)
 
 
 def flex_attend(
