@@ -14,7 +14,9 @@ Scheduling, each tick (policy in agent/engine/scheduler.py, estimates from `play
 1. cancelled replies end;
 2. first-audio deadlines: replies still to be prefilled, earliest end of turn first, prefilled
    within `prefill_chunk_tokens` per tick (a long prefill spans ticks, other sessions' frames
-   get out in between); one whose prefill completes renders its first frame in the same tick,
+   get out in between), all of the tick's chunks in one batched forward padded to a token
+   bucket (agent/engine/prefill.py), and the talker prefixes of those that finish in another;
+   one whose prefill completes renders its first frame in the same tick,
    and in such a tick only speaking sessions under the low-water mark (160 ms buffered) also
    step: everyone else's next frame comes after the new reply's first one;
 3. playout: speaking sessions, least buffered first, `max_batch` rows at most; a session more
@@ -262,17 +264,21 @@ class StreamingRunner:
         replies = {sid: st for sid, st in self._sessions.items() if st.reply is not None}
         plan = plan_tick([self._view(sid, st, now) for sid, st in replies.items()], self.schedule)
 
-        started: list[Row] = []
+        # First-audio replies share the prefill budget in deadline order, and all their chunks
+        # run in one batched forward (as do the talker prefixes of those that finish).
+        chunks: list[tuple[str, SessionState, int]] = []
         budget = self.schedule.prefill_chunk_tokens
         for session_id in plan.first:
             if budget <= 0:
                 break
             state = replies[session_id]
-            out, used = self.turns.run_reply(state, budget)
-            budget -= used
-            if out is not None:
-                outputs += self._first_token(session_id, state, out)
-                started.append((session_id, state))
+            take = self.turns.reply_chunk(state, budget)
+            chunks.append((session_id, state, take))
+            budget -= take
+        done = self.turns.run_replies([(state, take) for _, state, take in chunks]) if chunks else []
+        finished = [(sid, state, out) for (sid, state, _), out in zip(chunks, done) if out is not None]
+        outputs += self._first_tokens(finished)
+        started: list[Row] = [(sid, state) for sid, state, _ in finished]
         decoding = [(sid, replies[sid]) for sid in plan.decode]
         outputs += self.frames.decode(decoding)
         # Row order puts the new replies' first frames first.
@@ -316,23 +322,28 @@ class StreamingRunner:
     def _replying(self) -> bool:
         return any(s.reply is not None for s in self._sessions.values())
 
-    def _first_token(self, session_id: str, state: SessionState, out: PrefillOut) -> list[Output]:
-        # A reply has at least one text token: the end is held back for the first step.
-        logits = out.last_logits.clone()
-        logits[sorted(self.eos)] = float("-inf")
-        outputs = self.frames.take_token(session_id, state, int(logits.argmax()))
-        if not state.reply.text_only:
-            logits = self.turns.talker_prefill(state)
-            self.frames.take_code0([state], logits)
+    def _first_tokens(self, finished: list[tuple[str, SessionState, PrefillOut]]) -> list[Output]:
+        """First text token of every reply whose prefill just finished, then the talker prefixes
+        of the spoken ones in one batched forward and their first codebook-0 tokens."""
+        outputs: list[Output] = []
+        for session_id, state, out in finished:
+            # A reply has at least one text token: the end is held back for the first step.
+            logits = out.last_logits.clone()
+            logits[sorted(self.eos)] = float("-inf")
+            outputs += self.frames.take_token(session_id, state, int(logits.argmax()))
+        spoken = [state for _, state, _ in finished if not state.reply.text_only]
+        if spoken:
+            self.frames.take_code0(spoken, self.turns.talker_prefills(spoken))
         return outputs
 
     def _prefill_speaking(self, budget: int) -> None:
-        """Encode microphone audio of users speaking, and prefill it (bounded) where no reply of
-        theirs holds the thinker cache (a barge-in's audio waits for its reply to end)."""
-        for state in self._sessions.values():
+        """Encode microphone audio of users speaking, and prefill it (bounded, one batched
+        forward) where no reply of theirs holds the thinker cache (a barge-in's audio waits for
+        its reply to end)."""
+        states = list(self._sessions.values())
+        for state in states:
             self.turns.encode_audio(state)
-            if budget > 0:
-                budget -= self.turns.flush_audio(state, budget)
+        self.turns.flush_audios(states, budget)
 
     def _stage_times(self) -> list[Output]:
         outputs: list[Output] = []
