@@ -162,9 +162,13 @@ def slot_block_mask(index_full: torch.Tensor, capacity: int):
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    # The row lengths live in the block mask (no recompile when they change). Shapes: automatic
-    # dynamic, so an eager cache that grows (no graphs) recompiles once, not at every growth.
-    return torch.compile(flex_attention, fullgraph=True)
+    # The row lengths live in the block mask (no recompile when they change). Shapes are static:
+    # measured on an H200 (torch 2.11), a symbolic query length sends prefill chunks to the
+    # flex-decoding lowering, which then finds no kernel. One compile per (rows, query length,
+    # capacity): the graphed engine meets a fixed set (batch x token buckets), more than dynamo's
+    # default of 8 recompiles per function, so the limit is raised for this one function's code.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
 
 def flex_attend(
@@ -184,7 +188,13 @@ def flex_attend(
     index_full = index.new_full((rows, n_q), -1).index_copy(0, slots, index)
     block_mask = slot_block_mask(index_full, capacity)
     fn = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-    out = fn(q_full, cache_k, cache_v, block_mask=block_mask, scale=scale, enable_gqa=cache_k.shape[1] != heads)
+    # Flex-decoding (chosen for query lengths < 128 on CUDA) handles a whole GQA group per block:
+    # it needs n_q x group <= the block size, else it has no kernel config (H200, torch 2.11).
+    # Longer chunks take the main flex kernel.
+    group = heads // cache_k.shape[1]
+    options = {"FORCE_USE_FLEX_ATTENTION": True} if q.is_cuda and n_q * group > BLOCK else None
+    out = fn(q_full, cache_k, cache_v, block_mask=block_mask, scale=scale, enable_gqa=group != 1,
+             kernel_options=options)
     return out.index_select(0, slots)
 
 
