@@ -118,9 +118,14 @@ def until_first_audio(runner, sids: list[str], limit: int = 300) -> None:
     raise RuntimeError(f"no first audio after {limit} ticks for {sorted(pending)}")
 
 
+def log(message: str, started: list[float] = [time.perf_counter()]) -> None:  # noqa: B006
+    print(f"# {time.perf_counter() - started[0]:6.0f} s  {message}", flush=True)
+
+
 def measure(runner, probe: Probe, batches: list[int], audio: np.ndarray) -> dict[str, Phase]:
     phases: dict[str, Phase] = {}
     for batch in batches:
+        log(f"batch {batch}: sessions speak, replies start")
         sids = [f"b{batch}_{i}" for i in range(batch)]
         speak(runner, sids, audio)
         for sid in sids:
@@ -135,9 +140,11 @@ def measure(runner, probe: Probe, batches: list[int], audio: np.ndarray) -> dict
         else:
             raise RuntimeError(f"no steady tick at batch {batch}: {phase.calls}")
         phases[f"tick_b{batch}"] = phase
+        log(f"batch {batch}: counted a steady tick, {phase.kernels.total()} kernels")
         for sid in sids:
             runner.close_session(sid)
     sid = "turn"
+    log("end of turn")
     speak(runner, [sid], audio)
     with probe.counting() as phase:
         runner.begin_reply(sid, [])
@@ -181,7 +188,7 @@ def engine_config(args, batches: list[int]) -> Config:
 def run(args, utterance: Callable[[float], np.ndarray]) -> None:
     from agent.engine import ensure_model
     from agent.engine.graphing import GraphConfig
-    from agent.engine.presets import REAL, _build_meta, depth_overrides, load_random, preset_config
+    from agent.engine.presets import REAL, _build_meta, _merge, depth_overrides, load_random, preset_config
     from agent.engine.roofline import CODEC_FRAME_S, H200, ByteModel
     from agent.engine.stream import StreamingRunner
 
@@ -195,19 +202,22 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
     counts: dict[int, dict[str, Phase]] = {}
     graph_mode = ""
     for layers in (low, high):
-        started = time.perf_counter()
-        loaded = load_random(REAL, "cpu", ensure_model(Config()), dtype=torch.bfloat16, overrides=depth_overrides(layers))
+        log(f"building {REAL} with {layers} layer(s) per stack, bf16")
+        overrides = _merge(depth_overrides(layers), {"thinker_config": {"text_config": {"vocab_size": args.count_vocab}}})
+        loaded = load_random(REAL, "cpu", ensure_model(Config()), dtype=torch.bfloat16, overrides=overrides)
+        log("built; starting the runner (graph captures)")
         runner = StreamingRunner.from_config(loaded, cfg, graphs=graphs)
         graph_mode = runner.graphing.mode
         counts[layers] = measure(runner, probe_runner(runner), batches, audio)
-        print(f"# counted {layers} layer(s) per stack in {time.perf_counter() - started:.0f} s", flush=True)
+        log(f"counted {layers} layer(s) per stack")
         del runner, loaded
         gc.collect()
 
     full = full_depths(preset_config(REAL))
     table: dict[str, Counter[str]] = {}
-    print(f"\nKERNELS (counted on CPU at {low} and {high} layers per stack, real widths; extrapolated per stack "
-          f"to {full}); graphs={graph_mode} compile={getattr(cfg, 'compile', 'n/a')}")
+    print(f"\nKERNELS (counted on CPU at {low} and {high} layers per stack, real widths, heads and experts, thinker "
+          f"vocabulary {args.count_vocab} (a matmul is one kernel at any width; bytes use the real 152064); "
+          f"extrapolated per stack to {full}); graphs={graph_mode} compile={getattr(cfg, 'compile', 'n/a')}")
     print(f"{'run':<12} {'stage':<16} {f'{low}L':>7} {f'{high}L':>7} {'/layer':>7} {'depth':>5} {'full':>7} "
           f"{'compiled':>8}  calls at {high}L")
     for name in counts[low]:
