@@ -178,6 +178,7 @@ def main() -> None:
                    help="fake: the CUDA-graph wiring on CPU (fused MoE, buckets), as a CUDA run would execute")
     k.add_argument("--kernel-utterance-s", type=float, default=2.5, help="utterance before the counted end of turn")
     k.add_argument("--kernel-reply-tokens", type=int, default=64)
+    k.add_argument("--kernel-ops", type=int, default=15, help="print the N most frequent eager ops (0: none)")
     k.add_argument("--count-vocab", type=int, default=4096,
                    help="thinker vocabulary of the counted models (the 152064-row LM head costs ~0.5 s a call on CPU "
                         "and is one kernel at any size; the byte model uses the real one)")

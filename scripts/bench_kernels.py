@@ -46,6 +46,7 @@ class Phase:
     kernels: Counter[str]
     compiled: Counter[str]
     calls: dict[str, list[int]]  # stage -> batch rows (or prefill tokens) per call
+    ops: Counter[str] = field(default_factory=Counter)  # eager aten op -> count
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Probe:
             yield phase
         phase.kernels.update(self.counter.kernels)
         phase.compiled.update(self.counter.compiled)
+        phase.ops.update(self.counter.ops)
         phase.calls.update({k: list(v) for k, v in self.calls.items()})
 
 
@@ -232,6 +234,11 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
                   f"{depth or '-':>5} {row[stage]:>7} {b.compiled[stage]:>8}  {b.calls.get(stage, '')}")
         print(f"{name:<12} {'total':<16} {a.kernels.total():>7} {b.kernels.total():>7} {'':>7} {'':>5} {row.total():>7}")
         table[name] = row
+
+    if args.kernel_ops:
+        for name in ("tick_b1", "end_of_turn"):
+            top = counts[high][name].ops.most_common(args.kernel_ops)
+            print(f"eager ops, {name} at {high}L: " + ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in top))
 
     model = ByteModel.of(_build_meta(preset_config(REAL)))
     turn = counts[high]["end_of_turn"]
