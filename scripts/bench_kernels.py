@@ -57,7 +57,9 @@ class Probe:
     calls: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
 
     def wrap(self, obj: object, name: str, stage: str, size: Callable[..., int | None] | None = None) -> None:
-        fn = getattr(obj, name)  # AttributeError: the engine renamed a step function
+        fn = getattr(obj, name, None)
+        if fn is None:
+            raise RuntimeError(f"the engine has no {type(obj).__name__}.{name}: update the stage labels in {__file__}")
 
         def labelled(*args, **kwargs):
             with self.counter.stage(stage):
