@@ -122,8 +122,11 @@ def until_first_audio(runner, sids: list[str], limit: int = 300) -> None:
     raise RuntimeError(f"no first audio after {limit} ticks for {sorted(pending)}")
 
 
-def log(message: str, started: list[float] = [time.perf_counter()]) -> None:  # noqa: B006
-    print(f"# {time.perf_counter() - started[0]:6.0f} s  {message}", flush=True)
+STARTED = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"# {time.perf_counter() - STARTED:6.0f} s  {message}", flush=True)
 
 
 def measure(runner, probe: Probe, batches: list[int], audio: np.ndarray) -> dict[str, Phase]:
