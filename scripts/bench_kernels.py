@@ -156,6 +156,9 @@ def measure(runner, probe: Probe, batches: list[int], audio: np.ndarray) -> dict
     with probe.counting() as phase:
         runner.begin_reply(sid, [])
         until_first_audio(runner, [sid])
+    missing = [s for s in ("thinker_prefill", "talker_prefill", "code_predictor", "code2wav") if not phase.calls.get(s)]
+    if missing:
+        raise RuntimeError(f"the end-of-turn path ran no labelled {missing}: update the stage labels in {__file__}")
     phases["end_of_turn"] = phase
     runner.close_session(sid)
     return phases
@@ -237,6 +240,10 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
             per = (b.kernels[stage] - a.kernels[stage]) / (high - low)
             print(f"{name:<12} {stage:<16} {a.kernels[stage]:>7} {b.kernels[stage]:>7} {per:>7.0f} "
                   f"{depth or '-':>5} {row[stage]:>7} {b.compiled[stage]:>8}  {b.calls.get(stage, '')}")
+        if a.kernels[UNSTAGED] != b.kernels[UNSTAGED]:
+            # Depth-dependent work outside every label would be left out of the extrapolation.
+            raise RuntimeError(f"{name}: unlabelled kernels change with depth ({a.kernels[UNSTAGED]} -> "
+                               f"{b.kernels[UNSTAGED]}): a step function lacks a stage label in {__file__}")
         print(f"{name:<12} {'total':<16} {a.kernels.total():>7} {b.kernels.total():>7} {'':>7} {'':>5} {row.total():>7}")
         table[name] = row
 

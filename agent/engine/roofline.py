@@ -58,7 +58,7 @@ class Decoder:
     experts: int
     top_k: int
     kv_per_token: int  # K and V elements per token, all layers
-    head: int  # output head(s) read per call
+    head: int  # final norm and output head, read once per call
     embed_row: int  # one input embedding row
 
     @classmethod
@@ -80,9 +80,9 @@ class Decoder:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         norm = numel(getattr(body, "norm", None))
         return cls(
-            layers=len(layers), dense_per_layer=dense / n + norm / n, expert=expert / n, experts=experts,
+            layers=len(layers), dense_per_layer=dense / n, expert=expert / n, experts=experts,
             top_k=top_k, kv_per_token=2 * len(layers) * config.num_key_value_heads * head_dim,
-            head=head, embed_row=config.hidden_size,
+            head=norm + head, embed_row=config.hidden_size,
         )
 
     def weights(self, tokens: int) -> float:

@@ -4,15 +4,16 @@ Pins: the expected number of distinct MoE experts is k for one token, grows with
 approaches E; at the real preset (meta device, nothing allocated) one batch-1 thinker decode
 with no context reads exactly the thinker's active parameters (counted independently by
 presets.count_parameters) minus the embedding table plus one row; batching reads the weights
-once (4 rows cost far less than 4 ticks), KV bytes grow linearly with context; and the time
-model adds bytes over efficient bandwidth to kernels times the per-kernel cost.
+once (4 rows cost far less than 4 ticks), KV bytes grow linearly with context; the time model
+adds bytes over efficient bandwidth to kernels times the per-kernel cost; and the depth-reduced
+presets the kernel run counts on keep every per-layer size of the real model.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from agent.engine.presets import REAL, _build_meta, count_parameters, preset_config
+from agent.engine.presets import REAL, _build_meta, count_parameters, depth_overrides, preset_config
 from agent.engine.roofline import H200, ByteModel, expected_experts
 
 
@@ -50,3 +51,16 @@ def test_batching_and_context(real):
 def test_time_model():
     assert H200.seconds(0.6 * 4.8e12, 0) == pytest.approx(1.0)
     assert H200.seconds(0, 1000) == pytest.approx(4e-3)
+
+
+def test_depth_overrides_keep_every_per_layer_size(real):
+    _, full = real
+    one, two = (ByteModel.of(_build_meta(preset_config(REAL, depth_overrides(n)))) for n in (1, 2))
+    assert (two.thinker.layers, two.talker.layers) == (2, 2)
+    for a, b in ((two.thinker, full.thinker), (two.talker, full.talker)):
+        assert (a.dense_per_layer, a.expert, a.experts, a.top_k, a.head, a.embed_row) == (
+            b.dense_per_layer, b.expert, b.experts, b.top_k, b.head, b.embed_row)
+    # Stacks without a per-layer split: 1 layer plus (depth - 1) x the 1 -> 2 difference is the full size.
+    assert one.predictor_layers + 4 * (two.predictor_layers - one.predictor_layers) == full.predictor_layers
+    assert one.audio_encoder + 31 * (two.audio_encoder - one.audio_encoder) == full.audio_encoder
+    assert one.code2wav + 7 * (two.code2wav - one.code2wav) == full.code2wav
