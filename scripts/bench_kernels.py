@@ -94,9 +94,10 @@ def probe_runner(runner) -> Probe:
     probe.wrap(runner.frames.predictor, "run", "code_predictor", lambda out, hidden, *a, **k: hidden.shape[0])
     probe.wrap(runner.frames.code2wav, "push", "code2wav", lambda out, slots, *a, **k: len(slots))
     probe.wrap(runner.turns, "start_reply", "audio_tail")
-    probe.wrap(runner.thinker, "run_prefill", "thinker_prefill", lambda out, *a, **k: out if isinstance(out, int) else None)
-    probe.wrap(runner.turns, "talker_prefill", "talker_prefill")
-    probe.wrap(runner.talker, "prefill", "talker_prefill", lambda out, state, embeds, *a, **k: embeds.shape[1])
+    # End-of-turn prefills are batched over the sessions whose turns end in the same tick.
+    probe.wrap(runner.thinker, "run_prefills", "thinker_prefill", lambda out, *a, **k: sum(out))
+    probe.wrap(runner.turns, "talker_prefills", "talker_prefill")
+    probe.wrap(runner.talker, "prefills", "talker_prefill", lambda out, items, *a, **k: sum(e.shape[1] for _, e, _, _ in items))
     return probe
 
 
