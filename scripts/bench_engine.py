@@ -13,6 +13,14 @@ code predictor and code2wav per frame, TTFA, real-time factor (compute / audio l
 Last line: `ttfa_ratio_vs_reference=R utterance_growth=G`.
 
     .venv/bin/python scripts/bench_engine.py [--repeats 3] [--model PATH] [--batch 1,4]
+
+With --kernels (scripts/bench_kernels.py, docs/engine-roofline.md) it instead counts the
+kernels of one engine tick and of the end-of-turn path at real structure (1 and 2 layers per
+stack, extrapolated to full depth) and prints a *predicted* H200 time per tick and TTFA. Last
+line: `kernels_per_tick_b1=N kernels_per_tick_b4=N kernels_code_predictor=N
+kernels_end_of_turn=N predicted_rtf_b4=R predicted_ttfa_b1_ms=T`.
+
+    .venv/bin/python scripts/bench_engine.py --kernels --preset qwen3-omni-30b-a3b --layers 1,2
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent.config import INPUT_FRAME_SAMPLES, Config  # noqa: E402
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta  # noqa: E402
@@ -156,7 +165,36 @@ def main() -> None:
     p.add_argument("--max-reply-seconds", type=float, default=2.0)
     p.add_argument("--no-reference", action="store_true", help="skip generate() (slow at real size)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="stream eagerly on CUDA")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default=None,
+                   help="torch.compile of the per-frame path (passed to the engine's Config; default: its own)")
+    p.add_argument("--no-compile", dest="compile", action="store_const", const="off")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    k = p.add_argument_group("kernel run (--kernels)")
+    k.add_argument("--kernels", action="store_true", help="count kernels and bytes at real structure, predict H200 time")
+    k.add_argument("--layers", type=ints, default=[1, 2], help="two depths per stack to difference (default 1,2)")
+    k.add_argument("--kernel-batches", type=ints, default=[1, 4, 10], help="steady-tick batch sizes (1 and 4 always)")
+    k.add_argument("--context", type=int, default=1024, help="tokens of KV per session in the byte model")
+    k.add_argument("--graphs", choices=("fake", "off"), default="fake",
+                   help="fake: the CUDA-graph wiring on CPU (fused MoE, buckets), as a CUDA run would execute")
+    k.add_argument("--kernel-utterance-s", type=float, default=2.5, help="utterance before the counted end of turn")
+    k.add_argument("--kernel-reply-tokens", type=int, default=64)
+    k.add_argument("--kernel-ops", type=int, default=15, help="print the N most frequent eager ops (0: none)")
+    k.add_argument("--count-vocab", type=int, default=4096,
+                   help="thinker vocabulary of the counted models (the 152064-row LM head costs ~0.5 s a call on CPU "
+                        "and is one kernel at any size; the byte model uses the real one)")
     args = p.parse_args()
+    if args.kernels:
+        import torch
+
+        if len(set(args.layers)) != 2:
+            p.error("--layers takes two different depths, e.g. 1,2")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        from bench_kernels import run
+
+        with torch.inference_mode():
+            run(args, utterance)
+        return
     if args.preset and not args.random_weights:
         p.error("--preset needs --random-weights: no checkpoint is downloaded")
 
@@ -170,6 +208,12 @@ def main() -> None:
         audio_window_s=1.0,
         cuda_graphs=args.cuda_graphs,
     )
+    if args.compile is not None:
+        from dataclasses import fields, replace
+
+        if "compile" not in {f.name for f in fields(Config)}:
+            p.error("--compile: this engine's Config has no compile option yet")
+        cfg = replace(cfg, compile=args.compile)
     stream = StreamingRunner.from_config(loaded, cfg)
     image = camera_frame()
     short, long_ = utterance(1.0), utterance(8.0, seed=1)

@@ -133,6 +133,28 @@ def scaled_overrides(layers: int = 2, width: int = 256, experts: int = 16, vocab
     }
 
 
+def depth_overrides(layers: int) -> dict[str, Any]:
+    """Overrides keeping every real width, head count and expert count but giving each stack
+    (thinker, audio and vision encoders, talker, code predictor, code2wav's transformer)
+    `layers` layers: what a per-layer kernel count needs (scripts/bench_engine.py --kernels
+    differences 1 and 2 layers and extrapolates to the published depths)."""
+    if layers < 1:
+        raise ValueError("at least one layer per stack")
+    return {
+        "thinker_config": {
+            "text_config": {"num_hidden_layers": layers},
+            "audio_config": {"encoder_layers": layers},
+            "vision_config": {"depth": layers, "deepstack_visual_indexes": list(range(min(layers, 3)))},
+        },
+        "talker_config": {
+            "text_config": {"num_hidden_layers": layers},
+            "code_predictor_config": {"num_hidden_layers": layers},
+            "accept_hidden_layer": min(layers, 24),
+        },
+        "code2wav_config": {"num_hidden_layers": layers},
+    }
+
+
 def preset_config(preset: str = REAL, overrides: Mapping[str, Any] | None = None) -> Qwen3OmniMoeConfig:
     """The preset's `Qwen3OmniMoeConfig`, with `overrides` merged in (nested dicts)."""
     from transformers import Qwen3OmniMoeConfig
@@ -309,16 +331,24 @@ def token_id_overrides(tokenizer) -> dict[str, Any]:
     }
 
 
-def load_random(preset: str, device: str, tokenizer_from: str, seed: int = 0):
+def load_random(
+    preset: str,
+    device: str,
+    tokenizer_from: str,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    overrides: Mapping[str, Any] | None = None,
+):
     """A LoadedModel of `preset` with random weights, driven by the tokenizer and
     preprocessors saved at `tokenizer_from` (the tiny checkpoint): benchmarks at real size
-    without the checkpoint."""
+    without the checkpoint. `overrides` (e.g. depth_overrides) merge under the token ids."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor
 
     from .model import LoadedModel, PromptIds, _load_image_processor, complete_config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
-    model = build_random(preset, device, overrides=token_id_overrides(tokenizer), seed=seed)
+    merged = _merge(dict(overrides or {}), token_id_overrides(tokenizer))
+    model = build_random(preset, device, dtype, overrides=merged, seed=seed)
     complete_config(model.config)
     model.talker.config.audio_config = model.thinker.config.audio_config
     speakers = model.config.talker_config.speaker_id or {}

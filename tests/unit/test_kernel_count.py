@@ -1,0 +1,86 @@
+"""The kernel counter (agent/engine/kernel_count.py) counts what a GPU would launch.
+
+Pins: in eager code every non-view aten op is one kernel and views / bare allocations are none
+(3 pointwise ops + 1 matmul, around transposes, reshapes and slices, count 4); kernels go to
+the innermost stage label; a function compiled by torch.compile is counted by inductor's own
+numbers (generated kernels + extern calls, the ones inductor reports for its compilation), its
+run-time extern ops are not counted again, and eager ops around it are still counted; only one
+counter may be active.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agent.engine.kernel_count import KernelCounter, is_view
+
+torch.set_num_threads(1)
+
+
+def three_pointwise_one_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = x.t().contiguous().t()  # a copy of x (1 kernel) behind two views
+    h = y.view(2, 4, 8)[1:].reshape(-1, 8)  # views only (the slice stays contiguous)
+    return torch.relu(h @ w.t()).mul(2.0)[None]  # mm + relu + mul; t() and [None] are views
+
+
+def test_eager_ops_count_one_kernel_each_and_views_none():
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    with KernelCounter() as counter:
+        three_pointwise_one_matmul(x, w)
+    assert counter.total == 4, counter.ops
+    assert sum(n for op, n in counter.ops.items() if "mm" in op) == 1
+    assert not any(is_view(getattr(torch.ops.aten, op.split(".")[1]).default) for op in counter.ops if op.endswith("default"))
+
+
+def test_kernels_go_to_the_innermost_stage():
+    x = torch.randn(4)
+    with KernelCounter() as counter:
+        x.sin()
+        with counter.stage("outer"):
+            x.cos()
+            with counter.stage("inner"):
+                x.exp()
+                x.neg()
+            x.abs()
+    assert counter.kernels == {"other": 1, "outer": 2, "inner": 2}
+
+
+def test_compiled_code_counts_inductors_kernels_and_eager_code_around_it():
+    from torch._dynamo.utils import counters
+    from torch._inductor import metrics
+
+    def body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (torch.relu(x @ w) * 2 + 1).sum(-1)
+
+    compiled = torch.compile(body, fullgraph=True, dynamic=False)
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    torch._dynamo.reset()  # compile here, even if inductor's cache has the graph (its counts come with it)
+    metrics.reset()
+    counters.clear()
+    expected = compiled(x, w)  # compiles
+    reported = metrics.generated_kernel_count + counters["inductor"]["extern_calls"]
+    assert counters["inductor"]["extern_calls"] >= 1  # the matmul is a library call
+    assert metrics.generated_kernel_count >= 1
+
+    with KernelCounter() as counter:
+        x2 = x.add(0.0)  # eager: 1
+        with counter.stage("compiled"):
+            out = compiled(x2, w)
+            out = compiled(x2, w)
+        out = out.neg()  # eager: 1
+    torch.testing.assert_close(out, -expected)
+    assert counter.kernels["compiled"] == 2 * reported
+    assert counter.compiled["compiled"] == 2 * reported
+    assert counter.kernels["other"] == 2
+    assert not any("mm" in op for op in counter.ops), counter.ops  # extern mm not counted twice
+
+
+def test_one_counter_at_a_time():
+    with KernelCounter():
+        with pytest.raises(RuntimeError):
+            with KernelCounter():
+                pass
+    with KernelCounter() as again:  # the first one's exit released it
+        torch.ones(2).neg()
+    assert again.total == 2  # ones (a fill) + neg
