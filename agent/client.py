@@ -23,6 +23,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from .jitter import lower_audio_jitter_hold
+from .peer import close_peer
 
 SEND_RATE = 48_000
 SEND_FRAME = 960  # 20 ms
@@ -178,6 +179,12 @@ class AgentClient:
         return await asyncio.wait_for(fut, timeout)
 
     async def connect(self) -> None:
+        """Offer, and apply the agent's answer: ICE and DTLS then connect the call."""
+        await self.pc.setRemoteDescription(await self.offer())
+
+    async def offer(self) -> RTCSessionDescription:
+        """Add the tracks, send the offer and return the agent's answer, not yet applied
+        (a client that stops here is one whose call never connects)."""
         self.pc.addTrack(self.audio)
         if self.video is not None:
             self.pc.addTrack(self.video)
@@ -199,7 +206,7 @@ class AgentClient:
                 if resp.status != 200:
                     raise RuntimeError(f"offer refused: {resp.status} {body}")
         self.result.session_id = body["session_id"]
-        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type=body["type"]))
+        return RTCSessionDescription(sdp=body["sdp"], type=body["type"])
 
     async def _read_audio(self, track: MediaStreamTrack) -> None:
         while True:
@@ -243,4 +250,8 @@ class AgentClient:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await self.pc.close()
+        # A cancelled task's traceback holds _read_audio's frame, and so this client; an
+        # offer that never connected leaves the channel (with our listener) in aiortc's queue.
+        self._tasks.clear()
+        self.channel.remove_all_listeners()
+        await close_peer(self.pc)

@@ -26,6 +26,7 @@ from .engine.api import AudioOut, ReplyDone, TextDelta
 from .ingest import AudioIn, VideoSample, VideoSampler
 from .jitter import lower_audio_jitter_hold
 from .ladder import LEVEL_NAMES, Admission
+from .peer import close_peer
 from .playout import AgentAudioTrack
 from .vad import Endpointer, SpeechAudio, SpeechStarted, SpeechStopped
 
@@ -76,6 +77,7 @@ class Session:
         self._history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
         self._closed = False
         self._closing: Optional[asyncio.Future] = None
+        self._deadline: Optional[asyncio.TimerHandle] = None
         self.turns = 0
 
         pc.on("track", self._on_track)
@@ -89,16 +91,23 @@ class Session:
         self.emit({"type": "session.created", "session_id": self.id,
                    "mode": LEVEL_NAMES[self.admission.ladder.level]})
         # A peer that takes its answer and never connects would hold a session slot forever.
-        asyncio.get_running_loop().call_later(self.config.connect_timeout_s, self._connect_deadline)
+        self._deadline = asyncio.get_running_loop().call_later(self.config.connect_timeout_s, self._connect_deadline)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        # The timer and the ladder hold our bound methods; drop them so that the session
+        # (its peer, tracks and resampler threads) is freed when the call ends (issue 14).
+        if self._deadline is not None:
+            self._deadline.cancel()
         if self._unlisten is not None:
             self._unlisten()
+            self._unlisten = None
         for task in self._tasks:
             task.cancel()
+        # A cancelled task's traceback holds its coroutine's frame, and so this session.
+        self._tasks.clear()
         try:
             self.engine.close_session(self.id)
         except EngineBusy:
@@ -108,7 +117,8 @@ class Session:
                 q.put_nowait(None)
         self.frames.clear()  # the ring's gauge is a sum over sessions
         self.track.stop()
-        await self.pc.close()
+        self.audio_in.close()
+        await close_peer(self.pc)
         self._on_closed(self)
 
     def _connect_deadline(self) -> None:
