@@ -15,6 +15,7 @@ from .config import Config
 from .engine import Engine, EngineBusy
 from .ice import keep_loopback_candidates, loopback_only
 from .ladder import Admission
+from .peer import close_peer
 from .session import Session
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,11 @@ async def offer(request: web.Request) -> web.Response:
     try:
         await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
     except (ValueError, KeyError, IndexError) as exc:  # aiortc's SDP parser raises these
-        await pc.close()
+        await close_peer(pc)
         metrics.OFFERS_REJECTED.labels(reason="bad_sdp").inc()
         return _error(400, f"invalid SDP offer: {exc}")
     if not any(t.kind == "audio" for t in pc.getTransceivers()):
-        await pc.close()
+        await close_peer(pc)
         metrics.OFFERS_REJECTED.labels(reason="bad_sdp").inc()
         return _error(400, "the offer has no audio: send the microphone")
     # Added after setRemoteDescription so it rides the browser's sendrecv audio transceiver.
@@ -79,7 +80,7 @@ async def offer(request: web.Request) -> web.Response:
     try:
         session.start()
     except EngineBusy:
-        await pc.close()
+        await close_peer(pc)
         metrics.OFFERS_REJECTED.labels(reason="busy").inc()
         return _error(503, "engine is overloaded", **{"Retry-After": "5"})
     sessions[session.id] = session
