@@ -7,15 +7,17 @@ the process's native thread count is back within 2 of where it was after the fir
 round of calls, no peer connection, transceiver, transport, track or Session object is
 still alive, and resident memory grew by less than 10 MB.
 
-The cycle collector is switched off while the calls run: in a real agent the loaded
-model makes the long-lived heap so large that full collections are rare, so whatever a
-call leaves in a reference cycle (with the native threads its FFmpeg objects own) stays
-for hours. Here it would stay for the rest of the test, and be counted.
+The calls run in rounds with the cycle collector switched off, and each round's objects
+and threads are counted before anything is collected: in a real agent the loaded model
+makes the long-lived heap so large that full collections are rare, so whatever a call
+leaves in a reference cycle (with the native threads its FFmpeg objects own) stays for
+hours. Memory is read after a warm-up, with freed heap pages returned (malloc_trim).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import os
 import socket
@@ -43,8 +45,8 @@ from agent.session import Session
 # One agent (one event loop) serves every test here.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-CALLS = 50  # per way of ending
-CONCURRENCY = 8  # calls in flight at once (the agent allows 10 sessions)
+CALLS = 56  # per way of ending: 7 rounds
+CONCURRENCY = 8  # calls in a round, all in flight at once (the agent allows 10 sessions)
 CALL_TIMEOUT_S = 60.0
 # A fresh agent's resident memory climbs over its first few dozen calls (allocator arenas
 # of the threads that serve them, the engine's working buffers) and then holds: measured
@@ -68,6 +70,10 @@ def _native_threads() -> int:
 
 
 def _rss_mb() -> float:
+    """Resident memory once freed heap pages are handed back: glibc keeps what a call freed
+    in its per-thread arenas, which then only look like growth; malloc_trim(0) returns the
+    free pages of every arena, so what stays resident is memory still in use."""
+    ctypes.CDLL(None).malloc_trim(0)
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -194,22 +200,28 @@ async def test_calls_leave_no_threads_objects_or_memory(agent, short_wav: Path, 
     await _settle(app, threads_at_start)
     gc.collect()
     threads_first, rss_first = _native_threads(), _rss_mb()
+    alive: Counter = Counter()
+    threads_after = threads_first
     gc.disable()
     try:
-        await _calls(url, app, short_wav, ending, CALLS - CONCURRENCY)
-        await _settle(app, threads_first)
-        threads_after, alive = _native_threads(), _alive()
+        for _ in range(CALLS // CONCURRENCY - 1):
+            await _calls(url, app, short_wav, ending, CONCURRENCY)
+            await _settle(app, threads_first)
+            # Counted before any collection: a round's calls must be gone already.
+            alive += _alive()
+            threads_after = max(threads_after, _native_threads())
+            # Now drop what a round leaves in cycles that own no thread and no call object
+            # (aioice's connection and its protocols, exceptions' frames): the collector
+            # reclaims those in a running agent, and letting them pile up here would only
+            # fragment the heap that the memory check measures.
+            gc.collect()
     finally:
         gc.enable()
-    # Memory is judged as the agent runs, with the cycle collector: what a call leaves in
-    # cycles that hold no thread (aioice's connection and protocols, exceptions' frames) is
-    # its business; what stays referenced is a leak.
-    gc.collect()
     rss_after = _rss_mb()
     print(f"\nleaks: {CALLS} {ending} calls in {time.monotonic() - started:.0f} s, "
           f"threads {threads_at_start}→{threads_first}→{threads_after} "
           f"({sorted(Counter(t.name.rstrip('0123456789_') for t in threading.enumerate()).items())}), "
-          f"RSS {rss_first:.1f}→{rss_after:.1f} MB, alive after: {dict(alive) or 'none'}")
+          f"RSS {rss_first:.1f}→{rss_after:.1f} MB, alive after a round: {dict(alive) or 'none'}")
     assert not app[SESSIONS], "the agent still holds sessions"
     assert not alive, f"objects of finished calls still alive: {dict(alive)}"
     assert threads_after <= threads_first + 2, f"threads {threads_first} -> {threads_after}"
