@@ -3,12 +3,11 @@
 aiortc's RTCPeerConnection.close() stops every transceiver (the receivers join their
 decoder threads) and the transports, but leaves each RTCDtlsTransport holding the peer's
 own bound methods as "statechange" listeners, and the peer holds its transports: a
-reference cycle. Everything the call owned (transceivers, tracks, jitter buffers, and
-through the session's callbacks the Session itself, with its FFmpeg resampler and that
-resampler's worker threads) then waits for the cycle collector, whose full collections
-are rare in a process with a large long-lived heap such as a loaded model. Removing those
-listeners after close() breaks the cycle, so reference counting frees the call as soon
-as its last owner lets go.
+reference cycle. Everything the peer owned (transceivers, tracks, jitter buffers, DTLS and
+SRTP state) then waits for the cycle collector, whose full collections are rare in a
+process with a large long-lived heap such as a loaded model. Removing those listeners
+after close() breaks the cycle, so reference counting frees the peer as soon as its last
+owner (the Session) lets go.
 
 Likewise, messages a data channel could not deliver (the far end vanished, or the call
 never connected) stay queued in the SCTP transport, and each queued item points back at
