@@ -26,6 +26,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from .jitter import lower_audio_jitter_hold
+from .peer import close_peer
 
 SEND_RATE = 48_000
 SEND_FRAME = 960  # 20 ms
@@ -209,8 +210,13 @@ class AgentClient:
         return await asyncio.wait_for(fut, timeout)
 
     async def connect(self, signal: Optional[Callable[[str], Awaitable[tuple[str, str]]]] = None) -> None:
-        """Offer, POST it, apply the answer. signal(offer_sdp) -> (answer_sdp, location) replaces
-        the built-in POST (e.g. the openai SDK's realtime.calls.create)."""
+        """Offer, POST it, apply the answer: ICE and DTLS then connect the call."""
+        await self.pc.setRemoteDescription(await self.offer(signal))
+
+    async def offer(self, signal: Optional[Callable[[str], Awaitable[tuple[str, str]]]] = None) -> RTCSessionDescription:
+        """Add the tracks, send the offer and return the agent's answer, not yet applied (a client
+        that stops here is one whose call never connects). signal(offer_sdp) -> (answer_sdp,
+        location) replaces the built-in POST (e.g. the openai SDK's realtime.calls.create)."""
         self.pc.addTrack(self.audio)
         if self.video is not None:
             self.pc.addTrack(self.video)
@@ -231,7 +237,7 @@ class AgentClient:
         else:
             answer = await self._post_offer(offer)
         self.result.call_id = self.result.location.rsplit("/", 1)[-1]
-        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+        return RTCSessionDescription(sdp=answer, type="answer")
 
     async def _post_offer(self, offer: str) -> str:
         async with aiohttp.ClientSession() as http:
@@ -298,7 +304,11 @@ class AgentClient:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await self.pc.close()
+        # A cancelled task's traceback holds _read_audio's frame, and so this client; an
+        # offer that never connected leaves the channel (with our listener) in aiortc's queue.
+        self._tasks.clear()
+        self.channel.remove_all_listeners()
+        await close_peer(self.pc)
 
 
 class WsAgentClient:

@@ -60,6 +60,12 @@ class AudioIn:
         self.clock_jumps = 0  # gaps > max_gap_s that moved the clock by whole chunks
         self.resyncs = 0  # pts went backwards: source restarted, clock just continues
 
+    def close(self) -> None:
+        """Free the resampler now. Its FFmpeg filter graph owns a pool of worker threads
+        (one per CPU core) that lives exactly as long as the graph."""
+        self._resampler = None
+        self._source_key = None
+
     @property
     def clock(self) -> float:
         """Seconds of audio cut so far: the start of the next chunk on the session clock."""

@@ -88,8 +88,10 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        # The ladder's listener holds our bound method: drop it so nothing refers back here.
         if self._unlisten is not None:
             self._unlisten()
+            self._unlisten = None
         try:
             self.engine.close_session(self.id)
         except EngineBusy:
@@ -98,9 +100,19 @@ class Session:
         self.frames.clear()  # the ring's gauge is a sum over sessions
         if self.track is not None:
             self.track.stop()
+        # Its FFmpeg filter graph owns one worker thread per core: free it now, not at a GC.
+        self.input.audio_in.close()
         for hook in self.on_close:
             await hook()
         self._on_closed(self)
+        # Drop every callback that refers back to this session or its transport (track hooks,
+        # the transport's teardown, pending engine-idle work): with no cycle left, reference
+        # counting frees the call now instead of at a rare full GC (issue 14).
+        self.on_close.clear()
+        self._when_engine_idle.clear()
+        self._on_closed = _closed_already
+        if self.track is not None:
+            self.track.on_first_audio = self.track.on_drained = None
 
     # ---- audio and video in ------------------------------------------------------------
     def push_audio(self, frame: av.AudioFrame) -> None:
@@ -414,3 +426,7 @@ class Session:
     def emit_error(self, message: str, code: str, *, param: Optional[str] = None, event_id: Optional[str] = None,
                    kind: str = "invalid_request_error") -> None:
         self.outbox.error(message, code, param=param, event_id=event_id, kind=kind)
+
+
+def _closed_already(session: Session) -> None:
+    """on_closed after close(): the owner has already been told."""

@@ -18,6 +18,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from .. import metrics
 from ..engine import EngineBusy
 from ..ice import keep_loopback_candidates, loopback_only
+from ..peer import close_peer
 from . import session_config
 from .app import ADMISSION, CONFIG, ENGINE, SESSIONS, forget, grant, json_error, refuse_new_session, remember
 from .rtc import RtcCall
@@ -85,17 +86,17 @@ async def create_call(request: web.Request) -> web.Response:
     try:
         await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
     except (ValueError, KeyError, IndexError) as exc:  # aiortc's SDP parser raises these
-        await pc.close()
+        await close_peer(pc)
         return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
     if not any(t.kind == "audio" for t in pc.getTransceivers()):
-        await pc.close()
+        await close_peer(pc)
         return _bad(400, "the offer has no audio: send the microphone", "bad_sdp", param="sdp")
     # Added after setRemoteDescription so it rides the client's sendrecv audio transceiver.
     pc.addTrack(call.track)
     try:
         call.start()
     except EngineBusy:
-        await pc.close()
+        await close_peer(pc)
         metrics.OFFERS_REJECTED.labels(reason="busy").inc()
         return json_error(503, "engine is overloaded", "busy", kind="server_error", **{"Retry-After": "5"})
     remember(app, call.id, call)

@@ -37,6 +37,7 @@ class Outbox:
     def close(self) -> None:
         """No more events; SSE readers get their end marker."""
         self.closed = True
+        self._send = _drop  # the transport refers to its session: break the cycle
         for q in self._sse:
             if not q.full():
                 q.put_nowait(None)
@@ -52,3 +53,7 @@ class Outbox:
     def unsubscribe(self, q: asyncio.Queue) -> None:
         if q in self._sse:
             self._sse.remove(q)
+
+
+def _drop(text: str) -> None:
+    """The send of a closed outbox."""

@@ -20,6 +20,7 @@ from ..config import Config
 from ..engine import Engine
 from ..jitter import lower_audio_jitter_hold
 from ..ladder import Admission
+from ..peer import close_peer
 from ..session import Session
 from . import client_events
 from .events import new_id
@@ -40,6 +41,7 @@ class RtcCall:
         self._pending: list[str] = []
         self._tasks: list[asyncio.Task] = []
         self._closing: Optional[asyncio.Future] = None
+        self._deadline: Optional[asyncio.TimerHandle] = None
         self.session = Session(config, engine, admission, send=self._send, on_closed=lambda _s: on_closed(self),
                                webrtc=True, settings=settings)
         self.session.on_close.append(self._teardown)
@@ -55,15 +57,24 @@ class RtcCall:
     def start(self) -> None:
         self.session.start()
         # A peer that takes its answer and never connects would hold a session slot forever.
-        asyncio.get_running_loop().call_later(self.config.connect_timeout_s, self._connect_deadline)
+        self._deadline = asyncio.get_running_loop().call_later(self.config.connect_timeout_s, self._connect_deadline)
 
     async def close(self) -> None:
         await self.session.close()
 
     async def _teardown(self) -> None:
+        # The timer holds our bound method and a cancelled task's traceback holds its frame:
+        # both would keep the call (peer, tracks, session, resampler threads) alive until a
+        # rare full GC; close_peer breaks the cycles aiortc itself leaves (agent/peer.py).
+        if self._deadline is not None:
+            self._deadline.cancel()
         for task in self._tasks:
             task.cancel()
-        await self.pc.close()
+        self._tasks.clear()
+        if self._channel is not None:
+            self._channel.remove_all_listeners()  # its message handler refers to this call
+        self._channel = None
+        await close_peer(self.pc)
 
     def _connect_deadline(self) -> None:
         if not self.session.closed and self.pc.connectionState != "connected":
