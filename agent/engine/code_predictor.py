@@ -35,6 +35,11 @@ class CodePredictorOps:
         # Pad rows: a zero hidden state and code 0, each batch bucket has its own cache anyway.
         # Outputs cloned: the codec sums are kept per reply until its next talker step.
         self._graph = graphing.pool("code_predictor", self._run, (0.0, 0), clone_outputs=True) if graphing else None
+        if self._graph is not None:
+            # Every bucket's cache and plan now: a graph capture or a compiled trace must find
+            # them made (an allocation inside either would be recorded, not done).
+            for batch in self._graph.batch_sizes:
+                self._plan(batch)
 
     def capture_graphs(self) -> None:
         if self._graph is None:

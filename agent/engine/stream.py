@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -121,12 +122,14 @@ class StreamingRunner:
     @classmethod
     def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
         """From agent.config.Config (system_prompt, max_reply_tokens, max_reply_seconds,
-        audio_window_s, max_sessions, context_limit, cuda_graphs). `graphs`: graph settings (default "auto":
-        graphs on a CUDA device); `config.cuda_graphs=False` (--no-cuda-graphs) turns them off
-        whatever they say."""
+        audio_window_s, max_sessions, context_limit, cuda_graphs, compile, cache_dir). `graphs`: graph
+        settings (default "auto": graphs on a CUDA device); `config.cuda_graphs=False`
+        (--no-cuda-graphs) turns them off whatever they say; `config.compile` decides compilation."""
         graphs = graphs or GraphConfig()
         if not config.cuda_graphs:
             graphs = replace(graphs, mode="off")
+        # --compile, its cache beside the tiny model's (a restart does not recompile from scratch).
+        graphs = replace(graphs, compile=config.compile, compile_cache=Path(config.cache_dir) / "compile")
         return cls(
             loaded,
             system_prompt=config.system_prompt,
