@@ -2,7 +2,7 @@
 
 The four step functions of a tick (thinker decode, talker step, the whole code-predictor loop,
 code2wav's one-frame push) are, eagerly, thousands of small kernels per frame at real size; the
-launch cost of those, not the bytes they read, sets the tick time (docs/realtime-budget.md).
+launch cost of those, not the bytes they read, sets the tick time.
 Inductor fuses the norms, RoPE, residual adds, casts and sampling glue into few kernels, and
 the code predictor's 15 steps become one region with no Python between them.
 
@@ -59,6 +59,10 @@ class CompileSettings:
     cache_dir: Path | None = None  # inductor's on-disk cache; None leaves the environment's
     cudagraphs: CudaGraphImpl = "own"
     device_type: str = "cpu"
+    # One compile for every bucket, the batch dim symbolic (size 1 included), instead of one per
+    # bucket. The same fusions, so the same kernel count; shapes the generated code cannot
+    # specialise on. Default on CPU, where a compile costs tens of seconds per function.
+    dynamic_batch: bool = False
 
 
 def resolve_compile(mode: CompileMode, device: torch.device) -> bool:
@@ -84,7 +88,7 @@ def use_cache_dir(path: Path) -> None:
 
 @dataclass
 class CompileStats:
-    compiles: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of its first call
+    compiles: dict[int, float] = field(default_factory=dict)  # bucket (0: all) -> seconds of its first call
     calls: int = 0
     eager: int = 0  # batches above every bucket
 
@@ -113,7 +117,11 @@ class CompiledStep:
         self.stats = CompileStats()
         self._compiled: dict[int, Any] = {}
 
+        self.dynamic_batch = settings.dynamic_batch
+
     def for_batch(self, batch: int) -> Any:
+        if self.dynamic_batch:
+            batch = 0  # one function for every bucket
         compiled = self._compiled.get(batch)
         if compiled is None:
             # A fresh torch.compile per bucket: its own entry, specialised to this batch.
@@ -128,14 +136,26 @@ class CompiledStep:
             return self.fn(*args)
         for index, dim in self.dynamic_dims:
             torch._dynamo.maybe_mark_dynamic(args[index], dim)
+        if self.dynamic_batch:
+            for arg in args:
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
         self.stats.calls += 1
-        if batch in self.stats.compiles:
-            return self.for_batch(batch)(*args)
+        key = 0 if self.dynamic_batch else batch
+        if key in self.stats.compiles:
+            return self._call(batch, args)
         started = time.perf_counter()
-        out = self.for_batch(batch)(*args)
-        self.stats.compiles[batch] = time.perf_counter() - started
-        log.info("compiled %s for batch %d in %.1f s", self.name, batch, self.stats.compiles[batch])
+        out = self._call(batch, args)
+        self.stats.compiles[key] = time.perf_counter() - started
+        log.info("compiled %s for batch %s in %.1f s", self.name, "any" if key == 0 else batch, self.stats.compiles[key])
         return out
+
+    def _call(self, batch: int, args: Sequence[Tensor]) -> Outputs:
+        if not self.dynamic_batch:
+            return self.for_batch(batch)(*args)
+        # Size-oblivious: a batch of 1 is traced like any other size (else dynamo would
+        # specialise it and compile twice).
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            return self.for_batch(batch)(*args)
 
 
 class StepCompiler:

@@ -54,6 +54,7 @@ class GraphConfig:
     compile: CompileMode = "auto"  # torch.compile the step functions ("auto": on CUDA only)
     compile_cache: Path | None = None  # inductor's on-disk cache (None: the environment's)
     cudagraphs: CudaGraphImpl = "own"  # with compile on CUDA: our capture, or inductor's
+    compile_dynamic_batch: bool | None = None  # one compile for all buckets (None: on CPU only)
     min_key_len: int = 256  # shortest attention read of a graphed decode step
     warmup_iters: int = 1  # eager calls per graph before its capture (lazy CUDA init)
     check_replays: bool = True  # fake mode: compare every replay's ops with the capture's
@@ -98,7 +99,9 @@ class Graphing:
         if resolve_compile(config.compile, device):
             if self.mode == "fake":
                 raise ValueError("fake graphs trace the eager ops: run them with compile off")
-            settings = CompileSettings(config.compile_cache, config.cudagraphs, device.type)
+            dynamic = config.compile_dynamic_batch
+            dynamic = device.type != "cuda" if dynamic is None else dynamic
+            settings = CompileSettings(config.compile_cache, config.cudagraphs, device.type, dynamic)
             self.compiler = StepCompiler(settings, self.batch_sizes)
         self.backend: CaptureBackend | None = None
         self.warmup_iters = config.warmup_iters
