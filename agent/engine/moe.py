@@ -134,7 +134,11 @@ class FusedSparseMoeBlock(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         batch, seq, hidden_dim = hidden_states.shape
         flat = hidden_states.reshape(-1, hidden_dim)
-        _, routing_weights, selected = self.gate(flat)
+        # Compiled: the router's own forward, without the output-capturing hooks transformers
+        # registers on it once generate() has run (they read a ContextVar, which dynamo cannot
+        # trace; they only record router logits, which the engine never asks for).
+        router = self.gate.forward if torch.compiler.is_compiling() else self.gate
+        _, routing_weights, selected = router(flat)
         run = experts_grouped if self.method == "grouped" else experts_gathered
         out = run(flat, selected, routing_weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn)
         if self.has_shared_expert:
