@@ -29,9 +29,10 @@ and a batched tick equals the same sessions stepped alone: tests/unit/test_batch
 
 GPU path (agent/engine/graphing.py; on by default on CUDA, off with `--no-cuda-graphs`): the
 MoE experts are fused (agent/engine/moe.py), the slot caches reserved at their limit, and the
-thinker decode, talker step, code-predictor loop and code2wav step captured as CUDA graphs per
-batch bucket, here in the constructor, i.e. on the engine thread that builds the runner; only
-that thread may replay them. `graphs="fake"` runs the same wiring on CPU for tests
+thinker decode, talker step, code-predictor loop and code2wav step compiled with torch.compile
+(agent/engine/compiled.py; `--compile`, on CUDA by default) and captured as CUDA graphs per
+batch bucket, here in the constructor (so compiling happens at start-up, never in a reply),
+i.e. on the engine thread that builds the runner; only that thread may replay them. `graphs="fake"` runs the same wiring on CPU for tests
 (tests/unit/test_graph_wiring.py).
 """
 
