@@ -5,7 +5,7 @@ Pins:
   code2wav's push) gives the eager function's outputs and state writes, for every batch bucket
   (1, 2, 4, 8, 16) and for a batch padded up to its bucket (3 -> 4);
 - on CPU one compile serves every bucket (the batch dim is symbolic), made at start-up: the
-  runner's constructor compiles, live calls do not;
+  runner's constructor compiles, live calls do not (dynamo compiles no new graph);
 - per-bucket mode compiles once per bucket seen, never for a padded batch's own size, and runs a
   batch above every bucket eagerly;
 - `--compile` / `--no-compile` reach the runner, and "auto" leaves CPU eager.
@@ -14,12 +14,16 @@ The streaming-equals-generate() tests run with compilation on as well (test_stre
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from agent.__main__ import _serve_parser, config_from_args
-from agent.engine.compiled import CompiledStep, CompileSettings
+from agent.engine.compiled import CompiledStep, CompileSettings, PaddedBackend
 from agent.engine.graphs import GraphPool
+from agent.engine.session_state import KVState
 from agent.engine.stream import StreamingRunner
 
 BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4
@@ -34,16 +38,18 @@ def runner(loaded, compiled_options):
         for kv in (runner.thinker.kv, runner.talker.kv):
             for t in kv.keys + kv.values:
                 t.normal_()
+    runner.graphs_at_start = counters["stats"]["unique_graphs"]  # dynamo's compiled graphs so far
     return runner
 
 
 def decode_inputs(runner, ops, batch: int, gen: torch.Generator):
-    capacity = ops.kv.capacity
-    slots = torch.randperm(16, generator=gen)[:batch]
-    states = [type("S", (), {"slot": int(s), "length": int(torch.randint(0, 200, (1,), generator=gen)),
-                             "next_pos": int(torch.randint(0, 300, (1,), generator=gen))})() for s in slots]
-    rows = runner.graphing.decode_rows(states, capacity, runner.loaded.device, tokens=[5] * batch)
-    return rows
+    """Rows of `batch` sessions in random slots, at random cache lengths and RoPE positions."""
+    states = []
+    for slot in torch.randperm(16, generator=gen)[:batch].tolist():
+        state = KVState(slot)
+        state.length, state.next_pos = torch.randint(0, 200, (2,), generator=gen).tolist()
+        states.append(state)
+    return runner.graphing.decode_rows(states, ops.kv.capacity, runner.loaded.device, tokens=[5] * batch)
 
 
 def test_start_up_compiles_each_step_once_for_every_bucket(runner):
@@ -120,12 +126,18 @@ def test_code2wav_push_equals_eager_with_its_state(runner, batch):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_per_bucket_mode_compiles_once_per_bucket_and_runs_big_batches_eagerly(compiled_options):
+def test_live_calls_never_recompiled(runner):
+    # Every bucket, padded batches and fresh inputs above ran on what start-up compiled.
+    assert runner.graphs_at_start > 0
+    assert counters["stats"]["unique_graphs"] == runner.graphs_at_start
+
+
+def test_per_bucket_mode_compiles_once_per_bucket_and_runs_big_batches_eagerly():
     def step(x: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x * 2, dim=-1) + x.sum(-1, keepdim=True)
 
     compiled = CompiledStep("toy", step, (1, 2, 4), CompileSettings(dynamic_batch=False))
-    pool = GraphPool(compiled, (1, 2, 4), warmup_iters=0, backend=__import__("agent.engine.compiled", fromlist=["PaddedBackend"]).PaddedBackend())
+    pool = GraphPool(compiled, (1, 2, 4), warmup_iters=0, backend=PaddedBackend())
     for batch in (3, 4, 1, 3, 5):
         x = torch.randn(batch, 8)
         torch.testing.assert_close(pool(x), step(x))
@@ -134,7 +146,7 @@ def test_per_bucket_mode_compiles_once_per_bucket_and_runs_big_batches_eagerly(c
 
 
 def test_compile_flags_reach_the_runner(loaded):
-    parser = __import__("argparse").ArgumentParser()
+    parser = argparse.ArgumentParser()
     _serve_parser(parser)
     assert config_from_args(parser.parse_args([])).compile == "auto"
     assert config_from_args(parser.parse_args(["--no-compile"])).compile == "off"
