@@ -21,12 +21,13 @@ run: $(STAMP)
 	$(VENV)/bin/omni-agent serve $(ARGS)
 
 # Debian packages the tests drive: Chromium (browser test), espeak-ng (spoken WAVs),
-# promtool from prometheus (alert rules check).
+# sox (the browser's fake-capture WAV), promtool from prometheus (alert rules check).
 system-deps:
 	@need=""; \
 	command -v chromium >/dev/null || need="$$need chromium"; \
 	command -v espeak-ng >/dev/null || need="$$need espeak-ng"; \
 	command -v promtool >/dev/null || need="$$need prometheus"; \
+	command -v sox >/dev/null || need="$$need sox"; \
 	if [ -n "$$need" ]; then \
 	  echo "installing:$$need"; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$need; \

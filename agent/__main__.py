@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -15,6 +16,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     d = Config()
     p.add_argument("--host", default=d.host, help="address to serve HTTP on (default %(default)s)")
     p.add_argument("--port", type=int, default=d.port, help="HTTP port (default %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("OMNI_AGENT_API_KEY", d.api_key), metavar="KEY",
+                   help="require this key (or an ephemeral key minted with it) on /v1/realtime routes "
+                        "(default: $OMNI_AGENT_API_KEY; unset = open, for loopback use)")
     p.add_argument("--ice-host", action="append", default=[], dest="ice_hosts", metavar="ADDR",
                    help="host address ICE advertises (repeatable); default: every interface but loopback")
     p.add_argument("--model", default=d.model, metavar="PATH_OR_ID",

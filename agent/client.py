@@ -1,6 +1,8 @@
 """A loopback client peer: sends a WAV (then silence) and synthetic video, measures replies.
 
-Used by the integration tests and by scripts/bench_rtc.py. It measures what a user would:
+Used by the integration tests and by scripts/bench_rtc.py. It speaks the Realtime API's GA
+WebRTC form like a browser client: POST /v1/realtime/calls with the raw SDP offer, events on
+the `oai-events` data channel it creates itself. It measures what a user would:
 voice-to-voice is the time from the real end of speech in the sent audio to the first
 audible sample received back.
 """
@@ -8,13 +10,14 @@ audible sample received back.
 from __future__ import annotations
 
 import asyncio
+import base64
 import fractions
 import json
 import time
 import wave
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import aiohttp
 import av
@@ -134,20 +137,34 @@ class ClientResult:
     audible_log: list[tuple[float, int]] = field(default_factory=list)  # (wall time, samples) per audible frame
     _last_audible: Optional[float] = None
     peak_rms: float = 0.0
-    session_id: str = ""
+    call_id: str = ""  # rtc_…, from the Location header
+    location: str = ""
+
+    @property
+    def session_id(self) -> str:  # the call id names the session in every /v1/realtime/calls route
+        return self.call_id
 
     def of_type(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("type") == kind]
+
+    def done_omni(self) -> list[dict[str, Any]]:
+        """The agent's figures of each finished response: {"ttft_ms", "ttfa_ms", "mode", "stats"}."""
+        return [e["response"].get("omni", {}) for e in self.of_type("response.done")]
 
 
 class AgentClient:
     """One aiortc peer talking to the agent at base_url over loopback."""
 
     def __init__(self, base_url: str, wav: Path, video: bool = True, repeat_after_s: Optional[float] = None,
-                 receive_prefetch: Optional[int] = 1, video_fps: int = 10) -> None:
-        """receive_prefetch: frames aiortc holds before playing received audio; 1 (20 ms)
-        is browser-like, None keeps aiortc's default of 4 (80 ms)."""
-        self.base_url = base_url
+                 receive_prefetch: Optional[int] = 1, video_fps: int = 10, api_key: Optional[str] = None,
+                 session: Optional[dict[str, Any]] = None) -> None:
+        """base_url: the agent's root (http://host:port). receive_prefetch: frames aiortc holds
+        before playing received audio; 1 (20 ms) is browser-like, None keeps aiortc's default of
+        4 (80 ms). api_key: sent as Bearer (the API key or an ek_ key). session: a GA session
+        config sent with the offer (multipart); None sends the raw SDP only."""
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.session_config = session
         self.pcm = load_wav_mono(wav)
         self.speech_end = speech_end_sample(self.pcm)
         self.audio = WavTrack(self.pcm, repeat_after_s, self.speech_end)
@@ -157,8 +174,22 @@ class AgentClient:
         self._prefetch = receive_prefetch
         self._tasks: list[asyncio.Task] = []
         self._event_waiters: list[tuple[str, asyncio.Future]] = []
-        self.channel = self.pc.createDataChannel("events")
+        self.channel = self.pc.createDataChannel("oai-events")
         self.channel.on("message", self._on_message)
+
+    def send(self, event: dict[str, Any]) -> None:
+        """A client event on the data channel (it must be open: see wait_open)."""
+        self.channel.send(json.dumps(event))
+
+    async def wait_open(self, timeout: float = 10.0) -> None:
+        for _ in range(int(timeout / 0.05)):
+            if self.channel.readyState == "open":
+                return
+            await asyncio.sleep(0.05)
+        raise TimeoutError("the oai-events data channel did not open")
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _on_message(self, message: str | bytes) -> None:
         event = json.loads(message)
@@ -177,7 +208,9 @@ class AgentClient:
         self._event_waiters.append((kind, fut))
         return await asyncio.wait_for(fut, timeout)
 
-    async def connect(self) -> None:
+    async def connect(self, signal: Optional[Callable[[str], Awaitable[tuple[str, str]]]] = None) -> None:
+        """Offer, POST it, apply the answer. signal(offer_sdp) -> (answer_sdp, location) replaces
+        the built-in POST (e.g. the openai SDK's realtime.calls.create)."""
         self.pc.addTrack(self.audio)
         if self.video is not None:
             self.pc.addTrack(self.video)
@@ -192,14 +225,36 @@ class AgentClient:
                 self._tasks.append(asyncio.ensure_future(self._read_audio(track)))
 
         await self.pc.setLocalDescription(await self.pc.createOffer())
+        offer = self.pc.localDescription.sdp
+        if signal is not None:
+            answer, self.result.location = await signal(offer)
+        else:
+            answer = await self._post_offer(offer)
+        self.result.call_id = self.result.location.rsplit("/", 1)[-1]
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer, type="answer"))
+
+    async def _post_offer(self, offer: str) -> str:
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{self.base_url}/offer", json={
-                "sdp": self.pc.localDescription.sdp, "type": self.pc.localDescription.type}) as resp:
-                body = await resp.json()
-                if resp.status != 200:
+            if self.session_config is None:
+                data: Any = offer
+                headers = {**self._headers(), "Content-Type": "application/sdp"}
+            else:
+                data = aiohttp.FormData()
+                data.add_field("sdp", offer, content_type="application/sdp")
+                data.add_field("session", json.dumps(self.session_config), content_type="application/json")
+                headers = self._headers()
+            async with http.post(f"{self.base_url}/v1/realtime/calls", data=data, headers=headers) as resp:
+                body = await resp.text()
+                if resp.status != 201:
                     raise RuntimeError(f"offer refused: {resp.status} {body}")
-        self.result.session_id = body["session_id"]
-        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body["sdp"], type=body["type"]))
+                self.result.location = resp.headers.get("Location", "")
+                return body
+
+    async def hangup(self) -> int:
+        """DELETE the call; returns the HTTP status (204 when the agent ended it)."""
+        async with aiohttp.ClientSession() as http:
+            async with http.delete(f"{self.base_url}{self.result.location}", headers=self._headers()) as resp:
+                return resp.status
 
     async def _read_audio(self, track: MediaStreamTrack) -> None:
         while True:
@@ -244,3 +299,108 @@ class AgentClient:
         for task in self._tasks:
             task.cancel()
         await self.pc.close()
+
+
+class WsAgentClient:
+    """AgentClient's counterpart on the WebSocket transport (GET /v1/realtime): streams the WAV
+    as 24 kHz pcm16 input_audio_buffer.append events paced like a microphone (then silence),
+    collects server events, and times the first audible response.output_audio.delta after each
+    end of speech (the WebSocket's voice-to-voice, without a playout buffer)."""
+
+    CHUNK = 480  # 20 ms at 24 kHz
+
+    def __init__(self, base_url: str, wav: Path, api_key: Optional[str] = None, model: str = "qwen3-omni",
+                 repeat_after_s: Optional[float] = None, session: Optional[dict[str, Any]] = None) -> None:
+        self.url = base_url.rstrip("/").replace("http", "ws", 1) + f"/v1/realtime?model={model}"
+        self.api_key = api_key
+        self.session_config = session
+        self.pcm = load_wav_mono(wav, rate=24_000)
+        self.speech_end = speech_end_sample(self.pcm, rate=24_000)
+        self.repeat_after_s = repeat_after_s
+        self.result = ClientResult()
+        self.speech_ends: list[float] = []  # wall time each play's speech ended
+        self._http: Optional[aiohttp.ClientSession] = None
+        self._ws: Optional[aiohttp.ClientWebSocketResponse] = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def connect(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._http = aiohttp.ClientSession()
+        self._ws = await self._http.ws_connect(self.url, headers=headers, protocols=("realtime",),
+                                               max_msg_size=16 * 1024 * 1024)
+        self._tasks.append(asyncio.ensure_future(self._read()))
+        if self.session_config is not None:
+            await self.send({"type": "session.update", "session": self.session_config})
+        self._tasks.append(asyncio.ensure_future(self._speak()))
+
+    async def send(self, event: dict[str, Any]) -> None:
+        assert self._ws is not None
+        await self._ws.send_str(json.dumps(event))
+
+    async def _speak(self) -> None:
+        start, sent = time.monotonic(), 0
+        pos = 0
+        silence = np.zeros(self.CHUNK, np.int16)
+        while True:
+            chunk = self.pcm[pos : pos + self.CHUNK] if pos < len(self.pcm) else silence
+            if pos <= self.speech_end - 1 < pos + self.CHUNK:
+                self.speech_ends.append(time.monotonic() + (self.speech_end - 1 - pos) / 24_000)
+            if len(chunk) < self.CHUNK:
+                chunk = np.concatenate([chunk, np.zeros(self.CHUNK - len(chunk), np.int16)])
+            await self.send({"type": "input_audio_buffer.append",
+                             "audio": base64.b64encode(chunk.astype("<i2").tobytes()).decode()})
+            pos += self.CHUNK
+            sent += 1
+            if self.repeat_after_s is not None and pos >= len(self.pcm) + self.repeat_after_s * 24_000:
+                pos = 0
+            wait = start + sent * self.CHUNK / 24_000 - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+
+    async def _read(self) -> None:
+        assert self._ws is not None
+        async for msg in self._ws:
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                continue
+            event = json.loads(msg.data)
+            now = time.monotonic()
+            if event.get("type") == "response.output_audio.delta":
+                pcm = np.frombuffer(base64.b64decode(event["delta"]), dtype="<i2").astype(np.float64)
+                r = self.result
+                r.received_samples += len(pcm)
+                if pcm.size and float(np.sqrt((pcm**2).mean())) > AUDIBLE_RMS:
+                    r.audible_samples += len(pcm)
+                    if r.first_audible_at is None:
+                        r.first_audible_at = now
+                    if r._last_audible is None or now - r._last_audible >= 0.3:
+                        r.audible_onsets.append(now)
+                    r._last_audible = now
+                event["delta"] = ""  # the audio is counted; keep the event list small
+            event["_t"] = now
+            self.result.events.append(event)
+
+    async def wait_event(self, kind: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in self.result.events:
+                if event.get("type") == kind:
+                    return event
+            await asyncio.sleep(0.02)
+        raise asyncio.TimeoutError(kind)
+
+    def turn_latencies(self) -> list[Optional[float]]:
+        """End of speech → first audible audio delta received, per play of the WAV."""
+        out: list[Optional[float]] = []
+        for i, end in enumerate(self.speech_ends):
+            nxt = self.speech_ends[i + 1] if i + 1 < len(self.speech_ends) else float("inf")
+            onset = next((t for t in self.result.audible_onsets if end < t < nxt), None)
+            out.append(None if onset is None else onset - end)
+        return out
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._ws is not None:
+            await self._ws.close()
+        if self._http is not None:
+            await self._http.close()

@@ -31,6 +31,9 @@ class Config:
     # probes every interface; tests pin this to 127.0.0.1, production may name a public IP.
     ice_hosts: tuple[str, ...] = ()
     web_dir: Path = field(default_factory=lambda: Path(__file__).resolve().parent.parent / "web")
+    # When set, every /v1/realtime route needs `Authorization: Bearer` with it or with an
+    # ephemeral key minted from it; "" leaves the agent open (fine on loopback, not beyond).
+    api_key: str = field(default="", repr=False)
 
     # model
     model: str = ""  # path or hub id; "" = the tiny checkpoint in cache_dir

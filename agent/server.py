@@ -1,99 +1,80 @@
-"""aiohttp front door: the page, signalling (/offer), health, metrics and SSE events."""
+"""aiohttp front door: the page, the OpenAI Realtime (GA) routes, health and metrics.
+
+Routes under /v1/realtime need a key when --api-key is set (see agent/realtime/keys.py):
+  POST   /v1/realtime/calls[?model=]        WebRTC offer → 201 SDP answer + Location
+  POST   /v1/realtime?model=                the same, older URL form
+  DELETE /v1/realtime/calls/{id}            end a call (also POST …/{id}/hangup)
+  GET    /v1/realtime/calls/{id}/events     the call's server events as SSE
+  GET    /v1/realtime?model=                WebSocket transport (?call_id= attaches to a call)
+  POST   /v1/realtime/client_secrets        mint an ephemeral ek_ key
+Open: GET /, GET /v1/omni/config, GET /healthz, GET /metrics.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
 from . import metrics
 from .config import Config
-from .engine import Engine, EngineBusy
-from .ice import keep_loopback_candidates, loopback_only
+from .engine import Engine
 from .ladder import Admission
-from .session import Session
+from .realtime import session_config
+from .realtime.app import (ADMISSION, CONFIG, ENGINE, ENGINE_START, GRANT, KEYS, LADDER_TICK, SESSIONS,
+                           json_error)
+from .realtime.calls import MAX_OFFER_BYTES, call_events, create_call, hangup
+from .realtime.keys import DEFAULT_TTL_S, KeyStore, bearer_token
+from .realtime.ws import websocket
 
 log = logging.getLogger(__name__)
 
-CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
-ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
-SESSIONS: web.AppKey[dict] = web.AppKey("sessions", dict)
-ADMISSION: web.AppKey[Admission] = web.AppKey("admission", Admission)
-ENGINE_START: web.AppKey[asyncio.Future] = web.AppKey("engine_start", asyncio.Future)
-LADDER_TICK: web.AppKey[asyncio.Future] = web.AppKey("ladder_tick", asyncio.Future)
-
-_MAX_SDP_BYTES = 64 * 1024  # a real offer is a few KB; anything huge is not an offer
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _error(status: int, message: str, **headers: str) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers)
+@web.middleware
+async def require_key(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Every /v1/realtime route needs the API key or a live ephemeral key (when a key is set)."""
+    if request.path.startswith("/v1/realtime"):
+        keys = request.app[KEYS]
+        grant = keys.check(bearer_token(request.headers))
+        if grant is None:
+            return json_error(401, "missing, wrong or expired API key (Authorization: Bearer …)", "invalid_api_key")
+        if request.path == "/v1/realtime/client_secrets" and grant.ephemeral:
+            return json_error(401, "ephemeral keys cannot mint keys: use the API key", "invalid_api_key")
+        request[GRANT] = grant
+    return await handler(request)
 
 
-def _peer_connection() -> RTCPeerConnection:
-    # No STUN/TURN servers: aiortc's default is a public STUN server, which this agent
-    # neither needs on a LAN/loopback nor may reach. Host candidates come from agent.ice.
-    return RTCPeerConnection(RTCConfiguration(iceServers=[]))
-
-
-async def offer(request: web.Request) -> web.Response:
-    config, engine, sessions = request.app[CONFIG], request.app[ENGINE], request.app[SESSIONS]
-    if request.content_length is not None and request.content_length > _MAX_SDP_BYTES:
-        metrics.OFFERS_REJECTED.labels(reason="bad_request").inc()
-        return _error(413, "offer too large")
+async def client_secrets(request: web.Request) -> web.Response:
+    """Mint an ephemeral key carrying a session config: {"value": "ek_…", "expires_at", "session"}."""
     try:
-        body: Any = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        metrics.OFFERS_REJECTED.labels(reason="bad_request").inc()
-        return _error(400, "body must be JSON: {\"sdp\": ..., \"type\": \"offer\"}")
-    if not isinstance(body, dict) or not isinstance(body.get("sdp"), str) or body.get("type") != "offer":
-        metrics.OFFERS_REJECTED.labels(reason="bad_request").inc()
-        return _error(400, "expected {\"sdp\": string, \"type\": \"offer\"}")
-    if not engine.ready:
-        metrics.OFFERS_REJECTED.labels(reason="not_ready").inc()
-        return _error(503, "engine is still loading", **{"Retry-After": "5"})
-    if len(sessions) >= config.max_sessions:
-        metrics.OFFERS_REJECTED.labels(reason="capacity").inc()
-        return _error(503, f"session limit reached ({config.max_sessions})", **{"Retry-After": "10"})
-
-    sdp = body["sdp"]
-    if loopback_only(config.ice_hosts):
-        sdp = keep_loopback_candidates(sdp)
-    pc = _peer_connection()
-    session = Session(config, engine, pc, request.app[ADMISSION], on_closed=lambda s: _forget(sessions, s))
+        body: Any = await request.json() if request.can_read_body else {}
+    except ValueError:
+        return json_error(400, "body must be JSON", "invalid_json")
+    if not isinstance(body, dict):
+        return json_error(400, "body must be a JSON object", "invalid_request")
+    expires = body.get("expires_after") or {}
+    seconds = expires.get("seconds", DEFAULT_TTL_S) if isinstance(expires, dict) else None
+    if expires and (not isinstance(expires, dict) or expires.get("anchor", "created_at") != "created_at"):
+        return json_error(400, "expires_after.anchor must be created_at", "invalid_value", param="expires_after.anchor")
+    if not isinstance(seconds, int) or isinstance(seconds, bool):
+        return json_error(400, "expires_after.seconds must be an integer", "invalid_value", param="expires_after.seconds")
     try:
-        await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
-    except (ValueError, KeyError, IndexError) as exc:  # aiortc's SDP parser raises these
-        await pc.close()
-        metrics.OFFERS_REJECTED.labels(reason="bad_sdp").inc()
-        return _error(400, f"invalid SDP offer: {exc}")
-    if not any(t.kind == "audio" for t in pc.getTransceivers()):
-        await pc.close()
-        metrics.OFFERS_REJECTED.labels(reason="bad_sdp").inc()
-        return _error(400, "the offer has no audio: send the microphone")
-    # Added after setRemoteDescription so it rides the browser's sendrecv audio transceiver.
-    pc.addTrack(session.track)
-    try:
-        session.start()
-    except EngineBusy:
-        await pc.close()
-        metrics.OFFERS_REJECTED.labels(reason="busy").inc()
-        return _error(503, "engine is overloaded", **{"Retry-After": "5"})
-    sessions[session.id] = session
-    metrics.SESSIONS_ACTIVE.set(len(sessions))
-    answer = await pc.createAnswer()
-    await pc.setLocalDescription(answer)
-    return web.json_response(
-        {"sdp": pc.localDescription.sdp, "type": pc.localDescription.type, "session_id": session.id}
-    )
+        session = session_config.client_secret_session(request.app[CONFIG], body)
+        value, expires_at = request.app[KEYS].mint(seconds, session)
+    except session_config.ConfigError as exc:
+        return json_error(400, str(exc), "invalid_value", param=exc.param)
+    except ValueError as exc:
+        return json_error(400, str(exc), "invalid_value", param="expires_after.seconds")
+    return web.json_response({"value": value, "expires_at": expires_at, "session": session})
 
 
-def _forget(sessions: dict, session: Session) -> None:
-    sessions.pop(session.id, None)
-    metrics.SESSIONS_ACTIVE.set(len(sessions))
+async def omni_config(request: web.Request) -> web.Response:
+    """What the page needs before connecting: whether it must mint an ephemeral key first."""
+    return web.json_response({"auth_required": request.app[KEYS].required})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -106,31 +87,6 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-
-async def events(request: web.Request) -> web.StreamResponse:
-    """Server-sent events: the same JSON events as the data channel, for captions elsewhere."""
-    session = request.app[SESSIONS].get(request.match_info["session_id"])
-    if session is None:
-        return _error(404, "no such session")
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    q = session.subscribe()
-    try:
-        while session.subscribed(q):
-            try:
-                text = await asyncio.wait_for(q.get(), timeout=15.0)
-            except asyncio.TimeoutError:
-                await resp.write(b": keep-alive\n\n")
-                continue
-            if text is None:
-                break
-            await resp.write(f"data: {text}\n\n".encode())
-    except (ConnectionResetError, asyncio.CancelledError):
-        pass
-    finally:
-        session.unsubscribe(q)
-    return resp
 
 
 async def index(request: web.Request) -> web.FileResponse:
@@ -147,16 +103,23 @@ async def _tick(admission: Admission) -> None:
 
 
 def create_app(config: Config, engine: Engine) -> web.Application:
-    app = web.Application(client_max_size=_MAX_SDP_BYTES * 2)
+    app = web.Application(client_max_size=MAX_OFFER_BYTES * 2, middlewares=[require_key])
     app[CONFIG] = config
     app[ENGINE] = engine
     app[SESSIONS] = {}
+    app[KEYS] = KeyStore(config.api_key)
     app[ADMISSION] = admission = Admission.from_config(config)
     app.router.add_get("/", index)
-    app.router.add_post("/offer", offer)
+    app.router.add_post("/v1/realtime/calls", create_call)
+    app.router.add_post("/v1/realtime", create_call)
+    app.router.add_get("/v1/realtime", websocket)
+    app.router.add_delete("/v1/realtime/calls/{call_id}", hangup)
+    app.router.add_post("/v1/realtime/calls/{call_id}/hangup", hangup)
+    app.router.add_get("/v1/realtime/calls/{call_id}/events", call_events)
+    app.router.add_post("/v1/realtime/client_secrets", client_secrets)
+    app.router.add_get("/v1/omni/config", omni_config)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_endpoint)
-    app.router.add_get("/sessions/{session_id}/events", events)
     app.router.add_static("/", config.web_dir, show_index=False)
 
     async def on_startup(app: web.Application) -> None:
@@ -166,8 +129,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
 
     async def on_shutdown(app: web.Application) -> None:
         app[LADDER_TICK].cancel()
-        for session in list(app[SESSIONS].values()):
-            await session.close()
+        for connection in list(app[SESSIONS].values()):
+            await connection.close()
         await engine.stop()
 
     app.on_startup.append(on_startup)

@@ -1,95 +1,88 @@
-"""One peer: drains its tracks, decides turns, talks to the engine, speaks and captions.
+"""One Realtime session: audio in, turns, the engine's replies out as GA server events.
 
-Everything here runs on the asyncio loop. Engine output arrives through the ReplySink
-methods (scheduled with call_soon_threadsafe by the engine thread).
+Transport-neutral: a WebRTC call (agent/realtime/rtc.py) or a WebSocket (agent/realtime/ws.py)
+feeds it audio frames and client events and gives it a `send` for serialized server events.
+Spoken replies go to `track` on WebRTC (paced media) or out as response.output_audio.delta on
+a WebSocket. Everything here runs on the asyncio loop; engine output arrives through the
+ReplySink methods (scheduled with call_soon_threadsafe by the engine thread).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-import uuid
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
-from aiortc import RTCDataChannel, RTCPeerConnection
-from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+import av
+import numpy as np
 
 from . import metrics
 from .bridge import FrameRing
-from .config import Config
+from .config import INPUT_FRAME_SAMPLES, OUTPUT_RATE, Config
 from .engine import Engine, EngineBusy
 from .engine.api import AudioOut, ReplyDone, TextDelta
-from .ingest import AudioIn, VideoSample, VideoSampler
-from .jitter import lower_audio_jitter_hold
+from .ingest import VideoSample, VideoSampler
 from .ladder import LEVEL_NAMES, Admission
 from .playout import AgentAudioTrack
-from .vad import Endpointer, SpeechAudio, SpeechStarted, SpeechStopped
+from .realtime import session_config
+from .realtime.conversation import Conversation
+from .realtime.input_buffer import InputBuffer
+from .realtime.events import new_id, user_audio_item, user_text_item
+from .realtime.outbox import Outbox
+from .realtime.response import STATUS_BY_REASON, Response
+from .vad import SpeechAudio, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
 
-_MAX_PENDING_EVENTS = 64  # events held until the data channel opens
-_SSE_QUEUE = 256  # per SSE subscriber; a subscriber that falls this far behind is dropped
-
-
-@dataclass
-class _Reply:
-    response_id: str
-    end_of_turn: float  # time.monotonic() when the endpointer ended the turn
-    text: str = ""
-    ttft: Optional[float] = None
-    ttfa: Optional[float] = None
-    engine_open: bool = True  # no ReplyDone received yet
-    text_only: bool = False
+FRAME_MS = 80  # one codec frame: the unit a truncation is counted in
 
 
 class Session:
-    def __init__(self, config: Config, engine: Engine, pc: RTCPeerConnection, admission: Admission,
-                 on_closed: Callable[["Session"], None]) -> None:
-        self.id = uuid.uuid4().hex[:12]
-        self.config = config
-        self.engine = engine
-        self.pc = pc
+    def __init__(self, config: Config, engine: Engine, admission: Admission, send: Callable[[str], None],
+                 on_closed: Callable[["Session"], None], webrtc: bool,
+                 settings: Optional[dict[str, Any]] = None) -> None:
+        self.id = new_id("sess")
+        self.config, self.engine, self.admission = config, engine, admission
+        self.outbox = Outbox(send)  # server events: the transport, and SSE subscribers
         self._on_closed = on_closed
-        self.admission = admission
-        self._unlisten: Optional[Callable[[], None]] = None
-        self.track = AgentAudioTrack(upsample_to_48k=True)
-        self.audio_in = AudioIn()
+        self.webrtc = webrtc
+        self.settings = settings or session_config.default_session(config)
+        self.settings["id"] = self.id
+        self.conversation = Conversation()
+        self.conversation_id = new_id("conv")
+        # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
+        self.track: Optional[AgentAudioTrack] = (
+            AgentAudioTrack(upsample_to_48k=True, on_first_audio=self._on_first_audio, on_drained=self._on_drained)
+            if webrtc else None)
         self.video = VideoSampler(fps=config.video_fps, max_side=config.video_max_side)
         self.frames: FrameRing[VideoSample] = FrameRing(config.ingest_buffer_frames, kind="video")
-        self.endpointer = Endpointer(
-            silence_ms=config.vad_silence_ms,
-            min_speech_ms=config.vad_min_speech_ms,
-            aggressiveness=config.vad_aggressiveness,
-            max_turn_s=config.max_turn_seconds,
-        )
-        self.text_only = False
-        self._channel: Optional[RTCDataChannel] = None
-        self._pending: list[str] = []
-        self._sse: list[asyncio.Queue] = []
-        self._tasks: list[asyncio.Task] = []
-        self._reply: Optional[_Reply] = None
+        self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms))
+        self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
+        self._reply: Optional[Response] = None  # the response in progress
+        self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
+        self._last: Optional[Response] = None  # the latest response (what a truncation may cut)
         self._stale_done = 0  # ReplyDone events still owed by cancelled replies
+        self._when_engine_idle: list[Callable[[], None]] = []
         self._history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
+        self._unlisten: Optional[Callable[[], None]] = None
         self._closed = False
-        self._closing: Optional[asyncio.Future] = None
+        self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
         self.turns = 0
-
-        pc.on("track", self._on_track)
-        pc.on("datachannel", self._on_datachannel)
-        pc.on("connectionstatechange", self._on_connection_state)
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
         self.engine.open_session(self.id, self)
         self._unlisten = self.admission.listen(self._on_level)
-        self.emit({"type": "session.created", "session_id": self.id,
-                   "mode": LEVEL_NAMES[self.admission.ladder.level]})
-        # A peer that takes its answer and never connects would hold a session slot forever.
-        asyncio.get_running_loop().call_later(self.config.connect_timeout_s, self._connect_deadline)
+        if self.settings["instructions"] != self.config.system_prompt:
+            self._engine_call("set_instructions", self.settings["instructions"])
+        self.emit({"type": "session.created", "session": self.settings,
+                   "omni": {"mode": LEVEL_NAMES[self.admission.ladder.level]}})
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     async def close(self) -> None:
         if self._closed:
@@ -97,241 +90,327 @@ class Session:
         self._closed = True
         if self._unlisten is not None:
             self._unlisten()
-        for task in self._tasks:
-            task.cancel()
         try:
             self.engine.close_session(self.id)
         except EngineBusy:
             log.warning("session %s: engine inbox full on close", self.id)
-        for q in self._sse:
-            if not q.full():
-                q.put_nowait(None)
+        self.outbox.close()
         self.frames.clear()  # the ring's gauge is a sum over sessions
-        self.track.stop()
-        await self.pc.close()
+        if self.track is not None:
+            self.track.stop()
+        for hook in self.on_close:
+            await hook()
         self._on_closed(self)
 
-    def _connect_deadline(self) -> None:
-        if not self._closed and self.pc.connectionState != "connected":
-            log.info("session %s: not connected after %.0f s, closing", self.id, self.config.connect_timeout_s)
-            metrics.OFFERS_REJECTED.labels(reason="connect_timeout").inc()
-            # Not in _tasks: close() cancels those, and must not cancel itself.
-            self._closing = asyncio.ensure_future(self.close())
+    # ---- audio and video in ------------------------------------------------------------
+    def push_audio(self, frame: av.AudioFrame) -> None:
+        """Microphone audio, any rate and layout (a WebRTC track's frames, decoded WebSocket appends)."""
+        for event in self.input.push(frame):
+            self._on_turn_event(event)
 
-    async def _on_connection_state(self) -> None:
-        if self.pc.connectionState in ("failed", "closed"):
-            await self.close()
+    def push_video(self, frame: av.VideoFrame) -> None:
+        sample = self.video.push(frame, self.input.audio_in.clock)
+        if sample is not None:
+            self.frames.put(sample)
 
-    # ---- tracks ----------------------------------------------------------------------
-    def _on_track(self, track: MediaStreamTrack) -> None:
-        if track.kind == "audio":
-            for transceiver in self.pc.getTransceivers():
-                if transceiver.receiver.track is track:
-                    lower_audio_jitter_hold(transceiver.receiver, self.config.jitter_prefetch)
-            self._tasks.append(asyncio.ensure_future(self._read_audio(track)))
-        elif track.kind == "video":
-            self._tasks.append(asyncio.ensure_future(self._read_video(track)))
-
-    async def _read_audio(self, track: MediaStreamTrack) -> None:
-        # Drained continuously: aiortc's receive queue is unbounded.
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            for chunk in self.audio_in.push(frame):
-                for event in self.endpointer.push(chunk):
-                    self._on_turn_event(event)
-            for event in self.endpointer.peek(*self.audio_in.partial):
-                self._on_turn_event(event)
-
-    async def _read_video(self, track: MediaStreamTrack) -> None:
-        while True:
-            try:
-                frame = await track.recv()
-            except MediaStreamError:
-                return
-            sample = self.video.push(frame, self.audio_in.clock)
-            if sample is not None:
-                self.frames.put(sample)
-
-    # ---- turns -----------------------------------------------------------------------
     def _on_turn_event(self, event: object) -> None:
+        td = self.input.turn_detection
         try:
             if isinstance(event, SpeechStarted):
-                self._barge_in()
-                self.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000)})
+                if td is not None and td.interrupt_response:
+                    self.interrupt("turn_detected")
+                self._speech_item = new_id("item")
+                self.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000),
+                           "item_id": self._speech_item})
             elif isinstance(event, SpeechAudio):
                 self.engine.append_audio(self.id, event.chunk.pcm)
             elif isinstance(event, SpeechStopped):
-                self.emit({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": int(event.end_of_speech * 1000)})
-                self._begin_reply()
+                item_id = self._speech_item or new_id("item")
+                self._speech_item = None
+                self.emit({"type": "input_audio_buffer.speech_stopped",
+                           "audio_end_ms": int(event.end_of_speech * 1000), "item_id": item_id})
+                self._commit_item(item_id, None)
+                if td is None or td.create_response:
+                    self.create_response({}, None)
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
-            self.emit_error("engine is overloaded; this turn was dropped", "engine_busy")
+            self.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
 
-    def _begin_reply(self) -> None:
-        now = time.monotonic()
+    def _commit_item(self, item_id: str, event_id: Optional[str]) -> None:
+        previous = self.conversation.last_id()
+        self.emit({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": previous})
+        self._add_item(user_audio_item(item_id))
+
+    def _add_item(self, item: dict[str, Any]) -> None:
+        previous = self.conversation.add(item)
+        self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
+        self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
+
+    def commit_audio(self, event_id: Optional[str]) -> None:
+        """input_audio_buffer.commit: the buffered audio becomes a user item (no reply by itself)."""
+        if not self.input.manual:
+            if not self.input.in_turn:
+                self.emit_error("the input audio buffer is empty", "input_audio_buffer_commit_empty", event_id=event_id)
+                return
+            self.input.reset()
+            item_id, self._speech_item = self._speech_item or new_id("item"), None
+            self._commit_item(item_id, event_id)
+            return
+        if self.input.buffered_ms() < 100:
+            self.emit_error("commit needs at least 100 ms of audio", "input_audio_buffer_commit_empty", event_id=event_id)
+            return
+        try:
+            for pcm in self.input.take():
+                self.engine.append_audio(self.id, pcm)
+        except EngineBusy:
+            self.emit_error("engine is overloaded; the audio was dropped", "engine_busy", kind="server_error",
+                            event_id=event_id)
+            return
+        self._commit_item(new_id("item"), event_id)
+
+    def clear_audio(self) -> None:
+        """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
+        if self.input.in_turn:
+            self.engine.discard_turn(self.id)
+        self.input.reset()
+        self._speech_item = None
+        self.emit({"type": "input_audio_buffer.cleared"})
+
+    def apply_settings(self, merged: dict[str, Any]) -> None:
+        """A validated session.update: act on what changed, then answer session.updated."""
+        old, self.settings = self.settings, merged
+        if merged["instructions"] != old["instructions"]:
+            self._engine_call("set_instructions", merged["instructions"])
+        td = session_config.turn_detection(merged, self.config.vad_silence_ms)
+        if td != self.input.turn_detection:
+            if self.input.in_turn:  # the turn so far cannot be judged by new rules
+                self.engine.discard_turn(self.id)
+            self.input.set_turn_detection(td)
+            self._speech_item = None
+        self.emit({"type": "session.updated", "session": merged})
+
+    # ---- responses -------------------------------------------------------------------
+    def create_response(self, params: dict[str, Any], event_id: Optional[str]) -> None:
+        if self._reply is not None:
+            self.emit_error(f"a response is in progress ({self._reply.id})", "conversation_already_has_active_response",
+                            event_id=event_id)
+            return
         if not self.admission.turns.allow():
             metrics.TURNS_REJECTED.inc()
             self.engine.discard_turn(self.id)
-            self.emit_error("too many turns on this engine right now; please repeat", "rate_limited")
+            self.emit_error("too many turns on this engine right now; please repeat", "rate_limited",
+                            kind="server_error", event_id=event_id)
             return
-        images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
-        # The ladder's level applies to new replies; a reply keeps its mode to the end.
+        if self._playing is not None:
+            self.clear_output()  # a new reply does not queue behind the old one's audio
+        modalities = params.get("output_modalities") or self.settings["output_modalities"]
         level = self.admission.ladder.level
         mode = "audio"
         if level >= 2 and self.engine.has_fallback:
             mode = "fallback"
-        elif level >= 1 or self.text_only:
+        elif level >= 1 or modalities == ["text"]:
             mode = "text"
+        limit = session_config.max_output_tokens(params.get("max_output_tokens", self.settings["max_output_tokens"]))
+        if limit is not None and limit >= self.config.max_reply_tokens:
+            limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
+        if params.get("instructions"):
+            self._engine_call("set_reply_instructions", params["instructions"])
+        images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
         self.engine.begin_reply(self.id, images, mode=mode, history=tuple(self._history))
         self.turns += 1
         metrics.TURNS.inc()
-        self._reply = _Reply(response_id="resp_" + uuid.uuid4().hex[:10], end_of_turn=now,
-                             text_only=mode != "audio")
-        self.track.begin_reply()
-        self.emit({"type": "response.created", "response_id": self._reply.response_id, "mode": mode})
+        voice = self.settings["audio"]["output"].get("voice") or "default"
+        reply = Response(audio=mode == "audio", mode=mode, end_of_turn=time.monotonic(),
+                         conversation_id=self.conversation_id, voice=voice if isinstance(voice, str) else "default",
+                         max_tokens=limit, metadata=params.get("metadata"))
+        self._reply = self._last = reply
+        if self.track is not None and reply.audio:
+            self.track.begin_reply()
+            self._playing = reply
+        previous = self.conversation.add(reply.item("in_progress", ""))
+        for event in reply.started(previous):
+            self.emit(event)
 
-    def _barge_in(self) -> None:
-        """The user speaks over the reply: stop generating and drop queued audio at once."""
-        reply = self._reply
-        dropped = self.track.flush()  # also ends the track's reply
-        if reply is None:
+    def cancel_response(self, event_id: Optional[str]) -> None:
+        if self._reply is None:
+            self.emit_error("there is no response to cancel", "response_cancel_not_active", event_id=event_id)
             return
-        if reply.engine_open:
+        self.interrupt("client_cancelled")
+
+    def interrupt(self, reason: str) -> None:
+        """Barge-in or response.cancel: stop generating and drop queued audio at once."""
+        if self._playing is not None:
+            self.clear_output()
+        reply = self._reply
+        if reply is not None and reply.engine_open:
             self.engine.cancel_reply(self.id)
             self._stale_done += 1
-            self._finish(reply, "cancelled", {"dropped_audio_s": round(dropped, 3)})
-        elif dropped > 0:
-            self.emit({"type": "response.audio.cancelled", "response_id": reply.response_id,
-                       "dropped_audio_ms": int(dropped * 1000)})
-        self._reply = None
+            self._finish(reply, "cancelled", reason, {})
+
+    def clear_output(self) -> None:
+        """output_audio_buffer.clear (WebRTC): the track drops what it has not played."""
+        playing, self._playing = self._playing, None
+        if self.track is None:
+            return
+        self.track.flush()
+        response_id = playing.id if playing is not None else (self._last.id if self._last else None)
+        if response_id is not None:
+            self.emit({"type": "output_audio_buffer.cleared", "response_id": response_id})
+
+    def _on_first_audio(self, _wall: float) -> None:
+        if self._playing is not None:
+            self.emit({"type": "output_audio_buffer.started", "response_id": self._playing.id,
+                       "omni": {"ttfa_ms": None if self._playing.ttfa is None else round(self._playing.ttfa * 1000, 1)}})
+
+    def _on_drained(self, _wall: float) -> None:
+        playing, self._playing = self._playing, None
+        if playing is not None:
+            self.emit({"type": "output_audio_buffer.stopped", "response_id": playing.id})
 
     # ---- engine output (ReplySink) -----------------------------------------------------
+    def _live(self) -> Optional[Response]:
+        if self._stale_done or self._reply is None or not self._reply.engine_open:
+            return None
+        return self._reply
+
     def on_text(self, delta: TextDelta) -> None:
-        reply = self._live_reply()
+        reply = self._live()
         if reply is None:
             return
         if reply.ttft is None:
             reply.ttft = time.monotonic() - reply.end_of_turn
             metrics.TTFT.observe(reply.ttft)
-        reply.text += delta.text
-        self.emit({"type": "response.text.delta", "response_id": reply.response_id, "delta": delta.text})
+        self.emit(reply.text_delta(delta.text, len(delta.token_ids)))
+        if reply.max_tokens is not None and reply.tokens >= reply.max_tokens:
+            # The client's max_output_tokens, under the server's own cap: end the reply here.
+            self.engine.cancel_reply(self.id)
+            self._stale_done += 1
+            self._finish(reply, "incomplete", "max_output_tokens", {"text_tokens": reply.tokens})
 
     def on_audio(self, audio: AudioOut) -> None:
-        reply = self._live_reply()
+        reply = self._live()
         if reply is None:
             return
         if reply.ttfa is None:
-            # TTFA: end of turn -> first audio handed to the outbound track.
+            # TTFA: end of turn -> first audio handed to the transport.
             reply.ttfa = time.monotonic() - reply.end_of_turn
             metrics.TTFA.observe(reply.ttfa)
-            self.emit({"type": "response.audio.started", "response_id": reply.response_id,
-                       "ttfa_ms": round(reply.ttfa * 1000, 1)})
-        self.track.push(audio.pcm)
+        if self.track is not None:
+            reply.samples += len(audio.pcm)
+            self.track.push(audio.pcm)
+        else:
+            self.emit(reply.audio_delta(audio.pcm))
 
     def on_done(self, done: ReplyDone) -> None:
         if self._stale_done:
             self._stale_done -= 1
+            if not self._stale_done:
+                waiting, self._when_engine_idle = self._when_engine_idle, []
+                for fn in waiting:
+                    fn()
             return
         reply = self._reply
         if reply is None or not reply.engine_open:
             return
-        reply.engine_open = False
+        error = None
         if done.reason == "error":
             metrics.ERRORS.labels(where="engine").inc()
-            self.emit_error(f"reply failed: {done.stats.get('error', 'engine error')}", "engine_error")
-        self.track.end_reply()
-        if reply.text:
-            self._history.append(("assistant", reply.text))
-        first_response = reply.ttft if reply.text_only else reply.ttfa
+            error = f"reply failed: {done.stats.get('error', 'engine error')}"
+            self.emit_error(error, "engine_error", kind="server_error")
+        if self.track is not None and self._playing is reply:
+            self.track.end_reply()
+        first_response = reply.ttfa if reply.audio else reply.ttft
         if first_response is not None:
             self.admission.observe(first_response)
-        self._finish(reply, {"stop": "completed", "length": "incomplete"}.get(done.reason, done.reason), done.stats)
+        reason = {"length": "max_output_tokens"}.get(done.reason)
+        self._finish(reply, STATUS_BY_REASON.get(done.reason, "failed"), reason, done.stats, error)
+
+    def _finish(self, reply: Response, status: str, reason: Optional[str], stats: dict,
+                error: Optional[str] = None) -> None:
+        reply.engine_open = False
+        if self._reply is reply:
+            self._reply = None
+        if reply.text:
+            self._history.append(("assistant", reply.text))
+        events = reply.finished(status, reason, stats, error)
+        self.conversation.update(reply.item_id, events[-2]["item"])
+        for event in events:
+            self.emit(event)
+
+    # ---- conversation items ------------------------------------------------------------
+    def add_user_text(self, item_id: str, text: str, event_id: Optional[str]) -> None:
+        """A user text message: it joins the user turn being spoken, after its audio."""
+        self._engine_call("add_user_text", text, event_id=event_id)
+        self._history.append(("user", text))
+        self._add_item(user_text_item(item_id, text))
+
+    def add_user_audio(self, item_id: str, pcm16k: np.ndarray) -> None:
+        """A user audio message given whole (conversation.item.create with input_audio)."""
+        for start in range(0, len(pcm16k), INPUT_FRAME_SAMPLES):
+            self.engine.append_audio(self.id, pcm16k[start : start + INPUT_FRAME_SAMPLES])
+        self._add_item(user_audio_item(item_id))
+
+    def truncate(self, item_id: str, audio_end_ms: int, event_id: Optional[str]) -> None:
+        """Cut the latest spoken reply to what the listener heard, in the item and in the model's context."""
+        last = self._last
+        if item_id not in self.conversation:
+            self.emit_error(f"no item {item_id!r}", "item_not_found", param="item_id", event_id=event_id)
+            return
+        if last is None or last.item_id != item_id or not last.audio:
+            self.emit_error("only the latest spoken assistant item can be truncated", "unsupported",
+                            param="item_id", event_id=event_id)
+            return
+        produced_ms = last.samples * 1000 // OUTPUT_RATE
+        if audio_end_ms > produced_ms:
+            self.emit_error(f"audio_end_ms {audio_end_ms} is past the item's audio ({produced_ms} ms)",
+                            "invalid_value", param="audio_end_ms", event_id=event_id)
+            return
+        if last is self._reply:
+            self.interrupt("client_cancelled")  # truncating a reply in flight ends it first
+
+        def cut() -> None:
+            future = self._engine_call("truncate_reply", audio_end_ms // FRAME_MS, event_id=event_id)
+
+            def done(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None or self._closed:
+                    return  # _engine_call reported it
+                self.conversation.set_transcript(item_id, last.text_upto(f.result()["kept_tokens"]))
+                self.emit({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
+                           "audio_end_ms": audio_end_ms})
+
+            future.add_done_callback(done)
+
+        self.after_engine_idle(cut)
+
+    def after_engine_idle(self, fn: Callable[[], None]) -> None:
+        """Run fn once the engine has ended every cancelled reply (a truncation needs that)."""
+        if self._stale_done:
+            self._when_engine_idle.append(fn)
+        else:
+            fn()
 
     def _on_level(self, level: int) -> None:
         p95 = self.admission.ladder.current_p95()
-        self.emit({"type": "response.mode", "mode": LEVEL_NAMES[level],
+        self.emit({"type": "omni.response.mode", "mode": LEVEL_NAMES[level],
                    "reason": f"p95 first-response latency {p95 * 1000:.0f} ms" if p95 is not None else "recovered"})
 
-    def _live_reply(self) -> Optional[_Reply]:
-        if self._stale_done or self._reply is None or not self._reply.engine_open:
-            return None
-        return self._reply
+    def _engine_call(self, method: str, *args: Any, event_id: Optional[str] = None) -> asyncio.Future:
+        """A runner method in order with the other commands; a failure becomes an error event."""
+        future = self.engine.call(self.id, method, *args)
 
-    def _finish(self, reply: _Reply, status: str, stats: dict) -> None:
-        def ms(v: Optional[float]) -> Optional[float]:
-            return None if v is None else round(v * 1000, 1)
+        def report(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None and not self._closed:
+                exc = f.exception()
+                code = "unsupported" if isinstance(exc, NotImplementedError) else "engine_error"
+                self.emit_error(f"{method.replace('_', ' ')}: {exc}", code, event_id=event_id)
 
-        self.emit({"type": "response.done", "response_id": reply.response_id, "status": status,
-                   "text": reply.text, "ttft_ms": ms(reply.ttft), "ttfa_ms": ms(reply.ttfa),
-                   "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}})
+        future.add_done_callback(report)
+        return future
 
-    # ---- events out (data channel + SSE) ---------------------------------------------
+    # ---- events out --------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
-        text = json.dumps(event)
-        if self._channel is not None and self._channel.readyState == "open":
-            self._channel.send(text)
-        elif len(self._pending) < _MAX_PENDING_EVENTS:
-            self._pending.append(text)
-        for q in list(self._sse):
-            try:
-                q.put_nowait(text)
-            except asyncio.QueueFull:
-                # A stalled reader loses its stream, not our memory; its handler sees
-                # it is no longer subscribed at its next keep-alive and ends the response.
-                self._sse.remove(q)
+        self.outbox.emit(event)
 
-    def emit_error(self, message: str, code: str) -> None:
-        self.emit({"type": "error", "error": {"message": message, "code": code}})
-
-    def subscribed(self, q: asyncio.Queue) -> bool:
-        return q in self._sse and not self._closed
-
-    def subscribe(self) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue(maxsize=_SSE_QUEUE)
-        self._sse.append(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        if q in self._sse:
-            self._sse.remove(q)
-
-    def _on_datachannel(self, channel: RTCDataChannel) -> None:
-        if channel.label != "events":
-            return
-        self._channel = channel
-
-        def flush_pending() -> None:
-            pending, self._pending = self._pending, []
-            for text in pending:
-                channel.send(text)
-
-        if channel.readyState == "open":
-            flush_pending()
-        else:
-            channel.on("open", flush_pending)
-        channel.on("message", self._on_client_message)
-
-    def _on_client_message(self, message: str | bytes) -> None:
-        try:
-            event = json.loads(message)
-            kind = event["type"]
-            if not isinstance(kind, str):
-                raise TypeError
-        except (ValueError, TypeError, KeyError, IndexError):
-            self.emit_error("client events must be JSON objects with a 'type'", "invalid_event")
-            return
-        if kind == "response.cancel":
-            self._barge_in()
-        elif kind == "session.update":
-            body = event.get("session")
-            modalities = body.get("modalities") if isinstance(body, dict) else None
-            if not isinstance(modalities, list) or not set(modalities) <= {"text", "audio"} or not modalities:
-                self.emit_error("session.update needs session.modalities: a list of 'text'/'audio'", "invalid_event")
-                return
-            self.text_only = "audio" not in modalities
-            self.emit({"type": "session.updated", "session": {"modalities": sorted(modalities)}})
-        else:
-            self.emit_error(f"unknown event type {kind!r}", "unknown_event")
+    def emit_error(self, message: str, code: str, *, param: Optional[str] = None, event_id: Optional[str] = None,
+                   kind: str = "invalid_request_error") -> None:
+        self.outbox.error(message, code, param=param, event_id=event_id, kind=kind)

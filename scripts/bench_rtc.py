@@ -6,11 +6,20 @@ speech in the sent audio → first audible received sample), TTFT from events, a
 glitches (short holes inside a reply). The server's own TTFA comes from /metrics. The
 stack overhead is voice-to-voice − end-of-turn silence − server TTFA.
 
-Prints a table per concurrency level; last line: `p95_ratio_4_vs_1=R overhead_p50_ms=O`
-(voice-to-voice P95 at 4 sessions over 1 session; overhead P50 at 1 session).
+Then the transport comparison, in the same run against the same agent: one audio-only
+WebRTC session, then one WebSocket session (agent.client.WsAgentClient: the same speech
+streamed as 24 kHz pcm16 `input_audio_buffer.append` events in real time), each for
+--transport-turns turns; both measured at the client from the end of speech in the sent
+audio to the first audible reply audio (WebRTC: the first audible received 20 ms frame;
+WebSocket: the arrival of the first audible `response.output_audio.delta`).
+
+Prints a table per concurrency level and one per transport; last line:
+`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D`
+(voice-to-voice P95 at 4 sessions over 1 session; overhead P50 at 1 session; WebSocket P50
+minus WebRTC P50 end of speech → first audio, target ≤ 30 ms).
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
 
-    .venv/bin/python scripts/bench_rtc.py [--levels 1,2,4,8] [--turns 3] [--runner stream]
+    .venv/bin/python scripts/bench_rtc.py [--levels 1,2,4,8] [--turns 3] [--transport-turns 5] [--runner stream]
 """
 
 from __future__ import annotations
@@ -25,13 +34,14 @@ import tempfile
 import time
 import wave
 from pathlib import Path
+from typing import Callable, Union
 
 import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.client import AgentClient  # noqa: E402
+from agent.client import AgentClient, WsAgentClient  # noqa: E402
 from agent.ice import restrict_ice_hosts  # noqa: E402
 
 
@@ -48,6 +58,11 @@ def make_speech(path: Path, text: str = "Hello agent, what do you see?") -> Path
         w.setframerate(rate)
         w.writeframes(pcm.tobytes())
     return path
+
+
+def omni_figures(done: dict) -> dict:
+    """The agent's latency extras on a GA response.done: response.omni {ttft_ms, ttfa_ms, mode}."""
+    return (done.get("response") or {}).get("omni") or {}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -93,9 +108,11 @@ def histogram_quantile(q: float, before: dict[float, float], after: dict[float, 
     return les[-1]
 
 
-async def run_level(url: str, wav: Path, n: int, turns: int, gap_s: float, limit_s: float, silence_s: float,
-                    video_fps: int) -> dict:
-    clients = [AgentClient(url, wav, video=True, repeat_after_s=gap_s, video_fps=video_fps) for _ in range(n)]
+Client = Callable[[], Union[AgentClient, WsAgentClient]]
+
+
+async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: float, silence_s: float) -> dict:
+    clients = [make_client() for _ in range(n)]
     async with aiohttp.ClientSession() as http:
         before = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         underruns_before = await scrape_value(http, url, "agent_playout_underruns_total")
@@ -124,10 +141,12 @@ async def run_level(url: str, wav: Path, n: int, turns: int, gap_s: float, limit
                 missing += 1
                 continue
             v2v.append(v)
-            if i < len(dones) and dones[i].get("ttfa_ms") is not None:
-                overhead.append(v - silence_s - dones[i]["ttfa_ms"] / 1000)
-        ttft += [d["ttft_ms"] / 1000 for d in dones if d.get("ttft_ms") is not None]
-        ttfa += [d["ttfa_ms"] / 1000 for d in dones if d.get("ttfa_ms") is not None]
+            server_ttfa = omni_figures(dones[i]).get("ttfa_ms") if i < len(dones) else None
+            if server_ttfa is not None:
+                overhead.append(v - silence_s - server_ttfa / 1000)
+        figures = [omni_figures(d) for d in dones]
+        ttft += [f["ttft_ms"] / 1000 for f in figures if f.get("ttft_ms") is not None]
+        ttfa += [f["ttfa_ms"] / 1000 for f in figures if f.get("ttfa_ms") is not None]
         glitches += c.result.glitches
     return {
         "n": n, "turns": len(v2v), "missing": missing, "v2v": v2v, "ttft": ttft, "ttfa": ttfa,
@@ -178,11 +197,25 @@ async def main_async(args: argparse.Namespace) -> None:
     try:
         await wait_ready(url)
         results = []
+        silence_s, limit_s = args.silence_ms / 1000, args.level_timeout_s
         for n in args.levels:
-            r = await run_level(url, wav, n, args.turns, args.gap_s, args.level_timeout_s, args.silence_ms / 1000,
-                                args.video_fps)
+            r = await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
+                                                         video_fps=args.video_fps),
+                                n, args.turns, limit_s, silence_s)
             results.append(r)
             print(f"  level {n}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
+        transports = {}
+        if args.transport_turns:
+            # Same agent, same speech, one session at a time, no video on either: only the
+            # transport differs.
+            transports["webrtc"] = await run_level(
+                url, lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s),
+                1, args.transport_turns, limit_s, silence_s)
+            transports["websocket"] = await run_level(
+                url, lambda: WsAgentClient(url, wav, repeat_after_s=args.gap_s),
+                1, args.transport_turns, limit_s, silence_s)
+            for name, r in transports.items():
+                print(f"  {name}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -203,7 +236,17 @@ async def main_async(args: argparse.Namespace) -> None:
     # The headline overhead is the stack's own cost at one session; under load it grows with
     # CPU contention on this shared 2-core machine (the table shows it per level).
     overhead = pct(by_n[1]["overhead"] if 1 in by_n else [o for r in results for o in r["overhead"]], 50)
-    print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f}")
+    if transports:
+        print(f"\ntransport (1 session, audio only; end of speech → first audio at the client, "
+              "TTFA from the server)")
+        print(f"{'transport':>9} {'turns':>5} {'e2e p50':>8} {'e2e p95':>8} {'TTFA p50':>8} {'e2e-TTFA':>8}")
+        for name, r in transports.items():
+            print(f"{name:>9} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
+                  f"{ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['v2v'], 50) - pct(r['ttfa'], 50)):>8}")
+    ws_minus = (pct(transports["websocket"]["v2v"], 50) - pct(transports["webrtc"]["v2v"], 50)
+                if transports else float("nan"))
+    print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "
+          f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f}")
 
 
 def main() -> None:
@@ -217,6 +260,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="the agent's torch CPU threads (0: its default)")
     p.add_argument("--ladder", action="store_true", help="leave the degradation ladder on (default: off)")
     p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
+    p.add_argument("--transport-turns", type=int, default=5,
+                   help="turns each for the WebRTC vs WebSocket comparison (0: skip it)")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
     args = p.parse_args()
     asyncio.run(main_async(args))

@@ -115,9 +115,9 @@ if [ ${#FAILED[@]} -gt 0 ]; then
 fi
 
 mapfile -t GPU_TESTS < <(grep -rl "pytest.mark.gpu" tests | sort)
-run pytest_gpu 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${GPU_TESTS[@]}"
+run pytest_gpu "${GPU_TEST_LIMIT:-240}" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${GPU_TESTS[@]}"
 
-run bench_engine 300 "$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weights --device cuda \
+run bench_engine "${BENCH_LIMIT:-300}" "$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weights --device cuda \
   --batch 1,4 --no-reference --repeats 3
 
 section "done in $(($(date +%s) - START)) s"

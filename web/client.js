@@ -1,7 +1,9 @@
-// omni-agent browser client: camera + mic go out over WebRTC, the agent's voice comes back
-// on the same audio transceiver and its words arrive as JSON on the "events" data channel
-// (OpenAI Realtime API event names). No framework, no build step: this file is also the
-// reference client for the server's contract.
+// omni-agent browser client, and the reference client for the server's protocol: the OpenAI
+// Realtime API (GA) over WebRTC. Camera + mic go out on media tracks, the agent's voice comes
+// back on the same audio transceiver, and its events arrive as JSON on the "oai-events" data
+// channel that this side creates. Signalling is one POST of the raw SDP offer to
+// /v1/realtime/calls (201 + SDP answer + Location naming the call); hang-up is DELETE on that
+// Location. No framework, no build step.
 "use strict";
 
 // aiortc does no trickle ICE, so the offer must carry every candidate: wait for gathering
@@ -14,18 +16,26 @@ const VIDEO_MAX_WIDTH = 640;
 const AUDIBLE_RMS = 0.01;
 // Analyser poll period; it bounds the resolution of the client-side latency numbers.
 const METER_PERIOD_MS = 10;
+// Lifetime asked for the ephemeral key (the server's default). The key authorizes the
+// signalling POST and, later, the hang-up DELETE; a call that outlives it still ends on the
+// server when the peer connection closes.
+const EPHEMERAL_KEY_SECONDS = 600;
 
 const $ = (id) => document.getElementById(id);
 const ui = {
   status: $("status"), stateText: $("state-text"), mode: $("mode"), error: $("error"),
   start: $("start"), stop: $("stop"), video: $("self-view"), placeholder: $("placeholder"),
-  captions: $("captions"), audio: $("agent-audio"),
+  captions: $("captions"), audio: $("agent-audio"), keyForm: $("key-form"), key: $("api-key"),
+  textOnly: $("text-only"),
   ttft: $("ttft"), ttfa: $("ttfa"), eotV2v: $("eot-v2v"), v2v: $("v2v"),
 };
 
 // Tests and curious people read this: every data-channel message lands in `events`.
+// callUrl is the call's Location (what DELETE hangs up), token the call's ek_ key (null when
+// the server is open), authRequired what GET /v1/omni/config said.
 const omni = (window.omni = {
-  pc: null, channel: null, state: "new", sessionId: null, events: [], latency: {},
+  pc: null, channel: null, state: "new", sessionId: null, callUrl: null, token: null, authRequired: null,
+  events: [], latency: {},
   send(message) {
     if (omni.channel && omni.channel.readyState === "open") omni.channel.send(JSON.stringify(message));
   },
@@ -118,32 +128,34 @@ function makeMeter() {
 }
 
 // ---- server events ---------------------------------------------------------------------
+// GA Realtime events; the project's extras ride in `omni` fields and `omni.*` events.
 function onEvent(ev) {
   omni.events.push(ev);
   switch (ev.type) {
     case "session.created":
-      omni.sessionId = ev.session_id;
+      omni.sessionId = ev.session?.id ?? null;
       break;
     case "input_audio_buffer.speech_started":
       captions.clear();
       meter?.cancelTurn();
       break;
-    case "input_audio_buffer.speech_stopped":
+    case "input_audio_buffer.speech_stopped": // the server's end of turn: latency starts here
       meter?.endOfTurn();
       break;
     case "response.created":
-      captions.line(ev.response_id);
+      captions.line(ev.response.id);
       break;
-    case "response.text.delta":
+    case "response.output_audio_transcript.delta": // words of a spoken reply
+    case "response.output_text.delta": // words of a text-only reply
       captions.append(ev.response_id, ev.delta);
       break;
-    case "response.done":
-      omni.latency.ttft_ms = ev.ttft_ms;
-      omni.latency.ttfa_ms = ev.ttfa_ms;
-      ui.ttft.textContent = ms(ev.ttft_ms);
-      ui.ttfa.textContent = ms(ev.ttfa_ms);
+    case "output_audio_buffer.started": // the reply's first audio left the server
+      if (ev.omni) showLatency({ ttfa_ms: ev.omni.ttfa_ms });
       break;
-    case "response.mode": // the server degraded (e.g. text only while overloaded): say so
+    case "response.done":
+      if (ev.response?.omni) showLatency(ev.response.omni);
+      break;
+    case "omni.response.mode": // the server degraded (e.g. text only while overloaded): say so
       ui.mode.hidden = ev.mode === "audio";
       ui.mode.textContent = ev.mode === "audio" ? "" : `${ev.mode} mode${ev.reason ? `: ${ev.reason}` : ""}`;
       break;
@@ -151,6 +163,69 @@ function onEvent(ev) {
       showError(`Agent error: ${ev.error?.message ?? "unknown"}${ev.error?.code ? ` (${ev.error.code})` : ""}`);
       break;
   }
+}
+
+// Server-side figures (ms, null when the reply had none, e.g. no audio in text mode).
+function showLatency(figures) {
+  for (const key of ["ttft_ms", "ttfa_ms"]) {
+    if (!(key in figures)) continue;
+    omni.latency[key] = figures[key];
+    ui[key === "ttft_ms" ? "ttft" : "ttfa"].textContent = ms(figures[key]);
+  }
+}
+
+// What the page asks of the session: spoken replies unless the box says text only.
+function sendSessionConfig() {
+  omni.send({
+    type: "session.update",
+    session: { type: "realtime", output_modalities: [ui.textOnly.checked ? "text" : "audio"] },
+  });
+}
+
+// ---- keys --------------------------------------------------------------------------------
+// GET /v1/omni/config says whether the server wants a key (it needs none itself). If it
+// does, the page shows the key field.
+async function loadServerConfig() {
+  try {
+    const res = await fetch("v1/omni/config");
+    if (!res.ok) throw new Error(`HTTP ${res.status}`);
+    omni.authRequired = Boolean((await res.json()).auth_required);
+  } catch (err) {
+    omni.authRequired = null; // unknown: Start will find out from the call's own answer
+    console.warn("GET v1/omni/config failed:", err);
+  }
+  ui.keyForm.hidden = !omni.authRequired;
+}
+
+// A short-lived ek_ key for one call, minted on this origin. With a key typed in, the page
+// sends it; with none, it sends no Authorization so that a proxy in front of the agent
+// (which knows the real key and authenticates its own users) can add it on this route only.
+async function mintEphemeralKey() {
+  const headers = { "Content-Type": "application/json" };
+  const key = ui.key.value.trim();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  const res = await fetch("v1/realtime/client_secrets", {
+    method: "POST",
+    headers,
+    body: JSON.stringify({
+      expires_after: { anchor: "created_at", seconds: EPHEMERAL_KEY_SECONDS },
+      session: { type: "realtime", output_modalities: [ui.textOnly.checked ? "text" : "audio"] },
+    }),
+  });
+  if (!res.ok) {
+    const hint = res.status === 401 ? (key ? " The API key was not accepted." : " This server needs an API key: enter it above.") : "";
+    const message = await httpError(res, "The server refused to mint a key");
+    throw new Error(hint ? `${message.replace(/\.?$/, ".")}${hint}` : message);
+  }
+  return (await res.json()).value;
+}
+
+// The server's JSON error: GA form {"error": {"message": ...}} or a plain {"error": "..."}.
+async function httpError(res, what) {
+  const body = await res.json().catch(() => ({}));
+  const reason = body.error?.message ?? body.error ?? res.statusText;
+  const retry = res.headers.get("Retry-After");
+  return `${what} (HTTP ${res.status}): ${reason}` + (retry ? `. Try again in ${retry} s.` : "");
 }
 
 // ---- call setup ------------------------------------------------------------------------
@@ -196,20 +271,15 @@ function iceGatheringDone(pc) {
   });
 }
 
-async function postOffer(desc) {
+// GA signalling: the raw offer in, 201 with the raw answer and the call's Location out.
+async function postOffer(sdp, token) {
+  const headers = { "Content-Type": "application/sdp", Accept: "application/sdp" };
+  if (token) headers.Authorization = `Bearer ${token}`;
   // Relative URL: works when the page is served under a path prefix, too.
-  const res = await fetch("offer", {
-    method: "POST",
-    headers: { "Content-Type": "application/json" },
-    body: JSON.stringify({ sdp: desc.sdp, type: desc.type }),
-  });
-  const body = await res.json().catch(() => ({}));
-  if (!res.ok) {
-    const retry = res.headers.get("Retry-After");
-    throw new Error(`The server refused the call (HTTP ${res.status}): ${body.error || res.statusText}` +
-      (retry ? `. Try again in ${retry} s.` : ""));
-  }
-  return body;
+  const res = await fetch("v1/realtime/calls", { method: "POST", headers, body: sdp });
+  if (res.status !== 201) throw new Error(await httpError(res, "The server refused the call"));
+  const location = res.headers.get("Location");
+  return { sdp: await res.text(), callUrl: location ? new URL(location, res.url).href : null };
 }
 
 async function start() {
@@ -221,6 +291,9 @@ async function start() {
   setState("connecting");
   meter = makeMeter();
   try {
+    if (omni.authRequired === null) await loadServerConfig(); // first load failed: ask again
+    const token = (omni.token = omni.authRequired ? await mintEphemeralKey() : null);
+
     media = await getMedia();
     ui.video.srcObject = media;
     ui.placeholder.hidden = true;
@@ -242,8 +315,10 @@ async function start() {
       meter.watchRemote(stream);
     });
 
-    // The channel must exist before the offer so the SDP carries an application section.
-    const channel = (omni.channel = pc.createDataChannel("events"));
+    // The client creates "oai-events", before the offer, so the SDP carries an application
+    // section; the server never opens a channel of its own.
+    const channel = (omni.channel = pc.createDataChannel("oai-events"));
+    channel.addEventListener("open", sendSessionConfig);
     channel.addEventListener("message", (e) => {
       try {
         onEvent(JSON.parse(e.data));
@@ -260,9 +335,10 @@ async function start() {
 
     await pc.setLocalDescription(await pc.createOffer());
     await iceGatheringDone(pc);
-    const answer = await postOffer(pc.localDescription);
-    omni.sessionId = answer.session_id ?? omni.sessionId;
-    await pc.setRemoteDescription({ type: answer.type, sdp: answer.sdp });
+    const answer = await postOffer(pc.localDescription.sdp, token);
+    if (omni.pc !== pc) return hangUp(answer.callUrl, token); // Stop was pressed meanwhile
+    omni.callUrl = answer.callUrl;
+    await pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
   } catch (err) {
     teardown();
     setState("failed");
@@ -270,10 +346,21 @@ async function start() {
   }
 }
 
+// DELETE on the call's Location ends it on the server at once (closing the peer alone would
+// leave the server waiting for ICE to time out). keepalive lets it outlive a closing page.
+function hangUp(callUrl, token) {
+  if (!callUrl) return;
+  fetch(callUrl, {
+    method: "DELETE", keepalive: true, headers: token ? { Authorization: `Bearer ${token}` } : {},
+  }).catch((err) => console.warn("hang-up failed:", err));
+}
+
 function teardown() {
   const pc = omni.pc;
   omni.pc = null; // before close(): its late state events are ignored
   omni.channel = null;
+  hangUp(omni.callUrl, omni.token);
+  omni.callUrl = null;
   pc?.close();
   media?.getTracks().forEach((t) => t.stop());
   media = null;
@@ -291,4 +378,10 @@ function stop() {
 
 ui.start.addEventListener("click", start);
 ui.stop.addEventListener("click", stop);
+ui.textOnly.addEventListener("change", sendSessionConfig); // takes effect from the next reply
+ui.keyForm.addEventListener("submit", (e) => {
+  e.preventDefault(); // Enter in the key field means Start (unless a call is already up)
+  if (!ui.start.disabled) start();
+});
 window.addEventListener("pagehide", teardown);
+loadServerConfig();

@@ -105,7 +105,7 @@ class SlotCode2Wav:
         # Pad rows: code 0 at frame 0, not fresh, in the scratch slot. Outputs cloned: callers
         # keep the samples (numpy views of a CPU tensor would see the next replay).
         self._graph = (
-            graphing.pool("code2wav", self._step, (0, self.pad_slot, 0, 0), clone_outputs=True) if graphing else None
+            graphing.pool("code2wav", self._step, (0, self.pad_slot, 0, 0), clone_outputs=True, compiled=True) if graphing else None
         )
 
     def capture_graphs(self) -> None:

@@ -68,7 +68,7 @@ class CodePredictorOps:
         self._ropes: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Pad rows: a zero hidden state and code 0 (their cache rows are rewritten by every call).
         # Outputs cloned: the codec sums are kept per reply until its next talker step.
-        self._graph = graphing.pool("code_predictor", self._run, (0.0, 0), clone_outputs=True) if graphing else None
+        self._graph = graphing.pool("code_predictor", self._run, (0.0, 0), clone_outputs=True, compiled=True) if graphing else None
         if self._graph is not None:
             # The cache and RoPE tables now: a graph capture or a compiled trace must find them
             # made (an allocation inside either would be recorded, not done).

@@ -124,15 +124,15 @@ class Graphing:
 
     def pool(
         self, name: str, fn: StepFn, pad_values: Sequence[float | int], *, clone_outputs: bool, variants: int = 1,
-        dynamic_dims: Sequence[tuple[int, int]] = (),
+        compiled: bool = False, dynamic_dims: Sequence[tuple[int, int]] = (),
     ) -> GraphPool | None:
-        """A pool for `fn` (compiled first when compiling), or None when graphs are off.
-        `variants`: how many values another input dimension takes (attention length buckets):
-        graphs allowed per batch bucket; `dynamic_dims` names that dimension, (arg, dim), for
-        the compiler."""
+        """A pool for `fn`, or None when graphs are off. `variants`: how many values another
+        input dimension takes (attention length buckets): graphs allowed per batch bucket.
+        `compiled`: compile `fn` first when compiling (the per-frame steps opt in; the prefill
+        buckets do not yet); `dynamic_dims` names the varying dimension, (arg, dim)."""
         if not self.enabled:
             return None
-        if self.compiler is not None:
+        if self.compiler is not None and compiled:
             fn = self.compiler.wrap(name, fn, dynamic_dims)
         pool = GraphPool(
             fn,
@@ -202,5 +202,6 @@ def slot_cache_with_graph(
     variants = len(graphing.key_lens(kv.capacity))
     # The mask's key length is the attention length bucket: dynamic for the compiler.
     return kv, graphing.pool(
-        name, step, pad_values, clone_outputs=clone_outputs, variants=variants, dynamic_dims=((mask_arg, 1),)
+        name, step, pad_values, clone_outputs=clone_outputs, variants=variants, compiled=True,
+        dynamic_dims=((mask_arg, 1),),
     )

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
@@ -42,13 +42,15 @@ MODES = ("audio", "text", "fallback")
 
 @dataclass(frozen=True)
 class _Cmd:
-    op: str  # open | audio | discard | reply | cancel | close | stop
+    op: str  # open | audio | discard | reply | cancel | close | stop | call
     session_id: str = ""
     pcm: Optional[np.ndarray] = None
     images: tuple = ()
     mode: str = "audio"  # audio | text | fallback (see MODES)
     history: tuple = ()  # (role, text) pairs, for the fallback model
     sink: Optional[ReplySink] = None
+    call: tuple = ()  # (method name, args) for op "call"
+    future: Optional[asyncio.Future] = None  # settled with the call's result on the loop
 
 
 class EngineBusy(RuntimeError):
@@ -139,6 +141,14 @@ class Engine:
     def close_session(self, session_id: str) -> None:
         self._put(_Cmd("close", session_id))
 
+    def call(self, session_id: str, method: str, *args: Any) -> asyncio.Future:
+        """Run the primary runner's `method(session_id, *args)` on the engine thread, in order
+        with this session's other commands. The future gets its return value, or the exception
+        (NotImplementedError when the runner has no such method)."""
+        future = asyncio.get_running_loop().create_future()
+        self._put(_Cmd("call", session_id, call=(method, args), future=future))
+        return future
+
     # ---- the engine thread -----------------------------------------------------------
     def _run(self) -> None:
         assert self._loop is not None and self._ready is not None
@@ -196,9 +206,28 @@ class Engine:
         self.stats.step_seconds += time.perf_counter() - t0
         self._emit(outputs)
 
+    def _call(self, runner: Runner, cmd: _Cmd) -> None:
+        assert self._loop is not None and cmd.future is not None
+        method, args = cmd.call
+        fn = getattr(runner, method, None)
+        result: Any = None
+        error: Optional[BaseException] = None
+        try:
+            if fn is None:
+                raise NotImplementedError(f"the {type(runner).__name__} cannot {method.replace('_', ' ')}")
+            if cmd.session_id not in self._sinks:
+                raise KeyError(f"session {cmd.session_id} is closed")
+            result = fn(cmd.session_id, *args)
+        except Exception as exc:  # the caller's error, not the engine's
+            error = exc
+        self._loop.call_soon_threadsafe(_settle, cmd.future, result, error)
+
     def _apply(self, runners: list[Runner], cmd: _Cmd) -> None:
         sid = cmd.session_id
         primary = runners[0]
+        if cmd.op == "call":
+            self._call(primary, cmd)
+            return
         try:
             if cmd.op == "open":
                 assert cmd.sink is not None
@@ -262,3 +291,12 @@ class Engine:
                 # (or for a session with nothing in flight) has no reply left to end.
                 if self._replying.pop(out.session_id, None) is not None:
                     self._loop.call_soon_threadsafe(sink.on_done, out)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
+    if future.done():  # the caller gave up waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -75,6 +75,10 @@ class TurnState:
     talker: TalkerTurn = field(default_factory=TalkerTurn)
     prefill_tokens: int = 0  # thinker tokens prefilled for this turn (closing and header included)
     history_reset: bool = False  # the context filled up and the history was dropped
+    # Realtime API additions: user text items (after the audio, inside the same user message)
+    # and a per-response system message put right before the assistant header.
+    text_ids: list[int] = field(default_factory=list)
+    reply_system_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -120,6 +124,17 @@ class ReplyRecord:
     prefill_tokens: int  # thinker tokens prefilled for this turn (its own, not the history's)
 
 
+@dataclass(frozen=True)
+class LastReply:
+    """Where the session's latest finished reply sits in the thinker cache, for a truncation:
+    its tokens start at (start_length, start_pos); `fed` of them are in the cache."""
+
+    start_length: int
+    start_pos: int
+    tokens: tuple[int, ...]  # text tokens (no end token)
+    fed: int
+
+
 @dataclass
 class SessionState:
     slot: int  # the session's row in every slot tensor (thinker, talker, code2wav)
@@ -134,6 +149,9 @@ class SessionState:
     closing: list[int] = field(default_factory=list)  # the previous reply's unfed tail + <|im_end|>\n
     reply: ReplyState | None = None
     pending_stages: list[tuple[str, float]] = field(default_factory=list)  # emitted by the next step()
+    system_prompt: str | None = None  # the session's own instructions (None: the runner's)
+    pending_system: list[int] = field(default_factory=list)  # a system message for the next turn's start
+    last_reply: LastReply | None = None  # until the next reply begins
 
 
 def mrope_positions(

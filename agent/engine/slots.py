@@ -15,6 +15,10 @@ blocks, rotary embedding) and replaces only the attention-with-cache plumbing, s
 are those of transformers' forward up to float rounding; the streaming tests pin tokens and
 codes against generate().
 
+Attention itself is one of three kernels (agent/engine/attention.py), chosen per cache by a
+capability check: sdpa on CPU, FlexAttention or flash-attn on CUDA (both read the cache in
+place, each row only up to its own length). `SlotKV.traffic` gives the KV bytes a step reads.
+
 Capacity grows on demand (in steps of `GROW`, up to `limit`) so that a CPU test does not
 allocate a full context per slot; a CUDA-graph path must `reserve()` the limit up front, since
 captured graphs hold tensor addresses.
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from agent.engine.attention import Backend, KVTraffic, attend, kv_traffic, select_backend
 
 GROW = 256  # capacity step (tokens): amortises re-allocation without over-allocating on CPU
 
@@ -56,16 +61,36 @@ class SlotPool:
 class SlotKV:
     """One decoder's static KV cache: [slots, kv_heads, capacity, head_dim] per layer."""
 
-    def __init__(self, body: nn.Module, slots: int, limit: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        body: nn.Module,
+        slots: int,
+        limit: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: Backend | None = None,
+    ) -> None:
         config = body.config
         self.n_layers = len(body.layers)
         self.kv_heads = config.num_key_value_heads
+        self.q_heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # The attention kernel of forwards on this cache (agent/engine/attention.py); rows with
+        # a mask that is not causal by index (code2wav's sliding window) always take sdpa.
+        self.backend: Backend = backend or select_backend(device, dtype, self.head_dim)
         self.slots, self.limit = slots, limit
         self.device, self.dtype = device, dtype
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.capacity = 0
+
+    def traffic(self, lengths: Sequence[int], key_len: int | None = None) -> KVTraffic:
+        """KV bytes one decode step of rows holding `lengths` keys reads with this cache's
+        backend, next to the bytes they hold (`key_len`: sdpa's window, default the longest)."""
+        return kv_traffic(
+            self.backend, lengths, layers=self.n_layers, kv_heads=self.kv_heads, q_heads=self.q_heads,
+            head_dim=self.head_dim, dtype_bytes=torch.empty(0, dtype=self.dtype).element_size(), key_len=key_len,
+        )
 
     def reserve(self, length: int) -> None:
         """Make room for `length` tokens per slot (rounded up to GROW, at most `limit`)."""
@@ -95,6 +120,9 @@ class Rows:
     slot_range: slice | None  # the rows as a slice when they are consecutive (views, no gather)
     slot_tensor: torch.Tensor
     start: int | None = None  # the common first index when all rows write at the same place
+    # The mask is exactly "key j visible iff j <= index" (what flex / flash-attn compute from
+    # `index` alone); False for any other mask (a sliding window), which only sdpa applies.
+    causal: bool = False
 
     @classmethod
     def make(cls, slots: Sequence[int], starts: Sequence[int], n_new: int, device: torch.device) -> "Rows":
@@ -116,6 +144,7 @@ class Rows:
             slot_range=slot_range,
             slot_tensor=torch.tensor(slots, dtype=torch.long, device=device),
             start=starts[0] if min(starts) == max(starts) else None,
+            causal=True,
         )
 
     @classmethod
@@ -130,6 +159,7 @@ class Rows:
             mask=mask.view(mask.shape[0], 1, 1, -1),
             slot_range=None,
             slot_tensor=slots,
+            causal=True,
         )
 
 
@@ -152,6 +182,7 @@ def attention(
     cache_k: torch.Tensor,
     cache_v: torch.Tensor,
     rows: Rows,
+    backend: Backend = "sdpa",
 ) -> torch.Tensor:
     """One attention block of a Qwen3-style layer (q/k norms, RoPE, GQA) against the slot cache."""
     batch, n_new, _ = hidden.shape
@@ -168,14 +199,9 @@ def attention(
         write = (rows.slot_tensor.view(-1, 1), slice(None), rows.index)
         cache_k[write] = k.transpose(1, 2)
         cache_v[write] = v.transpose(1, 2)
-    if rows.slot_range is not None:
-        keys = cache_k[rows.slot_range, :, : rows.key_len]
-        values = cache_v[rows.slot_range, :, : rows.key_len]
-    else:
-        keys = cache_k[:, :, : rows.key_len].index_select(0, rows.slot_tensor)
-        values = cache_v[:, :, : rows.key_len].index_select(0, rows.slot_tensor)
-    out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=rows.mask, scale=attn.scaling, enable_gqa=keys.shape[1] != q.shape[1]
+    out = attend(
+        backend if rows.causal else "sdpa", q, cache_k, cache_v, rows.slot_tensor, rows.index, attn.scaling,
+        key_len=rows.key_len, mask=rows.mask, slot_range=rows.slot_range,
     )
     return attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, -1))
 
@@ -206,7 +232,9 @@ def decoder_forward(
     captured = embeds if capture_layer == 0 else None
     for i, layer in enumerate(body.layers):
         residual = hidden
-        out = attention(layer.self_attn, layer.input_layernorm(hidden), cos, sin, kv.keys[i], kv.values[i], rows)
+        out = attention(
+            layer.self_attn, layer.input_layernorm(hidden), cos, sin, kv.keys[i], kv.values[i], rows, kv.backend
+        )
         scale = getattr(layer, "self_attn_layer_scale", None)
         hidden = residual + (scale(out) if scale is not None else out)
         residual = hidden

@@ -14,7 +14,9 @@ Scheduling, each tick (policy in agent/engine/scheduler.py, estimates from `play
 1. cancelled replies end;
 2. first-audio deadlines: replies still to be prefilled, earliest end of turn first, prefilled
    within `prefill_chunk_tokens` per tick (a long prefill spans ticks, other sessions' frames
-   get out in between); one whose prefill completes renders its first frame in the same tick,
+   get out in between), all of the tick's chunks in one batched forward padded to a token
+   bucket (agent/engine/prefill.py), and the talker prefixes of those that finish in another;
+   one whose prefill completes renders its first frame in the same tick,
    and in such a tick only speaking sessions under the low-water mark (160 ms buffered) also
    step: everyone else's next frame comes after the new reply's first one;
 3. playout: speaking sessions, least buffered first, `max_batch` rows at most; a session more
@@ -54,7 +56,7 @@ from agent.engine.model import LoadedModel
 from agent.engine.moe import fuse_moe
 from agent.engine.reference import talker_tokens_for
 from agent.engine.scheduler import PlayoutEstimate, ReplyView, SchedulerConfig, plan_tick
-from agent.engine.session_state import KVState, ReplyRecord, ReplyState, SessionState
+from agent.engine.session_state import KVState, LastReply, ReplyRecord, ReplyState, SessionState
 from agent.engine.slots import SlotPool
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import PrefillOut, ThinkerOps
@@ -186,6 +188,7 @@ class StreamingRunner:
             decoder=IncrementalDecoder(self.loaded.tokenizer),
         )
         state.turn = self.turns.new_turn()
+        state.last_reply = None  # the previous reply can no longer be truncated
         if not text_only:
             self.frames.start_reply(state)
 
@@ -193,6 +196,62 @@ class StreamingRunner:
         state = self._sessions.get(session_id)
         if state is not None and state.reply is not None:
             state.reply.cancelled = True
+
+    # ---- conversation edits (the Realtime API's items; additive to the Runner protocol) -------
+
+    def add_user_text(self, session_id: str, text: str) -> int:
+        """A user text message: it joins the turn being spoken, after its audio (prefilled at the
+        end of the turn). Returns its token count."""
+        ids = self.turns.text_ids(text)
+        self._sessions[session_id].turn.text_ids += ids
+        return len(ids)
+
+    @torch.inference_mode()
+    def set_instructions(self, session_id: str, text: str) -> str:
+        """The session's system prompt. Before the first turn it replaces the prefilled one
+        ("replaced"); later it is added as a system message before the next user turn
+        ("appended"), and it is what a history reset prefills."""
+        state = self._sessions[session_id]
+        state.system_prompt = text
+        pristine = state.reply is None and state.last_reply is None and not state.turn.header_done
+        if pristine and not state.closing:
+            state.thinker.crop(0, 0)
+            self.turns.prefill_system(state)
+            return "replaced"
+        ids = self.turns.system_message_ids(text)
+        if state.reply is None and not state.turn.header_done:
+            state.closing += ids  # prefilled at the start of the next user turn
+        else:
+            state.pending_system = ids  # a reply or a turn is under way: after this reply ends
+        return "appended"
+
+    def set_reply_instructions(self, session_id: str, text: str) -> int:
+        """Per-response instructions: a system message right before this reply's assistant
+        header (it stays in the history). Call before begin_reply; returns its token count."""
+        ids = self.turns.system_message_ids(text) if text else []
+        self._sessions[session_id].turn.reply_system_ids = ids
+        return len(ids)
+
+    @torch.inference_mode()
+    def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
+        """The listener heard only the first `audio_frames` codec frames of the latest reply: keep
+        the text tokens the talker had consumed by then (frame i was made after reading reply token
+        i) and close the assistant turn there, in the thinker cache. A turn being spoken is taken
+        back out of the cache first and prefilled again after the new end."""
+        state = self._sessions[session_id]
+        last = state.last_reply
+        if state.reply is not None or last is None:
+            raise RuntimeError("only the latest reply can be truncated, once it has ended")
+        keep = max(0, min(audio_frames, len(last.tokens)))
+        self.turns.unprefill_turn(state)
+        im_end = [self.loaded.ids.im_end, *self.loaded.ids.newline]
+        # The closing is the reply's unfed tokens and its end, then whatever was queued after it.
+        after = state.closing[len(last.tokens) - last.fed + len(im_end) :]
+        if keep <= last.fed:
+            state.thinker.crop(last.start_length + keep, last.start_pos + keep)
+        state.closing = [*last.tokens[min(keep, last.fed) : keep], *im_end, *after]
+        state.last_reply = LastReply(last.start_length, last.start_pos, last.tokens[:keep], min(keep, last.fed))
+        return {"kept_tokens": keep, "dropped_tokens": len(last.tokens) - keep, "context_tokens": state.thinker.length}
 
     def has_work(self) -> bool:
         return self._replying() or any(self.turns.pcm_queued(s) for s in self._sessions.values())
@@ -209,17 +268,21 @@ class StreamingRunner:
         replies = {sid: st for sid, st in self._sessions.items() if st.reply is not None}
         plan = plan_tick([self._view(sid, st, now) for sid, st in replies.items()], self.schedule)
 
-        started: list[Row] = []
+        # First-audio replies share the prefill budget in deadline order, and all their chunks
+        # run in one batched forward (as do the talker prefixes of those that finish).
+        chunks: list[tuple[str, SessionState, int]] = []
         budget = self.schedule.prefill_chunk_tokens
         for session_id in plan.first:
             if budget <= 0:
                 break
             state = replies[session_id]
-            out, used = self.turns.run_reply(state, budget)
-            budget -= used
-            if out is not None:
-                outputs += self._first_token(session_id, state, out)
-                started.append((session_id, state))
+            take = self.turns.reply_chunk(state, budget)
+            chunks.append((session_id, state, take))
+            budget -= take
+        done = self.turns.run_replies([(state, take) for _, state, take in chunks]) if chunks else []
+        finished = [(sid, state, out) for (sid, state, _), out in zip(chunks, done) if out is not None]
+        outputs += self._first_tokens(finished)
+        started: list[Row] = [(sid, state) for sid, state, _ in finished]
         decoding = [(sid, replies[sid]) for sid in plan.decode]
         outputs += self.frames.decode(decoding)
         # Row order puts the new replies' first frames first.
@@ -263,23 +326,28 @@ class StreamingRunner:
     def _replying(self) -> bool:
         return any(s.reply is not None for s in self._sessions.values())
 
-    def _first_token(self, session_id: str, state: SessionState, out: PrefillOut) -> list[Output]:
-        # A reply has at least one text token: the end is held back for the first step.
-        logits = out.last_logits.clone()
-        logits[sorted(self.eos)] = float("-inf")
-        outputs = self.frames.take_token(session_id, state, int(logits.argmax()))
-        if not state.reply.text_only:
-            logits = self.turns.talker_prefill(state)
-            self.frames.take_code0([state], logits)
+    def _first_tokens(self, finished: list[tuple[str, SessionState, PrefillOut]]) -> list[Output]:
+        """First text token of every reply whose prefill just finished, then the talker prefixes
+        of the spoken ones in one batched forward and their first codebook-0 tokens."""
+        outputs: list[Output] = []
+        for session_id, state, out in finished:
+            # A reply has at least one text token: the end is held back for the first step.
+            logits = out.last_logits.clone()
+            logits[sorted(self.eos)] = float("-inf")
+            outputs += self.frames.take_token(session_id, state, int(logits.argmax()))
+        spoken = [state for _, state, _ in finished if not state.reply.text_only]
+        if spoken:
+            self.frames.take_code0(spoken, self.turns.talker_prefills(spoken))
         return outputs
 
     def _prefill_speaking(self, budget: int) -> None:
-        """Encode microphone audio of users speaking, and prefill it (bounded) where no reply of
-        theirs holds the thinker cache (a barge-in's audio waits for its reply to end)."""
-        for state in self._sessions.values():
+        """Encode microphone audio of users speaking, and prefill it (bounded, one batched
+        forward) where no reply of theirs holds the thinker cache (a barge-in's audio waits for
+        its reply to end)."""
+        states = list(self._sessions.values())
+        for state in states:
             self.turns.encode_audio(state)
-            if budget > 0:
-                budget -= self.turns.flush_audio(state, budget)
+        self.turns.flush_audios(states, budget)
 
     def _stage_times(self) -> list[Output]:
         outputs: list[Output] = []
@@ -300,12 +368,18 @@ class StreamingRunner:
             # The history keeps this reply as text: what the thinker has not fed yet, then the end.
             state.closing = [t for t in reply.tokens[reply.fed :] if t not in self.eos]
             state.closing += [self.loaded.ids.im_end, *self.loaded.ids.newline]
+            fed = min(reply.fed, len(text_ids))
+            state.last_reply = LastReply(state.thinker.length - fed, state.thinker.next_pos - fed, tuple(text_ids), fed)
+            state.closing += state.pending_system  # instructions changed during the reply
+            state.pending_system = []
             if not reply.talker_started:  # its user turn is not in the talker cache yet
                 state.talker_backlog.append(turn.talker)
         else:
             self.turns.abandon_reply(state)
         stats = {
             "prefill_tokens": turn.prefill_tokens if reply.prefilled else 0,
+            "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefilled else 0,
+            "input_image_tokens": turn.ids.count(self.loaded.ids.image_pad) if reply.prefilled else 0,
             "history_reset": turn.history_reset if reply.prefilled else False,
             "text_tokens": len(text_ids),
             "audio_frames": len(reply.frame_codes),

@@ -11,9 +11,10 @@ thinker and code2wav, step by step instead of all at once:
   predictor (greedy), and the next talker input = sum of the 16 codebook embeddings plus the
   next text-side entry (the projection of the next fed reply token, then tts_eos, then tts_pad).
 
-The talker runs on a static slot cache (agent/engine/slots.py): a session's prefix is one
-forward of its own, and the per-frame step of every speaking session is one batched forward
-(a captured graph per batch and attention-length bucket when graphs are on).
+The talker runs on a static slot cache (agent/engine/slots.py): the prefixes of replies that
+start in the same tick share one forward (agent/engine/prefill.py), and the per-frame step
+of every speaking session is one batched forward (a captured graph per batch and
+attention-length bucket when graphs are on).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from agent.engine.graphing import Graphing, slot_cache_with_graph
 from agent.engine.model import LoadedModel
 from agent.engine.session_state import KVState, mrope_positions
+from agent.engine.prefill import BucketedPrefill, PrefillRow
 from agent.engine.slots import Rows, decoder_forward
 
 
@@ -79,9 +81,16 @@ class TalkerOps:
             graphing, self.talker.model, slots, limit, loaded.device, loaded.dtype,
             "talker_step", self._step, (0.0, self.pad_slot, 0, 0, 1), clone_outputs=True,
         )
+        # Prefixes of sessions whose turns end together in one forward, in token buckets.
+        self.prefiller = BucketedPrefill(
+            self.talker.model, self.kv, self.talker.codec_head, graphing=graphing, pad_slot=self.pad_slot,
+            name="talker_prefill",
+        )
 
     def capture_graphs(self) -> None:
-        """Capture the step for every batch bucket at the shortest attention length."""
+        """Capture the step for every batch bucket at the shortest attention length, and the
+        prefix prefill for every (batch, token) bucket."""
+        self.prefiller.capture_graphs()
         if self._graph is None:
             return
         key_len = self.graphing.key_lens(self.kv.capacity)[0]
@@ -131,20 +140,23 @@ class TalkerOps:
         ]
         return torch.cat(rows, dim=0)
 
-    def prefill(
-        self, state: KVState, embeds: torch.Tensor, ids: Sequence[int], grids: Sequence[tuple[int, int, int]]
+    def prefills(
+        self, items: Sequence[tuple[KVState, torch.Tensor, Sequence[int], Sequence[tuple[int, int, int]]]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append one session's talker inputs [1, n, hidden]; return (float32 logits [1, vocab],
-        last hidden [1, 1, hidden])."""
-        rope, next_pos = mrope_positions(
-            ids, state.next_pos, iter(grids), self.image_pad, self.merge, self.position_id_per_seconds
-        )
-        rows = Rows.make([state.slot], [state.length], embeds.shape[1], embeds.device)
-        hidden, _ = decoder_forward(self.talker.model, self.kv, rows, embeds, rope.to(embeds.device).unsqueeze(1))
-        state.length += embeds.shape[1]
-        state.next_pos = next_pos
-        last = hidden[:, -1:]
-        return self.talker.codec_head(last)[:, -1].float(), last
+        """Several sessions' talker inputs (state, embeds [1, n, hidden], ids, image grids) in one
+        batched forward; returns (float32 logits [B, vocab], last hidden [B, 1, hidden])."""
+        rows, next_pos = [], []
+        for state, embeds, ids, grids in items:
+            rope, pos = mrope_positions(
+                ids, state.next_pos, iter(grids), self.image_pad, self.merge, self.position_id_per_seconds
+            )
+            rows.append(PrefillRow(state.slot, state.length, embeds[0], rope.to(embeds.device)))
+            next_pos.append(pos)
+        out = self.prefiller.run(rows)
+        for (state, embeds, _, _), pos in zip(items, next_pos):
+            state.length += embeds.shape[1]
+            state.next_pos = pos
+        return out.logits, out.last_hidden
 
     def step(self, states: Sequence[KVState], embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One talker step for B sessions at once: embeds [B, 1, hidden] (each row's last frame

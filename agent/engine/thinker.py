@@ -12,8 +12,10 @@ A prefill is a `PrefillJob`: its input embeddings and positions are made once, t
 chunks of at most `max_tokens` so that the scheduler can put decode steps of other sessions
 between the chunks of a long prefill.
 
-With graphs on (agent/engine/graphing.py), the decode step runs as a captured graph per batch
-and attention-length bucket, its inputs all device tensors; prefill stays eager.
+Prefill chunks of several sessions run in one forward, padded to a token bucket
+(agent/engine/prefill.py). With graphs on (agent/engine/graphing.py), the decode step runs as a
+captured graph per batch and attention-length bucket, its inputs all device tensors, and the
+prefill as a graph per batch and token bucket.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from agent.engine.graphing import DecodeRows, Graphing, slot_cache_with_graph
 from agent.engine.model import LoadedModel
 from agent.engine.session_state import KVState, mrope_positions
+from agent.engine.prefill import BucketedPrefill, PrefillRow
 from agent.engine.slots import Rows, decoder_forward
 
 
@@ -94,9 +97,16 @@ class ThinkerOps:
             graphing, self.lm, slots, context_limit, loaded.device, loaded.dtype,
             "thinker_decode", self._decode_step, (0, self.pad_slot, 0, 0, 1), clone_outputs=False,
         )
+        # Prefill chunks of many sessions in one forward, padded to token buckets (graphed too).
+        self.prefiller = BucketedPrefill(
+            self.lm, self.kv, thinker.lm_head, capture_layer=self.accept_layer, graphing=graphing,
+            pad_slot=self.pad_slot, name="thinker_prefill",
+        )
 
     def capture_graphs(self) -> None:
-        """Capture the decode step for every batch bucket at the shortest attention length."""
+        """Capture the decode step for every batch bucket at the shortest attention length,
+        and the prefill for every (batch, token) bucket."""
+        self.prefiller.capture_graphs()
         if self._graph is None:
             return
         key_len = self.graphing.key_lens(self.kv.capacity)[0]
@@ -146,36 +156,32 @@ class ThinkerOps:
         )
         return PrefillJob(list(ids), embeds, rope.to(device), next_pos, visual, deepstack)
 
-    def run_prefill(self, state: KVState, job: PrefillJob, max_tokens: int | None = None) -> int:
-        """Prefill the next chunk of `job` (at most max_tokens); returns the tokens done."""
-        start = job.done
-        end = len(job.ids) if max_tokens is None else min(len(job.ids), start + max_tokens)
-        n = end - start
-        rows = Rows.make([state.slot], [state.length], n, self.loaded.device)
-        visual = deepstack = None
-        if job.visual is not None:
-            visual = job.visual[start:end].view(1, -1)
-            before = int(job.visual[:start].sum())
-            count = int(visual.sum())
-            if count:
-                deepstack = [d[before : before + count] for d in job.deepstack]
-        hidden, accept = decoder_forward(
-            self.lm,
-            self.kv,
-            rows,
-            job.embeds[:, start:end],
-            job.rope[:, start:end].unsqueeze(1),
-            capture_layer=self.accept_layer,
-            deepstack=deepstack,
-            visual_mask=visual if deepstack is not None else None,
-        )
-        state.length += n
-        job.done = end
-        if job.finished:
-            state.next_pos = job.next_pos
-        logits = self.thinker.lm_head(hidden[:, -1:])
-        job.outs.append(PrefillOut(logits[0, -1].float(), job.embeds[:, start:end], accept))
-        return n
+    def run_prefills(self, items: Sequence[tuple[KVState, PrefillJob, int | None]]) -> list[int]:
+        """The next chunk of several sessions' jobs (each at most its max_tokens) in one batched
+        forward (agent/engine/prefill.py); returns the tokens done per job."""
+        rows, spans = [], []
+        for state, job, max_tokens in items:
+            start = job.done
+            end = len(job.ids) if max_tokens is None else min(len(job.ids), start + max_tokens)
+            if end <= start:
+                raise ValueError("a prefill chunk needs at least one token")
+            visual = deepstack = None
+            if job.visual is not None:
+                visual = job.visual[start:end]
+                before, count = int(job.visual[:start].sum()), int(visual.sum())
+                if count:
+                    deepstack = [d[before : before + count] for d in job.deepstack]
+            embeds, rope = job.embeds[0, start:end], job.rope[:, start:end]
+            rows.append(PrefillRow(state.slot, state.length, embeds, rope, visual, deepstack))
+            spans.append((start, end))
+        out = self.prefiller.run(rows)
+        for i, ((state, job, _), (start, end)) in enumerate(zip(items, spans)):
+            state.length += end - start
+            job.done = end
+            if job.finished:
+                state.next_pos = job.next_pos
+            job.outs.append(PrefillOut(out.logits[i], job.embeds[:, start:end], out.captured[i].unsqueeze(0)))
+        return [end - start for start, end in spans]
 
     def prefill(
         self,
@@ -186,7 +192,7 @@ class ThinkerOps:
     ) -> PrefillOut:
         """Append `ids` in one forward (see start_prefill)."""
         job = self.start_prefill(state, ids, audio, images)
-        self.run_prefill(state, job)
+        self.run_prefills([(state, job, None)])
         return job.result()
 
     def decode(self, states: Sequence[KVState], tokens: Sequence[int]) -> torch.Tensor:

@@ -10,6 +10,9 @@ A full context drops the history: the system prompt is prefilled again and the t
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,7 +76,8 @@ class TurnPrefill:
         return TurnState(audio=stream)
 
     def prefill_system(self, state: SessionState) -> None:
-        ids = system_turn_ids(self.ids, self.loaded.tokenizer, self.system_prompt)
+        prompt = self.system_prompt if state.system_prompt is None else state.system_prompt
+        ids = system_turn_ids(self.ids, self.loaded.tokenizer, prompt)
         with timed(state, "thinker_prefill"):
             self.thinker.prefill(state.thinker, ids)
 
@@ -98,9 +102,26 @@ class TurnPrefill:
     def flush_audio(self, state: SessionState, max_tokens: int | None = None) -> int:
         """Prefill final audio tokens (at most max_tokens); returns how many. Only while no
         reply runs: during a reply the thinker cache is busy and they wait for the next turn."""
+        return self.flush_audios([state], max_tokens)
+
+    def flush_audios(self, states: Sequence[SessionState], budget: int | None = None) -> int:
+        """flush_audio for several sessions, sharing `budget` audio tokens in order (None: no
+        bound), all their prefills in one batched forward; returns the audio tokens taken."""
+        parts, taken = [], 0
+        for state in states:
+            if budget is not None and budget - taken <= 0:
+                break
+            part, take = self._flush_part(state, None if budget is None else budget - taken)
+            if part is not None:
+                parts.append((state, state.turn, part))
+                taken += take
+        self._run_parts(parts, [None] * len(parts))
+        return taken
+
+    def _flush_part(self, state: SessionState, max_tokens: int | None) -> tuple[TurnJob | None, int]:
         turn = state.turn
         if not turn.pending_audio or state.reply is not None:
-            return 0
+            return None, 0
         audio = torch.cat(turn.pending_audio, dim=0)
         take = audio.shape[0] if max_tokens is None else min(max_tokens, audio.shape[0])
         turn.pending_audio = [audio[take:]] if take < audio.shape[0] else []
@@ -111,9 +132,7 @@ class TurnPrefill:
             turn.audio_open = True
         ids += [self.ids.audio_pad] * take
         turn.audio_feats.append(audio)
-        part = self._start(state, turn, ids, audio=audio)
-        self._run(state, turn, part, None)
-        return take
+        return self._start(state, turn, ids, audio=audio), take
 
     def _open_turn_ids(self, state: SessionState, turn: TurnState) -> list[int]:
         """The previous reply's closing and this turn's header, the first time the turn prefills."""
@@ -140,11 +159,18 @@ class TurnPrefill:
         job = self.thinker.start_prefill(state.thinker, ids, audio=audio, images=images)
         return TurnJob(job, n_closing, assistant_tail, images)
 
-    def _run(self, state: SessionState, turn: TurnState, part: TurnJob, max_tokens: int | None) -> int:
-        with timed(state, "thinker_prefill"):
-            done = self.thinker.run_prefill(state.thinker, part.job, max_tokens)
-        if part.job.finished:
-            self._finish(turn, part)
+    def _run_parts(
+        self, parts: Sequence[tuple[SessionState, TurnState, TurnJob]], max_tokens: Sequence[int | None]
+    ) -> list[int]:
+        """The next chunk of every part in one batched thinker forward; tokens done per part."""
+        if not parts:
+            return []
+        items = [(state.thinker, part.job, n) for (state, _, part), n in zip(parts, max_tokens)]
+        with timed_all([state for state, _, _ in parts], "thinker_prefill"):
+            done = self.thinker.run_prefills(items)
+        for _, turn, part in parts:
+            if part.job.finished:
+                self._finish(turn, part)
         return done
 
     def _finish(self, turn: TurnState, part: TurnJob) -> None:
@@ -210,23 +236,35 @@ class TurnPrefill:
         for t, h, w in images.grids if images is not None else ():
             n_tokens = t * h * w // self.thinker.merge**2
             ids += [self.ids.vision_start, *([self.ids.image_pad] * n_tokens), self.ids.vision_end]
+        ids += turn.text_ids  # user text items close the user message, after the audio and frames
         header = assistant_start_ids(self.ids)
-        ids += [self.ids.im_end, *self.ids.newline, *header]
+        ids += [self.ids.im_end, *self.ids.newline, *turn.reply_system_ids, *header]
         part = self._start(state, turn, ids, audio=audio, images=images, assistant_tail=len(header))
         return ReplyPrefill(part, *before, audio=audio)
 
-    def run_reply(self, state: SessionState, max_tokens: int) -> tuple[PrefillOut | None, int]:
-        """Advance the end-of-turn prefill by at most max_tokens; (its output when finished, tokens done)."""
+    def reply_chunk(self, state: SessionState, budget: int) -> int:
+        """Tokens the end-of-turn prefill of `state` takes next within `budget` (starting it
+        on first call: audio tail, frames, header)."""
         reply = state.reply
         if reply.job is None:
             reply.job = self.start_reply(state)
-        part: TurnJob = reply.job.part
-        done = self._run(state, reply.turn, part, max_tokens)
-        if not part.job.finished:
-            return None, done
-        state.closing = []
-        reply.prefilled, reply.job = True, None
-        return part.job.result(), done
+        job = reply.job.part.job
+        return min(budget, len(job.ids) - job.done)
+
+    def run_replies(self, chunks: Sequence[tuple[SessionState, int]]) -> list[PrefillOut | None]:
+        """Advance the end-of-turn prefills (state, tokens from reply_chunk) in one batched
+        forward; per reply its output when its prefill finished, else None."""
+        parts = [(state, state.reply.turn, state.reply.job.part) for state, _ in chunks]
+        self._run_parts(parts, [n for _, n in chunks])
+        outs: list[PrefillOut | None] = []
+        for state, _, part in parts:
+            if not part.job.finished:
+                outs.append(None)
+                continue
+            state.closing = []
+            state.reply.prefilled, state.reply.job = True, None
+            outs.append(part.job.result())
+        return outs
 
     def abandon_reply(self, state: SessionState) -> None:
         """A reply cancelled before its prefill finished: its turn was not answered, so it is the
@@ -245,29 +283,57 @@ class TurnPrefill:
                 # Its encoder was finished: later audio is encoded from a fresh stream.
                 turn.audio = self.new_turn().audio
         turn.pcm += state.turn.pcm
+        turn.text_ids += state.turn.text_ids
+        turn.reply_system_ids = []  # a per-response override ends with its response
         state.turn = turn
 
-    def talker_prefill(self, state: SessionState) -> torch.Tensor:
-        """The talker's prefix for this reply: every user turn not in its cache yet, then the
-        assistant part; returns codebook-0 logits [1, vocab] (sets reply.last_hidden)."""
-        reply, turn = state.reply, state.reply.turn
-        # Drop the previous reply's part; the earlier user turns stay, the new ones are added.
-        state.talker.crop(state.talker_history_length, state.talker_history_pos)
-        turns = [*state.talker_backlog, turn.talker]
-        user_ids = [i for t in turns for i in t.ids]
-        grids = [g for t in turns for g in t.image_grids]
+    def talker_prefills(self, states: Sequence[SessionState]) -> torch.Tensor:
+        """The talker's prefix of each reply, one batched forward: every user turn not in its
+        cache yet, then the assistant part; returns codebook-0 logits [B, vocab] (sets each
+        reply.last_hidden)."""
+        items = []
         header = self.thinker.token_embeds(assistant_start_ids(self.ids))
-        first = self.thinker.token_embeds([reply.tokens[0]])
-        embeds = torch.cat([*(e for t in turns for e in t.embeds), self.talker.assistant_prefix(header, first)], dim=1)
-        ids = user_ids + [self.talker.tts_pad_id] * 9
-        with timed(state, "talker_step"):
-            logits, reply.last_hidden = self.talker.prefill(state.talker, embeds, ids, grids)
-        # From now on the cache holds every user turn: the next turn crops back to here.
-        state.talker_history_length += len(user_ids)
-        state.talker_history_pos = state.talker.next_pos - 9
-        state.talker_backlog = []
-        reply.talker_started = True
+        for state in states:
+            reply, turn = state.reply, state.reply.turn
+            # Drop the previous reply's part; the earlier user turns stay, the new ones are added.
+            state.talker.crop(state.talker_history_length, state.talker_history_pos)
+            turns = [*state.talker_backlog, turn.talker]
+            user_ids = [i for t in turns for i in t.ids]
+            grids = [g for t in turns for g in t.image_grids]
+            first = self.thinker.token_embeds([reply.tokens[0]])
+            prefix = self.talker.assistant_prefix(header, first)
+            embeds = torch.cat([*(e for t in turns for e in t.embeds), prefix], dim=1)
+            items.append((state.talker, embeds, user_ids + [self.talker.tts_pad_id] * 9, grids))
+        with timed_all(states, "talker_step"):
+            logits, last_hidden = self.talker.prefills(items)
+        for i, (state, (_, _, ids, _)) in enumerate(zip(states, items)):
+            reply = state.reply
+            reply.last_hidden = last_hidden[i : i + 1]
+            # From now on the cache holds every user turn: the next turn crops back to here.
+            state.talker_history_length += len(ids) - 9
+            state.talker_history_pos = state.talker.next_pos - 9
+            state.talker_backlog = []
+            reply.talker_started = True
         return logits
+
+    def text_ids(self, text: str) -> list[int]:
+        return self.loaded.tokenizer.encode(text, add_special_tokens=False)
+
+    def system_message_ids(self, text: str) -> list[int]:
+        return system_turn_ids(self.ids, self.loaded.tokenizer, text)
+
+    def unprefill_turn(self, state: SessionState) -> None:
+        """Take the turn being spoken back out of the thinker cache (its audio tokens wait to be
+        prefilled again), so that something can change before it: a truncated reply's end."""
+        turn = state.turn
+        if not turn.header_done:
+            return
+        if turn.history_reset:
+            raise RuntimeError("the turn being spoken replaced the history: nothing before it to change")
+        state.thinker.crop(turn.start_length, turn.start_pos)
+        turn.pending_audio = [*turn.audio_feats, *turn.pending_audio]
+        turn.audio_feats, turn.ids, turn.talker, turn.prefill_tokens = [], [], TalkerTurn(), 0
+        turn.header_done = turn.audio_open = False
 
     def pcm_queued(self, state: SessionState) -> bool:
         return bool(state.turn.pcm) or (state.reply is None and bool(state.turn.pending_audio))
@@ -275,3 +341,15 @@ class TurnPrefill:
     @staticmethod
     def queue_pcm(state: SessionState, pcm: np.ndarray) -> None:
         state.turn.pcm.append(np.asarray(pcm, dtype=np.float32).reshape(-1))
+
+
+@contextmanager
+def timed_all(states: Sequence[SessionState], stage: str) -> Iterator[None]:
+    """`timed` for a batched call: every session in it waited for all of it."""
+    started = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - started
+    for state in states:
+        state.pending_stages.append((stage, elapsed))
+        if state.reply is not None:
+            state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed

@@ -1,10 +1,11 @@
 """The whole path over real aiortc peers on loopback, with the real tiny Qwen3-Omni.
 
-Pins: a client that speaks (espeak-ng WAV, then silence) with a camera gets the OpenAI
-Realtime-style events in order (speech_started → speech_stopped → text deltas →
-response.done), and hears AUDIBLE agent audio after its speech ended; the agent's own
-TTFT/TTFA land in /metrics; bad offers get 4xx JSON reasons; a second session works
-while the first is connected.
+Pins: a client that speaks (espeak-ng WAV, then silence) with a camera over the GA WebRTC
+route (POST /v1/realtime/calls, `oai-events` channel) gets the Realtime events in order
+(speech_started → speech_stopped → transcript deltas → response.done), and hears AUDIBLE
+agent audio after its speech ended; the agent's own TTFT/TTFA land in /metrics; bad offers
+get 4xx JSON reasons; a second session works while the first is connected; barge-in clears
+the output buffer; bad client events get `error` events; text-only sessions stay silent.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ async def _metric(url: str, name: str) -> float:
     return total
 
 
-async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wav: Path) -> None:
+async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wav: Path, strict_event) -> None:
     ttfa_count_before = await _metric(agent_url, "agent_time_to_first_audio_seconds_count")
     client = AgentClient(agent_url, speech_wav)
     try:
@@ -81,41 +82,49 @@ async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wa
         await client.close()
 
     r = client.result
+    for event in r.events:
+        strict_event(event)
     types = [e["type"] for e in r.events]
     assert types[0] == "session.created"
-    deltas = r.of_type("response.text.delta")
-    assert deltas, f"no text deltas in {types}"
+    assert r.call_id.startswith("rtc_") and r.location == f"/v1/realtime/calls/{r.call_id}"
+    deltas = r.of_type("response.output_audio_transcript.delta")
+    assert deltas, f"no transcript deltas in {types}"
     assert all(e["_t"] >= stopped["_t"] for e in deltas), "text came before the turn ended"
-    assert done["status"] in ("completed", "incomplete")
-    assert done["text"] == "".join(e["delta"] for e in deltas)
-    assert done["ttfa_ms"] is not None and done["ttft_ms"] is not None
+    assert not r.of_type("response.output_audio.delta"), "WebRTC audio must stay on the media track"
+    response = done["response"]
+    assert response["status"] in ("completed", "incomplete")
+    assert response["output"][0]["content"][0]["transcript"] == "".join(e["delta"] for e in deltas)
+    assert response["usage"]["input_tokens"] > 0 and response["usage"]["output_tokens"] > 0
+    omni = response["omni"]
+    assert omni["ttfa_ms"] is not None and omni["ttft_ms"] is not None
+    assert types.index("output_audio_buffer.started") < len(types)
     # The end of speech the endpointer saw lies inside the sent WAV's speech (±0.3 s).
     assert abs(stopped["audio_end_ms"] / 1000 - client.speech_end / 48_000) < 0.3
     # Audible: at least 0.5 s of received audio above -50 dBFS, after the speech ended.
     assert r.audible_samples >= 24_000, f"only {r.audible_samples} audible samples"
     v2v = client.voice_to_voice()
     assert v2v is not None and v2v > 0, "agent audio arrived before the user stopped speaking"
-    print(f"\nvoice_to_voice_ms={v2v * 1000:.0f} server_ttfa_ms={done['ttfa_ms']} ttft_ms={done['ttft_ms']}")
+    print(f"\nvoice_to_voice_ms={v2v * 1000:.0f} server_ttfa_ms={omni['ttfa_ms']} ttft_ms={omni['ttft_ms']}")
     assert await _metric(agent_url, "agent_time_to_first_audio_seconds_count") == ttfa_count_before + 1
 
 
 @pytest.mark.parametrize(
-    "body,status",
+    "body,content_type,status",
     [
-        (b"not json", 400),
-        (b'{"sdp": 5, "type": "offer"}', 400),
-        (b'{"sdp": "v=0", "type": "answer"}', 400),
-        (b'{"sdp": "garbage", "type": "offer"}', 400),
-        (b"[]", 400),
+        (b"", "application/sdp", 400),
+        (b"garbage", "application/sdp", 400),
+        (b"v=0\r\n", "application/sdp", 400),
+        (b"x" * 70_000, "application/sdp", 413),
+        (b'--b\r\nContent-Disposition: form-data; name="session"\r\n\r\n{"type": "realtime"}\r\n--b--\r\n',
+         "multipart/form-data; boundary=b", 400),
     ],
 )
-async def test_bad_offers_get_4xx_with_reason(agent_url: str, body: bytes, status: int) -> None:
+async def test_bad_offers_get_4xx_with_reason(agent_url: str, body: bytes, content_type: str, status: int) -> None:
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{agent_url}/offer", data=body,
-                             headers={"Content-Type": "application/json"}) as resp:
+        async with http.post(f"{agent_url}/v1/realtime/calls", data=body, headers={"Content-Type": content_type}) as resp:
             assert resp.status == status
             payload = await resp.json()
-            assert isinstance(payload.get("error"), str) and payload["error"]
+            assert isinstance(payload["error"]["message"], str) and payload["error"]["message"]
         # The server is still healthy afterwards.
         async with http.get(f"{agent_url}/healthz") as resp:
             assert resp.status == 200
@@ -134,18 +143,18 @@ async def test_session_limit_answers_503_and_sessions_keep_working(agent_url: st
             await c.wait_event("input_audio_buffer.speech_stopped", timeout=20)
         for c in clients:
             await c.wait_event("response.done", timeout=60)
-            assert c.result.of_type("response.text.delta")
+            assert c.result.of_type("response.output_audio_transcript.delta")
     finally:
         for c in clients:
             await c.close()
 
 
-async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: Path) -> None:
+async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: Path, strict_event) -> None:
     """Speaking over the agent's reply stops its audio within a few frames."""
     client = AgentClient(agent_url, speech_wav, video=False)
     try:
         await client.connect()
-        await client.wait_event("response.audio.started", timeout=60)
+        await client.wait_event("output_audio_buffer.started", timeout=60)
         # Wait until the reply is audible at the client, then talk over it.
         for _ in range(100):
             if client.result.audible_samples > 4800:
@@ -165,8 +174,10 @@ async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: P
     finally:
         await client.close()
     r = client.result
+    for event in r.events:
+        strict_event(event)
     assert first_done, "the interrupted reply was never closed"
-    cancelled = first_done[0]["status"] == "cancelled" or r.of_type("response.audio.cancelled")
+    cancelled = first_done[0]["response"]["status"] == "cancelled" or r.of_type("output_audio_buffer.cleared")
     assert cancelled, f"no cancellation reported: {first_done[0]}"
     # Audio still heard 150 ms after the server saw the barge-in: at most what was in
     # flight (aiortc/jitter buffers), never the rest of a 4 s reply.
@@ -181,26 +192,26 @@ async def test_data_channel_errors_and_text_only_mode(agent_url: str, speech_wav
     try:
         await client.connect()
         await client.wait_event("session.created", timeout=10)
-        for _ in range(50):
-            if client.channel.readyState == "open":
-                break
-            await asyncio.sleep(0.1)
+        await client.wait_open()
         for bad in ("garbage", "[1, 2]", '{"type": 7}', '{"type": "no.such.event"}',
                     '{"type": "session.update", "session": [1]}',
-                    '{"type": "session.update", "session": {"modalities": ["smell"]}}'):
+                    '{"type": "session.update", "event_id": "ev_bad", "session": {"output_modalities": ["smell"]}}'):
             client.channel.send(bad)
-        client.channel.send('{"type": "session.update", "session": {"modalities": ["text"]}}')
+        client.send({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"]}})
         await client.wait_event("session.updated", timeout=10)
         done = await client.wait_event("response.done", timeout=60)
         await asyncio.sleep(0.5)
     finally:
         await client.close()
     r = client.result
-    assert len(r.of_type("error")) == 6
-    assert {e["error"]["code"] for e in r.of_type("error")} == {"invalid_event", "unknown_event"}
-    assert r.of_type("response.created")[0]["mode"] == "text"
-    assert done["text"] and r.of_type("response.text.delta")
-    assert not r.of_type("response.audio.started") and r.audible_samples == 0
+    errors = r.of_type("error")
+    assert len(errors) == 6
+    assert {e["error"]["code"] for e in errors} == {"invalid_json", "invalid_event", "unknown_event", "invalid_value"}
+    assert errors[-1]["error"]["param"] == "session.output_modalities" and errors[-1]["error"]["event_id"] == "ev_bad"
+    assert r.of_type("session.updated")[0]["session"]["output_modalities"] == ["text"]
+    assert r.of_type("response.created")[0]["omni"]["mode"] == "text"
+    assert done["response"]["output"][0]["content"][0]["text"] and r.of_type("response.output_text.delta")
+    assert not r.of_type("output_audio_buffer.started") and r.audible_samples == 0
 
 
 async def test_offer_that_never_connects_frees_its_slot(tiny_model_dir: Path, speech_wav: Path) -> None:
@@ -223,9 +234,10 @@ async def test_offer_that_never_connects_frees_its_slot(tiny_model_dir: Path, sp
         ghost.pc.addTrack(ghost.audio)
         await ghost.pc.setLocalDescription(await ghost.pc.createOffer())
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{url}/offer", json={"sdp": ghost.pc.localDescription.sdp, "type": "offer"}) as resp:
-                assert resp.status == 200
-            async with http.post(f"{url}/offer", json={"sdp": ghost.pc.localDescription.sdp, "type": "offer"}) as resp:
+            offer = {"data": ghost.pc.localDescription.sdp, "headers": {"Content-Type": "application/sdp"}}
+            async with http.post(f"{url}/v1/realtime/calls", **offer) as resp:
+                assert resp.status == 201
+            async with http.post(f"{url}/v1/realtime/calls", **offer) as resp:
                 assert resp.status == 503  # the ghost holds the only slot ...
             for _ in range(50):
                 async with http.get(f"{url}/healthz") as resp:

@@ -1,7 +1,7 @@
 """The degradation ladder end to end: real peers, the real tiny models, a slowed engine.
 
 Pins: when the engine's first response slows past the text-only threshold, new replies
-become text-only and the client is told (`response.mode`); slower still, replies come
+become text-only and the client is told (`omni.response.mode`); slower still, replies come
 from the text-only fallback model; once the engine is fast again the ladder steps back
 down one level at a time to spoken replies. agent_degradation_level follows.
 """
@@ -93,7 +93,7 @@ async def test_ladder_degrades_and_recovers(tiny_model_dir: Path, short_wav: Pat
         deadline = time.monotonic() + 150
         phase = "baseline"
         while time.monotonic() < deadline:
-            modes = [e["mode"] for e in client.result.of_type("response.mode")]
+            modes = [e["mode"] for e in client.result.of_type("omni.response.mode")]
             done = client.result.of_type("response.done")
             if phase == "baseline" and done:
                 phase, delay[0] = "slow", 0.45  # first response ~0.5 s: above 0.3, below 0.8
@@ -112,16 +112,18 @@ async def test_ladder_degrades_and_recovers(tiny_model_dir: Path, short_wav: Pat
         await app_runner.cleanup()
 
     events = client.result.events
-    modes = [e["mode"] for e in events if e["type"] == "response.mode"]
+    modes = [e["mode"] for e in events if e["type"] == "omni.response.mode"]
     assert phase == "recovered", f"stuck in phase {phase}; modes {modes}"
     assert modes[:2] == ["text", "fallback"], modes
     assert modes[-2:] == ["text", "audio"], "recovery must step down one level at a time"
     assert levels_seen == [2.0, 0.0]
-    created = [e.get("mode") for e in events if e["type"] == "response.created"]
-    assert created[0] == "audio" and "text" in created and "fallback" in created
+    created = [e for e in events if e["type"] == "response.created"]
+    modes_created = [e["omni"]["mode"] for e in created]
+    assert modes_created[0] == "audio" and "text" in modes_created and "fallback" in modes_created
     # Fallback replies still speak in text: their deltas reach the client.
-    fallback_ids = {e["response_id"] for e in events if e["type"] == "response.created" and e["mode"] == "fallback"}
-    assert any(e["response_id"] in fallback_ids for e in events if e["type"] == "response.text.delta")
-    # Text-only and fallback replies send no audio.
-    silent_ids = {e["response_id"] for e in events if e["type"] == "response.created" and e["mode"] != "audio"}
-    assert not [e for e in events if e["type"] == "response.audio.started" and e["response_id"] in silent_ids]
+    fallback_ids = {e["response"]["id"] for e in created if e["omni"]["mode"] == "fallback"}
+    assert any(e["response_id"] in fallback_ids for e in events if e["type"] == "response.output_text.delta")
+    # Text-only and fallback replies send no audio, and say so in their output modalities.
+    silent_ids = {e["response"]["id"] for e in created if e["omni"]["mode"] != "audio"}
+    assert all(e["response"]["output_modalities"] == ["text"] for e in created if e["response"]["id"] in silent_ids)
+    assert not [e for e in events if e["type"] == "output_audio_buffer.started" and e["response_id"] in silent_ids]

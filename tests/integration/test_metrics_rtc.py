@@ -83,7 +83,7 @@ async def test_metrics_exist_and_move(tiny_model_dir: Path, speech_wav: Path) ->
                     break
                 await asyncio.sleep(0.1)
             before = await _scrape(http, url)
-            async with http.post(f"{url}/offer", data=b"{", headers={"Content-Type": "application/json"}) as resp:
+            async with http.post(f"{url}/v1/realtime/calls", data=b"", headers={"Content-Type": "application/sdp"}) as resp:
                 assert resp.status == 400
             await client.connect()
             deadline = time.monotonic() + 60

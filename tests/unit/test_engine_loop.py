@@ -3,7 +3,8 @@
 Pins: the runner is built and driven only on the engine thread; outputs reach each
 session's sink on the asyncio loop thread, in order; a failing step ends the replies in
 flight with an error and the engine keeps serving; a full inbox raises EngineBusy instead
-of blocking the loop; a model that fails to load makes start() raise.
+of blocking the loop; a model that fails to load makes start() raise; Engine.call runs a
+runner method in order on the engine thread and hands back its result or exception.
 """
 
 from __future__ import annotations
@@ -178,3 +179,37 @@ async def test_unavailable_mode_is_refused_on_the_caller_side() -> None:
         engine.begin_reply("x", [], mode="fallback")
     with pytest.raises(ValueError):
         engine.begin_reply("x", [], mode="shout")
+
+
+class EditingRunner(ScriptedRunner):
+    """A runner with one conversation edit, recording the thread it ran on."""
+
+    def rename(self, sid: str, name: str) -> str:
+        self._mark()
+        if not name:
+            raise ValueError("empty name")
+        return f"{sid}:{name}"
+
+
+async def test_call_runs_runner_methods_in_order_on_the_engine_thread() -> None:
+    """Engine.call: the result (or the exception) comes back as a future on the loop; a method
+    the runner lacks is NotImplementedError; a closed session is an error, not a hang."""
+    runner = EditingRunner()
+    engine = Engine(lambda: runner)
+    await engine.start()
+    try:
+        engine.open_session("s", Sink())
+        engine.append_audio("s", np.zeros(1280, np.float32))
+        future = engine.call("s", "rename", "x")
+        assert await asyncio.wait_for(future, 5) == "s:x"
+        assert runner.audio["s"] == 1  # the append queued before the call ran before it
+        assert runner.threads == {"engine"}
+        with pytest.raises(ValueError):
+            await asyncio.wait_for(engine.call("s", "rename", ""), 5)
+        with pytest.raises(NotImplementedError):
+            await asyncio.wait_for(engine.call("s", "truncate_reply", 1), 5)
+        engine.close_session("s")
+        with pytest.raises(KeyError):
+            await asyncio.wait_for(engine.call("s", "rename", "y"), 5)
+    finally:
+        await engine.stop()

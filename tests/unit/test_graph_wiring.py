@@ -33,12 +33,14 @@ from agent.engine.graphing import GraphConfig
 from agent.engine.graphs import CUDAGraphed, GraphPool
 from agent.engine.model import load_model
 from agent.engine.moe import FusedSparseMoeBlock
+from agent.engine.prefill import PREFILL_BUCKETS
 from agent.engine.stream import StreamingRunner
 
 SYSTEM = "You are a helpful voice assistant."
 PIECE = 1280  # 80 ms of 16 kHz audio
 OPTIONS = dict(max_reply_tokens=10, max_reply_seconds=1.2, audio_window_s=1.0, record=True, context_limit=1024)
 STAGES = ("thinker_decode", "talker_step", "code_predictor", "code2wav")
+PREFILLS = ("thinker_prefill", "talker_prefill")  # one graph per (batch, token) bucket
 FAKE = GraphConfig(mode="fake")
 
 
@@ -116,7 +118,7 @@ def test_one_session_two_turns_graphed_equals_eager(eager_loaded, graph_loaded):
     assert any(isinstance(m, FusedSparseMoeBlock) for m in graph_loaded.model.modules())
     assert_same(converse(runner, ["a"], turns=2), want)
     stats = runner.graphing.stats()
-    assert set(stats) == set(STAGES)
+    assert set(stats) == set(STAGES + PREFILLS)
     assert all(s.replays > 4 and s.refused == 0 and s.eager == 0 for s in stats.values()), stats
 
 
@@ -125,7 +127,9 @@ def test_three_sessions_padded_to_four_equal_eager_and_reuse_one_graph_per_size(
     sizes = runner.graphing.batch_sizes
     assert sizes == (1, 2, 4, 8)
     at_start = graph_stats(runner)
-    assert {name: c for name, (c, _, _) in at_start.items()} == {name: len(sizes) for name in STAGES}
+    assert {name: c for name, (c, _, _) in at_start.items()} == {
+        **{name: len(sizes) for name in STAGES}, **{name: len(sizes) * len(PREFILL_BUCKETS) for name in PREFILLS}
+    }
 
     assert_same(converse(runner, ["a", "b", "c"]), eager_three)
 
@@ -137,6 +141,11 @@ def test_three_sessions_padded_to_four_equal_eager_and_reuse_one_graph_per_size(
         # Graph replays per bucket (less capture_all's one): the 3-row ticks ran bucket 4.
         replayed = {key[0][0][0]: c.graph.replays - 1 for key, c in runner.graphing.pools[name]._state.graphs.items()}
         assert replayed[4] >= 5 and replayed[8] == 0, (name, replayed)
+    for name in PREFILLS:  # the three end-of-turn prefills ran as one 3-row (bucket 4) call
+        captures, replays, refused = after[name]
+        assert captures == at_start[name][0] and refused == 0 and replays > at_start[name][1], (name, after[name])
+        graphs = runner.graphing.pools[name]._state.graphs.items()
+        assert sum(c.graph.replays - 1 for key, c in graphs if key[0][0][0] == 4) >= 1, name
 
 
 def test_longer_contexts_get_one_graph_per_attention_length(graph_loaded, eager_three):
@@ -157,7 +166,8 @@ def test_batches_above_the_largest_bucket_run_eagerly(graph_loaded, eager_three)
     assert runner.graphing.batch_sizes == (1, 2)
     assert_same(converse(runner, ["a", "b", "c"]), eager_three)
     for name, (captures, replays, refused) in graph_stats(runner).items():
-        assert captures == 2 and refused > 0, name  # the 3-row calls ran eagerly
+        per_bucket = len(PREFILL_BUCKETS) if name in PREFILLS else 1
+        assert captures == 2 * per_bucket and refused > 0, name  # the 3-row calls ran eagerly
 
 
 def test_no_cuda_graphs_never_captures_nor_fuses(tiny):
@@ -168,7 +178,7 @@ def test_no_cuda_graphs_never_captures_nor_fuses(tiny):
     assert off.thinker.kv.capacity == 0  # grown on demand, not reserved
     on = StreamingRunner.from_config(loaded, Config(cuda_graphs=True, max_sessions=2), graphs=FAKE)
     assert on.graphing.mode == "fake" and on.graphing.batch_sizes == (1, 2)
-    assert all(s.captures == 2 for s in on.graphing.stats().values())
+    assert all(s.captures == 2 * (len(PREFILL_BUCKETS) if n in PREFILLS else 1) for n, s in on.graphing.stats().items())
     # Without explicit settings the mode follows the device: eager on CPU.
     assert StreamingRunner.from_config(loaded, Config(max_sessions=1)).graphing.mode == "off"
 
@@ -260,6 +270,9 @@ def test_gpu_graphed_runner_equals_eager_fp32(tiny, exact_cuda):
     assert_same(converse(runner, ["a", "b", "c"]), eager)
     sizes = len(runner.graphing.batch_sizes)
     for name, (captures, replays, refused) in graph_stats(runner).items():
+        if name in PREFILLS:  # one graph per (batch, token) bucket; prefills are few per reply
+            assert captures == sizes * len(PREFILL_BUCKETS) and replays > captures and refused == 0, name
+            continue
         assert captures == sizes and replays > sizes + 5 and refused == 0, name  # none per tick
     # One session over two turns (bucket 1, the history kept between the turns).
     want = converse(StreamingRunner(load_model(tiny, "cuda", "float32"), SYSTEM, graphs="off", **OPTIONS), ["a"], 2)

@@ -1,0 +1,56 @@
+"""What the HTTP handlers share: the app's keys, OpenAI-shaped JSON errors, admission checks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from aiohttp import web
+
+from .. import metrics
+from ..config import Config
+from ..engine import Engine
+from ..ladder import Admission
+from .keys import Grant, KeyStore
+
+CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
+ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
+SESSIONS: web.AppKey[dict] = web.AppKey("sessions", dict)  # call id / session id -> RtcCall | WsConnection
+ADMISSION: web.AppKey[Admission] = web.AppKey("admission", Admission)
+KEYS: web.AppKey[KeyStore] = web.AppKey("keys", KeyStore)
+ENGINE_START: web.AppKey[asyncio.Future] = web.AppKey("engine_start", asyncio.Future)
+LADDER_TICK: web.AppKey[asyncio.Future] = web.AppKey("ladder_tick", asyncio.Future)
+GRANT: web.RequestKey[Grant] = web.RequestKey("grant", Grant)  # what the auth middleware found
+
+
+def json_error(status: int, message: str, code: str, *, kind: str = "invalid_request_error",
+               param: Optional[str] = None, **headers: str) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "code": code, "param": param}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def refuse_new_session(app: web.Application) -> Optional[web.Response]:
+    """503 (with Retry-After) while the engine loads or the session limit is reached."""
+    config, engine, sessions = app[CONFIG], app[ENGINE], app[SESSIONS]
+    if not engine.ready:
+        metrics.OFFERS_REJECTED.labels(reason="not_ready").inc()
+        return json_error(503, "engine is still loading", "not_ready", kind="server_error", **{"Retry-After": "5"})
+    if len(sessions) >= config.max_sessions:
+        metrics.OFFERS_REJECTED.labels(reason="capacity").inc()
+        return json_error(503, f"session limit reached ({config.max_sessions})", "capacity", kind="server_error",
+                          **{"Retry-After": "10"})
+    return None
+
+
+def grant(request: web.Request) -> Grant:
+    return request.get(GRANT) or Grant(ephemeral=False)
+
+
+def forget(app: web.Application, key: str) -> None:
+    app[SESSIONS].pop(key, None)
+    metrics.SESSIONS_ACTIVE.set(len(app[SESSIONS]))
+
+
+def remember(app: web.Application, key: str, value: Any) -> None:
+    app[SESSIONS][key] = value
+    metrics.SESSIONS_ACTIVE.set(len(app[SESSIONS]))

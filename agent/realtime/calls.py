@@ -1,0 +1,146 @@
+"""WebRTC signalling, GA form: POST /v1/realtime/calls and the call's sub-routes.
+
+The offer comes as a raw `application/sdp` body (the session config then comes from the
+ephemeral key, or the defaults) or as `multipart/form-data` with parts `sdp` and `session`.
+The answer is 201 with the SDP answer as body and `Location: /v1/realtime/calls/{call_id}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from typing import Any, Optional
+
+from aiohttp import web
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+
+from .. import metrics
+from ..engine import EngineBusy
+from ..ice import keep_loopback_candidates, loopback_only
+from . import session_config
+from .app import ADMISSION, CONFIG, ENGINE, SESSIONS, forget, grant, json_error, refuse_new_session, remember
+from .rtc import RtcCall
+
+MAX_OFFER_BYTES = 64 * 1024  # a real offer is a few KB; anything huge is not an offer
+_SSE_KEEPALIVE_S = 15.0
+
+
+def _bad(status: int, message: str, reason: str = "bad_request", param: Optional[str] = None) -> web.Response:
+    metrics.OFFERS_REJECTED.labels(reason=reason).inc()
+    return json_error(status, message, "invalid_offer" if reason == "bad_sdp" else "invalid_request", param=param)
+
+
+async def _read_offer(request: web.Request) -> tuple[str, Any]:
+    """(sdp, session part or None); raises ValueError with a reason."""
+    if request.content_type.startswith("multipart/"):
+        sdp, session = "", None
+        reader = await request.multipart()
+        async for part in reader:
+            if part.name == "sdp":
+                sdp = await part.text()
+            elif part.name == "session":
+                try:
+                    session = json.loads(await part.text())
+                except ValueError:
+                    raise ValueError("the session part is not JSON") from None
+        return sdp, session
+    return await request.text(), None
+
+
+def _peer_connection() -> RTCPeerConnection:
+    # No STUN/TURN servers: aiortc's default is a public STUN server, which this agent
+    # neither needs on a LAN/loopback nor may reach. Host candidates come from agent.ice.
+    return RTCPeerConnection(RTCConfiguration(iceServers=[]))
+
+
+async def create_call(request: web.Request) -> web.Response:
+    app = request.app
+    config = app[CONFIG]
+    if request.content_length is not None and request.content_length > MAX_OFFER_BYTES:
+        return _bad(413, "offer too large")
+    try:
+        sdp, session_part = await _read_offer(request)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return _bad(400, f"unreadable offer: {exc}")
+    if not sdp.strip():
+        return _bad(400, "the body must be an SDP offer (application/sdp, or multipart part 'sdp')", param="sdp")
+    refused = refuse_new_session(app)
+    if refused is not None:
+        return refused
+    who = grant(request)
+    settings = copy.deepcopy(who.session) if who.session else session_config.default_session(config)
+    try:
+        if session_part is not None:
+            settings = session_config.merge(settings, session_part)
+        if request.query.get("model"):
+            settings["model"] = request.query["model"]
+    except session_config.ConfigError as exc:
+        return _bad(400, str(exc), param=exc.param)
+
+    if loopback_only(config.ice_hosts):
+        sdp = keep_loopback_candidates(sdp)
+    pc = _peer_connection()
+    call = RtcCall(config, app[ENGINE], app[ADMISSION], pc, settings, on_closed=lambda c: forget(app, c.id))
+    try:
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+    except (ValueError, KeyError, IndexError) as exc:  # aiortc's SDP parser raises these
+        await pc.close()
+        return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
+    if not any(t.kind == "audio" for t in pc.getTransceivers()):
+        await pc.close()
+        return _bad(400, "the offer has no audio: send the microphone", "bad_sdp", param="sdp")
+    # Added after setRemoteDescription so it rides the client's sendrecv audio transceiver.
+    pc.addTrack(call.track)
+    try:
+        call.start()
+    except EngineBusy:
+        await pc.close()
+        metrics.OFFERS_REJECTED.labels(reason="busy").inc()
+        return json_error(503, "engine is overloaded", "busy", kind="server_error", **{"Retry-After": "5"})
+    remember(app, call.id, call)
+    await pc.setLocalDescription(await pc.createAnswer())
+    return web.Response(status=201, text=pc.localDescription.sdp, content_type="application/sdp",
+                        headers={"Location": f"/v1/realtime/calls/{call.id}"})
+
+
+def _call(request: web.Request) -> Optional[RtcCall]:
+    call = request.app[SESSIONS].get(request.match_info["call_id"])
+    return call if isinstance(call, RtcCall) else None
+
+
+async def hangup(request: web.Request) -> web.Response:
+    """DELETE /v1/realtime/calls/{id} or POST …/hangup: end the call."""
+    call = _call(request)
+    if call is None:
+        return json_error(404, "no such call", "call_not_found", param="call_id")
+    await call.close()
+    return web.Response(status=204)
+
+
+async def call_events(request: web.Request) -> web.StreamResponse:
+    """Server-sent events: the call's server events, as on its data channel (for captions elsewhere)."""
+    call = _call(request)
+    if call is None:
+        return json_error(404, "no such call", "call_not_found", param="call_id")
+    session = call.session
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    q = session.outbox.subscribe()
+    try:
+        while True:
+            try:
+                text = await asyncio.wait_for(q.get(), timeout=_SSE_KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                if not session.outbox.subscribed(q):
+                    break
+                await resp.write(b": keep-alive\n\n")
+                continue
+            if text is None:
+                break
+            await resp.write(f"data: {text}\n\n".encode())
+    except (ConnectionResetError, asyncio.CancelledError):
+        pass
+    finally:
+        session.outbox.unsubscribe(q)
+    return resp

@@ -1,0 +1,199 @@
+"""Client events: parse, validate, and hand each to the Session.
+
+Malformed or unsupported events get an `error` event naming the client event (`event_id`) and,
+where one field is at fault, that field (`param`); the session goes on. What clients send is
+logged at debug level (type and top-level keys, never audio), to see what real clients use.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ..engine import EngineBusy
+from . import audio_codec, session_config
+from .events import new_id
+
+if TYPE_CHECKING:
+    from ..session import Session
+
+log = logging.getLogger(__name__)
+
+_MAX_APPEND_BYTES = 15 * 1024 * 1024  # the API's own limit for one append
+
+
+class BadEvent(ValueError):
+    def __init__(self, message: str, code: str = "invalid_value", param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+def handle(session: "Session", message: str | bytes) -> None:
+    try:
+        event = json.loads(message)
+    except (ValueError, UnicodeDecodeError):
+        session.emit_error("client events must be JSON", "invalid_json")
+        return
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        session.emit_error("a client event is a JSON object with a string 'type'", "invalid_event")
+        return
+    kind, event_id = event["type"], event.get("event_id")
+    event_id = event_id if isinstance(event_id, str) else None
+    if kind != "input_audio_buffer.append":
+        log.debug("session %s: %s %s", session.id, kind, sorted(k for k in event if k not in ("type", "event_id")))
+    handler = _HANDLERS.get(kind)
+    if handler is None:
+        session.emit_error(f"unknown client event type {kind!r}", "unknown_event", param="type", event_id=event_id)
+        return
+    try:
+        handler(session, event)
+    except BadEvent as exc:
+        session.emit_error(str(exc), exc.code, param=exc.param, event_id=event_id)
+    except session_config.ConfigError as exc:
+        session.emit_error(str(exc), "invalid_value", param=exc.param, event_id=event_id)
+    except EngineBusy:
+        session.emit_error("engine is overloaded; try again", "engine_busy", kind="server_error", event_id=event_id)
+    except Exception:  # a bug in one event's handling must not end the session
+        log.exception("session %s: %s failed", session.id, kind)
+        session.emit_error(f"{kind} failed on the server", "server_error", kind="server_error", event_id=event_id)
+
+
+def _event_id(event: dict[str, Any]) -> Optional[str]:
+    value = event.get("event_id")
+    return value if isinstance(value, str) else None
+
+
+def _session_update(session: "Session", event: dict[str, Any]) -> None:
+    if "session" not in event:
+        raise BadEvent("session.update needs a session object", "missing_required_parameter", "session")
+    update = event["session"]
+    if isinstance(update, dict) and set(update) - set(session.settings):
+        log.debug("session %s: session.update fields not served: %s", session.id, sorted(set(update) - set(session.settings)))
+    session.apply_settings(session_config.merge(session.settings, update))
+
+
+def _append(session: "Session", event: dict[str, Any]) -> None:
+    audio = event.get("audio")
+    if not isinstance(audio, str) or len(audio) > _MAX_APPEND_BYTES * 4 // 3 + 4:
+        raise BadEvent("audio must be a base64 string (at most 15 MiB of audio)", param="audio")
+    try:
+        data = base64.b64decode(audio, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadEvent("audio is not valid base64", param="audio") from None
+    fmt = session.settings["audio"]["input"]["format"]["type"]
+    if fmt == "audio/pcm" and len(data) % 2:
+        raise BadEvent("audio/pcm is 16-bit samples: an even number of bytes", param="audio")
+    if data:
+        session.push_audio(audio_codec.to_frame(fmt, data))
+
+
+def _commit(session: "Session", event: dict[str, Any]) -> None:
+    session.commit_audio(_event_id(event))
+
+
+def _clear(session: "Session", event: dict[str, Any]) -> None:
+    session.clear_audio()
+
+
+def _item_create(session: "Session", event: dict[str, Any]) -> None:
+    item = event.get("item")
+    if not isinstance(item, dict):
+        raise BadEvent("item must be an object", "missing_required_parameter", "item")
+    previous = event.get("previous_item_id")
+    if previous is not None and previous != session.conversation.last_id():
+        raise BadEvent("items can only be added at the end of the conversation", "unsupported", "previous_item_id")
+    if item.get("type") != "message" or item.get("role") != "user":
+        raise BadEvent("only user messages can be added (no system, assistant or function items)", "unsupported",
+                       "item.role" if item.get("type") == "message" else "item.type")
+    content = item.get("content")
+    if not isinstance(content, list) or len(content) != 1 or not isinstance(content[0], dict):
+        raise BadEvent("a user message holds one content part", "invalid_value", "item.content")
+    part = content[0]
+    item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
+    if item_id in session.conversation:
+        raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
+    if part.get("type") == "input_text" and isinstance(part.get("text"), str):
+        session.add_user_text(item_id, part["text"], _event_id(event))
+    elif part.get("type") == "input_audio" and isinstance(part.get("audio"), str):
+        try:
+            data = base64.b64decode(part["audio"], validate=True)
+        except (binascii.Error, ValueError):
+            raise BadEvent("audio is not valid base64", param="item.content[0].audio") from None
+        fmt = session.settings["audio"]["input"]["format"]["type"]
+        session.add_user_audio(item_id, audio_codec.to_16k(fmt, data))
+    else:
+        raise BadEvent("content must be input_text with text or input_audio with audio", "unsupported",
+                       "item.content[0].type")
+
+
+def _item_retrieve(session: "Session", event: dict[str, Any]) -> None:
+    item = session.conversation.get(str(event.get("item_id")))
+    if item is None:
+        raise BadEvent(f"no item {event.get('item_id')!r}", "item_not_found", "item_id")
+    session.emit({"type": "conversation.item.retrieved", "item": item})
+
+
+def _item_delete(session: "Session", event: dict[str, Any]) -> None:
+    if str(event.get("item_id")) not in session.conversation:
+        raise BadEvent(f"no item {event.get('item_id')!r}", "item_not_found", "item_id")
+    raise BadEvent("items cannot be deleted: the model's context keeps the conversation in order "
+                   "(truncate the latest reply instead)", "unsupported", "item_id")
+
+
+def _item_truncate(session: "Session", event: dict[str, Any]) -> None:
+    end = event.get("audio_end_ms")
+    if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+        raise BadEvent("audio_end_ms must be a non-negative integer", param="audio_end_ms")
+    if event.get("content_index", 0) != 0:
+        raise BadEvent("assistant items have one content part (content_index 0)", param="content_index")
+    session.truncate(str(event.get("item_id")), end, _event_id(event))
+
+
+def _response_create(session: "Session", event: dict[str, Any]) -> None:
+    params = event.get("response") or {}
+    if not isinstance(params, dict):
+        raise BadEvent("response must be an object", param="response")
+    if params.get("conversation") not in (None, "auto"):
+        raise BadEvent("out-of-band responses (conversation: none) are not served", "unsupported",
+                       "response.conversation")
+    if params.get("input") is not None:
+        raise BadEvent("responses over a custom input are not served", "unsupported", "response.input")
+    if "output_modalities" in params and params["output_modalities"] not in (["audio"], ["text"]):
+        raise BadEvent("output_modalities must be [\"audio\"] or [\"text\"]", param="response.output_modalities")
+    if "instructions" in params and not isinstance(params["instructions"], str):
+        raise BadEvent("instructions must be a string", param="response.instructions")
+    limit = params.get("max_output_tokens")
+    if limit is not None and limit != "inf" and not (isinstance(limit, int) and 1 <= limit <= session_config.MAX_OUTPUT_TOKENS):
+        raise BadEvent("max_output_tokens must be 1..4096 or \"inf\"", param="response.max_output_tokens")
+    if params.get("metadata") is not None and not isinstance(params["metadata"], dict):
+        raise BadEvent("metadata must be an object", param="response.metadata")
+    session.create_response(params, _event_id(event))
+
+
+def _response_cancel(session: "Session", event: dict[str, Any]) -> None:
+    session.cancel_response(_event_id(event))
+
+
+def _output_clear(session: "Session", event: dict[str, Any]) -> None:
+    if not session.webrtc:
+        raise BadEvent("output_audio_buffer.clear is for WebRTC calls (WebSocket audio is the client's)",
+                       "unsupported", "type")
+    session.clear_output()
+
+
+_HANDLERS: dict[str, Callable[["Session", dict[str, Any]], None]] = {
+    "session.update": _session_update,
+    "input_audio_buffer.append": _append,
+    "input_audio_buffer.commit": _commit,
+    "input_audio_buffer.clear": _clear,
+    "conversation.item.create": _item_create,
+    "conversation.item.retrieve": _item_retrieve,
+    "conversation.item.delete": _item_delete,
+    "conversation.item.truncate": _item_truncate,
+    "response.create": _response_create,
+    "response.cancel": _response_cancel,
+    "output_audio_buffer.clear": _output_clear,
+}

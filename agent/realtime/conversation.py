@@ -1,0 +1,54 @@
+"""The conversation's items as the client sees them (the model's view is its KV cache).
+
+Owned by the Session. Items keep their GA shape so `conversation.item.retrieve` can return them
+as they are; audio bytes are not kept (the model holds the audio, as tokens).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any, Optional
+
+_MAX_ITEMS = 512  # a long call keeps its newest items; the model's context has its own limit
+
+
+class Conversation:
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def add(self, item: dict[str, Any]) -> Optional[str]:
+        """Append an item; returns the id of the item before it (previous_item_id)."""
+        previous = next(reversed(self._items), None) if self._items else None
+        self._items[item["id"]] = item
+        while len(self._items) > _MAX_ITEMS:
+            self._items.popitem(last=False)
+        return previous
+
+    def get(self, item_id: str) -> Optional[dict[str, Any]]:
+        item = self._items.get(item_id)
+        return None if item is None else copy.deepcopy(item)
+
+    def __contains__(self, item_id: object) -> bool:
+        return item_id in self._items
+
+    def update(self, item_id: str, item: dict[str, Any]) -> None:
+        if item_id in self._items:
+            self._items[item_id] = item
+
+    def last_id(self) -> Optional[str]:
+        return next(reversed(self._items), None) if self._items else None
+
+    def last_assistant_id(self) -> Optional[str]:
+        for item_id in reversed(self._items):
+            if self._items[item_id].get("role") == "assistant":
+                return item_id
+        return None
+
+    def set_transcript(self, item_id: str, text: str) -> None:
+        """The assistant item's content after a truncation."""
+        item = self._items.get(item_id)
+        if item is None or not item.get("content"):
+            return
+        part = item["content"][0]
+        part["transcript" if part.get("type") == "output_audio" else "text"] = text

@@ -1,0 +1,70 @@
+"""The session's input audio buffer: microphone audio onto the session clock, then either the
+endpointer (server VAD: turns found in the audio) or, with turn_detection null, a bounded buffer
+of uncommitted audio that input_audio_buffer.commit hands to the model at once."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import av
+import numpy as np
+
+from ..config import Config
+from ..ingest import CHUNK_SECONDS, AudioIn
+from ..vad import Endpointer, TurnEvent
+from .session_config import TurnDetection
+
+
+class InputBuffer:
+    def __init__(self, config: Config, turn_detection: Optional[TurnDetection]) -> None:
+        self.config = config
+        self.audio_in = AudioIn()
+        self.turn_detection = turn_detection
+        self.endpointer = self._endpointer()
+        self._manual: list[np.ndarray] = []  # 80 ms chunks, 16 kHz float
+        self._max_chunks = int(config.max_turn_seconds / CHUNK_SECONDS)
+
+    def _endpointer(self) -> Endpointer:
+        td, c = self.turn_detection, self.config
+        return Endpointer(silence_ms=td.silence_ms if td else c.vad_silence_ms, min_speech_ms=c.vad_min_speech_ms,
+                          aggressiveness=c.vad_aggressiveness, max_turn_s=c.max_turn_seconds,
+                          preroll_ms=td.prefix_padding_ms if td else 300)
+
+    @property
+    def manual(self) -> bool:
+        return self.turn_detection is None
+
+    @property
+    def in_turn(self) -> bool:
+        return not self.manual and self.endpointer.in_turn
+
+    def push(self, frame: av.AudioFrame) -> list[TurnEvent]:
+        """Feed one frame (any rate/layout); the endpointer's events (none in manual mode)."""
+        events: list[TurnEvent] = []
+        for chunk in self.audio_in.push(frame):
+            if self.manual:
+                if len(self._manual) < self._max_chunks:
+                    self._manual.append(chunk.pcm)
+            else:
+                events += self.endpointer.push(chunk)
+        if not self.manual:
+            events += self.endpointer.peek(*self.audio_in.partial)
+        return events
+
+    def buffered_ms(self) -> int:
+        return int(len(self._manual) * CHUNK_SECONDS * 1000)
+
+    def take(self) -> list[np.ndarray]:
+        """The uncommitted audio (manual mode), emptying the buffer."""
+        chunks, self._manual = self._manual, []
+        return chunks
+
+    def reset(self) -> None:
+        """Forget the turn or the uncommitted audio."""
+        self._manual = []
+        self.endpointer.reset()
+
+    def set_turn_detection(self, td: Optional[TurnDetection]) -> None:
+        self.turn_detection = td
+        self._manual = []
+        self.endpointer = self._endpointer()

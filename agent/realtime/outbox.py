@@ -1,0 +1,54 @@
+"""Server events out of one session: ids, serialization, the transport and SSE subscribers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable, Optional
+
+from .events import error_event, new_id
+
+_SSE_QUEUE = 256  # per SSE subscriber; a subscriber that falls this far behind is dropped
+
+
+class Outbox:
+    def __init__(self, send: Callable[[str], None]) -> None:
+        self._send = send
+        self._sse: list[asyncio.Queue] = []
+        self.closed = False
+
+    def emit(self, event: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        event.setdefault("event_id", new_id("event"))
+        text = json.dumps(event)
+        self._send(text)
+        for q in list(self._sse):
+            try:
+                q.put_nowait(text)
+            except asyncio.QueueFull:
+                # A stalled reader loses its stream, not our memory.
+                self._sse.remove(q)
+
+    def error(self, message: str, code: str, *, param: Optional[str] = None, event_id: Optional[str] = None,
+              kind: str = "invalid_request_error") -> None:
+        self.emit(error_event(message, code, param=param, event_id=event_id, kind=kind))
+
+    def close(self) -> None:
+        """No more events; SSE readers get their end marker."""
+        self.closed = True
+        for q in self._sse:
+            if not q.full():
+                q.put_nowait(None)
+
+    def subscribed(self, q: asyncio.Queue) -> bool:
+        return q in self._sse and not self.closed
+
+    def subscribe(self) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue(maxsize=_SSE_QUEUE)
+        self._sse.append(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        if q in self._sse:
+            self._sse.remove(q)

@@ -1,0 +1,178 @@
+"""The GA session object: its defaults, `session.update` merging, and what the agent honours.
+
+A client's update is merged into the whole session (nested objects field by field) and the
+result is validated as one piece, so a rejected update leaves the session as it was. Fields
+the agent cannot act on but that change nothing a client would notice (`tracing`, `tools`,
+`prompt`, `include`, transcription and noise-reduction settings, VAD `threshold`) are kept
+and echoed; values that would change behaviour the agent cannot deliver raise ConfigError
+naming the offending `param`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..config import Config
+from .events import PCM_FORMAT, new_id
+
+# semantic_vad is served by the acoustic endpointer; its eagerness picks the silence that ends a turn.
+_EAGERNESS_SILENCE_MS = {"low": 800, "medium": 500, "auto": 500, "high": 300}
+_INPUT_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
+MAX_OUTPUT_TOKENS = 4096
+
+
+class ConfigError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class TurnDetection:
+    """Server-side turn detection as the session's endpointer runs it."""
+
+    silence_ms: int
+    prefix_padding_ms: int
+    create_response: bool
+    interrupt_response: bool
+
+
+def default_session(config: Config, model: str = "") -> dict[str, Any]:
+    return {
+        "type": "realtime",
+        "object": "realtime.session",
+        "id": new_id("sess"),
+        "model": model or config.model or "qwen3-omni-tiny",
+        "output_modalities": ["audio"],
+        "instructions": config.system_prompt,
+        "tools": [],
+        "tool_choice": "auto",
+        "max_output_tokens": config.max_reply_tokens,
+        "tracing": None,
+        "truncation": "auto",
+        "prompt": None,
+        "include": None,
+        "audio": {
+            "input": {
+                "format": dict(PCM_FORMAT),
+                "transcription": None,
+                "noise_reduction": None,
+                "turn_detection": {
+                    "type": "server_vad",
+                    "threshold": 0.5,
+                    "prefix_padding_ms": 300,
+                    "silence_duration_ms": config.vad_silence_ms,
+                    "create_response": True,
+                    "interrupt_response": True,
+                    "idle_timeout_ms": None,
+                },
+            },
+            "output": {"format": dict(PCM_FORMAT), "voice": config.speaker or "default", "speed": 1.0},
+        },
+    }
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in ("turn_detection", "format"):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)  # replaced whole: a new turn_detection type, a new format
+    return out
+
+
+def merge(session: dict[str, Any], update: Any) -> dict[str, Any]:
+    """The session after `update` (a GA partial session); raises ConfigError and changes nothing
+    when the result is not something the agent can serve."""
+    if not isinstance(update, dict):
+        raise ConfigError("session must be an object", "session")
+    if update.get("type", "realtime") != "realtime":
+        raise ConfigError("only realtime sessions are served (no transcription-only sessions)", "session.type")
+    # Unknown top-level fields (beta-era `modalities`, `voice`, …) are dropped, not echoed.
+    merged = _merge(session, {k: v for k, v in update.items() if k in session})
+    # Fields that are the server's, whatever the client says.
+    merged["id"], merged["object"], merged["type"] = session["id"], session["object"], "realtime"
+    validate(merged)
+    return merged
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise ConfigError(message, param)
+
+
+def validate(s: dict[str, Any]) -> None:
+    modalities = s.get("output_modalities")
+    _check(modalities in (["audio"], ["text"]), "output_modalities must be [\"audio\"] or [\"text\"]",
+           "session.output_modalities")
+    _check(isinstance(s.get("instructions"), str), "instructions must be a string", "session.instructions")
+    _check(isinstance(s.get("model"), str), "model must be a string", "session.model")
+    limit = s.get("max_output_tokens")
+    _check(limit == "inf" or (isinstance(limit, int) and not isinstance(limit, bool) and 1 <= limit <= MAX_OUTPUT_TOKENS),
+           f"max_output_tokens must be 1..{MAX_OUTPUT_TOKENS} or \"inf\"", "session.max_output_tokens")
+    _check(isinstance(s.get("tools"), list), "tools must be a list", "session.tools")
+    audio = s.get("audio")
+    _check(isinstance(audio, dict) and isinstance(audio.get("input"), dict) and isinstance(audio.get("output"), dict),
+           "audio must hold input and output objects", "session.audio")
+    inp, out = audio["input"], audio["output"]
+    fmt = inp.get("format")
+    _check(isinstance(fmt, dict) and fmt.get("type") in _INPUT_FORMATS,
+           "audio.input.format.type must be audio/pcm, audio/pcmu or audio/pcma", "session.audio.input.format")
+    if fmt["type"] == "audio/pcm":
+        _check(fmt.get("rate", 24000) == 24000, "audio/pcm input is 24000 Hz only", "session.audio.input.format.rate")
+    fmt = out.get("format")
+    _check(isinstance(fmt, dict) and fmt.get("type") == "audio/pcm" and fmt.get("rate", 24000) == 24000,
+           "audio.output.format must be audio/pcm at 24000 Hz", "session.audio.output.format")
+    speed = out.get("speed", 1.0)
+    _check(speed in (None, 1, 1.0), "only speed 1.0 is served", "session.audio.output.speed")
+    _check(out.get("voice") is None or isinstance(out.get("voice"), (str, dict)), "voice must be a string",
+           "session.audio.output.voice")
+    td = inp.get("turn_detection")
+    if td is not None:
+        _check(isinstance(td, dict) and td.get("type") in ("server_vad", "semantic_vad"),
+               "turn_detection.type must be server_vad or semantic_vad (or turn_detection null)",
+               "session.audio.input.turn_detection.type")
+        silence = td.get("silence_duration_ms")
+        _check(silence is None or (isinstance(silence, int) and 20 <= silence <= 10_000),
+               "silence_duration_ms must be 20..10000", "session.audio.input.turn_detection.silence_duration_ms")
+        padding = td.get("prefix_padding_ms")
+        _check(padding is None or (isinstance(padding, int) and 0 <= padding <= 2000),
+               "prefix_padding_ms must be 0..2000", "session.audio.input.turn_detection.prefix_padding_ms")
+        for flag in ("create_response", "interrupt_response"):
+            _check(td.get(flag) is None or isinstance(td.get(flag), bool), f"{flag} must be a boolean",
+                   f"session.audio.input.turn_detection.{flag}")
+        _check(td.get("idle_timeout_ms") is None, "idle_timeout_ms is not supported",
+               "session.audio.input.turn_detection.idle_timeout_ms")
+
+
+def turn_detection(session: dict[str, Any], default_silence_ms: int) -> Optional[TurnDetection]:
+    """What the endpointer should do; None: manual turns (commit + response.create)."""
+    td = session["audio"]["input"].get("turn_detection")
+    if td is None:
+        return None
+    if td["type"] == "semantic_vad":
+        silence = _EAGERNESS_SILENCE_MS.get(td.get("eagerness") or "auto", 500)
+    else:
+        silence = td.get("silence_duration_ms") or default_silence_ms
+    padding = td.get("prefix_padding_ms")
+    return TurnDetection(
+        silence_ms=silence,
+        prefix_padding_ms=300 if padding is None else padding,
+        create_response=td.get("create_response") is not False,
+        interrupt_response=td.get("interrupt_response") is not False,
+    )
+
+
+def max_output_tokens(value: Any) -> Optional[int]:
+    return None if value in (None, "inf") else int(value)
+
+
+def client_secret_session(config: Config, body: Any) -> dict[str, Any]:
+    """The session an ephemeral key carries: the defaults with the request's session merged in."""
+    base = default_session(config)
+    if isinstance(body, dict) and body.get("session") is not None:
+        base = merge(base, body["session"])
+    return base

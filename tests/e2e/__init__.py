@@ -1,0 +1,1 @@
+"""A package, so that conftest.py's package-scoped fixtures (one agent, one Playwright browser) end with the e2e tests instead of living to the session's end (Playwright's sync loop then breaks every later asyncio test)."""

@@ -1,0 +1,140 @@
+"""OpenAI's own browser Agents SDK (@openai/agents-realtime 0.20.0, unmodified, vendored under
+tests/e2e/vendor/) talks to the agent with only its base URL changed.
+
+In headless Chromium, a page on the agent's origin builds
+`OpenAIRealtimeWebRTC({baseUrl: origin + "/v1/realtime/calls", useInsecureApiKey: true})`
+inside a `RealtimeSession` and speaks through the fake mic. What it pins:
+- `session.connect()` resolves because the agent answered the SDK's session.update with
+  session.updated (the SDK otherwise resolves after a 5 s timeout with a warning, which
+  fails this test);
+- the reply is heard: a WebAudio analyser on the SDK's audio element measures audible
+  sound after a response started, and inbound-rtp audio carries energy;
+- the transcript reaches the SDK: `audio_transcript_delta` fires and the session history
+  gains an assistant message;
+- every standard event type the agent sent passed the SDK's own zod schemas (each raw
+  event of a listed type was also emitted as a parsed, non-generic event);
+- no client-side errors: no session `error` events, no uncaught page errors, no console
+  errors or warnings from the SDK.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+VENDOR = Path(__file__).resolve().parent / "vendor" / "agents-realtime"
+CALL_TIMEOUT_S = 90
+
+# GA server events the agent sends over WebRTC; each must survive the SDK's strict parse.
+STRICT_TYPES = [
+    "session.created", "session.updated", "input_audio_buffer.speech_started",
+    "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
+    "conversation.item.done", "conversation.item.retrieved", "response.created",
+    "response.output_item.added", "response.output_item.done", "response.content_part.added",
+    "response.content_part.done", "response.output_audio_transcript.delta", "response.output_audio.done",
+    "response.output_audio_transcript.done", "output_audio_buffer.started", "output_audio_buffer.stopped",
+    "response.done", "error",
+]
+
+HARNESS = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,"><title>Agents SDK</title></head>
+<body><audio id="out" autoplay></audio>
+<script type="module">
+import { OpenAIRealtimeWebRTC, RealtimeAgent, RealtimeSession } from "./openai-realtime-agents.mjs";
+const sdk = (window.sdk = { connected: false, errors: [], raw: {}, strict: {}, transcript: "",
+                            history: [], responding: false, audible: false });
+const audio = document.getElementById("out");
+const transport = new OpenAIRealtimeWebRTC({
+  baseUrl: location.origin + "/v1/realtime/calls", useInsecureApiKey: true, audioElement: audio,
+});
+const session = new RealtimeSession(
+  new RealtimeAgent({ name: "Assistant", instructions: "Answer briefly." }),
+  { transport, model: "qwen3-omni" });
+sdk.transport = transport;
+transport.on("*", (e) => { sdk.raw[e.type] = (sdk.raw[e.type] ?? 0) + 1; });
+for (const type of STRICT_TYPES) transport.on(type, () => { sdk.strict[type] = (sdk.strict[type] ?? 0) + 1; });
+transport.on("response.created", () => { sdk.responding = true; });
+transport.on("audio_transcript_delta", (e) => { sdk.transcript += e.delta; });
+session.on("history_updated", (h) => { sdk.history = h.map((i) => ({ type: i.type, role: i.role })); });
+session.on("error", (e) => sdk.errors.push(String(e?.error?.error?.message ?? e?.error?.message ?? e?.error ?? e)));
+
+// The reply is heard: RMS of the SDK's own audio element's stream, after a response began.
+const ctx = new AudioContext();
+const buf = new Float32Array(512);
+let analyser = null;
+setInterval(() => {
+  if (!analyser && audio.srcObject) {
+    analyser = ctx.createAnalyser();
+    analyser.fftSize = buf.length;
+    ctx.createMediaStreamSource(audio.srcObject).connect(analyser);
+  }
+  if (!analyser || !sdk.responding) return;
+  analyser.getFloatTimeDomainData(buf);
+  let sum = 0;
+  for (const v of buf) sum += v * v;
+  if (Math.sqrt(sum / buf.length) > 0.01) sdk.audible = true;
+}, 10);
+
+try {
+  await session.connect({ apiKey: "loopback-key-unused" });
+  sdk.connected = true;
+} catch (err) {
+  sdk.errors.push("connect: " + String(err?.message ?? err));
+}
+</script></body></html>
+"""
+
+SNAPSHOT_JS = """async () => {
+  const s = window.sdk;
+  if (!s) return null;
+  let energy = 0;
+  const pc = s.transport.connectionState.peerConnection;
+  if (pc) (await pc.getStats()).forEach((r) => {
+    if (r.type === "inbound-rtp" && r.kind === "audio") energy = r.totalAudioEnergy ?? 0;
+  });
+  return { connected: s.connected, callId: s.transport.callId ?? null, errors: s.errors, raw: s.raw,
+           strict: s.strict, transcript: s.transcript, history: s.history, audible: s.audible, energy };
+}"""
+
+
+def serve_vendor(route) -> None:
+    """The harness and the SDK's files, fulfilled by the browser itself on the agent's origin."""
+    name = route.request.url.rsplit("/", 1)[-1].split("?")[0]
+    if name == "harness.html":
+        route.fulfill(status=200, content_type="text/html",
+                      body=HARNESS.replace("STRICT_TYPES", repr(STRICT_TYPES)))
+    elif name.endswith(".mjs") and (VENDOR / name).is_file():
+        route.fulfill(status=200, content_type="text/javascript", body=(VENDOR / name).read_bytes())
+    else:
+        route.fulfill(status=404, body="not vendored")
+
+
+def test_agents_sdk_connects_hears_the_reply_and_gets_the_transcript(page, agent_url):
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.route("**/agents-sdk/**", serve_vendor)
+    page.goto(agent_url + "agents-sdk/harness.html")
+
+    snap: dict = {}
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while time.monotonic() < deadline:
+        snap = page.evaluate(SNAPSHOT_JS) or {}
+        assert not snap.get("errors"), f"client-side errors: {snap['errors']}"
+        if (snap.get("connected") and snap["transcript"] and snap["audible"] and snap["raw"].get("response.done")
+                and any(i["role"] == "assistant" for i in snap["history"])):
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"after {CALL_TIMEOUT_S} s: {snap}; console: {console}")
+
+    assert snap["callId"] and snap["callId"].startswith("rtc_"), snap
+    assert snap["raw"].get("session.updated") and snap["energy"] > 0, snap
+    rejected = {t: (snap["raw"][t], snap["strict"].get(t, 0)) for t in STRICT_TYPES
+                if snap["raw"].get(t, 0) != snap["strict"].get(t, 0)}
+    assert not rejected, f"events the SDK's schemas rejected (raw, parsed): {rejected}"
+    assert not console, f"console errors/warnings: {console}"
+    print(f"\nAgents SDK transcript: {snap['transcript']!r}; events: {snap['raw']}")

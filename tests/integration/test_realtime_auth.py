@@ -1,0 +1,109 @@
+"""Keys on the /v1/realtime routes of an agent started with an API key.
+
+Pins:
+- no key, a wrong key, or a wrong ephemeral key → 401 with a JSON error, on the WebRTC, WebSocket
+  and client_secrets routes; /v1/omni/config and /healthz stay open and say a key is needed;
+- the API key works with the official SDK (WebSocket) and on POST /v1/realtime/calls;
+- client_secrets (API key only) mints `ek_…` keys with expires_at and the session they carry;
+  `expires_after.seconds` outside 10..7200 is refused naming the param;
+- a valid ephemeral key connects (SDK over WebSocket, and the browser's subprotocol form, with
+  `realtime` echoed) and its session applies; once expired it gets 401.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from websockets.exceptions import InvalidStatus
+from openai import AsyncOpenAI
+from realtime_helpers import RunningAgent, start_agent
+
+from agent.client import AgentClient
+from agent.realtime.app import KEYS
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+API_KEY = "sk-omni-test-key"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def agent(tiny_model_dir: Path):
+    running = await start_agent(tiny_model_dir, api_key=API_KEY, max_reply_tokens=4, max_reply_seconds=0.5)
+    yield running
+    await running.stop()
+
+
+async def _mint(http: aiohttp.ClientSession, url: str, key: str, body: dict) -> tuple[int, dict]:
+    async with http.post(f"{url}/v1/realtime/client_secrets", json=body,
+                         headers={"Authorization": f"Bearer {key}"}) as resp:
+        return resp.status, await resp.json()
+
+
+async def _first_event(sdk_key: str, url: str) -> dict:
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key=sdk_key)
+    async with client.realtime.connect(model="qwen3-omni") as conn:
+        return json.loads(await conn.recv_bytes())
+
+
+async def test_missing_or_wrong_keys_get_401(agent: RunningAgent, speech_wav: Path) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{agent.url}/v1/omni/config") as resp:
+            assert resp.status == 200 and await resp.json() == {"auth_required": True}
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Bearer ek_00_11"},
+                        {"Authorization": "Basic " + API_KEY}):
+            for method, path in (("POST", "/v1/realtime/calls"), ("GET", "/v1/realtime?model=x"),
+                                 ("POST", "/v1/realtime/client_secrets")):
+                async with http.request(method, f"{agent.url}{path}", headers=headers, data=b"v=0") as resp:
+                    assert resp.status == 401, (method, path, headers)
+                    assert (await resp.json())["error"]["code"] == "invalid_api_key"
+    with pytest.raises(InvalidStatus) as info:
+        await _first_event("sk-wrong", agent.url)
+    assert info.value.response.status_code == 401
+    # The right key: the SDK connects, and a WebRTC offer is answered.
+    assert (await _first_event(API_KEY, agent.url))["type"] == "session.created"
+    client = AgentClient(agent.url, speech_wav, video=False, api_key=API_KEY)
+    try:
+        await client.connect()
+        assert client.result.call_id.startswith("rtc_")
+        assert await client.hangup() == 204
+    finally:
+        await client.close()
+
+
+async def test_ephemeral_keys(agent: RunningAgent) -> None:
+    async with aiohttp.ClientSession() as http:
+        status, body = await _mint(http, agent.url, API_KEY, {"expires_after": {"anchor": "created_at", "seconds": 5}})
+        assert status == 400 and body["error"]["param"] == "expires_after.seconds"
+        status, body = await _mint(http, agent.url, API_KEY, {
+            "expires_after": {"anchor": "created_at", "seconds": 60},
+            "session": {"type": "realtime", "instructions": "Speak like a sailor.", "output_modalities": ["text"]}})
+        assert status == 200, body
+        ek = body["value"]
+        assert ek.startswith("ek_") and 55 <= body["expires_at"] - time.time() <= 61
+        assert body["session"]["instructions"] == "Speak like a sailor."
+        status, _ = await _mint(http, agent.url, ek, {})
+        assert status == 401, "an ephemeral key must not mint keys"
+
+    created = await _first_event(ek, agent.url)
+    assert created["session"]["instructions"] == "Speak like a sailor."
+    assert created["session"]["output_modalities"] == ["text"]
+    # A browser's WebSocket passes the key as a subprotocol; the agent echoes `realtime`.
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{agent.url}/v1/realtime?model=qwen3-omni",
+                                   protocols=("realtime", f"openai-insecure-api-key.{ek}")) as ws:
+            assert ws.protocol == "realtime"
+            assert json.loads((await ws.receive()).data)["type"] == "session.created"
+
+    keys = agent.runner.app[KEYS]
+    real_clock = keys.clock
+    keys.clock = lambda: real_clock() + 61  # past expires_at
+    try:
+        with pytest.raises(InvalidStatus) as info:
+            await _first_event(ek, agent.url)
+        assert info.value.response.status_code == 401
+    finally:
+        keys.clock = real_clock

@@ -1,0 +1,136 @@
+"""WebRTC signalling in the GA form, driven by the official `openai` SDK and a real aiortc peer.
+
+Pins:
+- `client.realtime.calls.create(sdp=…, session=…)` (multipart) gets 201, an SDP answer and
+  `Location: /v1/realtime/calls/rtc_…`; the session part is applied (session.created shows it);
+- the spoken WAV is answered with audible audio on the media track, events on the
+  client-created `oai-events` channel (the agent opens no channel of its own), no audio
+  deltas on the channel, output_audio_buffer.started/stopped around the reply, and every
+  event validates strictly against the SDK's GA models; SSE streams the same events;
+- `calls.hangup` ends the call; raw SDP on /v1/realtime/calls?model= and the older
+  POST /v1/realtime?model= are answered 201 too; a sideband WebSocket (?call_id=) carries the
+  call's events; DELETE ends a call (204), then 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from openai import AsyncOpenAI
+from realtime_helpers import RunningAgent, start_agent
+
+from agent.client import AgentClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def agent(tiny_model_dir: Path):
+    running = await start_agent(tiny_model_dir, max_reply_seconds=2.0, max_reply_tokens=16)
+    yield running
+    await running.stop()
+
+
+async def _sse(url: str, out: list[dict]) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    out.append(json.loads(line[6:]))
+
+
+async def test_sdk_calls_create_and_a_spoken_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    sdk = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
+    seen: dict = {}
+
+    async def signal(offer: str) -> tuple[str, str]:
+        raw = await sdk.realtime.calls.with_raw_response.create(
+            sdp=offer, session={"type": "realtime", "model": "qwen3-omni", "instructions": "Be brief."})
+        seen.update(status=raw.status_code, content_type=raw.headers["content-type"])
+        return raw.text, raw.headers["location"]
+
+    client = AgentClient(agent.url, speech_wav, video=False)
+    server_channels: list = []
+    client.pc.on("datachannel", server_channels.append)
+    sse: list[dict] = []
+    sse_task = None
+    try:
+        await client.connect(signal=signal)
+        assert seen["status"] == 201 and seen["content_type"].startswith("application/sdp")
+        assert client.result.call_id.startswith("rtc_") and len(client.result.call_id) == 28
+        assert client.result.location == f"/v1/realtime/calls/{client.result.call_id}"
+        sse_task = asyncio.ensure_future(_sse(f"{agent.url}{client.result.location}/events", sse))
+        created = await client.wait_event("session.created", 10)
+        assert created["session"]["instructions"] == "Be brief." and created["session"]["model"] == "qwen3-omni"
+        done = await client.wait_event("response.done", 90)
+        for _ in range(100):
+            if client.result.of_type("output_audio_buffer.stopped") and client.result.audible_samples >= 24_000:
+                break
+            await asyncio.sleep(0.1)
+        await sdk.realtime.calls.hangup(client.result.call_id)
+        for _ in range(50):
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{agent.url}/healthz") as resp:
+                    if (await resp.json())["sessions"] == 0:
+                        break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("hangup left the session open")
+    finally:
+        if sse_task is not None:
+            sse_task.cancel()
+        await client.close()
+
+    r = client.result
+    for event in r.events:
+        strict_event(event)
+    types = [e["type"] for e in r.events]
+    assert not r.of_type("error"), r.of_type("error")
+    assert not server_channels, "the agent must use the client's oai-events channel"
+    assert r.audible_samples >= 24_000, f"only {r.audible_samples} audible samples"
+    assert not r.of_type("response.output_audio.delta")
+    assert r.of_type("response.output_audio_transcript.delta")
+    started = r.of_type("output_audio_buffer.started")[0]
+    assert started["response_id"] == done["response"]["id"] and started["omni"]["ttfa_ms"] is not None
+    assert r.of_type("output_audio_buffer.stopped")[0]["response_id"] == done["response"]["id"]
+    assert types.index("input_audio_buffer.speech_stopped") < types.index("response.created") < types.index("response.done")
+    assert done["response"]["usage"]["output_tokens"] > 0
+    sse_types = [e["type"] for e in sse]
+    assert "response.done" in sse_types
+    assert sse_types == [t for t in types if t in set(sse_types)][-len(sse_types):]
+
+
+@pytest.mark.parametrize("path", ["/v1/realtime/calls?model=qwen3-omni", "/v1/realtime?model=qwen3-omni"])
+async def test_raw_sdp_url_forms_and_delete(agent: RunningAgent, speech_wav: Path, path: str) -> None:
+    client = AgentClient(agent.url, speech_wav, video=False)
+    client.pc.addTrack(client.audio)
+    client.pc.createDataChannel("oai-events")
+    await client.pc.setLocalDescription(await client.pc.createOffer())
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{agent.url}{path}", data=client.pc.localDescription.sdp,
+                                 headers={"Content-Type": "application/sdp", "Accept": "application/sdp"}) as resp:
+                assert resp.status == 201 and resp.content_type == "application/sdp"
+                assert (await resp.text()).startswith("v=0")
+                location = resp.headers["Location"]
+            assert location.startswith("/v1/realtime/calls/rtc_")
+            # A sideband WebSocket on the call: client events in, the call's events out.
+            call_id = location.rsplit("/", 1)[-1]
+            async with http.ws_connect(f"{agent.url.replace('http', 'ws')}/v1/realtime?call_id={call_id}") as ws:
+                await ws.send_str(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_none",
+                                              "event_id": "evt_side"}))
+                reply = json.loads((await ws.receive(timeout=10)).data)
+                assert reply["type"] == "error" and reply["error"]["event_id"] == "evt_side"
+            async with http.delete(f"{agent.url}{location}") as resp:
+                assert resp.status == 204
+            async with http.delete(f"{agent.url}{location}") as resp:
+                assert resp.status == 404
+                assert (await resp.json())["error"]["code"] == "call_not_found"
+    finally:
+        await client.close()

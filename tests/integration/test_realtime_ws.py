@@ -1,0 +1,358 @@
+"""The official `openai` SDK against the agent's WebSocket transport (GET /v1/realtime).
+
+Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny model:
+- session.created carries a whole GA session; session.update merges (tolerating tracing,
+  tools, transcription model, noise reduction, prompt, include) and answers session.updated;
+- a spoken WAV streamed as 24 kHz pcm16 in real time gets speech_started → speech_stopped →
+  committed → response.created → transcript deltas and non-silent output_audio deltas →
+  response.done with usage, ids consistent across the response's events;
+- a manual turn (turn_detection null: commit + response.create), a text turn and an audio
+  item (conversation.item.create, with per-response instructions) are answered; an empty
+  commit is an error;
+- response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works;
+- a bad event gets `error` naming its event_id (and the field) and the connection goes on;
+- truncating the latest reply answers conversation.item.truncated and shortens its transcript;
+- server VAD with create_response false commits a turn without answering it, and with
+  interrupt_response false speaking over a reply does not cancel it;
+- agent.client.WsAgentClient (the benchmark's WebSocket client) times a turn;
+- every server event validates strictly against the SDK's GA pydantic models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import wave
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from openai import AsyncOpenAI
+
+from realtime_helpers import RunningAgent, start_agent
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+MODEL = "qwen3-omni"
+AUDIBLE_RMS = 10 ** (-50 / 20) * 32768
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def agent(tiny_model_dir: Path):
+    running = await start_agent(tiny_model_dir, max_reply_seconds=2.0, max_reply_tokens=16)
+    yield running
+    await running.stop()
+
+
+def pcm24(path: Path) -> np.ndarray:
+    """The 16 kHz fixture as 24 kHz int16 (linear interpolation)."""
+    with wave.open(str(path)) as w:
+        rate = w.getframerate()
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
+    n = int(len(pcm) * 24_000 / rate)
+    return np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.int16)
+
+
+def b64(pcm: np.ndarray) -> str:
+    return base64.b64encode(pcm.astype("<i2").tobytes()).decode()
+
+
+class Events:
+    """Every raw server event of one connection, each validated strictly as it arrives."""
+
+    def __init__(self, conn: Any, strict: Callable[[dict], None]) -> None:
+        self.conn, self.strict = conn, strict
+        self.all: list[dict[str, Any]] = []
+        self._new = asyncio.Event()
+        self._task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            event = json.loads(await self.conn.recv_bytes())
+            self.strict(event)
+            event["_t"] = time.monotonic()
+            self.all.append(event)
+            self._new.set()
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.all if e["type"] == kind]
+
+    async def wait(self, kind: str, timeout: float = 60, after: int = 0,
+                   where: Optional[Callable[[dict], bool]] = None) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.all[after:]:
+                if event["type"] == kind and (where is None or where(event)):
+                    return event
+            if self._task.done():
+                self._task.result()  # a schema failure surfaces here
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {kind} in {[e['type'] for e in self.all[after:]]}")
+            self._new.clear()
+            try:
+                await asyncio.wait_for(self._new.wait(), min(left, 0.5))
+            except asyncio.TimeoutError:
+                pass
+
+    def close(self) -> None:
+        self._task.cancel()
+        if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
+            raise self._task.exception()
+
+
+async def _connect(agent: RunningAgent, strict: Callable[[dict], None]):
+    client = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
+    manager = client.realtime.connect(model=MODEL)
+    conn = await manager.__aenter__()
+    return manager, conn, Events(conn, strict)
+
+
+async def stream_realtime(conn: Any, pcm: np.ndarray, tail_silence_s: float) -> None:
+    """20 ms appends paced to the wall clock, like a microphone, then silence."""
+    chunk = 480
+    audio = np.concatenate([pcm, np.zeros(int(tail_silence_s * 24_000), np.int16)])
+    start = time.monotonic()
+    for i, at in enumerate(range(0, len(audio), chunk)):
+        await conn.input_audio_buffer.append(audio=b64(audio[at : at + chunk]))
+        wait = start + (i + 1) * 0.02 - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+
+def audible(events: list[dict[str, Any]]) -> int:
+    total = 0
+    for e in events:
+        pcm = np.frombuffer(base64.b64decode(e["delta"]), dtype="<i2").astype(np.float64)
+        for at in range(0, len(pcm) - 479, 480):
+            if np.sqrt((pcm[at : at + 480] ** 2).mean()) > AUDIBLE_RMS:
+                total += 480
+    return total
+
+
+async def test_session_update_and_spoken_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    manager, conn, ev = await _connect(agent, strict_event)
+    try:
+        created = await ev.wait("session.created", 10)
+        assert created["session"]["type"] == "realtime" and created["session"]["model"] == MODEL
+        await conn.session.update(session={
+            "type": "realtime",
+            "instructions": "You are terse.",
+            "output_modalities": ["audio"],
+            "tracing": "auto",
+            "tools": [],
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                                "transcription": {"model": "gpt-4o-mini-transcribe"},
+                                "noise_reduction": {"type": "near_field"},
+                                "turn_detection": {"type": "server_vad", "silence_duration_ms": 300,
+                                                   "create_response": True, "interrupt_response": True}},
+                      "output": {"voice": "marin"}},
+        })
+        updated = await ev.wait("session.updated", 10)
+        session = updated["session"]
+        assert session["instructions"] == "You are terse." and session["tracing"] == "auto"
+        assert session["audio"]["input"]["transcription"]["model"] == "gpt-4o-mini-transcribe"
+        assert session["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 300
+        assert session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}  # kept, not dropped
+
+        await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
+        done = await ev.wait("response.done", 90)
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+    assert not ev.of("error"), ev.of("error")  # the instructions were taken, nothing refused
+    types = [e["type"] for e in ev.all]
+    order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+             "input_audio_buffer.committed", "response.created", "response.output_item.added",
+             "response.content_part.added", "response.output_audio.delta", "response.output_audio.done",
+             "response.output_audio_transcript.done", "response.content_part.done",
+             "response.output_item.done", "response.done"]
+    positions = [types.index(t) for t in order]
+    assert positions == sorted(positions), types
+    stopped = ev.of("input_audio_buffer.speech_stopped")[0]
+    assert stopped["item_id"] == ev.of("input_audio_buffer.speech_started")[0]["item_id"]
+    assert ev.of("input_audio_buffer.committed")[0]["item_id"] == stopped["item_id"]
+    response_id, item_id = done["response"]["id"], done["response"]["output"][0]["id"]
+    assert ev.of("response.output_item.added")[0]["item"]["id"] == item_id
+    deltas = ev.of("response.output_audio.delta")
+    transcript = ev.of("response.output_audio_transcript.delta")
+    assert transcript, "no transcript deltas"
+    for e in deltas + transcript:
+        assert (e["response_id"], e["item_id"], e["output_index"], e["content_index"]) == (response_id, item_id, 0, 0)
+    assert audible(deltas) >= 2400, "the reply's audio is silent"
+    assert done["response"]["output"][0]["content"][0]["transcript"] == "".join(e["delta"] for e in transcript)
+    usage = done["response"]["usage"]
+    assert usage["input_tokens"] > 0 and usage["input_token_details"]["audio_tokens"] > 0
+    assert usage["output_token_details"]["audio_tokens"] > 0 and usage["output_token_details"]["text_tokens"] > 0
+    assert done["response"]["status"] in ("completed", "incomplete")
+    assert done["response"]["omni"]["ttfa_ms"] is not None
+
+
+async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    manager, conn, ev = await _connect(agent, strict_event)
+    try:
+        await ev.wait("session.created", 10)
+        # A bad event: error with its event_id; the connection stays usable.
+        await conn.send({"type": "no.such.event", "event_id": "evt_bad_1"})
+        err = await ev.wait("error", 10)
+        assert err["error"]["event_id"] == "evt_bad_1" and err["error"]["type"] == "invalid_request_error"
+        await conn.send({"type": "session.update", "event_id": "evt_bad_2",
+                         "session": {"type": "realtime", "audio": {"output": {"format": {"type": "audio/pcmu"}}}}})
+        err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_bad_2")
+        assert err["error"]["param"] == "session.audio.output.format"
+        # Manual turns.
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}},
+                                           "prompt": None, "include": ["item.input_audio_transcription.logprobs"]})
+        updated = await ev.wait("session.updated", 10)
+        assert updated["session"]["audio"]["input"]["turn_detection"] is None
+        await conn.send({"type": "input_audio_buffer.commit", "event_id": "evt_empty"})
+        err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_empty")
+        assert err["error"]["code"] == "input_audio_buffer_commit_empty"
+        pcm = pcm24(speech_wav)
+        for at in range(0, len(pcm), 4800):  # as fast as the socket goes: no VAD to pace
+            await conn.input_audio_buffer.append(audio=b64(pcm[at : at + 4800]))
+        await conn.input_audio_buffer.commit()
+        committed = await ev.wait("input_audio_buffer.committed", 10)
+        await asyncio.sleep(0.5)
+        assert not ev.of("input_audio_buffer.speech_started"), "VAD ran with turn_detection null"
+        assert not ev.of("response.created"), "a commit alone must not start a response"
+        mark = len(ev.all)
+        await conn.response.create()
+        done = await ev.wait("response.done", 90, after=mark)
+        assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
+        item = await _retrieve(conn, ev, committed["item_id"])
+        assert item["role"] == "user" and item["content"][0]["type"] == "input_audio"
+
+        # A text turn, answered in text.
+        mark = len(ev.all)
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "What can you see?"}]})
+        added = await ev.wait("conversation.item.added", 10, after=mark)
+        assert added["item"]["content"][0]["text"] == "What can you see?"
+        await conn.response.create(response={"output_modalities": ["text"]})
+        done = await ev.wait("response.done", 90, after=mark)
+        text = [e for e in ev.all[mark:] if e["type"] == "response.output_text.delta"]
+        assert text and not [e for e in ev.all[mark:] if e["type"] == "response.output_audio.delta"]
+        assert done["response"]["output_modalities"] == ["text"]
+        usage = done["response"]["usage"]
+        assert usage["input_token_details"]["audio_tokens"] == 0 and usage["input_token_details"]["text_tokens"] > 0
+
+        # A whole audio message as an item, answered with per-response instructions.
+        mark = len(ev.all)
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_audio", "audio": b64(pcm)}]})
+        added = await ev.wait("conversation.item.added", 10, after=mark)
+        assert added["item"]["content"][0]["type"] == "input_audio"
+        await conn.response.create(response={"output_modalities": ["text"], "instructions": "One word only."})
+        done = await ev.wait("response.done", 90, after=mark)
+        assert not [e for e in ev.all[mark:] if e["type"] == "error"]
+        assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def _retrieve(conn: Any, ev: Events, item_id: str) -> dict[str, Any]:
+    mark = len(ev.all)
+    await conn.conversation.item.retrieve(item_id=item_id)
+    return (await ev.wait("conversation.item.retrieved", 10, after=mark))["item"]
+
+
+async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) -> None:
+    manager, conn, ev = await _connect(agent, strict_event)
+    try:
+        await ev.wait("session.created", 10)
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Tell me a story."}]})
+        await conn.response.create()
+        first = await ev.wait("response.output_audio.delta", 90)
+        await conn.response.cancel()
+        done = await ev.wait("response.done", 30)
+        assert done["response"]["id"] == first["response_id"] and done["response"]["status"] == "cancelled"
+        assert done["response"]["status_details"]["reason"] == "client_cancelled"
+        await asyncio.sleep(0.5)
+        at_done = ev.all.index(done)
+        assert not [e for e in ev.all[at_done:] if e.get("response_id") == first["response_id"]
+                    and e["type"].endswith(".delta")], "deltas of a cancelled response"
+
+        # Still usable: a full reply, then cut it to the first 160 ms heard.
+        mark = len(ev.all)
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Again please."}]})
+        await conn.response.create()
+        done = await ev.wait("response.done", 90, after=mark)
+        item_id = done["response"]["output"][0]["id"]
+        full = done["response"]["output"][0]["content"][0]["transcript"]
+        await conn.send({"type": "conversation.item.truncate", "event_id": "evt_far", "item_id": item_id,
+                         "content_index": 0, "audio_end_ms": 600_000})
+        err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_far")
+        assert err["error"]["param"] == "audio_end_ms"
+        await conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=160)
+        truncated = await ev.wait("conversation.item.truncated", 10)
+        assert truncated["item_id"] == item_id and truncated["audio_end_ms"] == 160
+        item = await _retrieve(conn, ev, item_id)
+        cut = item["content"][0]["transcript"]
+        assert full.startswith(cut) and len(cut) < len(full)
+        # Deleting is refused with a reason, the conversation goes on.
+        await conn.send({"type": "conversation.item.delete", "event_id": "evt_del", "item_id": item_id})
+        err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_del")
+        assert err["error"]["code"] == "unsupported"
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    """create_response false: a detected turn is committed, not answered; interrupt_response
+    false: speaking over a reply does not cancel it."""
+    manager, conn, ev = await _connect(agent, strict_event)
+    try:
+        await ev.wait("session.created", 10)
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+            "type": "server_vad", "create_response": False, "interrupt_response": False}}}})
+        await ev.wait("session.updated", 10)
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Talk to me."}]})
+        await conn.response.create()
+        await ev.wait("response.output_audio.delta", 90)
+        await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
+        committed = await ev.wait("input_audio_buffer.committed", 30)
+        first = await ev.wait("response.done", 90)
+        started = ev.of("input_audio_buffer.speech_started")[0]
+        assert ev.all.index(started) < ev.all.index(first), "the speech did not overlap the reply"
+        assert first["response"]["status"] in ("completed", "incomplete")
+        await asyncio.sleep(1.0)
+        assert len(ev.of("response.created")) == 1, "create_response false still answered the turn"
+        mark = len(ev.all)
+        await conn.response.create()
+        done = await ev.wait("response.done", 90, after=mark)
+        assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
+        assert ev.all.index(committed) < mark
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def test_ws_agent_client_times_a_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    """agent.client.WsAgentClient (what the benchmark uses) hears a reply after its speech ended."""
+    from agent.client import WsAgentClient
+
+    client = WsAgentClient(agent.url, speech_wav)
+    try:
+        await client.connect()
+        await client.wait_event("response.done", 90)
+        for _ in range(50):
+            if client.turn_latencies() and client.turn_latencies()[0] is not None:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+    latencies = client.turn_latencies()
+    assert latencies and latencies[0] is not None and latencies[0] > 0
+    assert client.result.audible_samples > 0
+    for event in client.result.events:
+        strict_event(event)

@@ -1,0 +1,143 @@
+"""The streaming runner's conversation edits behind the Realtime API, on the tiny model.
+
+Pins, by the tokens in the session's KV slot:
+- a user text item is prefilled inside the user message, after the audio, and the reply's
+  usage splits input tokens into text and audio;
+- `instructions` before the first turn replace the prefilled system prompt; later ones are
+  queued as a system message in front of the next user turn;
+- truncating the latest reply to the audio heard keeps exactly the text tokens the talker had
+  read by then: the cache is cut there and the assistant turn closed (<|im_end|>) before the
+  next turn; a turn already being prefilled is taken back out and prefilled again after it;
+- per-response instructions are a system message right before that reply's assistant header;
+- a truncation while a reply runs is refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agent.engine.api import ReplyDone
+from agent.engine.model import assistant_start_ids, system_turn_ids
+from agent.engine.stream import StreamingRunner
+
+SYSTEM = "You are a helpful voice assistant."
+
+
+@pytest.fixture
+def runner(loaded):
+    # A 1 s audio window: audio becomes final (and is prefilled) while the user speaks.
+    return StreamingRunner(loaded, SYSTEM, max_reply_tokens=8, max_reply_seconds=1.0, audio_window_s=1.0)
+
+
+def run_reply(runner: StreamingRunner, sid: str, text_only: bool = False) -> ReplyDone:
+    runner.begin_reply(sid, [], text_only=text_only)
+    outputs = []
+    for _ in range(500):
+        if not runner.has_work():
+            break
+        outputs += runner.step()
+    done = [o for o in outputs if isinstance(o, ReplyDone)]
+    assert len(done) == 1
+    return done[0]
+
+
+def speech(seconds: float) -> np.ndarray:
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.2 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+
+
+def test_text_item_is_prefilled_in_the_user_message(runner, loaded) -> None:
+    runner.open_session("s")
+    n = runner.add_user_text("s", "What is the weather like?")
+    assert n == len(loaded.tokenizer.encode("What is the weather like?", add_special_tokens=False))
+    before = runner._sessions["s"].thinker.length
+    done = run_reply(runner, "s")
+    ids = loaded.ids
+    header = 1 + len(ids.user) + len(ids.newline)
+    expected = header + n + 1 + len(ids.newline) + len(assistant_start_ids(ids))
+    assert done.stats["prefill_tokens"] == expected
+    assert done.stats["input_audio_tokens"] == 0
+    assert runner._sessions["s"].thinker.length == before + expected + runner._sessions["s"].last_reply.fed
+
+
+def test_instructions_replace_then_queue(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner._sessions["s"]
+    new = "Answer like a pirate, in one short sentence."
+    assert runner.set_instructions("s", new) == "replaced"
+    assert state.thinker.length == len(system_turn_ids(loaded.ids, loaded.tokenizer, new))
+    runner.add_user_text("s", "Hi")
+    run_reply(runner, "s", text_only=True)
+    assert runner.set_instructions("s", "Be brief.") == "appended"
+    message = system_turn_ids(loaded.ids, loaded.tokenizer, "Be brief.")
+    assert state.closing[-len(message):] == message
+    runner.add_user_text("s", "Again")
+    done = run_reply(runner, "s", text_only=True)
+    assert done.stats["prefill_tokens"] >= len(message) + 2  # the queued message went in with the turn
+
+
+def test_truncate_cuts_the_cache_to_the_heard_tokens(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner._sessions["s"]
+    runner.add_user_text("s", "Tell me a story")
+    done = run_reply(runner, "s")
+    last = state.last_reply
+    assert last is not None and len(last.tokens) >= 3 and done.stats["audio_frames"] >= 3
+    assert state.thinker.length == last.start_length + last.fed
+    result = runner.truncate_reply("s", 2)  # two 80 ms frames heard: two tokens read by the talker
+    im_end = [loaded.ids.im_end, *loaded.ids.newline]
+    assert result["kept_tokens"] == 2
+    assert state.thinker.length == last.start_length + min(2, last.fed)
+    assert state.closing == [*last.tokens[min(2, last.fed) : 2], *im_end]
+    closing = list(state.closing)
+    # The next turn starts with the closed, shortened reply.
+    runner.add_user_text("s", "And then?")
+    done2 = run_reply(runner, "s")
+    ids = loaded.ids
+    own = 1 + len(ids.user) + len(ids.newline) + len(loaded.tokenizer.encode("And then?", add_special_tokens=False))
+    own += 1 + len(ids.newline) + len(assistant_start_ids(ids))
+    assert done2.stats["prefill_tokens"] == own + len(closing)
+
+
+def test_truncate_takes_back_a_turn_being_spoken(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner._sessions["s"]
+    runner.add_user_text("s", "Tell me a story")
+    run_reply(runner, "s")
+    last = state.last_reply
+    # The user barges in: on an idle engine their audio is prefilled at once.
+    audio = speech(2.5)
+    for i in range(0, len(audio), 1280):
+        runner.append_audio("s", audio[i : i + 1280])
+    assert state.turn.header_done and state.thinker.length > last.start_length + last.fed
+    runner.truncate_reply("s", 1)
+    assert state.thinker.length == last.start_length + min(1, last.fed)
+    assert not state.turn.header_done and state.turn.pending_audio
+    done = run_reply(runner, "s")
+    assert done.stats["input_audio_tokens"] > 0 and done.reason in ("stop", "length")
+
+
+def test_truncate_while_replying_is_refused(runner) -> None:
+    runner.open_session("s")
+    runner.add_user_text("s", "Hello")
+    runner.begin_reply("s", [])
+    runner.step()
+    with pytest.raises(RuntimeError):
+        runner.truncate_reply("s", 1)
+
+
+def test_per_response_instructions_sit_before_the_assistant_header(runner, loaded) -> None:
+    runner.open_session("s")
+    n = runner.add_user_text("s", "Hi")
+    m = runner.set_reply_instructions("s", "Answer in one word.")
+    assert m == len(system_turn_ids(loaded.ids, loaded.tokenizer, "Answer in one word."))
+    done = run_reply(runner, "s", text_only=True)
+    ids = loaded.ids
+    own = 1 + len(ids.user) + len(ids.newline) + n + 1 + len(ids.newline) + len(assistant_start_ids(ids))
+    assert done.stats["prefill_tokens"] == own + m
+    # Only that response: the next one has no system message of its own.
+    runner.add_user_text("s", "Hi")
+    done = run_reply(runner, "s", text_only=True)
+    closing = done.stats["prefill_tokens"] - own
+    assert 0 < closing < m

@@ -1,0 +1,88 @@
+"""The protocol pieces that need no network: session config merging, keys, G.711 decoding.
+
+Pins:
+- the default session validates strictly as the SDK's GA session model; an update merges
+  nested objects field by field, drops unknown top-level fields, keeps tolerated ones
+  (tracing, tools, transcription model, noise reduction) and leaves the session unchanged
+  when refused, naming the param; turn detection maps to the endpointer's settings;
+- keys: open without an API key; with one, only it or a live ephemeral key passes; expired or
+  tampered ephemeral keys fail; TTLs outside 10..7200 s are refused; the WebSocket
+  subprotocol form is read;
+- µ-law and A-law decode to the G.711 reference values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from openai.types.realtime import RealtimeSessionCreateRequest
+
+from agent.config import Config
+from agent.realtime import audio_codec, session_config
+from agent.realtime.keys import KeyStore, bearer_token
+
+def test_default_session_is_a_ga_session() -> None:
+    s = session_config.default_session(Config(), model="m")
+    RealtimeSessionCreateRequest.model_validate(s)
+    assert s["type"] == "realtime" and s["id"].startswith("sess_") and s["output_modalities"] == ["audio"]
+
+def test_merge_tolerates_refuses_and_maps() -> None:
+    base = session_config.default_session(Config(vad_silence_ms=300))
+    merged = session_config.merge(base, {
+        "type": "realtime", "tracing": "auto", "tools": [{"type": "function", "name": "f"}], "modalities": ["text"],
+        "audio": {"input": {"transcription": {"model": "gpt-4o-mini-transcribe"}, "noise_reduction": {"type": "far_field"},
+                            "turn_detection": {"type": "server_vad", "silence_duration_ms": 700, "create_response": False}},
+                  "output": {"voice": "marin"}}})
+    assert merged["tracing"] == "auto" and merged["tools"][0]["name"] == "f" and "modalities" not in merged
+    assert merged["audio"]["input"]["format"] == base["audio"]["input"]["format"]  # untouched sibling kept
+    assert merged["audio"]["output"]["voice"] == "marin" and merged["id"] == base["id"]
+    RealtimeSessionCreateRequest.model_validate(merged)
+    td = session_config.turn_detection(merged, 300)
+    assert (td.silence_ms, td.create_response, td.interrupt_response) == (700, False, True)
+    manual = session_config.merge(merged, {"audio": {"input": {"turn_detection": None}}})
+    assert session_config.turn_detection(manual, 300) is None
+    semantic = session_config.merge(base, {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "low"}}}})
+    assert session_config.turn_detection(semantic, 300).silence_ms == 800
+    for update, param in [
+        ({"output_modalities": ["audio", "text"]}, "session.output_modalities"),
+        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "session.audio.input.format.rate"),
+        ({"audio": {"output": {"format": {"type": "audio/pcma"}}}}, "session.audio.output.format"),
+        ({"audio": {"output": {"speed": 1.5}}}, "session.audio.output.speed"),
+        ({"type": "transcription"}, "session.type"),
+        ({"max_output_tokens": 0}, "session.max_output_tokens"),
+        ({"instructions": 5}, "session.instructions"),
+    ]:
+        with pytest.raises(session_config.ConfigError) as info:
+            session_config.merge(base, update)
+        assert info.value.param == param
+    assert base == session_config.default_session(Config(vad_silence_ms=300)) | {"id": base["id"]}
+
+def test_keys() -> None:
+    assert KeyStore("").check(None) is not None  # open
+    now = [1000.0]
+    keys = KeyStore("sk-1", clock=lambda: now[0])
+    assert keys.check(None) is None and keys.check("sk-2") is None and keys.check("sk-1") is not None
+    value, expires_at = keys.mint(60, {"instructions": "x"})
+    assert value.startswith("ek_") and expires_at == 1060
+    grant = keys.check(value)
+    assert grant is not None and grant.ephemeral and grant.session == {"instructions": "x"}
+    assert keys.check(value[:-1] + ("0" if value[-1] != "0" else "1")) is None
+    now[0] = 1060.0
+    assert keys.check(value) is None
+    for ttl in (9, 7201):
+        with pytest.raises(ValueError):
+            keys.mint(ttl, {})
+    assert bearer_token({"Authorization": "Bearer abc"}) == "abc"
+    assert bearer_token({"Sec-WebSocket-Protocol": "realtime, openai-insecure-api-key.ek_x, openai-agents-sdk.1"}) == "ek_x"
+    assert bearer_token({}) is None
+
+def test_g711_decoding() -> None:
+    # Reference points of ITU-T G.711 (as the C reference and Python's audioop decode them).
+    ulaw = audio_codec.to_pcm16("audio/pcmu", bytes([0x00, 0x7F, 0x80, 0xFF]))
+    alaw = audio_codec.to_pcm16("audio/pcma", bytes([0x55, 0xD5, 0x2A, 0xAA]))
+    assert ulaw.tolist() == [-32124, 0, 32124, 0]
+    assert alaw.tolist() == [-8, 8, -32256, 32256]
+    frame = audio_codec.to_frame("audio/pcmu", bytes(160))
+    assert frame.sample_rate == 8000 and frame.samples == 160
+    pcm = np.arange(2400, dtype=np.int16)
+    assert len(audio_codec.to_16k("audio/pcm", pcm.tobytes())) == 1600
