@@ -41,6 +41,9 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
     cuda_graphs: bool = True
+    # torch.compile of the per-frame step functions: auto = on CUDA only (on CPU the start-up
+    # compile costs more than it saves here: agent/engine/compiled.py); on | off.
+    compile: str = "auto"
     runner: str = "stream"  # stream | reference (transformers' generate(): whole reply at once)
     speaker: str = ""  # "" = first speaker in the talker config
     system_prompt: str = "You are a helpful real-time voice assistant. Answer briefly."

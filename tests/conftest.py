@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -81,3 +82,15 @@ def eager_to_end(loaded):
     handle = loaded.model.thinker.lm_head.register_forward_hook(push_eos)
     yield
     handle.remove()
+
+
+@pytest.fixture(scope="session")
+def compiled_options(tmp_path_factory) -> dict:
+    """StreamingRunner options for the compiled per-frame path on CPU, shared by every test that
+    compiles: one inductor cache for the session and the same shapes (slots, context), so that
+    a step compiled by one test is an on-disk cache hit for the next."""
+    from agent.engine.graphing import GraphConfig
+
+    # OMNI_AGENT_TEST_COMPILE_CACHE keeps the cache across runs (a developer's re-runs: seconds).
+    cache = os.environ.get("OMNI_AGENT_TEST_COMPILE_CACHE") or tmp_path_factory.mktemp("inductor")
+    return {"graphs": GraphConfig(mode="off", compile="on", compile_cache=Path(cache)), "max_sessions": 16, "context_limit": 1024}

@@ -104,9 +104,10 @@ class SlotCode2Wav:
         self.junk = self._junk_samples()  # leading output samples a slot's first push drops
         # Pad rows: code 0 at frame 0, not fresh, in the scratch slot. Outputs cloned: callers
         # keep the samples (numpy views of a CPU tensor would see the next replay).
-        self._graph = (
-            graphing.pool("code2wav", self._step, (0, self.pad_slot, 0, 0), clone_outputs=True) if graphing else None
-        )
+        self._graph = None
+        if graphing is not None:
+            pads = (0, self.pad_slot, 0, 0)
+            self._graph = graphing.pool("code2wav", self._step, pads, clone_outputs=True, compiled=True)
 
     def capture_graphs(self) -> None:
         """Capture the one-frame push for every batch bucket."""

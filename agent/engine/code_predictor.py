@@ -2,21 +2,53 @@
 
 transformers' path costs a `generate()` (or, in our earlier loop, 15 model forwards each
 building masks, output records and a DynamicCache) per frame and per session. Here the whole
-loop runs on the decoder's own layers with a tiny static cache per batch size: every row of the
+loop runs on the decoder's own layers with one tiny static cache shared by all batches: every row of the
 batch is at the same position at every step (a frame always starts from the talker's hidden
-state and codebook 0), so one set of positions and cache indices serves all rows and is
-made once. Codes stay on the device until the loop is done: one host sync per frame batch,
-and nothing in the loop that a CUDA graph could not capture. With graphs on, the whole loop
-(15 steps, argmax and embedding sums included) is one captured graph per batch bucket.
+state and codebook 0), so the cache is written and read with plain slices (no per-row index,
+no mask: a step sees every key written so far, the first one's two tokens are causal) and the
+RoPE tables are made once. Codes stay on the device until the loop is done: one host sync per
+frame batch, and nothing in the loop that a CUDA graph could not capture. With graphs on, the
+whole loop (15 steps, argmax and embedding sums included) is one captured graph per batch
+bucket, and with compilation on one compiled region (agent/engine/compiled.py).
+
+Launches are what the loop costs (15 steps x 5 layers at real size), so each layer's q/k/v
+projections are one matmul and its gate/up projections another, over weights concatenated once
+here (`FusedWeights`, owned by the engine: ~105 MB at real size in bf16; the transformers
+modules keep theirs, untouched). Results equal the separate projections up to float rounding
+(tests/unit/test_compiled.py, test_streaming_exact.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from agent.engine.graphing import Graphing
-from agent.engine.slots import Rows, SlotKV, decoder_forward
+from agent.engine.slots import SlotKV, apply_rope
+
+
+@dataclass(frozen=True)
+class FusedWeights:
+    """One layer's projections concatenated: q/k/v rows, then gate/up rows."""
+
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    splits: tuple[int, int, int]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> "FusedWeights":
+        attn, mlp = layer.self_attn, layer.mlp
+        if any(m.bias is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)):
+            raise ValueError("fused projections assume bias-free q/k/v and gate/up (Qwen3)")
+        parts = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+        return cls(
+            qkv=torch.cat(parts, dim=0),
+            splits=tuple(p.shape[0] for p in parts),
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0),
+        )
 
 
 class CodePredictorOps:
@@ -30,11 +62,17 @@ class CodePredictorOps:
         self.talker_embed = talker.get_input_embeddings()
         self.num_groups = talker.config.num_code_groups
         self.device, self.dtype = device, dtype
-        # batch size -> (cache, rows per step, RoPE (cos, sin) per step); made on first use.
-        self._plans: dict[int, tuple[SlotKV, list[Rows], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
-        # Pad rows: a zero hidden state and code 0, each batch bucket has its own cache anyway.
+        with torch.no_grad():
+            self.fused = [FusedWeights.of(layer) for layer in self.body.layers]
+        self._kv: SlotKV | None = None
+        self._ropes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Pad rows: a zero hidden state and code 0 (their cache rows are rewritten by every call).
         # Outputs cloned: the codec sums are kept per reply until its next talker step.
-        self._graph = graphing.pool("code_predictor", self._run, (0.0, 0), clone_outputs=True) if graphing else None
+        self._graph = graphing.pool("code_predictor", self._run, (0.0, 0), clone_outputs=True, compiled=True) if graphing else None
+        if self._graph is not None:
+            # The cache and RoPE tables now: a graph capture or a compiled trace must find them
+            # made (an allocation inside either would be recorded, not done).
+            self._plan(max(self._graph.batch_sizes))
 
     def capture_graphs(self) -> None:
         if self._graph is None:
@@ -49,21 +87,21 @@ class CodePredictorOps:
 
         self._graph.capture_all(example)
 
-    def _plan(self, batch: int) -> tuple[SlotKV, list[Rows], list[tuple[torch.Tensor, torch.Tensor]]]:
-        plan = self._plans.get(batch)
-        if plan is None:
+    def _plan(self, batch: int) -> tuple[SlotKV, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The cache (rows 0..batch-1 of it serve a call of `batch` rows: every call writes the
+        positions it reads, so calls can share it) and RoPE (cos, sin) per step, [1, n, dim],
+        broadcast over the rows. Grown on demand eagerly; with pools it is made for the largest
+        bucket up front, and a compiled loop then never depends on the batch beyond shapes."""
+        if self._kv is None or self._kv.slots < batch:
             # Step 1 feeds [talker hidden, embed(c0)] at positions 0, 1; step k feeds code k-1 at k.
-            kv = SlotKV(self.body, batch, self.num_groups + 1, self.device, self.dtype)
-            kv.reserve(self.num_groups + 1)  # now, not inside a graph capture
-            rows, ropes = [], []
+            self._kv = SlotKV(self.body, batch, self.num_groups + 1, self.device, self.dtype)
+            self._kv.reserve(self.num_groups + 1)  # now, not inside a graph capture
+        if not self._ropes:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)  # rotary_emb reads only its dtype
             for step in range(1, self.num_groups):
                 start, n = (0, 2) if step == 1 else (step, 1)
-                rows.append(Rows.make(range(batch), [start] * batch, n, self.device))
-                positions = torch.arange(start, start + n, device=self.device).view(1, -1).expand(batch, -1)
-                ropes.append(self.body.rotary_emb(probe, positions))
-            plan = self._plans[batch] = (kv, rows, ropes)
-        return plan
+                self._ropes.append(self.body.rotary_emb(probe, torch.arange(start, start + n, device=self.device).view(1, -1)))
+        return self._kv, self._ropes
 
     def run(self, last_hidden: torch.Tensor, code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """last_hidden [B, 1, hidden] (the talker's, for code0), code0 [B] -> all 16 codes
@@ -75,15 +113,42 @@ class CodePredictorOps:
 
     def _run(self, last_hidden: torch.Tensor, code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch = code0.shape[0]
-        kv, rows, ropes = self._plan(batch)
+        kv, ropes = self._plan(batch)
         c0_embed = self.talker_embed(code0.view(batch, 1))
         inputs = torch.cat([last_hidden, c0_embed], dim=1)
         codes, pieces = [code0], [c0_embed]
         for step in range(1, self.num_groups):
-            hidden, _ = decoder_forward(self.body, kv, rows[step - 1], inputs, None, rope=ropes[step - 1])
+            start = 0 if step == 1 else step
+            hidden = self._forward(kv, inputs, start, ropes[step - 1])
             # The head on every fed position, then the last: the shapes transformers uses.
             code = self.heads[step - 1](hidden)[:, -1].argmax(-1)
             codes.append(code)
             inputs = self.tables[step - 1](code.view(batch, 1))
             pieces.append(inputs)
         return torch.stack(codes, dim=1), torch.cat(pieces, dim=1).sum(1, keepdim=True)
+
+    def _forward(
+        self, kv: SlotKV, hidden: torch.Tensor, start: int, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """The decoder on `hidden` [B, n, hidden], new tokens at cache index start.. for all rows."""
+        batch, n_new, _ = hidden.shape
+        cos, sin = rope
+        for i, (layer, fused) in enumerate(zip(self.body.layers, self.fused)):
+            attn, mlp = layer.self_attn, layer.mlp
+            q, k, v = F.linear(layer.input_layernorm(hidden), fused.qkv).split(fused.splits, dim=-1)
+            d = attn.head_dim
+            # Head counts from the weights (plain ints: the batch may be symbolic when compiled).
+            heads, kv_heads = fused.splits[0] // d, fused.splits[1] // d
+            q = apply_rope(attn.q_norm(q.view(batch, n_new, heads, d)).transpose(1, 2), cos, sin)
+            k = apply_rope(attn.k_norm(k.view(batch, n_new, kv_heads, d)).transpose(1, 2), cos, sin)
+            end = start + n_new
+            kv.keys[i][:batch, :, start:end] = k
+            kv.values[i][:batch, :, start:end] = v.view(batch, n_new, kv_heads, d).transpose(1, 2)
+            keys, values = kv.keys[i][:batch, :, :end], kv.values[i][:batch, :, :end]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=n_new > 1, scale=attn.scaling, enable_gqa=heads != kv_heads
+            )
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, -1))
+            gate, up = F.linear(layer.post_attention_layernorm(hidden), fused.gate_up).chunk(2, dim=-1)
+            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+        return self.body.norm(hidden)

@@ -19,17 +19,26 @@ What makes a step graphable here:
 Modes: "cuda" (real graphs), "fake" (agent/engine/fake_graphs.py: the same wiring on CPU, for
 tests), "off" (the eager path: exact-length attention, no padding), "auto" (cuda on a CUDA
 device, else off). `--no-cuda-graphs` makes it "off".
+
+Compilation (agent/engine/compiled.py; `compile`: "auto" = on CUDA only, `--compile on|off`)
+wraps each step function in one torch.compile per bucket before its pool is made. It needs the
+static wiring too (bucket shapes, reserved caches), so with graphs "off" and compile on the
+pools still pad, through a backend that captures nothing (CPU). Buckets: 1, 2, 4, 8, 16; a
+bucket costs one capture (and one compile) per step function at start-up and its memory pool,
+and a batch of 9-16 sessions would otherwise run eagerly, i.e. thousands of launches per tick.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from agent.engine.compiled import CompileMode, CompileSettings, CudaGraphImpl, PaddedBackend, StepCompiler, resolve_compile
 from agent.engine.fake_graphs import FakeCaptureBackend
 from agent.engine.graphs import CaptureBackend, CudaBackend, GraphPool, GraphStats, StepFn
 from agent.engine.session_state import KVState
@@ -41,7 +50,11 @@ GraphMode = Literal["auto", "off", "cuda", "fake"]
 @dataclass(frozen=True)
 class GraphConfig:
     mode: GraphMode = "auto"
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    compile: CompileMode = "auto"  # torch.compile the step functions ("auto": on CUDA only)
+    compile_cache: Path | None = None  # inductor's on-disk cache (None: the environment's)
+    cudagraphs: CudaGraphImpl = "own"  # with compile on CUDA: our capture, or inductor's
+    compile_dynamic_batch: bool | None = None  # one compile for all buckets (None: on CPU only)
     min_key_len: int = 256  # shortest attention read of a graphed decode step
     warmup_iters: int = 1  # eager calls per graph before its capture (lazy CUDA init)
     check_replays: bool = True  # fake mode: compare every replay's ops with the capture's
@@ -82,33 +95,50 @@ class Graphing:
         # Buckets above the first one that holds every session would never be used.
         fits = [b for b in sizes if b >= max_sessions]
         self.batch_sizes = tuple(b for b in sizes if b < max_sessions) + tuple(fits[:1])
+        self.compiler: StepCompiler | None = None
+        if resolve_compile(config.compile, device):
+            if self.mode == "fake":
+                raise ValueError("fake graphs trace the eager ops: run them with compile off")
+            dynamic = config.compile_dynamic_batch
+            dynamic = device.type != "cuda" if dynamic is None else dynamic
+            settings = CompileSettings(config.compile_cache, config.cudagraphs, device.type, dynamic)
+            self.compiler = StepCompiler(settings, self.batch_sizes)
         self.backend: CaptureBackend | None = None
-        if self.mode == "cuda":
+        self.warmup_iters = config.warmup_iters
+        if self.mode == "cuda" and not (self.compiler is not None and config.cudagraphs == "inductor"):
             self.backend = CudaBackend()
         elif self.mode == "fake":
             self.backend = FakeCaptureBackend(check_replays=config.check_replays)
+        elif self.compiler is not None:
+            self.backend, self.warmup_iters = PaddedBackend(), 0
         self.pools: dict[str, GraphPool] = {}
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "off"
+        """Whether the steps run the static wiring (padded buckets, reserved caches, pools)."""
+        return self.backend is not None
 
     def cache_rows(self, slots: int) -> int:
         """Rows of a slot cache for `slots` sessions: one more (row `slots`) for pad rows."""
         return slots + 1 if self.enabled else slots
 
     def pool(
-        self, name: str, fn: StepFn, pad_values: Sequence[float | int], *, clone_outputs: bool, variants: int = 1
+        self, name: str, fn: StepFn, pad_values: Sequence[float | int], *, clone_outputs: bool, variants: int = 1,
+        compiled: bool = False, dynamic_dims: Sequence[tuple[int, int]] = (),
     ) -> GraphPool | None:
         """A pool for `fn`, or None when graphs are off. `variants`: how many values another
-        input dimension takes (attention length buckets): graphs allowed per batch bucket."""
+        input dimension takes (attention length buckets): graphs allowed per batch bucket.
+        `compiled`: compile `fn` first when compiling (the per-frame steps opt in; the prefill
+        buckets do not yet); `dynamic_dims` names the varying dimension, (arg, dim)."""
         if not self.enabled:
             return None
+        if self.compiler is not None and compiled:
+            fn = self.compiler.wrap(name, fn, dynamic_dims)
         pool = GraphPool(
             fn,
             self.batch_sizes,
             pad_values=pad_values,
-            warmup_iters=self.config.warmup_iters,
+            warmup_iters=self.warmup_iters,
             clone_outputs=clone_outputs,
             max_graphs=len(self.batch_sizes) * variants,
             backend=self.backend,
@@ -156,8 +186,10 @@ class Graphing:
 def slot_cache_with_graph(
     graphing: Graphing | None, decoder: torch.nn.Module, slots: int, limit: int, device: torch.device,
     dtype: torch.dtype, name: str, step: StepFn, pad_values: Sequence[float | int], *, clone_outputs: bool,
+    mask_arg: int = 4,
 ) -> tuple[SlotKV, GraphPool | None]:
-    """A decoder's KV slots and, when graphs are on, the pool of its decode step.
+    """A decoder's KV slots and, when graphs are on, the pool of its decode step (whose
+    argument `mask_arg` is the [B, key_len] attention mask).
 
     Graphs hold the cache's addresses, so it is reserved at its limit up front and never
     moves; its extra row (index `slots`) takes the writes of pad rows.
@@ -168,4 +200,8 @@ def slot_cache_with_graph(
         return kv, None
     kv.reserve(limit)
     variants = len(graphing.key_lens(kv.capacity))
-    return kv, graphing.pool(name, step, pad_values, clone_outputs=clone_outputs, variants=variants)
+    # The mask's key length is the attention length bucket: dynamic for the compiler.
+    return kv, graphing.pool(
+        name, step, pad_values, clone_outputs=clone_outputs, variants=variants, compiled=True,
+        dynamic_dims=((mask_arg, 1),),
+    )

@@ -165,7 +165,7 @@ class CUDAGraphed:
             if seen < self.warmup_iters:
                 self._state.warm[key] = seen + 1
                 self.stats.warmup += 1
-                return self.backend.warmup(self.fn, args)
+                return self._warmup(key, args)
             captured = self._capture(key, args)
         self._copy_in(captured, args)
         captured.graph.replay()
@@ -189,6 +189,9 @@ class CUDAGraphed:
 
     def _check_outputs(self, key: Signature, outputs: tuple[Tensor, ...]) -> None:
         pass
+
+    def _warmup(self, key: Signature, args: Sequence[Tensor]) -> Outputs:
+        return self.backend.warmup(self.fn, args)
 
     def _read_out(self, static: Tensor, args: Sequence[Tensor]) -> Tensor:
         return static
@@ -288,6 +291,13 @@ class GraphPool(CUDAGraphed):
         if bucket is None:
             return None
         return tuple(((bucket, *shape[1:]), dtype, device) for shape, dtype, device in _signature(args))
+
+    def _warmup(self, key: Signature, args: Sequence[Tensor]) -> Outputs:
+        # On inputs padded to the bucket, as the capture and replays will be: a compiled `fn`
+        # (agent/engine/compiled.py) then only ever sees bucket shapes (no compile per batch).
+        out = self.backend.warmup(self.fn, self._make_static(key, args))
+        batch = args[0].shape[0]
+        return out[:batch] if isinstance(out, Tensor) else tuple(o[:batch] for o in _as_tuple(out))
 
     def _pad_value(self, i: int) -> float | int:
         return 0 if self.pad_values is None else self.pad_values[i]

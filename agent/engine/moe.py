@@ -67,11 +67,13 @@ def resolve_method(method: Method, weight: Tensor) -> Literal["grouped", "gather
 
 
 def experts_grouped(
-    hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor, act: Activation
+    hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor, act: Activation,
+    expert_ids: Tensor | None = None,
 ) -> Tensor:
     """All routed experts via grouped matmuls over the unmodified `[E, out, in]` weights.
 
-    hidden [T, H], top_k_index/top_k_weights [T, K] -> [T, H].
+    hidden [T, H], top_k_index/top_k_weights [T, K] -> [T, H]. `expert_ids`: arange(E) made
+    once by the caller (else here: a kernel per call and layer in a compiled step).
     """
     num_tokens, k = top_k_index.shape
     num_experts = gate_up_proj.shape[0]
@@ -79,7 +81,8 @@ def experts_grouped(
     sorted_ids, perm = torch.sort(flat, stable=True)
     # Offsets from the sorted ids with a fixed-size search: no bincount (its output size
     # depends on the data, a host sync that breaks graph capture).
-    experts = torch.arange(num_experts, device=flat.device, dtype=sorted_ids.dtype)
+    experts = expert_ids if expert_ids is not None else torch.arange(num_experts, device=flat.device)
+    experts = experts.to(sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
     x = hidden.index_select(0, perm // k).to(gate_up_proj.dtype)
     gate_up = _grouped_matmul(x, gate_up_proj.transpose(-2, -1), offs)
@@ -129,14 +132,26 @@ class FusedSparseMoeBlock(nn.Module):
             self.add_module(name, child)
         self.has_shared_expert = hasattr(block, "shared_expert")
         self.method = resolve_method(method, self.experts.gate_up_proj)
+        weights = self.experts.gate_up_proj
+        # Not persistent: the state_dict keeps the original block's keys.
+        self.register_buffer("expert_ids", torch.arange(weights.shape[0], device=weights.device), persistent=False)
         self.source_class = type(block).__name__
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         batch, seq, hidden_dim = hidden_states.shape
         flat = hidden_states.reshape(-1, hidden_dim)
-        _, routing_weights, selected = self.gate(flat)
-        run = experts_grouped if self.method == "grouped" else experts_gathered
-        out = run(flat, selected, routing_weights, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn)
+        # Compiled: the router's own forward, without the output-capturing hooks transformers
+        # registers on it once generate() has run (they read a ContextVar, which dynamo cannot
+        # trace; they only record router logits, which the engine never asks for).
+        router = self.gate.forward if torch.compiler.is_compiling() else self.gate
+        _, routing_weights, selected = router(flat)
+        experts = self.experts
+        if self.method == "grouped":
+            out = experts_grouped(
+                flat, selected, routing_weights, experts.gate_up_proj, experts.down_proj, experts.act_fn, self.expert_ids
+            )
+        else:
+            out = experts_gathered(flat, selected, routing_weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
         if self.has_shared_expert:
             # Same order of operations as the talker block: sigmoid gate times shared MLP, added last.
             shared = F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

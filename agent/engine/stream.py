@@ -31,9 +31,10 @@ and a batched tick equals the same sessions stepped alone: tests/unit/test_batch
 
 GPU path (agent/engine/graphing.py; on by default on CUDA, off with `--no-cuda-graphs`): the
 MoE experts are fused (agent/engine/moe.py), the slot caches reserved at their limit, and the
-thinker decode, talker step, code-predictor loop and code2wav step captured as CUDA graphs per
-batch bucket, here in the constructor, i.e. on the engine thread that builds the runner; only
-that thread may replay them. `graphs="fake"` runs the same wiring on CPU for tests
+thinker decode, talker step, code-predictor loop and code2wav step compiled with torch.compile
+(agent/engine/compiled.py; `--compile`, on CUDA by default) and captured as CUDA graphs per
+batch bucket, here in the constructor (so compiling happens at start-up, never in a reply),
+i.e. on the engine thread that builds the runner; only that thread may replay them. `graphs="fake"` runs the same wiring on CPU for tests
 (tests/unit/test_graph_wiring.py).
 """
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -123,12 +125,14 @@ class StreamingRunner:
     @classmethod
     def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
         """From agent.config.Config (system_prompt, max_reply_tokens, max_reply_seconds,
-        audio_window_s, max_sessions, context_limit, cuda_graphs). `graphs`: graph settings (default "auto":
-        graphs on a CUDA device); `config.cuda_graphs=False` (--no-cuda-graphs) turns them off
-        whatever they say."""
+        audio_window_s, max_sessions, context_limit, cuda_graphs, compile, cache_dir). `graphs`: graph
+        settings (default "auto": graphs on a CUDA device); `config.cuda_graphs=False`
+        (--no-cuda-graphs) turns them off whatever they say; `config.compile` decides compilation."""
         graphs = graphs or GraphConfig()
         if not config.cuda_graphs:
             graphs = replace(graphs, mode="off")
+        # --compile, its cache beside the tiny model's (a restart does not recompile from scratch).
+        graphs = replace(graphs, compile=config.compile, compile_cache=Path(config.cache_dir) / "compile")
         return cls(
             loaded,
             system_prompt=config.system_prompt,

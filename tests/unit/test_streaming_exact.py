@@ -10,7 +10,9 @@ Pins, under greedy decoding with audio + an image as input:
   equals generate() run with the same window;
 - a reply whose model wants to end at once still speaks one token (same rule as GenerateRunner);
 - a full context drops the session's history, says so in ReplyDone.stats, and the reply then
-  equals generate() on the fresh single-turn prompt.
+  equals generate() on the fresh single-turn prompt;
+- with the per-frame steps compiled (agent/engine/compiled.py) a reply, and two sessions
+  stepped together, still equal generate().
 The audio starts with its loudest sample: the streamed log-mel clamps with a running maximum
 (agent/engine/audio_stream.py), which equals the extractor's once the maximum has been seen.
 """
@@ -18,6 +20,7 @@ The audio starts with its loudest sample: the streamed log-mel clamps with a run
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
 from agent.engine.model import HistoryTurn, build_inputs
@@ -89,10 +92,16 @@ def assert_same(record, ref, atol=1e-4):
     np.testing.assert_allclose(record.wav, wav, atol=atol, rtol=0)
 
 
-def test_single_turn_equals_generate_and_audio_starts_at_once(loaded):
+@pytest.fixture(params=["eager", "compiled"])
+def compiled(request, compiled_options) -> dict:
+    """Runner options: the eager path, or the compiled per-frame path (tests/unit/test_compiled.py)."""
+    return compiled_options if request.param == "compiled" else {}
+
+
+def test_single_turn_equals_generate_and_audio_starts_at_once(loaded, compiled):
     audio, image = make_audio(1.5, 220, 1), make_image(0)
     ref = reference(loaded, audio, [image])
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True)
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **compiled)
     runner.open_session("s")
     steps, done = stream_turn(runner, "s", audio, [image])
     assert_same(runner.records["s"], ref)
@@ -231,9 +240,9 @@ def test_discard_turn_rolls_back_the_prefilled_audio(loaded):
     assert runner._sessions["s"].thinker.length == start
 
 
-def test_two_sessions_stepped_together_stay_independent(loaded):
+def test_two_sessions_stepped_together_stay_independent(loaded, compiled):
     inputs = {"a": (make_audio(1.2, 220, 13), [make_image(5)]), "b": (make_audio(1.0, 400, 14), [])}
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True)
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **compiled)
     for sid, (audio, images) in inputs.items():
         runner.open_session(sid)
         runner.append_audio(sid, audio)

@@ -1,0 +1,155 @@
+"""The compiled per-frame path (agent/engine/compiled.py) equals the eager one, on the tiny model.
+
+Pins:
+- each compiled step function (thinker decode, talker step, the whole code-predictor loop,
+  code2wav's push) gives the eager function's outputs and state writes, for every batch bucket
+  (1, 2, 4, 8, 16) and for a batch padded up to its bucket (3 -> 4);
+- on CPU one compile serves every bucket (the batch dim is symbolic), made at start-up: the
+  runner's constructor compiles, live calls do not (dynamo compiles no new graph);
+- per-bucket mode compiles once per bucket seen, never for a padded batch's own size, and runs a
+  batch above every bucket eagerly;
+- `--compile` / `--no-compile` reach the runner, and "auto" leaves CPU eager.
+The streaming-equals-generate() tests run with compilation on as well (test_streaming_exact.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from agent.__main__ import _serve_parser, config_from_args
+from agent.engine.compiled import CompiledStep, CompileSettings, PaddedBackend
+from agent.engine.graphs import GraphPool
+from agent.engine.session_state import KVState
+from agent.engine.stream import StreamingRunner
+
+BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4
+
+
+@pytest.fixture(scope="module")
+def runner(loaded, compiled_options):
+    torch.manual_seed(0)
+    runner = StreamingRunner(loaded, "hi", **compiled_options)
+    # Caches full of noise, so attention reads something that tells rows and positions apart.
+    with torch.inference_mode():
+        for kv in (runner.thinker.kv, runner.talker.kv):
+            for t in kv.keys + kv.values:
+                t.normal_()
+    runner.graphs_at_start = counters["stats"]["unique_graphs"]  # dynamo's compiled graphs so far
+    return runner
+
+
+def decode_inputs(runner, ops, batch: int, gen: torch.Generator):
+    """Rows of `batch` sessions in random slots, at random cache lengths and RoPE positions."""
+    states = []
+    for slot in torch.randperm(16, generator=gen)[:batch].tolist():
+        state = KVState(slot)
+        state.length, state.next_pos = torch.randint(0, 200, (2,), generator=gen).tolist()
+        states.append(state)
+    return runner.graphing.decode_rows(states, ops.kv.capacity, runner.loaded.device, tokens=[5] * batch)
+
+
+def test_start_up_compiles_each_step_once_for_every_bucket(runner):
+    compiler = runner.graphing.compiler
+    assert compiler is not None and runner.graphing.batch_sizes == (1, 2, 4, 8, 16)
+    seconds = compiler.compile_seconds()
+    assert set(seconds) == {"thinker_decode", "talker_step", "code_predictor", "code2wav"}
+    assert all(list(s) == [0] for s in seconds.values()), seconds  # 0: one function for all buckets
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_thinker_and_talker_steps_equal_eager(runner, batch):
+    gen = torch.Generator().manual_seed(batch)
+    with torch.inference_mode():
+        rows = decode_inputs(runner, runner.thinker, batch, gen)
+        tokens = torch.randint(0, 1000, (batch,), generator=gen)
+        args = (tokens, rows.slots, rows.index, rows.positions, rows.mask)
+        compiled = runner.thinker._graph(*args).clone()
+        eager = runner.thinker._decode_step(*args)  # writes the same keys where the compiled one did
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+        rows = decode_inputs(runner, runner.talker, batch, gen)
+        hidden = runner.loaded.model.talker.config.text_config.hidden_size
+        embeds = torch.randn(batch, 1, hidden, generator=gen)
+        args = (embeds, rows.slots, rows.index, rows.positions, rows.mask)
+        logits, last = runner.talker._graph(*args)
+        want_logits, want_last = runner.talker._step(*args)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(last, want_last, rtol=1e-4, atol=1e-4)
+    assert runner.graphing.compiler.steps["thinker_decode"].stats.calls > 0
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_code_predictor_loop_equals_eager(runner, batch):
+    gen = torch.Generator().manual_seed(100 + batch)
+    predictor = runner.frames.predictor
+    hidden = predictor.talker_embed.embedding_dim
+    with torch.inference_mode():
+        last = torch.randn(batch, 1, hidden, generator=gen)
+        code0 = torch.randint(0, 2048, (batch,), generator=gen)
+        codes, sums = predictor.run(last, code0)
+        want_codes, want_sums = predictor._run(last, code0)
+    torch.testing.assert_close(codes, want_codes, rtol=0, atol=0)
+    torch.testing.assert_close(sums, want_sums, rtol=1e-4, atol=1e-4)
+    assert len(set(codes[:, 1:].flatten().tolist())) > 1  # a loop that really ran, not a constant
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_code2wav_push_equals_eager_with_its_state(runner, batch):
+    gen = torch.Generator().manual_seed(200 + batch)
+    c2w = runner.frames.code2wav
+    slots = torch.randperm(16, generator=gen)[:batch]
+    quantizers = c2w.code2wav.config.num_quantizers
+
+    def snapshot():
+        return [t.clone() for t in (*c2w.states.values(), c2w.key_pos, *c2w.kv.keys, *c2w.kv.values)]
+
+    def restore(saved):
+        for t, s in zip((*c2w.states.values(), c2w.key_pos, *c2w.kv.keys, *c2w.kv.values), saved):
+            t.copy_(s)
+
+    with torch.inference_mode():
+        for frame in range(3):  # fresh rows first, then rows with conv state and ring entries
+            codes = torch.randint(0, 2048, (batch, quantizers, 1), generator=gen)
+            frames = torch.full((batch,), frame, dtype=torch.long)
+            fresh = torch.full((batch,), int(frame == 0), dtype=torch.long)
+            before = snapshot()
+            compiled = c2w._graph(codes, slots, frames, fresh).clone()
+            after = snapshot()
+            restore(before)
+            eager = c2w._step(codes, slots, frames, fresh)
+            torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+            for got, want in zip(after, snapshot()):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_live_calls_never_recompiled(runner):
+    # Every bucket, padded batches and fresh inputs above ran on what start-up compiled.
+    assert runner.graphs_at_start > 0
+    assert counters["stats"]["unique_graphs"] == runner.graphs_at_start
+
+
+def test_per_bucket_mode_compiles_once_per_bucket_and_runs_big_batches_eagerly():
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x * 2, dim=-1) + x.sum(-1, keepdim=True)
+
+    compiled = CompiledStep("toy", step, (1, 2, 4), CompileSettings(dynamic_batch=False))
+    pool = GraphPool(compiled, (1, 2, 4), warmup_iters=0, backend=PaddedBackend())
+    for batch in (3, 4, 1, 3, 5):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(pool(x), step(x))
+    assert sorted(compiled.stats.compiles) == [1, 4]  # 3 ran padded to 4; 1 once
+    assert compiled.stats.eager == 1  # 5: above every bucket
+
+
+def test_compile_flags_reach_the_runner(loaded):
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser)
+    assert config_from_args(parser.parse_args([])).compile == "auto"
+    assert config_from_args(parser.parse_args(["--no-compile"])).compile == "off"
+    assert config_from_args(parser.parse_args(["--compile", "on"])).compile == "on"
+    eager = StreamingRunner.from_config(loaded, config_from_args(parser.parse_args(["--max-sessions", "1"])))
+    assert eager.graphing.compiler is None and not eager.graphing.enabled  # auto: CPU stays eager
