@@ -77,6 +77,8 @@ class Session:
         self._unlisten = self.admission.listen(self._on_level)
         if self.settings["instructions"] != self.config.system_prompt:
             self._engine_call("set_instructions", self.settings["instructions"])
+        if self.settings["audio"]["output"].get("voice") not in (None, "default", self.config.speaker):
+            self._set_voice(self.settings["audio"]["output"]["voice"])  # from the offer's session
         self.emit({"type": "session.created", "session": self.settings,
                    "omni": {"mode": LEVEL_NAMES[self.admission.ladder.level]}})
 
@@ -193,6 +195,9 @@ class Session:
         old, self.settings = self.settings, merged
         if merged["instructions"] != old["instructions"]:
             self._engine_call("set_instructions", merged["instructions"])
+        voice = merged["audio"]["output"].get("voice")
+        if voice != old["audio"]["output"].get("voice"):
+            self._set_voice(voice)
         td = session_config.turn_detection(merged, self.config.vad_silence_ms)
         if td != self.input.turn_detection:
             if self.input.in_turn:  # the turn so far cannot be judged by new rules
@@ -405,6 +410,19 @@ class Session:
         p95 = self.admission.ladder.current_p95()
         self.emit({"type": "omni.response.mode", "mode": LEVEL_NAMES[level],
                    "reason": f"p95 first-response latency {p95 * 1000:.0f} ms" if p95 is not None else "recovered"})
+
+    def _set_voice(self, voice: Any) -> None:
+        if not isinstance(voice, str):  # a custom-voice object: this model has none
+            self.emit_error("this model has no custom voices; name one of its speakers", "invalid_value",
+                            param="session.audio.output.voice")
+            return
+        future = self.engine.call(self.id, "set_voice", voice)
+
+        def report(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None and not self._closed:
+                self.emit_error(str(f.exception()), "invalid_value", param="session.audio.output.voice")
+
+        future.add_done_callback(report)
 
     def _engine_call(self, method: str, *args: Any, event_id: Optional[str] = None) -> asyncio.Future:
         """A runner method in order with the other commands; a failure becomes an error event."""

@@ -150,6 +150,7 @@ class SessionState:
     reply: ReplyState | None = None
     pending_stages: list[tuple[str, float]] = field(default_factory=list)  # emitted by the next step()
     system_prompt: str | None = None  # the session's own instructions (None: the runner's)
+    voice: str = ""  # the talker speaker of the session's replies ("": the loaded one)
     pending_system: list[int] = field(default_factory=list)  # a system message for the next turn's start
     last_reply: LastReply | None = None  # until the next reply begins
 

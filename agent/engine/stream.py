@@ -206,6 +206,12 @@ class StreamingRunner:
         self._sessions[session_id].turn.text_ids += ids
         return len(ids)
 
+    def set_voice(self, session_id: str, voice: str) -> str:
+        """The talker speaker of the session's next replies (a reply keeps the one it began with)."""
+        name = self.talker.voice_name(voice)
+        self._sessions[session_id].voice = name
+        return name
+
     @torch.inference_mode()
     def set_instructions(self, session_id: str, text: str) -> str:
         """The session's system prompt. Before the first turn it replaces the prefilled one

@@ -66,14 +66,22 @@ class TalkerOps:
             # One call on the three rows, as generate() does, so the values match to the bit.
             projected = self.talker.text_projection(model.thinker.get_input_embeddings()(special))
             self.tts_bos, self.tts_eos, self.tts_pad = projected.chunk(3, dim=1)
-            codec_prefix = torch.tensor(
-                [[tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id, speaker_id,
-                  tcfg.codec_pad_id, tcfg.codec_bos_id]],
-                device=loaded.device,
-            )
             hidden = tcfg.text_config.hidden_size
             zeros = torch.zeros(1, 3, hidden, device=loaded.device, dtype=projected.dtype)
-            self.codec_prefix = torch.cat([zeros, self.talker.get_input_embeddings()(codec_prefix)], dim=1)
+
+            def prefix(speaker: int) -> torch.Tensor:
+                ids = torch.tensor(
+                    [[tcfg.codec_nothink_id, tcfg.codec_think_bos_id, tcfg.codec_think_eos_id, speaker,
+                      tcfg.codec_pad_id, tcfg.codec_bos_id]],
+                    device=loaded.device,
+                )
+                return torch.cat([zeros, self.talker.get_input_embeddings()(ids)], dim=1)
+
+            # The speaker is one codec token of the reply's prefix: a session's voice (Realtime
+            # `audio.output.voice`) picks which, per reply, at no other cost.
+            self.codec_prefix = prefix(speaker_id)
+            self.voices = {name.lower(): prefix(sid) for name, sid in (tcfg.speaker_id or {}).items()}
+            self.default_voice = loaded.speaker.lower()
         self.graphing = graphing
         self.pad_slot = slots
         # Outputs cloned: the hidden rows are kept per reply until the code predictor runs.
@@ -120,14 +128,24 @@ class TalkerOps:
             out[~mask] = self.talker.text_projection(embeds[~mask])
         return out
 
-    def assistant_prefix(self, header_embeds: torch.Tensor, first_token_embed: torch.Tensor) -> torch.Tensor:
+    def voice_name(self, voice: str) -> str:
+        """The talker speaker a Realtime voice names ("default": the loaded one)."""
+        name = voice.lower()
+        if name == "default":
+            return self.default_voice
+        if name not in self.voices:
+            raise ValueError(f"unknown voice {voice!r}; this model speaks as: {', '.join(sorted(self.voices))}")
+        return name
+
+    def assistant_prefix(self, header_embeds: torch.Tensor, first_token_embed: torch.Tensor,
+                         voice: str = "") -> torch.Tensor:
         """[1, 9, hidden]: text side (header, 4 x tts_pad, tts_bos, first reply token) plus
         codec side (3 zeros, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos)."""
         projected = self.talker.text_projection(torch.cat([header_embeds, first_token_embed], dim=1))
         text_side = torch.cat(
             [projected[:, :3], self.tts_pad.expand(1, 4, -1), self.tts_bos, projected[:, 3:4]], dim=1
         )
-        return text_side + self.codec_prefix
+        return text_side + (self.voices[voice] if voice else self.codec_prefix)
 
     def text_sides(self, token_embeds: Sequence[torch.Tensor | None], ended: Sequence[bool]) -> torch.Tensor:
         """[B, 1, hidden]: the text-side entry of one talker step per row: a fed reply token's

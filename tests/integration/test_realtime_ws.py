@@ -3,6 +3,7 @@
 Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny model:
 - session.created carries a whole GA session; session.update merges (tolerating tracing,
   tools, transcription model, noise reduction, prompt, include) and answers session.updated;
+  an unknown voice is refused with `param` and the model's speakers;
 - a spoken WAV streamed as 24 kHz pcm16 in real time gets speech_started → speech_stopped →
   committed → response.created → transcript deltas and non-silent output_audio deltas →
   response.done with usage, ids consistent across the response's events;
@@ -204,10 +205,17 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
                          "session": {"type": "realtime", "audio": {"output": {"format": {"type": "audio/pcmu"}}}}})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_bad_2")
         assert err["error"]["param"] == "session.audio.output.format"
+        # A voice the model has not: refused by the engine, with the speakers it has.
+        await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "marin"}}})
+        err = await ev.wait("error", 10, where=lambda e: e["error"].get("param") == "session.audio.output.voice")
+        assert "chelsie" in err["error"]["message"]
+        await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "chelsie"}}})
         # Manual turns.
         await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}},
                                            "prompt": None, "include": ["item.input_audio_transcription.logprobs"]})
-        updated = await ev.wait("session.updated", 10)
+        updated = await ev.wait("session.updated", 10,
+                                where=lambda e: e["session"]["audio"]["input"]["turn_detection"] is None)
+        assert updated["session"]["audio"]["output"]["voice"] == "chelsie"
         assert updated["session"]["audio"]["input"]["turn_detection"] is None
         await conn.send({"type": "input_audio_buffer.commit", "event_id": "evt_empty"})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_empty")

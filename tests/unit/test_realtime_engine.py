@@ -9,7 +9,9 @@ Pins, by the tokens in the session's KV slot:
   read by then: the cache is cut there and the assistant turn closed (<|im_end|>) before the
   next turn; a turn already being prefilled is taken back out and prefilled again after it;
 - per-response instructions are a system message right before that reply's assistant header;
-- a truncation while a reply runs is refused.
+- a truncation while a reply runs is refused;
+- a session's voice picks the talker speaker: naming the loaded speaker changes nothing,
+  another speaker changes the reply's audio, an unknown one is refused with the list.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.engine.api import ReplyDone
+from agent.engine.api import AudioOut, ReplyDone
 from agent.engine.model import assistant_start_ids, system_turn_ids
 from agent.engine.stream import StreamingRunner
 
@@ -141,3 +143,30 @@ def test_per_response_instructions_sit_before_the_assistant_header(runner, loade
     done = run_reply(runner, "s", text_only=True)
     closing = done.stats["prefill_tokens"] - own
     assert 0 < closing < m
+
+
+def reply_audio(runner: StreamingRunner, sid: str) -> np.ndarray:
+    runner.add_user_text(sid, "Say something.")
+    runner.begin_reply(sid, [])
+    pcm = []
+    for _ in range(500):
+        if not runner.has_work():
+            break
+        pcm += [o.pcm for o in runner.step() if isinstance(o, AudioOut)]
+    assert pcm
+    return np.concatenate(pcm)
+
+
+def test_voice_picks_the_talker_speaker(runner, loaded) -> None:
+    for sid in ("default", "same", "other"):
+        runner.open_session(sid)
+    assert runner.set_voice("same", loaded.speaker.upper()) == loaded.speaker.lower()
+    other = next(v for v in runner.talker.voices if v != loaded.speaker.lower())
+    runner.set_voice("other", other)
+    with pytest.raises(ValueError, match="this model speaks as"):
+        runner.set_voice("other", "marin")
+    assert runner._sessions["other"].voice == other  # a refused voice changes nothing
+    base = reply_audio(runner, "default")
+    assert np.array_equal(reply_audio(runner, "same"), base)
+    changed = reply_audio(runner, "other")
+    assert changed.shape != base.shape or not np.array_equal(changed, base)
