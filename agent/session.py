@@ -399,6 +399,32 @@ class Session:
 
         self.after_engine_idle(cut)
 
+    def delete_item(self, item_id: str, event_id: Optional[str]) -> None:
+        """Delete the latest assistant item: its words leave the list and the model's context (an
+        empty assistant turn stays, so the turns keep their order). Earlier items are refused:
+        the KV cache holds the conversation in order and cannot drop a turn from its middle."""
+        last = self._last
+        if last is None or last.item_id != item_id:
+            self.emit_error("only the latest assistant item can be deleted: the model's context keeps "
+                            "the conversation in order", "unsupported", param="item_id", event_id=event_id)
+            return
+        if last is self._reply:
+            self.interrupt("client_cancelled")
+
+        def cut() -> None:
+            future = self._engine_call("truncate_reply", 0, event_id=event_id)
+
+            def done(f: asyncio.Future) -> None:
+                if f.cancelled() or f.exception() is not None or self._closed:
+                    return  # _engine_call reported it
+                self.conversation.remove(item_id)
+                self._last = None
+                self.emit({"type": "conversation.item.deleted", "item_id": item_id})
+
+            future.add_done_callback(done)
+
+        self.after_engine_idle(cut)
+
     def after_engine_idle(self, fn: Callable[[], None]) -> None:
         """Run fn once the engine has ended every cancelled reply (a truncation needs that)."""
         if self._stale_done:

@@ -137,10 +137,10 @@ def _item_retrieve(session: "Session", event: dict[str, Any]) -> None:
 
 
 def _item_delete(session: "Session", event: dict[str, Any]) -> None:
-    if str(event.get("item_id")) not in session.conversation:
-        raise BadEvent(f"no item {event.get('item_id')!r}", "item_not_found", "item_id")
-    raise BadEvent("items cannot be deleted: the model's context keeps the conversation in order "
-                   "(truncate the latest reply instead)", "unsupported", "item_id")
+    item_id = str(event.get("item_id"))
+    if item_id not in session.conversation:
+        raise BadEvent(f"no item {item_id!r}", "item_not_found", "item_id")
+    session.delete_item(item_id, event.get("event_id"))
 
 
 def _item_truncate(session: "Session", event: dict[str, Any]) -> None:

@@ -36,6 +36,9 @@ class Conversation:
         if item_id in self._items:
             self._items[item_id] = item
 
+    def remove(self, item_id: str) -> None:
+        self._items.pop(item_id, None)
+
     def last_id(self) -> Optional[str]:
         return next(reversed(self._items), None) if self._items else None
 

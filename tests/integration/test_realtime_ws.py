@@ -13,6 +13,7 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
 - response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works;
 - a bad event gets `error` naming its event_id (and the field) and the connection goes on;
 - truncating the latest reply answers conversation.item.truncated and shortens its transcript;
+  deleting it answers conversation.item.deleted (it is gone); deleting an earlier item is refused;
 - server VAD with create_response false commits a turn without answering it, and with
   interrupt_response false speaking over a reply does not cancel it;
 - agent.client.WsAgentClient (the benchmark's WebSocket client) times a turn;
@@ -305,10 +306,19 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
         item = await _retrieve(conn, ev, item_id)
         cut = item["content"][0]["transcript"]
         assert full.startswith(cut) and len(cut) < len(full)
-        # Deleting is refused with a reason, the conversation goes on.
-        await conn.send({"type": "conversation.item.delete", "event_id": "evt_del", "item_id": item_id})
+        # An earlier item cannot be deleted (the model's context keeps the turns in order) ...
+        user_item = next(e["item"]["id"] for e in ev.all if e["type"] == "conversation.item.added"
+                         and e["item"]["role"] == "user")
+        await conn.send({"type": "conversation.item.delete", "event_id": "evt_del", "item_id": user_item})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_del")
         assert err["error"]["code"] == "unsupported"
+        # ... the latest assistant item can: it leaves the list (and the model's context).
+        await conn.conversation.item.delete(item_id=item_id)
+        deleted = await ev.wait("conversation.item.deleted", 10)
+        assert deleted["item_id"] == item_id
+        await conn.send({"type": "conversation.item.retrieve", "event_id": "evt_gone", "item_id": item_id})
+        err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_gone")
+        assert err["error"]["code"] == "item_not_found"
     finally:
         ev.close()
         await manager.__aexit__(None, None, None)
