@@ -442,6 +442,10 @@ class Session:
             self.emit_error("this model has no custom voices; name one of its speakers", "invalid_value",
                             param="session.audio.output.voice")
             return
+        # OpenAI's own voice names are what stock clients send by default: they get this model's
+        # default speaker rather than an error, so a client works with only its base URL changed.
+        if voice.lower() in session_config.OPENAI_VOICES:
+            voice = "default"
         future = self.engine.call(self.id, "set_voice", voice)
 
         def report(f: asyncio.Future) -> None:

@@ -17,6 +17,10 @@ from typing import Any, Optional
 from ..config import Config
 from .events import PCM_FORMAT, new_id
 
+# The voices OpenAI's Realtime API names; a client that sends one (most do, by default) is served by
+# the model's default speaker.
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "marin", "sage", "shimmer", "verse"})
+
 # semantic_vad is served by the acoustic endpointer; its eagerness picks the silence that ends a turn.
 _EAGERNESS_SILENCE_MS = {"low": 800, "medium": 500, "auto": 500, "high": 300}
 _INPUT_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")

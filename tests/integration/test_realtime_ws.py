@@ -3,7 +3,8 @@
 Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny model:
 - session.created carries a whole GA session; session.update merges (tolerating tracing,
   tools, transcription model, noise reduction, prompt, include) and answers session.updated;
-  an unknown voice is refused with `param` and the model's speakers;
+  OpenAI's voice names get the default speaker, an unknown voice is refused with `param`
+  and the model's speakers;
 - a spoken WAV streamed as 24 kHz pcm16 in real time gets speech_started → speech_stopped →
   committed → response.created → transcript deltas and non-silent output_audio deltas →
   response.done with usage, ids consistent across the response's events;
@@ -207,7 +208,7 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_bad_2")
         assert err["error"]["param"] == "session.audio.output.format"
         # A voice the model has not: refused by the engine, with the speakers it has.
-        await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "marin"}}})
+        await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "nobody"}}})
         err = await ev.wait("error", 10, where=lambda e: e["error"].get("param") == "session.audio.output.voice")
         assert "chelsie" in err["error"]["message"]
         await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "chelsie"}}})
@@ -335,9 +336,13 @@ async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: 
         await ev.wait("session.updated", 10)
         await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                   "content": [{"type": "input_text", "text": "Talk to me."}]})
+        # Speak at once (the WAV's lead-in silence cut off) while the reply is being made, so the
+        # speech starts during the reply and not only after it has been generated.
+        pcm = pcm24(speech_wav)
+        voiced = np.flatnonzero(np.abs(pcm) > 500)
         await conn.response.create()
-        await ev.wait("response.output_audio.delta", 90)
-        await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
+        await ev.wait("response.created", 30)
+        await stream_realtime(conn, pcm[max(0, voiced[0] - 480):], tail_silence_s=1.0)
         committed = await ev.wait("input_audio_buffer.committed", 30)
         first = await ev.wait("response.done", 90)
         started = ev.of("input_audio_buffer.speech_started")[0]
