@@ -293,13 +293,7 @@ class AgentClient:
 
     def turn_latencies(self) -> list[Optional[float]]:
         """Voice-to-voice for each play of the WAV (None: no reply heard before the next play)."""
-        ends = self.audio.speech_ends
-        out: list[Optional[float]] = []
-        for i, end in enumerate(ends):
-            nxt = ends[i + 1] if i + 1 < len(ends) else float("inf")
-            onset = next((t for t in self.result.audible_onsets if end < t < nxt), None)
-            out.append(None if onset is None else onset - end)
-        return out
+        return latencies(self.audio.speech_ends, self.result.audible_onsets)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -400,12 +394,7 @@ class WsAgentClient:
 
     def turn_latencies(self) -> list[Optional[float]]:
         """End of speech → first audible audio delta received, per play of the WAV."""
-        out: list[Optional[float]] = []
-        for i, end in enumerate(self.speech_ends):
-            nxt = self.speech_ends[i + 1] if i + 1 < len(self.speech_ends) else float("inf")
-            onset = next((t for t in self.result.audible_onsets if end < t < nxt), None)
-            out.append(None if onset is None else onset - end)
-        return out
+        return latencies(self.speech_ends, self.result.audible_onsets)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -414,3 +403,14 @@ class WsAgentClient:
             await self._ws.close()
         if self._http is not None:
             await self._http.close()
+
+
+def latencies(speech_ends: list[float], onsets: list[float]) -> list[Optional[float]]:
+    """For each end of speech, the delay to the first audible onset before the next one (None:
+    no reply heard in between)."""
+    out: list[Optional[float]] = []
+    for i, end in enumerate(speech_ends):
+        nxt = speech_ends[i + 1] if i + 1 < len(speech_ends) else float("inf")
+        onset = next((t for t in onsets if end < t < nxt), None)
+        out.append(None if onset is None else onset - end)
+    return out

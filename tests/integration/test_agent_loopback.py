@@ -22,6 +22,7 @@ from agent.client import AgentClient
 from agent.config import Config
 from agent.engine import build_engine
 from agent.server import create_app
+from realtime_helpers import start_agent
 
 
 def _free_port() -> int:
@@ -33,25 +34,9 @@ def _free_port() -> int:
 @pytest.fixture
 async def agent_url(tiny_model_dir: Path, request):
     runner_name = getattr(request, "param", "stream")
-    config = Config(host="127.0.0.1", port=_free_port(), ice_hosts=("127.0.0.1",),
-                    model=str(tiny_model_dir), runner=runner_name, max_sessions=2, threads=1,
-                    fallback_model="none")
-    engine = build_engine(config)
-    app = create_app(config, engine)
-    app_runner = web.AppRunner(app)
-    await app_runner.setup()
-    await web.TCPSite(app_runner, config.host, config.port).start()
-    url = f"http://{config.host}:{config.port}"
-    async with aiohttp.ClientSession() as http:
-        for _ in range(600):  # model load, bounded: 60 s
-            async with http.get(f"{url}/healthz") as resp:
-                if resp.status == 200:
-                    break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("engine did not become ready")
-    yield url
-    await app_runner.cleanup()
+    running = await start_agent(tiny_model_dir, runner=runner_name, max_sessions=2)
+    yield running.url
+    await running.stop()
 
 
 async def _metric(url: str, name: str) -> float:
