@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from agent.config import INPUT_FRAME_SAMPLES, Config  # noqa: E402
+from agent.config import Config  # noqa: E402
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta  # noqa: E402
 
 
@@ -69,16 +69,12 @@ class Reply:
 
 def run_replies(runner, audio: np.ndarray, image: np.ndarray, sessions: int, tag: str) -> list[Reply]:
     """Open `sessions` sessions, 'speak' the audio into each, end all turns at once, step to the end."""
+    from bench_kernels import speak
+
     sids = [f"{tag}{i}" for i in range(sessions)]
-    for sid in sids:
-        runner.open_session(sid)
-        for i in range(0, len(audio), INPUT_FRAME_SAMPLES):
-            runner.append_audio(sid, audio[i : i + INPUT_FRAME_SAMPLES])
     # Work done while the user was speaking (incremental encode/prefill, and the stage
-    # records it left pending) is not end-of-turn latency: let the runner finish it first.
-    for _ in range(1000):
-        if not runner.step():
-            break
+    # records it left pending) is not end-of-turn latency: speak() lets the runner finish it.
+    speak(runner, sids, audio)
     replies = {sid: Reply() for sid in sids}
     t0 = time.perf_counter()
     for sid in sids:
