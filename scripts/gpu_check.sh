@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short GPU check of the engine's CUDA path (target: under 8 minutes on an H200):
+# One short GPU check of the engine's CUDA path (target: under 9 minutes on an H200):
 #   1. machine, driver and Python versions, nvidia-smi;
 #   2. install: the machine's CUDA torch is kept (the project pins torch==2.13.0, whose CPU wheel
 #      this repo's own machines use; a pip resolve would replace a CUDA build), the rest of the
@@ -7,7 +7,8 @@
 #      build on x86_64);
 #   3. pytest -m gpu over the test files that hold GPU tests (real CUDA graphs of the engine,
 #      fused MoE, the full-size preset);
-#   4. scripts/bench_engine.py at full size with random weights, batch 1 and 4, graphs on.
+#   4. scripts/bench_engine.py at full size with random weights: batch 1, 4, 10 with CUDA graphs and
+#      compile off, then on; batch 1 eager (its table prints peak memory and the graph counts).
 # Every step has a time limit. A failed setup (install, imports, no CUDA) stops the script before
 # the GPU steps; a failing GPU step is recorded and the next one still runs; the exit status is
 # non-zero if any step failed. Output goes to the terminal and to files under $OUT
@@ -16,7 +17,8 @@
 #   bash scripts/gpu_check.sh                       # from the repo root
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #
-# Offline machines (the lent H200 reaches no package index; its python3 has CUDA torch 2.11,
+# Offline machines (the lent H200 reaches no package index; its python3 has CUDA torch 2.11 (flex
+# attention runs there; measured 2026-11-30, bench/results/engine-h200-2026-11-30.txt),
 # transformers 5.17, pytest, prometheus-client): carry the missing wheels (14 MB, pure Python)
 # in `.whl/`, named in the run's `carry`, made here with
 #   echo /.whl/ >> .git/info/exclude
@@ -117,8 +119,12 @@ fi
 mapfile -t GPU_TESTS < <(grep -rl "pytest.mark.gpu" tests | sort)
 run pytest_gpu "${GPU_TEST_LIMIT:-240}" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider "${GPU_TESTS[@]}"
 
-run bench_engine "${BENCH_LIMIT:-300}" "$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weights --device cuda \
-  --batch 1,4 --no-reference --repeats 3
+# Graphs without compile first (measured: ~2 min on an H200), then compiled + graphed (cold
+# inductor compiles at real depth: give it the rest), then eager, for the ratio.
+BENCH=("$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weights --device cuda --no-reference)
+run bench_graphs "${BENCH_LIMIT:-150}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile off
+run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on
+run bench_eager "${EAGER_LIMIT:-90}" "${BENCH[@]}" --batch 1 --repeats 1 --compile off --no-cuda-graphs
 
 section "done in $(($(date +%s) - START)) s"
 {
