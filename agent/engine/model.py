@@ -129,7 +129,7 @@ def load_model(
 
 
 def complete_config(config) -> None:
-    """Add fields transformers 5.24 reads but its config classes do not declare (FACTS.md)."""
+    """Add fields transformers 5.24 reads but its config classes do not declare (docs/model-facts.md)."""
     thinker, talker = config.thinker_config, config.talker_config
     if getattr(talker, "spatial_merge_size", None) is None:
         talker.spatial_merge_size = thinker.vision_config.spatial_merge_size

@@ -8,13 +8,13 @@ memory, no init compute), materialised once on the target device with `to_empty`
 initialised there: normal(0, initializer_range) for weights, the classes' own constants for
 norms, layer scales, ConvNeXt gammas and SnakeBeta log-scales, recomputed non-persistent buffers
 (RoPE frequencies, sinusoid table, code2wav code offsets), and code2wav's last conv calibrated
-so random codes decode at about -20 dBFS (the default init is inaudible, FACTS.md). Parameters
+so random codes decode at about -20 dBFS (the default init is inaudible, docs/model-facts.md). Parameters
 take `dtype`; buffers keep the dtype the classes give them (fp32 RoPE, int64 offsets), as
 `from_pretrained(dtype=...)` does.
 
-Dimensions marked "published" are the ones FACTS.md lists; GUESSED_FIELDS names the rest, filled
+Dimensions marked "published" are the published ones (docs/model-facts.md); GUESSED_FIELDS names the rest, filled
 from the published config.json as recalled (they do not change the parameter count except where
-the test pins it against FACTS' 35.3 B total and 3.35 B thinker-active).
+the test pins it against the published 35.3 B total and 3.35 B thinker-active).
 
 `build_random("tiny", ...)` is `agent.engine.tiny.build_model()` moved to the device.
 """
@@ -90,7 +90,7 @@ def real_config_dict() -> dict[str, Any]:
                 "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
             },
             "num_code_groups": 16, "thinker_hidden_size": 2048, "accept_hidden_layer": 24,
-            # Read by the code, not declared by the config class (FACTS.md).
+            # Read by the code, not declared by the config class (docs/model-facts.md).
             "spatial_merge_size": 2,
             "codec_pad_id": 2148, "codec_bos_id": 2149, "codec_eos_token_id": 2150, "codec_nothink_id": 2155,
             "codec_think_bos_id": 2156, "codec_think_eos_id": 2157,
@@ -163,7 +163,7 @@ def preset_config(preset: str = REAL, overrides: Mapping[str, Any] | None = None
         raise ValueError(f"no config preset {preset!r} (known: {REAL!r}; 'tiny' comes from agent.engine.tiny)")
     kwargs = _merge(real_config_dict(), overrides or {})
     config = Qwen3OmniMoeConfig(**kwargs)
-    # Declared nowhere, read by the talker block and generate() (FACTS.md): set on the objects.
+    # Declared nowhere, read by the talker block and generate() (docs/model-facts.md): set on the objects.
     talker_text = kwargs["talker_config"]["text_config"]
     config.talker_config.text_config.shared_expert_intermediate_size = talker_text["shared_expert_intermediate_size"]
     config.talker_config.spatial_merge_size = kwargs["talker_config"]["spatial_merge_size"]

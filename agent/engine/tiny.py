@@ -232,7 +232,7 @@ def _single_token_id(tokenizer, word: str) -> int:
 
 def tiny_config(vocab_size: int, ids: dict[str, int], role_ids: dict[str, int]):
     """Tiny dims, real structure. Fields the code reads but the config classes do not declare
-    are set here explicitly (see FACTS.md): talker spatial_merge_size, the talker's
+    are set here explicitly (see docs/model-facts.md): talker spatial_merge_size, the talker's
     shared_expert_intermediate_size and the thinker's vision_start_token_id."""
     from transformers import Qwen3OmniMoeConfig
 

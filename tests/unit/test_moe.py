@@ -37,7 +37,7 @@ def _talker_block(hidden=64, experts=8, top_k=3, inter=32, shared=48, seed=0):
     cfg = Qwen3OmniMoeTalkerConfig(
         text_config=dict(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k)
     ).text_config
-    # Read by the block but not declared by the config class (FACTS.md).
+    # Read by the block but not declared by the config class (docs/model-facts.md).
     cfg.shared_expert_intermediate_size = shared
     return _init(hf.Qwen3OmniMoeTalkerTextSparseMoeBlock(cfg), cfg, seed)
 

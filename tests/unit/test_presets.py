@@ -2,7 +2,7 @@
 
 Pins: the real preset's config has the published dimensions and, counted on the meta device
 (nothing allocated), 35.3 B parameters with 3.35 B thinker-active and 0.29 B talker-active per
-token (FACTS.md); the meta -> to_empty -> init path, run on a scaled-down variant on CPU, gives
+token (docs/model-facts.md); the meta -> to_empty -> init path, run on a scaled-down variant on CPU, gives
 the classes' own initial values (norms 1, biases 0, layer scales, SnakeBeta log-scales, the same
 RoPE/sinusoid/code-offset buffers; weights normal(0, 0.02), the talker's experts and router
 included), is deterministic per seed, keeps buffers' dtypes under bf16, and every submodule
@@ -34,7 +34,7 @@ def test_real_config_has_the_published_dimensions():
     assert cfg.talker_config.accept_hidden_layer == 24
     assert (cp.num_hidden_layers, cp.hidden_size, cp.num_code_groups) == (5, 1024, 16)
     assert (c2w.num_hidden_layers, c2w.hidden_size, c2w.sliding_window, c2w.decoder_dim) == (8, 1024, 72, 1536)
-    # Fields the code reads but the config classes do not declare (FACTS.md).
+    # Fields the code reads but the config classes do not declare (docs/model-facts.md).
     assert cfg.talker_config.spatial_merge_size == 2 and cfg.thinker_config.vision_start_token_id == 151652
 
 
@@ -76,7 +76,7 @@ def test_init_matches_the_classes_own_values(scaled):
         mine = ours[name]
         assert mine.shape == ref.shape and mine.device.type == "cpu", name
         assert torch.isfinite(mine).all(), name
-        # transformers leaves the talker's routed experts empty and its router at zero (FACTS.md).
+        # transformers leaves the talker's routed experts empty and its router at zero (docs/model-facts.md).
         talker_moe = name.startswith("talker.model.layers.") and (".mlp.experts." in name or ".mlp.gate." in name)
         if name == calibrated:
             continue
