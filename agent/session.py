@@ -382,22 +382,13 @@ class Session:
             self.emit_error(f"audio_end_ms {audio_end_ms} is past the item's audio ({produced_ms} ms)",
                             "invalid_value", param="audio_end_ms", event_id=event_id)
             return
-        if last is self._reply:
-            self.interrupt("client_cancelled")  # truncating a reply in flight ends it first
 
-        def cut() -> None:
-            future = self._engine_call("truncate_reply", audio_end_ms // FRAME_MS, event_id=event_id)
+        def truncated(kept_tokens: int) -> None:
+            self.conversation.set_transcript(item_id, last.text_upto(kept_tokens))
+            self.emit({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
+                       "audio_end_ms": audio_end_ms})
 
-            def done(f: asyncio.Future) -> None:
-                if f.cancelled() or f.exception() is not None or self._closed:
-                    return  # _engine_call reported it
-                self.conversation.set_transcript(item_id, last.text_upto(f.result()["kept_tokens"]))
-                self.emit({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
-                           "audio_end_ms": audio_end_ms})
-
-            future.add_done_callback(done)
-
-        self.after_engine_idle(cut)
+        self._cut_latest_reply(audio_end_ms // FRAME_MS, event_id, truncated)
 
     def delete_item(self, item_id: str, event_id: Optional[str]) -> None:
         """Delete the latest assistant item: its words leave the list and the model's context (an
@@ -408,18 +399,27 @@ class Session:
             self.emit_error("only the latest assistant item can be deleted: the model's context keeps "
                             "the conversation in order", "unsupported", param="item_id", event_id=event_id)
             return
-        if last is self._reply:
+
+        def deleted(_kept_tokens: int) -> None:
+            self.conversation.remove(item_id)
+            self._last = None
+            self.emit({"type": "conversation.item.deleted", "item_id": item_id})
+
+        self._cut_latest_reply(0, event_id, deleted)
+
+    def _cut_latest_reply(self, audio_frames: int, event_id: Optional[str], then: Callable[[int], None]) -> None:
+        """Keep the latest reply's first `audio_frames` frames' text in the model's context (a reply
+        still running is cancelled first), then call `then(kept_tokens)`."""
+        if self._last is self._reply:
             self.interrupt("client_cancelled")
 
         def cut() -> None:
-            future = self._engine_call("truncate_reply", 0, event_id=event_id)
+            future = self._engine_call("truncate_reply", audio_frames, event_id=event_id)
 
             def done(f: asyncio.Future) -> None:
                 if f.cancelled() or f.exception() is not None or self._closed:
                     return  # _engine_call reported it
-                self.conversation.remove(item_id)
-                self._last = None
-                self.emit({"type": "conversation.item.deleted", "item_id": item_id})
+                then(f.result()["kept_tokens"])
 
             future.add_done_callback(done)
 
@@ -446,21 +446,20 @@ class Session:
         # default speaker rather than an error, so a client works with only its base URL changed.
         if voice.lower() in session_config.OPENAI_VOICES:
             voice = "default"
-        future = self.engine.call(self.id, "set_voice", voice)
+        self._engine_call("set_voice", voice, param="session.audio.output.voice")
 
-        def report(f: asyncio.Future) -> None:
-            if not f.cancelled() and f.exception() is not None and not self._closed:
-                self.emit_error(str(f.exception()), "invalid_value", param="session.audio.output.voice")
-
-        future.add_done_callback(report)
-
-    def _engine_call(self, method: str, *args: Any, event_id: Optional[str] = None) -> asyncio.Future:
-        """A runner method in order with the other commands; a failure becomes an error event."""
+    def _engine_call(self, method: str, *args: Any, event_id: Optional[str] = None,
+                     param: Optional[str] = None) -> asyncio.Future:
+        """A runner method in order with the other commands; a failure becomes an error event
+        (naming `param` when the client's value for it was refused: a ValueError)."""
         future = self.engine.call(self.id, method, *args)
 
         def report(f: asyncio.Future) -> None:
             if not f.cancelled() and f.exception() is not None and not self._closed:
                 exc = f.exception()
+                if param is not None and isinstance(exc, ValueError):
+                    self.emit_error(str(exc), "invalid_value", param=param, event_id=event_id)
+                    return
                 code = "unsupported" if isinstance(exc, NotImplementedError) else "engine_error"
                 self.emit_error(f"{method.replace('_', ' ')}: {exc}", code, event_id=event_id)
 

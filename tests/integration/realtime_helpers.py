@@ -52,3 +52,14 @@ async def start_agent(tiny_model_dir: Path, **overrides: Any) -> RunningAgent:
             await asyncio.sleep(0.1)
     await runner.cleanup()
     pytest.fail("engine did not become ready")
+
+
+async def wait_no_sessions(url: str, message: str) -> None:
+    """Bounded (5 s): until /healthz reports no session; fail with `message` otherwise."""
+    async with aiohttp.ClientSession() as http:
+        for _ in range(50):
+            async with http.get(f"{url}/healthz") as resp:
+                if (await resp.json())["sessions"] == 0:
+                    return
+            await asyncio.sleep(0.1)
+    pytest.fail(message)

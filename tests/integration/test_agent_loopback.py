@@ -11,24 +11,13 @@ the output buffer; bad client events get `error` events; text-only sessions stay
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from agent.client import AgentClient
-from agent.config import Config
-from agent.engine import build_engine
-from agent.server import create_app
-from realtime_helpers import start_agent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from realtime_helpers import start_agent, wait_no_sessions
 
 
 @pytest.fixture
@@ -202,19 +191,10 @@ async def test_data_channel_errors_and_text_only_mode(agent_url: str, speech_wav
 async def test_offer_that_never_connects_frees_its_slot(tiny_model_dir: Path, speech_wav: Path) -> None:
     """An answered offer whose peer never completes ICE is closed after connect_timeout_s,
     so dead offers cannot fill the session limit."""
-    config = Config(host="127.0.0.1", port=_free_port(), ice_hosts=("127.0.0.1",), model=str(tiny_model_dir),
-                    max_sessions=1, threads=1, fallback_model="none", connect_timeout_s=1.0)
-    engine = build_engine(config)
-    app_runner = web.AppRunner(create_app(config, engine))
-    await app_runner.setup()
-    await web.TCPSite(app_runner, config.host, config.port).start()
-    url = f"http://{config.host}:{config.port}"
+    running = await start_agent(tiny_model_dir, max_sessions=1, connect_timeout_s=1.0)
+    url = running.url
     ghost = AgentClient(url, speech_wav, video=False)
     try:
-        for _ in range(300):
-            if engine.ready:
-                break
-            await asyncio.sleep(0.1)
         # Post the offer but never apply the answer: the agent's ICE checks get no reply.
         ghost.pc.addTrack(ghost.audio)
         await ghost.pc.setLocalDescription(await ghost.pc.createOffer())
@@ -224,17 +204,11 @@ async def test_offer_that_never_connects_frees_its_slot(tiny_model_dir: Path, sp
                 assert resp.status == 201
             async with http.post(f"{url}/v1/realtime/calls", **offer) as resp:
                 assert resp.status == 503  # the ghost holds the only slot ...
-            for _ in range(50):
-                async with http.get(f"{url}/healthz") as resp:
-                    if (await resp.json())["sessions"] == 0:
-                        break
-                await asyncio.sleep(0.1)
-            else:
-                pytest.fail("the never-connected session kept its slot")
+        await wait_no_sessions(url, "the never-connected session kept its slot")
         real = AgentClient(url, speech_wav, video=False)  # ... until it times out
         await real.connect()
         await real.wait_event("session.created", timeout=10)
         await real.close()
     finally:
         await ghost.close()
-        await app_runner.cleanup()
+        await running.stop()

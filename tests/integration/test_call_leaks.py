@@ -20,7 +20,6 @@ import asyncio
 import ctypes
 import gc
 import os
-import socket
 import threading
 import time
 import wave
@@ -41,6 +40,7 @@ from agent.engine import build_engine
 from agent.playout import AgentAudioTrack
 from agent.realtime.rtc import RtcCall
 from agent.server import SESSIONS, create_app
+from realtime_helpers import free_port
 from agent.session import Session
 
 # One agent (one event loop) serves every test here.
@@ -58,12 +58,6 @@ WARMUP_CALLS = 40
 PER_CALL = {RTCPeerConnection, RTCRtpTransceiver, RTCRtpReceiver, RTCRtpSender, RTCDtlsTransport, RTCIceTransport,
             RTCSctpTransport, RTCDataChannel, RemoteStreamTrack, AgentAudioTrack, WavTrack, PatternVideoTrack,
             Session, RtcCall, AgentClient}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _native_threads() -> int:
@@ -99,7 +93,7 @@ def short_wav(speech_wav: Path, tmp_path_factory) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def agent(tiny_model_dir: Path, short_wav: Path):
-    config = Config(host="127.0.0.1", port=_free_port(), ice_hosts=("127.0.0.1",), model=str(tiny_model_dir),
+    config = Config(host="127.0.0.1", port=free_port(), ice_hosts=("127.0.0.1",), model=str(tiny_model_dir),
                     max_sessions=10, threads=1, fallback_model="none", connect_timeout_s=3.0,
                     max_turns_per_s=1000.0)
     # pytest keeps every log record of a test, and asyncio logs a failed task (aiortc's SCTP

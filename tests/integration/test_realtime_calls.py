@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent
+from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
 
 from agent.client import AgentClient
 
@@ -74,14 +74,7 @@ async def test_sdk_calls_create_and_a_spoken_turn(agent: RunningAgent, speech_wa
                 break
             await asyncio.sleep(0.1)
         await sdk.realtime.calls.hangup(client.result.call_id)
-        for _ in range(50):
-            async with aiohttp.ClientSession() as http:
-                async with http.get(f"{agent.url}/healthz") as resp:
-                    if (await resp.json())["sessions"] == 0:
-                        break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("hangup left the session open")
+        await wait_no_sessions(agent.url, "hangup left the session open")
     finally:
         if sse_task is not None:
             sse_task.cancel()
