@@ -58,6 +58,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback-model", default=d.fallback_model, metavar="PATH_OR_ID|none",
                    help="text-only model for the last ladder level (default: a tiny Qwen3; e.g. Qwen/Qwen3-8B)")
     p.add_argument("--log-level", default="INFO")
+    from .serve.options import add_serve_flags  # no Ray import: only the flags
+
+    add_serve_flags(p)
 
 
 def config_from_args(ns: argparse.Namespace) -> Config:
@@ -97,6 +100,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(make_tiny(ns.dir))
         return 0
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.ray:
+        from .serve.app import run as serve_on_ray
+        from .serve.options import options_from
+
+        serve_on_ray(config_from_args(ns), options_from(vars(ns)))
+        return 0
     serve(config_from_args(ns))
     return 0
 

@@ -34,6 +34,9 @@ class Config:
     # When set, every /v1/realtime route needs `Authorization: Bearer` with it or with an
     # ephemeral key minted from it; "" leaves the agent open (fine on loopback, not beyond).
     api_key: str = field(default="", repr=False)
+    # Set by a Ray Serve replica to its replica id: its calls are named `<prefix>.rtc_…`, so
+    # the router can send a call's follow-ups to its owner (agent/serve/keys.py). "" = rtc_….
+    call_id_prefix: str = ""
 
     # model
     model: str = ""  # path or hub id; "" = the tiny checkpoint in cache_dir

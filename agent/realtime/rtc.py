@@ -34,7 +34,7 @@ _MAX_PENDING_EVENTS = 256  # events held until the data channel opens
 class RtcCall:
     def __init__(self, config: Config, engine: Engine, admission: Admission, pc: RTCPeerConnection,
                  settings: dict[str, Any], on_closed: Callable[["RtcCall"], None]) -> None:
-        self.id = new_id("rtc")
+        self.id = f"{config.call_id_prefix}.{new_id('rtc')}" if config.call_id_prefix else new_id("rtc")
         self.config = config
         self.pc = pc
         self._channel: Optional[RTCDataChannel] = None

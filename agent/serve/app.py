@@ -1,0 +1,95 @@
+"""The Serve application: AgentReplica deployments behind Serve's HTTP proxy.
+
+`omni-agent serve --ray --replicas N` calls `run`; `serve run deploy/ray/serve.yaml` calls
+`app_builder` with the file's `args` (Config fields and ServeOptions fields, by name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Mapping
+
+import ray
+from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+from ..config import Config
+from .autoscaling import CallsAndGpuPolicy
+from .options import ServeOptions, options_from
+from .replica import AgentReplica, replica_options
+from .router import OwnerPinnedRouter
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "omni-agent"
+ROUTER_PATH = f"{OwnerPinnedRouter.__module__}:{OwnerPinnedRouter.__name__}"
+POLICY_PATH = f"{CallsAndGpuPolicy.__module__}:{CallsAndGpuPolicy.__name__}"
+
+
+def _cluster_has_gpu() -> bool:
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def deployment_settings(options: ServeOptions, has_gpu: bool) -> dict[str, Any]:
+    """Serve deployment options (the same keys a Serve config file's `deployments:` entry takes)."""
+    settings: dict[str, Any] = {
+        "ray_actor_options": replica_options(options, has_gpu),
+        "max_ongoing_requests": options.max_ongoing_requests,
+        "graceful_shutdown_timeout_s": options.graceful_shutdown_s,
+        "health_check_period_s": options.health_check_period_s,
+        "health_check_timeout_s": max(5.0, options.health_check_period_s * 3),
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTER_PATH,
+            request_routing_stats_period_s=options.stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, options.stats_period_s * 2),
+        ),
+    }
+    if options.autoscale:
+        settings["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=options.replicas,
+            initial_replicas=options.replicas,
+            max_replicas=max(options.replicas, options.max_replicas),
+            upscale_delay_s=options.upscale_delay_s,
+            downscale_delay_s=options.downscale_delay_s,
+            look_back_period_s=options.look_back_s,
+            metrics_interval_s=min(10.0, options.look_back_s / 2),
+            policy=AutoscalingPolicy(
+                policy_function=POLICY_PATH,
+                policy_kwargs={"target_calls_per_replica": options.target_calls_per_replica,
+                               "gpu_util_high": options.gpu_util_high},
+            ),
+        )
+    else:
+        settings["num_replicas"] = options.replicas
+    return settings
+
+
+def build(config: Config, options: ServeOptions) -> serve.Application:
+    """The application to pass to serve.run (or to return from a Serve config's import path)."""
+    deployment = serve.deployment(AgentReplica, name="agent").options(
+        **deployment_settings(options, _cluster_has_gpu()))
+    return deployment.bind(config, options)
+
+
+def app_builder(args: Mapping[str, Any]) -> serve.Application:
+    """`import_path: agent.serve.app:app_builder` in a Serve config; args name Config/ServeOptions fields."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    values = {k: v for k, v in args.items() if k in names}
+    if "ice_hosts" in values:
+        values["ice_hosts"] = tuple(values["ice_hosts"])
+    unknown = set(args) - names - {f.name for f in dataclasses.fields(ServeOptions)}
+    if unknown:
+        raise ValueError(f"unknown args in the Serve config: {sorted(unknown)}")
+    return build(Config(**values), options_from(args))
+
+
+def run(config: Config, options: ServeOptions) -> None:
+    """`omni-agent serve --ray`: a local Ray (or RAY_ADDRESS's cluster), the proxy on --host/--port."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"))
+    serve.start(http_options={"host": config.host, "port": config.port})
+    print(f"omni-agent: {options.replicas} Ray Serve replica(s) on http://{config.host}:{config.port}", flush=True)
+    serve.run(build(config, options), name=APP_NAME, route_prefix="/", blocking=True)

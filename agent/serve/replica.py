@@ -1,0 +1,122 @@
+"""One Serve replica = one whole agent: its engine thread, its aiortc peers, its calls.
+
+The replica builds the same aiohttp application the single-process agent serves, on a Unix
+socket of its own, and hands Serve an ASGI bridge to it (agent/serve/bridge.py). Everything
+runs on the replica's user event loop: the bridge, the aiohttp app, aiortc's peers, so media
+flows between the client and this replica's node and never through the proxy. The replica
+names its calls `<replica id>.<call>` (Config.call_id_prefix), reports its active calls to the
+router (fewest-calls placement) and its calls and GPU load to the autoscaler, and drains when
+Serve removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+from aiohttp import web
+from ray import serve
+from ray.serve import metrics as serve_metrics
+
+from .. import metrics
+from ..config import Config
+from ..engine import build_engine
+from ..ice import restrict_ice_hosts
+from ..realtime.app import ENGINE, ENGINE_START, SESSIONS
+from ..server import create_app
+from .admission import OfferGate
+from .bridge import AsgiBridge
+from .options import ServeOptions
+
+log = logging.getLogger(__name__)
+
+ICE_HOST_ENV = "OMNI_AGENT_ICE_HOST"  # per node (Kubernetes: the pod's host IP), when --ice-host is not set
+_REPORT_EVERY_S = 1.0
+
+
+def _node_config(config: Config, replica_id: str) -> Config:
+    ice_hosts = config.ice_hosts
+    if not ice_hosts and os.environ.get(ICE_HOST_ENV):
+        ice_hosts = tuple(h for h in os.environ[ICE_HOST_ENV].split(",") if h)
+    return dataclasses.replace(config, call_id_prefix=replica_id, ice_hosts=ice_hosts)
+
+
+@serve.ingress()
+class AgentReplica:
+    # Serve's ASGI wrapper owns the names `app` and `_asgi_app`: the aiohttp app is `web`.
+
+    async def __init__(self, config: Config, options: ServeOptions) -> None:
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.config = config = _node_config(config, self.replica_id)
+        self.options = options
+        restrict_ice_hosts(config.ice_hosts)
+        self.gate = OfferGate(options.max_offers_per_s)
+        self._dir = tempfile.mkdtemp(prefix="omni-replica-")
+        socket_path = os.path.join(self._dir, "http.sock")
+        self.web = create_app(config, build_engine(config))
+        self._runner = web.AppRunner(self.web, handle_signals=False)
+        await self._runner.setup()
+        await web.UnixSite(self._runner, socket_path).start()
+        # Ready only once the model is: Serve routes nothing to a replica before __init__ returns.
+        await asyncio.wait_for(asyncio.shield(self.web[ENGINE_START]), options.start_timeout_s)
+        self.bridge = AsgiBridge(socket_path, self.replica_id, self.gate)
+        self._calls_gauge = serve_metrics.Gauge("omni_agent_active_calls", description="calls this replica carries")
+        self._gpu_gauge = serve_metrics.Gauge("omni_agent_gpu_utilization_ratio", description="GPU busy ratio")
+        self._report = asyncio.ensure_future(self._report_metrics())
+        log.info("replica %s ready (%s)", self.replica_id, socket_path)
+
+    def __serve_build_asgi_app__(self) -> AsgiBridge:
+        return self.bridge
+
+    @property
+    def active_calls(self) -> int:
+        return len(self.web[SESSIONS])
+
+    def gpu_util(self) -> float:
+        return metrics.REGISTRY.get_sample_value("agent_gpu_utilization_ratio") or 0.0
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Read by OwnerPinnedRouter: new calls go to the replica with the fewest."""
+        return {"active_calls": self.active_calls, "offers": self.gate.offers, "draining": self.gate.draining}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Read by CallsAndGpuPolicy through Serve's aggregated metrics."""
+        return {"active_calls": float(self.active_calls), "gpu_util": self.gpu_util()}
+
+    def check_health(self) -> None:
+        if not self.web[ENGINE].ready:
+            raise RuntimeError("the engine thread is not running")
+
+    async def _report_metrics(self) -> None:
+        # Ray's metrics carry the deployment and replica labels: one series per replica.
+        while True:
+            self._calls_gauge.set(self.active_calls)
+            self._gpu_gauge.set(self.gpu_util())
+            await asyncio.sleep(_REPORT_EVERY_S)
+
+    async def __del__(self) -> None:
+        """Serve removes this replica: take no new call, let the current ones finish, then stop."""
+        if not hasattr(self, "bridge"):  # __init__ failed part way: Serve stops the actor anyway
+            return
+        self.gate.draining = True
+        deadline = time.monotonic() + max(0.0, self.options.graceful_shutdown_s - 5.0)
+        while self.active_calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        self._report.cancel()
+        await self.bridge.close()
+        await self._runner.cleanup()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def replica_options(options: ServeOptions, has_gpu: bool) -> dict[str, Any]:
+    """Ray actor options for one replica: a whole GPU where there are GPUs."""
+    gpus = options.num_gpus if options.num_gpus >= 0 else (1.0 if has_gpu else 0.0)
+    return {"num_gpus": gpus, "num_cpus": options.num_cpus} if gpus else {"num_cpus": options.num_cpus}
+
+

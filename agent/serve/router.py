@@ -1,0 +1,102 @@
+"""OwnerPinnedRouter: a call's follow-ups go to the replica that owns it, new calls to the least busy.
+
+Serve's consistent-hash router keeps a session on one replica only while the replica set
+does not change, and its multiplexing falls back to other replicas after a second; a WebRTC
+call cannot move at all (its peer lives in one process). So the owner is not hashed but
+read: the call id names it (agent/serve/keys.py). The id is found in Serve's session header
+(`x-session-id`, also set by `handle.options(session_id=…)`) or in the request itself: the
+proxy hands the router the ASGI scope it will send, pickled, and the path carries the id
+(`/v1/realtime/calls/{id}/events`: EventSource cannot send headers).
+
+- Owner alive: only the owner is offered (if it is saturated, the request waits for it).
+- Owner gone: the least busy live replica takes the request and answers 410 at once, since
+  the call ended with its replica; a client never waits for a replica that will not return.
+- No owner (offers, /healthz, the page): the replica with the fewest active calls, as each
+  replica reports in its routing stats, plus the offers this router sent it since that report.
+  Draining replicas come last.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+from typing import Any, List, Optional
+
+from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+
+from .keys import is_offer, owner_from_request, owner_of
+
+
+def request_scope(pending: Optional[PendingRequest]) -> Optional[dict[str, Any]]:
+    """The ASGI scope of an HTTP request from Serve's proxy, else None (a handle call)."""
+    if pending is None or not pending.args:
+        return None
+    arg = pending.args[0]
+    if isinstance(arg, (bytes, bytearray)):
+        # The proxy sends its StreamingHTTPRequest as raw pickled bytes (ray 2.60, pinned).
+        try:
+            arg = pickle.loads(arg)
+        except Exception:  # not a request the proxy made: no scope to read
+            return None
+    scope = getattr(arg, "_asgi_scope", None)
+    return scope if isinstance(scope, dict) else None
+
+
+def request_owner(pending: Optional[PendingRequest]) -> Optional[str]:
+    """The replica id that must serve this request, or None when any may."""
+    if pending is None:
+        return None
+    if pending.metadata.session_id:
+        owner = owner_of(pending.metadata.session_id)
+        if owner is not None:
+            return owner
+    scope = request_scope(pending)
+    if scope is None:
+        return None
+    return owner_from_request(scope.get("path", ""), scope.get("query_string", b""), scope.get("headers", []))
+
+
+def _is_offer(pending: Optional[PendingRequest]) -> bool:
+    scope = request_scope(pending)
+    return scope is not None and is_offer(scope.get("method", ""), scope.get("path", ""))
+
+
+class OwnerPinnedRouter(ConsistentHashRouter):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._routed_offers: Counter[str] = Counter()  # replica unique id -> offers this router sent
+
+    def _load(self, replica: RunningReplica) -> tuple[int, float, str]:
+        stats = replica.routing_stats or {}
+        rid = replica.replica_id.unique_id
+        # Offers sent since the replica last reported: its count lags by up to one stats period.
+        unreported = max(0, self._routed_offers[rid] - int(stats.get("offers", 0)))
+        calls = float(stats.get("active_calls", 0)) + unreported
+        return (1 if stats.get("draining") else 0, calls, rid)
+
+    def by_load(self, replicas: List[RunningReplica]) -> List[RunningReplica]:
+        return sorted(replicas, key=self._load)
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        owner = request_owner(pending_request)
+        ranked = self.by_load(candidate_replicas)
+        if owner is None:
+            return [[r] for r in ranked]
+        for replica in candidate_replicas:
+            if replica.replica_id.unique_id == owner:
+                return [[replica]]
+        return [ranked[:1]]  # the owner is gone: a live replica answers 410 at once
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        if _is_offer(pending_request):
+            self._routed_offers[replica_id.unique_id] += 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._routed_offers.pop(replica_id.unique_id, None)

@@ -1,0 +1,259 @@
+"""The agent as Ray Serve replicas: two tiny-model replicas behind Serve's HTTP proxy.
+
+Pins, with real aiortc peers on loopback and one local Ray instance for the module:
+- offers through the proxy spread 2 + 2 over two replicas (fewest active calls first); each
+  call's SDP answer comes from the replica that then carries its media, and each call hears
+  a spoken reply; every follow-up (SSE with the id in the path, a request carrying the id in
+  Serve's session header, the hangup) reaches the call's owner, and an SSE stream through the
+  proxy carries the owner's events for that call;
+- admission: with 2 calls per replica and 2 replicas the 5th offer gets 503 + Retry-After,
+  and after a hangup a new offer is taken again (by the replica that freed the slot);
+- a killed replica: its calls' follow-ups answer 404/410 without hanging (client timeout 2 s),
+  the other replica's call keeps hearing replies, a new call succeeds;
+- autoscaling with CallsAndGpuPolicy: two calls on one replica at a target of one call per
+  replica brings a second replica up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from realtime_helpers import free_port
+
+from agent.client import AgentClient
+from agent.config import Config
+
+try:
+    import ray
+    from ray import serve
+except ImportError:  # pragma: no cover - depends on the environment
+    if os.environ.get("CI") == "true":
+        raise  # CI installs the `test` extra, which pins ray[serve]: missing is a failure there
+    pytest.skip("ray[serve] is not installed (pip install '.[serve]')", allow_module_level=True)
+
+from agent.serve.app import APP_NAME, build  # noqa: E402  (needs ray)
+from agent.serve.keys import REPLICA_HEADER, SESSION_HEADER, owner_of  # noqa: E402
+from agent.serve.options import ServeOptions  # noqa: E402
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CALLS_PER_REPLICA = 2
+_RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",  # ray 2.60 would otherwise write ~/.ray/auth_token
+    # Replicas push their autoscaling metrics every 0.5 s instead of every 10 s.
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[int]:
+    """One local Ray (2 CPUs: this machine's cores, a small object store) and Serve's proxy on loopback."""
+    saved = {k: os.environ.get(k) for k in _RAY_ENV}
+    os.environ.update(_RAY_ENV)
+    ray.init(num_cpus=2, object_store_memory=80 * 1024 * 1024, _node_ip_address="127.0.0.1",
+             include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _config(tiny_model_dir: Path) -> Config:
+    return Config(host="127.0.0.1", ice_hosts=("127.0.0.1",), model=str(tiny_model_dir), threads=1,
+                  fallback_model="none", max_sessions=CALLS_PER_REPLICA, max_reply_seconds=1.5,
+                  max_reply_tokens=12)
+
+
+def _options(**overrides: Any) -> ServeOptions:
+    values: dict[str, Any] = dict(replicas=2, num_cpus=0.5, stats_period_s=0.5, health_check_period_s=1.0,
+                                  graceful_shutdown_s=5.0)
+    values.update(overrides)
+    return ServeOptions(**values)
+
+
+@pytest.fixture(scope="module")
+def fixed_app(ray_cluster: int, tiny_model_dir: Path) -> Iterator[str]:
+    serve.run(build(_config(tiny_model_dir), _options()), name=APP_NAME, route_prefix="/")
+    yield f"http://127.0.0.1:{ray_cluster}"
+    _delete_app()
+
+
+def _delete_app() -> None:
+    if APP_NAME in serve.status().applications:
+        serve.delete(APP_NAME)
+
+
+async def _connect(url: str, wav: Path, **kwargs: Any) -> AgentClient:
+    client = AgentClient(url, wav, video=False, **kwargs)
+    await client.connect()
+    return client
+
+
+async def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def _sse_head(http: aiohttp.ClientSession, url: str, call: str) -> tuple[int, str]:
+    """Open the call's SSE stream through the proxy (id in the path only) and close it again."""
+    async with http.get(f"{url}/v1/realtime/calls/{call}/events") as resp:
+        return resp.status, resp.headers.get(REPLICA_HEADER, "")
+
+
+async def _offer_status(url: str, wav: Path) -> tuple[int, dict[str, str], str]:
+    """POST one fresh offer; returns (status, headers, location). The peer is closed either way."""
+    client = AgentClient(url, wav, video=False)
+    try:
+        client.pc.addTrack(client.audio)
+        await client.pc.setLocalDescription(await client.pc.createOffer())
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/realtime/calls", data=client.pc.localDescription.sdp,
+                                 headers={"Content-Type": "application/sdp"}) as resp:
+                location = resp.headers.get("Location", "")
+                if resp.status == 201:
+                    async with http.delete(f"{url}{location}") as gone:
+                        assert gone.status == 204
+                return resp.status, dict(resp.headers), location
+    finally:
+        await client.close()
+
+
+async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path) -> None:
+    url = fixed_app
+    clients = []
+    try:
+        for _ in range(2 * CALLS_PER_REPLICA):
+            clients.append(await _connect(url, speech_wav))
+        owners = [owner_of(c.result.call_id) for c in clients]
+        assert None not in owners, [c.result.call_id for c in clients]
+        assert sorted(Counter(owners).values()) == [2, 2], owners
+
+        # SSE through the proxy, id in the path only, opened before the replies: it stays on the owner.
+        sse: list[bytes] = []
+
+        async def follow(call: str) -> None:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{url}/v1/realtime/calls/{call}/events") as resp:
+                    assert resp.status == 200 and resp.headers[REPLICA_HEADER] == owner_of(call)
+                    async for line in resp.content:
+                        sse.append(line)
+
+        stream = asyncio.ensure_future(follow(clients[0].result.call_id))
+        await _wait(lambda: all(c.result.first_audible_at is not None for c in clients), 90, "every call's reply")
+        await _wait(lambda: any(b"response.done" in line for line in sse), 20, "response.done on the SSE stream")
+        stream.cancel()
+        for c in clients:
+            assert c.result.audible_samples > 0 and not c.result.of_type("error")
+        # The stream is this call's: its reply's id, known only to the owner, is on it.
+        reply_ids = [e["response"]["id"] for e in clients[0].result.of_type("response.done")]
+        assert reply_ids and reply_ids[0].encode() in b"".join(sse)
+
+        # Every follow-up reaches the owner: by path (SSE) and by Serve's session header.
+        async with aiohttp.ClientSession() as http:
+            for c in clients:
+                call = c.result.call_id
+                for _ in range(3):
+                    assert await _sse_head(http, url, call) == (200, owner_of(call))
+                    async with http.get(f"{url}/healthz", headers={SESSION_HEADER: call}) as resp:
+                        assert resp.headers[REPLICA_HEADER] == owner_of(call)
+
+        # Admission: 2 x 2 slots are taken, the 5th offer is refused with a Retry-After.
+        status, headers, _ = await _offer_status(url, speech_wav)
+        assert status == 503 and int(headers["Retry-After"]) > 0
+
+        # A hangup (through the proxy, to the owner) frees a slot on that replica.
+        freed = owner_of(clients[0].result.call_id)
+        assert await clients[0].hangup() == 204
+        for attempt in range(20):  # bounded: the router learns the freed slot from the next stats report
+            status, headers, location = await _offer_status(url, speech_wav)
+            if status == 201:
+                break
+            assert status == 503
+            await asyncio.sleep(0.5)
+        assert status == 201 and owner_of(location.rsplit("/", 1)[-1]) == freed
+    finally:
+        for c in clients:
+            await c.close()
+
+
+def _replica_actor(replica_id: str) -> Any:
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].endswith(f"#{replica_id}"):
+            return ray.get_actor(actor["name"], namespace=actor["namespace"])
+    raise LookupError(replica_id)
+
+
+async def test_killed_replica_ends_its_calls_at_once_others_go_on(fixed_app: str, speech_wav: Path) -> None:
+    url = fixed_app
+    clients: list[AgentClient] = []
+    try:
+        for _ in range(2):  # the replicas are empty again: one call each
+            clients.append(await _connect(url, speech_wav, repeat_after_s=2.5))
+        owners = [owner_of(c.result.call_id) for c in clients]
+        assert len(set(owners)) == 2, owners
+        await _wait(lambda: all(c.result.first_audible_at is not None for c in clients), 60, "both replies")
+        doomed, survivor = clients
+        ray.kill(_replica_actor(owners[0]), no_restart=True)
+        heard_before = len(survivor.result.audible_onsets)
+
+        timeout = aiohttp.ClientTimeout(total=2.0)  # the bound: an answer, never a hang
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            for _ in range(3):
+                status, _ = await _sse_head(http, url, doomed.result.call_id)
+                assert status in (404, 410), status
+                async with http.delete(f"{url}{doomed.result.location}") as resp:
+                    assert resp.status in (404, 410), resp.status
+            assert await _sse_head(http, url, survivor.result.call_id) == (200, owners[1])
+
+        await _wait(lambda: len(survivor.result.audible_onsets) > heard_before, 30, "the survivor's next reply")
+        newcomer = await _connect(url, speech_wav)
+        clients.append(newcomer)
+        assert owner_of(newcomer.result.call_id) != owners[0]
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def test_autoscaling_adds_a_replica_for_calls(ray_cluster: int, tiny_model_dir: Path, speech_wav: Path) -> None:
+    _delete_app()  # free the CPUs: this check runs its own application
+    options = _options(replicas=1, autoscale=True, max_replicas=2, target_calls_per_replica=1,
+                       upscale_delay_s=0.5, look_back_s=1.0)
+    serve.run(build(_config(tiny_model_dir), options), name=APP_NAME, route_prefix="/")
+    url = f"http://127.0.0.1:{ray_cluster}"
+
+    def running() -> int:
+        deployment = serve.status().applications[APP_NAME].deployments["agent"]
+        return deployment.replica_states.get("RUNNING", 0)
+
+    clients: list[AgentClient] = []
+    try:
+        assert running() == 1
+        for _ in range(2):
+            clients.append(await _connect(url, speech_wav))
+        assert len({owner_of(c.result.call_id) for c in clients}) == 1
+        started = time.monotonic()
+        await _wait(lambda: running() == 2, 60, "a second replica")
+        print(f"scaled 1 -> 2 in {time.monotonic() - started:.1f} s")
+    finally:
+        for c in clients:
+            await c.close()
