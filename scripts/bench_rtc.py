@@ -19,7 +19,15 @@ Prints a table per concurrency level and one per transport; last line:
 minus WebRTC P50 end of speech → first audio, target ≤ 30 ms).
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
 
+With --ray --replicas N (the `serve` extra): the single-process agent and then the agent as N
+Ray Serve replicas behind Serve's proxy (`omni-agent serve --ray`), in the same run, each at
+--ray-calls concurrent calls; plus the offer/answer time (POST of an SDP offer → 201 answer)
+straight to the agent and through the proxy. Last line:
+`ray_p95_ratio=R offer_p50_direct_ms=A offer_p50_proxy_ms=B proxy_offer_overhead_p50_ms=B-A`
+(voice-to-voice P95 with replicas over single-process; target R ≤ 1.1 and overhead ≤ 20 ms).
+
     .venv/bin/python scripts/bench_rtc.py [--levels 1,2,4,8] [--turns 3] [--transport-turns 5] [--runner stream]
+    .venv/bin/python scripts/bench_rtc.py --ray --replicas 2 [--ray-calls 2]
 """
 
 from __future__ import annotations
@@ -156,10 +164,12 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
     }
 
 
-def start_server(port: int, args: argparse.Namespace) -> subprocess.Popen:
+def start_server(port: int, args: argparse.Namespace, ray_replicas: int = 0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--ice-host", "127.0.0.1", "--runner", args.runner, "--max-sessions", str(max(args.levels) + 1),
            "--vad-silence-ms", str(args.silence_ms), "--log-level", "WARNING"]
+    if ray_replicas:
+        cmd += ["--ray", "--replicas", str(ray_replicas)]
     if not args.ladder:
         # Measure the spoken path's capacity: keep the degradation ladder from switching
         # replies to text (which would hide exactly the latency we are measuring).
@@ -185,14 +195,81 @@ async def wait_ready(url: str, timeout: float = 180.0) -> None:
     raise TimeoutError("agent did not become ready")
 
 
-async def main_async(args: argparse.Namespace) -> None:
-    restrict_ice_hosts(["127.0.0.1"])
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+async def offer_times(url: str, wav: Path, count: int) -> list[float]:
+    """Seconds from POSTing an SDP offer to its 201 answer, one call at a time (each hung up at once)."""
+    times = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(count):
+            client = AgentClient(url, wav, video=False)
+            try:
+                client.pc.addTrack(client.audio)
+                client.pc.createDataChannel("oai-events")
+                await client.pc.setLocalDescription(await client.pc.createOffer())
+                t0 = time.perf_counter()
+                async with http.post(f"{url}/v1/realtime/calls", data=client.pc.localDescription.sdp,
+                                     headers={"Content-Type": "application/sdp"}) as resp:
+                    await resp.read()
+                    elapsed = time.perf_counter() - t0
+                    location = resp.headers.get("Location", "")
+                if resp.status == 201:
+                    times.append(elapsed)
+                    async with http.delete(f"{url}{location}") as gone:
+                        await gone.read()
+            finally:
+                await client.close()
+            await asyncio.sleep(0.3)  # let the hung-up call free its slot
+    return times
+
+
+async def measure_deployment(args: argparse.Namespace, wav: Path, ray_replicas: int) -> tuple[dict, list[float]]:
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
+    server = start_server(port, args, ray_replicas)
+    try:
+        await wait_ready(url, timeout=300.0)
+        offers = await offer_times(url, wav, args.offers)
+        r = await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
+                                                     video_fps=args.video_fps),
+                            args.ray_calls, args.turns, args.level_timeout_s, args.silence_ms / 1000)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return r, offers
+
+
+async def compare_ray(args: argparse.Namespace, wav: Path) -> None:
+    """Single process vs N Serve replicas, same run, same calls, same speech."""
+    single, single_offers = await measure_deployment(args, wav, 0)
+    print(f"  single process: {single['turns']} turns measured, {single['missing']} without a heard reply", flush=True)
+    ray_r, ray_offers = await measure_deployment(args, wav, args.replicas)
+    print(f"  {args.replicas} replicas: {ray_r['turns']} turns measured, {ray_r['missing']} without a heard reply",
+          flush=True)
+    ms = lambda v: f"{v * 1000:7.0f}"  # noqa: E731
+    print(f"\n{args.ray_calls} concurrent calls, video on; voice-to-voice at the client; offer = POST → 201 answer")
+    print(f"{'agent':>14} {'turns':>5} {'v2v p50':>8} {'v2v p95':>8} {'TTFA p50':>8} {'offer p50':>9} {'offer p95':>9}")
+    for name, r, offers in (("single", single, single_offers), (f"ray x{args.replicas}", ray_r, ray_offers)):
+        print(f"{name:>14} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
+              f"{ms(pct(r['ttfa'], 50)):>8} {ms(pct(offers, 50)):>9} {ms(pct(offers, 95)):>9}")
+    direct, proxied = pct(single_offers, 50), pct(ray_offers, 50)
+    print(f"ray_p95_ratio={pct(ray_r['v2v'], 95) / pct(single['v2v'], 95):.2f} offer_p50_direct_ms={direct * 1000:.1f} "
+          f"offer_p50_proxy_ms={proxied * 1000:.1f} proxy_offer_overhead_p50_ms={(proxied - direct) * 1000:.1f}")
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    restrict_ice_hosts(["127.0.0.1"])
     tmp = Path(tempfile.mkdtemp(prefix="bench_rtc_"))
     wav = make_speech(tmp / "speech.wav")
+    if args.ray:
+        await compare_ray(args, wav)
+        return
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
     server = start_server(port, args)
     try:
         await wait_ready(url)
@@ -263,6 +340,10 @@ def main() -> None:
     p.add_argument("--transport-turns", type=int, default=5,
                    help="turns each for the WebRTC vs WebSocket comparison (0: skip it)")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
+    p.add_argument("--ray", action="store_true", help="compare single process with Ray Serve replicas")
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: Serve replicas")
+    p.add_argument("--ray-calls", type=int, default=2, help="with --ray: concurrent calls on each deployment")
+    p.add_argument("--offers", type=int, default=10, help="with --ray: offers timed on each deployment")
     args = p.parse_args()
     asyncio.run(main_async(args))
 

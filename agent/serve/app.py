@@ -7,8 +7,11 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
+import signal
+import time
 from typing import Any, Mapping
 
 import ray
@@ -85,11 +88,38 @@ def app_builder(args: Mapping[str, Any]) -> serve.Application:
     return build(Config(**values), options_from(args))
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def run(config: Config, options: ServeOptions) -> None:
     """`omni-agent serve --ray`: a local Ray (or RAY_ADDRESS's cluster), the proxy on --host/--port."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"))
-    serve.start(http_options={"host": config.host, "port": config.port})
-    print(f"omni-agent: {options.replicas} Ray Serve replica(s) on http://{config.host}:{config.port}", flush=True)
-    serve.run(build(config, options), name=APP_NAME, route_prefix="/", blocking=True)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # ray 2.60 otherwise writes ~/.ray/auth_token
+    # SIGTERM ends the run like Ctrl-C, so the local Ray this process started goes with it.
+    signal.signal(signal.SIGTERM, _interrupt)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        address = os.environ.get("RAY_ADDRESS")
+        # Serving on loopback: keep Ray's own traffic there too (no route may exist beyond it).
+        node_ip = "127.0.0.1" if not address and _is_loopback(config.host) else None
+        ray.init(address=address, _node_ip_address=node_ip)
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(build(config, options), name=APP_NAME, route_prefix="/")
+        print(f"omni-agent: {options.replicas} Ray Serve replica(s) on http://{config.host}:{config.port}", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()
