@@ -71,8 +71,9 @@ def deployment_settings(options: ServeOptions, has_gpu: bool) -> dict[str, Any]:
 
 def build(config: Config, options: ServeOptions) -> serve.Application:
     """The application to pass to serve.run (or to return from a Serve config's import path)."""
-    deployment = serve.deployment(AgentReplica, name="agent").options(
-        **deployment_settings(options, _cluster_has_gpu()))
+    # --device cuda asks for a GPU per replica even before GPU nodes join (KubeRay adds them).
+    has_gpu = config.device == "cuda" or (config.device == "auto" and _cluster_has_gpu())
+    deployment = serve.deployment(AgentReplica, name="agent").options(**deployment_settings(options, has_gpu))
     return deployment.bind(config, options)
 
 
