@@ -107,7 +107,7 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app[CONFIG] = config
     app[ENGINE] = engine
     app[SESSIONS] = {}
-    app[KEYS] = KeyStore(config.api_key)
+    app[KEYS] = KeyStore(config.api_key, prefix=config.call_id_prefix)
     app[ADMISSION] = admission = Admission.from_config(config)
     app.router.add_get("/", index)
     app.router.add_post("/v1/realtime/calls", create_call)

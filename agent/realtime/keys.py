@@ -37,8 +37,11 @@ class _Ephemeral:
 
 
 class KeyStore:
-    def __init__(self, api_key: str = "", clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, api_key: str = "", clock: Callable[[], float] = time.time, prefix: str = "") -> None:
         self._api_key = api_key
+        # A Ray Serve replica's id: its keys read `ek_<prefix>.<hex>_<secret>`, so the router can
+        # send a request carrying one to the replica that holds it (agent/serve/keys.py).
+        self._prefix = prefix
         self.clock = clock  # public: tests move time forward
         self._ephemeral: dict[str, _Ephemeral] = {}
 
@@ -74,6 +77,8 @@ class KeyStore:
         while len(self._ephemeral) >= _MAX_LIVE_KEYS:
             del self._ephemeral[next(iter(self._ephemeral))]
         public, secret = secrets.token_hex(8), secrets.token_hex(16)
+        if self._prefix:
+            public = f"{self._prefix}.{public}"
         expires_at = int(now) + ttl_s
         self._ephemeral[public] = _Ephemeral(secret, expires_at, session)
         return f"{EPHEMERAL_PREFIX}{public}_{secret}", expires_at

@@ -5,12 +5,16 @@ any process that sees a follow-up (the router in the proxy, the replica itself) 
 owner without a shared table. The id travels in the path (`/v1/realtime/calls/{id}/…`:
 browser EventSource cannot set headers), in `?call_id=` (the WebSocket sideband), or in
 Serve's session header; `?replica=` names a replica directly (per-replica /metrics).
+Ephemeral keys are held by the replica that minted them, which names itself in them the same
+way (`ek_<replica id>.<hex>_<secret>`): a request presenting one goes to that replica.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Optional
 from urllib.parse import parse_qs
+
+from ..realtime.keys import EPHEMERAL_PREFIX, bearer_token
 
 CALLS_PATH = "/v1/realtime/calls"
 OFFER_PATHS = (CALLS_PATH, "/v1/realtime")
@@ -50,13 +54,19 @@ def owner_from_request(path: str, query: str | bytes = "", headers: Iterable[tup
     params = parse_qs(query) if query else {}
     if call is None and params.get("call_id"):
         call = params["call_id"][0]
+    named = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
     if call is None:
-        for key, value in headers:
-            if key.decode("latin-1").lower() == SESSION_HEADER:
-                call = value.decode("latin-1")
-                break
+        call = named.get(SESSION_HEADER)
     if call is not None:
         return owner_of(call)
     if params.get("replica"):
         return params["replica"][0] or None
+    return _ephemeral_key_owner(named)
+
+
+def _ephemeral_key_owner(headers: dict[str, str]) -> Optional[str]:
+    token = bearer_token({"Authorization": headers.get("authorization", ""),
+                          "Sec-WebSocket-Protocol": headers.get("sec-websocket-protocol", "")})
+    if token and token.startswith(EPHEMERAL_PREFIX):
+        return owner_of(token[len(EPHEMERAL_PREFIX):].partition("_")[0])
     return None

@@ -28,6 +28,7 @@ import pytest
 from aiohttp import web
 
 from agent.serve.autoscaling import CallsAndGpuPolicy
+from agent.realtime.keys import KeyStore
 from agent.serve.keys import call_id, is_offer, owner_from_request, owner_of
 
 try:
@@ -58,6 +59,16 @@ def test_owner_is_read_from_path_query_and_header() -> None:
     assert owner_from_request("/v1/realtime", b"model=x&call_id=r2.rtc_b") == "r2"
     assert owner_from_request("/healthz", "", [(b"X-Session-Id", b"r3.rtc_c")]) == "r3"
     assert owner_from_request("/metrics", "replica=r4") == "r4"
+    # An ephemeral key minted by a replica names it: the offer goes where the key is held.
+    store = KeyStore("sk-1", prefix="r5")
+    minted, _ = store.mint(60, {})
+    grant = store.check(minted)
+    assert minted.startswith("ek_r5.") and grant is not None and grant.ephemeral
+    assert KeyStore("sk-1", prefix="r6").check(minted) is None  # another replica does not hold it
+    assert owner_from_request("/v1/realtime/calls", "", [(b"authorization", f"Bearer {minted}".encode())]) == "r5"
+    ws_key = f"realtime, openai-insecure-api-key.{minted}".encode()
+    assert owner_from_request("/v1/realtime", "model=x", [(b"sec-websocket-protocol", ws_key)]) == "r5"
+    assert owner_from_request("/v1/realtime/calls", "", [(b"authorization", b"Bearer sk-1")]) is None
     assert owner_from_request("/v1/realtime/calls", "") is None
     assert owner_from_request("/v1/realtime/calls/rtc_plain/events") is None  # not minted by a replica
     assert is_offer("POST", "/v1/realtime/calls") and is_offer("post", "/v1/realtime")
