@@ -76,7 +76,7 @@ class AsgiBridge:
         path = scope.get("path", "")
         owner = owner_from_request(path, scope.get("query_string", b""), scope.get("headers", []))
         if owner is not None and owner != self.replica_id:
-            return Refusal(410, "the replica that carried this call is gone; start a new call", "call_gone")
+            return Refusal(410, "the replica this request names is gone (its calls ended with it); start a new call", "call_gone")
         if scope["type"] == "http" and is_offer(scope.get("method", ""), path):
             return self._gate()
         return None
