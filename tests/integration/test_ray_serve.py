@@ -4,8 +4,8 @@ Pins, with real aiortc peers on loopback and one local Ray instance for the modu
 - offers through the proxy spread 2 + 2 over two replicas (fewest active calls first); each
   call's SDP answer comes from the replica that then carries its media, and each call hears
   a spoken reply; every follow-up (SSE with the id in the path, a request carrying the id in
-  Serve's session header, the hangup) reaches the call's owner, and an SSE stream through the
-  proxy carries the owner's events for that call;
+  Serve's session header, the sideband WebSocket with ?call_id=, the hangup) reaches the
+  call's owner, and an SSE stream through the proxy carries the owner's events for that call;
 - admission: with 2 calls per replica and 2 replicas the 5th offer gets 503 + Retry-After,
   and after a hangup a new offer is taken again (by the replica that freed the slot);
 - a killed replica: its calls' follow-ups answer 404/410 without hanging (client timeout 2 s),
@@ -17,6 +17,7 @@ Pins, with real aiortc peers on loopback and one local Ray instance for the modu
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections import Counter
@@ -176,6 +177,15 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
                     assert await _sse_head(http, url, call) == (200, owner_of(call))
                     async with http.get(f"{url}/healthz", headers={SESSION_HEADER: call}) as resp:
                         assert resp.headers[REPLICA_HEADER] == owner_of(call)
+
+            # The sideband WebSocket (?call_id=) through the proxy: relayed to the owner, both ways.
+            call = clients[1].result.call_id
+            ws_url = url.replace("http", "ws") + f"/v1/realtime?call_id={call}"
+            async with http.ws_connect(ws_url) as ws:
+                await ws.send_str(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_none",
+                                              "event_id": "evt_side"}))
+                reply = json.loads((await ws.receive(timeout=10)).data)
+                assert reply["type"] == "error" and reply["error"]["event_id"] == "evt_side"
 
         # Admission: 2 x 2 slots are taken, the 5th offer is refused with a Retry-After.
         status, headers, _ = await _offer_status(url, speech_wav)
