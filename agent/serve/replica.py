@@ -106,8 +106,10 @@ class AgentReplica:
             return
         self.gate.draining = True
         deadline = time.monotonic() + max(0.0, self.options.graceful_shutdown_s - 5.0)
+        log.info("replica %s draining: %d call(s) to finish", self.replica_id, self.active_calls)
         while self.active_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
+        log.info("replica %s stopping with %d call(s) left", self.replica_id, self.active_calls)
         self._report.cancel()
         await self.bridge.close()
         await self._runner.cleanup()

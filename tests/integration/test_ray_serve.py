@@ -10,6 +10,8 @@ Pins, with real aiortc peers on loopback and one local Ray instance for the modu
   and after a hangup a new offer is taken again (by the replica that freed the slot);
 - a killed replica: its calls' follow-ups answer 404/410 without hanging (client timeout 2 s),
   the other replica's call keeps hearing replies, a new call succeeds;
+- a removed replica drains: its call keeps talking while new calls go to the other replica,
+  and it stops once that call has left;
 - autoscaling with CallsAndGpuPolicy: two calls on one replica at a target of one call per
   replica brings a second replica up.
 """
@@ -35,6 +37,7 @@ from agent.config import Config
 try:
     import ray
     from ray import serve
+    from ray.serve.schema import ServeDeploySchema
 except ImportError:  # pragma: no cover - depends on the environment
     if os.environ.get("CI") == "true":
         raise  # CI installs the `test` extra, which pins ray[serve]: missing is a failure there
@@ -84,7 +87,7 @@ def _config(tiny_model_dir: Path) -> Config:
 
 def _options(**overrides: Any) -> ServeOptions:
     values: dict[str, Any] = dict(replicas=2, num_cpus=0.5, stats_period_s=0.5, health_check_period_s=1.0,
-                                  graceful_shutdown_s=5.0)
+                                  graceful_shutdown_s=60.0)
     values.update(overrides)
     return ServeOptions(**values)
 
@@ -107,11 +110,11 @@ async def _connect(url: str, wav: Path, **kwargs: Any) -> AgentClient:
     return client
 
 
-async def _wait(predicate, timeout_s: float, what: str) -> None:
+async def _wait(predicate, timeout_s: float, what: str, state=lambda: "") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
+            pytest.fail(f"timed out waiting for {what} {state()}")
         await asyncio.sleep(0.1)
 
 
@@ -245,6 +248,98 @@ async def test_killed_replica_ends_its_calls_at_once_others_go_on(fixed_app: str
         newcomer = await _connect(url, speech_wav)
         clients.append(newcomer)
         assert owner_of(newcomer.result.call_id) != owners[0]
+    finally:
+        for c in clients:
+            await c.close()
+
+
+async def _connect_to(url: str, wav: Path, replica: str) -> AgentClient:
+    """A call placed on one replica with ?replica= (the router honours it like a call's owner)."""
+    client = AgentClient(url, wav, video=False, repeat_after_s=2.5)
+
+    async def signal(offer: str) -> tuple[str, str]:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/realtime/calls?replica={replica}", data=offer,
+                                 headers={"Content-Type": "application/sdp"}) as resp:
+                assert resp.status == 201, await resp.text()
+                return await resp.text(), resp.headers["Location"]
+
+    await client.connect(signal)
+    return client
+
+
+async def _wait_idle(url: str) -> list[str]:
+    """Bounded (10 s): until every live replica reports no session (hung-up peers take a moment);
+    returns the live replicas' ids."""
+    ids = [a["name"].rsplit("#", 1)[-1] for a in ray.util.list_named_actors(all_namespaces=True)
+           if a["name"].startswith("SERVE_REPLICA::")]
+    async with aiohttp.ClientSession() as http:
+        for _ in range(100):
+            busy, live = 0, []
+            for rid in ids:
+                async with http.get(f"{url}/healthz?replica={rid}") as resp:
+                    if resp.status == 200 and resp.headers.get(REPLICA_HEADER) == rid:  # else 410: gone
+                        busy += (await resp.json())["sessions"]
+                        live.append(rid)
+            if not busy:
+                return live
+            await asyncio.sleep(0.1)
+    pytest.fail("replicas still hold sessions from the previous test")
+
+
+def _replica_states() -> Counter:
+    app = serve.status().applications.get(APP_NAME)
+    deployment = app.deployments.get("agent") if app is not None else None  # absent while the app builds
+    return Counter({k: v for k, v in deployment.replica_states.items() if v}) if deployment else Counter()
+
+
+def _deploy_from_config(tiny_model_dir: Path, num_replicas: int) -> None:
+    """Deploy as `serve deploy`/KubeRay do, from a config: Serve then changes the replica count
+    in place (an imperative serve.run makes a new version and replaces every replica)."""
+    config = _config(tiny_model_dir)
+    args = {"host": config.host, "ice_hosts": list(config.ice_hosts), "model": config.model, "threads": 1,
+            "fallback_model": "none", "max_sessions": CALLS_PER_REPLICA, "max_reply_seconds": config.max_reply_seconds,
+            "max_reply_tokens": config.max_reply_tokens, "num_cpus": 0.5, "stats_period_s": 0.5,
+            "health_check_period_s": 1.0, "graceful_shutdown_s": 60.0}
+    schema = ServeDeploySchema.model_validate({"applications": [{
+        "name": APP_NAME, "route_prefix": "/", "import_path": "agent.serve.app:app_builder", "args": args,
+        "deployments": [{"name": "agent", "num_replicas": num_replicas}]}]})
+    serve.context._get_global_client().deploy_apps(schema)
+
+
+async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir: Path, speech_wav: Path) -> None:
+    _delete_app()
+    url = f"http://127.0.0.1:{ray_cluster}"
+    _deploy_from_config(tiny_model_dir, 2)
+    await _wait(lambda: _replica_states() == Counter(RUNNING=2), 90, "two running replicas", _replica_states)
+    replica_ids = await _wait_idle(url)
+    clients: list[AgentClient] = []
+    try:
+        for rid in replica_ids:  # one call on each replica (?replica= names it): whichever Serve removes has one
+            clients.append(await _connect_to(url, speech_wav, rid))
+        owners = [owner_of(c.result.call_id) for c in clients]
+        assert sorted(owners) == sorted(replica_ids), owners
+        await _wait(lambda: all(c.result.first_audible_at is not None for c in clients), 60, "both replies")
+
+        _deploy_from_config(tiny_model_dir, 1)  # the same config but the count: one replica is removed
+        await _wait(lambda: _replica_states().get("STOPPING", 0) == 1, 30, "a replica to start stopping",
+                    _replica_states)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/healthz") as resp:
+                survivor = resp.headers[REPLICA_HEADER]  # the only replica the router still offers
+        draining = next(c for c in clients if owner_of(c.result.call_id) != survivor)
+
+        # Draining: its call goes on talking, new calls go to the survivor.
+        heard = len(draining.result.audible_onsets)
+        await _wait(lambda: len(draining.result.audible_onsets) > heard, 30, "the draining call's next reply")
+        assert _replica_states().get("STOPPING", 0) == 1, "the replica must wait for its call"
+        newcomer = await _connect(url, speech_wav)
+        clients.append(newcomer)
+        assert owner_of(newcomer.result.call_id) == survivor
+
+        # The client leaves: the drained replica stops.
+        await draining.close()
+        await _wait(lambda: _replica_states() == Counter(RUNNING=1), 30, "the drained replica to stop", _replica_states)
     finally:
         for c in clients:
             await c.close()
