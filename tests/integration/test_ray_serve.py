@@ -333,6 +333,9 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
         heard = len(draining.result.audible_onsets)
         await _wait(lambda: len(draining.result.audible_onsets) > heard, 30, "the draining call's next reply")
         assert _replica_states().get("STOPPING", 0) == 1, "the replica must wait for its call"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+            # Serve routes nothing to a stopping replica: HTTP follow-ups for its call say so at once.
+            assert (await _sse_head(http, url, draining.result.call_id))[0] == 410
         newcomer = await _connect(url, speech_wav)
         clients.append(newcomer)
         assert owner_of(newcomer.result.call_id) == survivor
