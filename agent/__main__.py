@@ -101,7 +101,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.ray:
-        from .serve.app import run as serve_on_ray
+        try:
+            from .serve.app import run as serve_on_ray
+        except ImportError as exc:
+            parser.error(f"--ray needs Ray Serve: pip install '.[serve]' ({exc})")
         from .serve.options import options_from
 
         serve_on_ray(config_from_args(ns), options_from(vars(ns)))
