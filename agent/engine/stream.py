@@ -51,6 +51,7 @@ import torch
 from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
 from agent.engine.detok import IncrementalDecoder
 from agent.engine.frames import FrameBatcher, Row
+from agent.engine.fusion import fuse_decoder
 from agent.engine.graphing import GraphConfig, GraphMode, Graphing
 from agent.engine.model import LoadedModel
 from agent.engine.moe import fuse_moe
@@ -105,6 +106,9 @@ class StreamingRunner:
             # with host syncs; the fused block is graph-safe, the same function (bit for bit on
             # CPU, to bf16 rounding on CUDA: tests/unit/test_moe.py).
             fuse_moe(loaded.model)
+        # q/k/v as one matmul in every thinker and talker layer (views: no second copy).
+        fuse_decoder(loaded.model.thinker.model.language_model)
+        fuse_decoder(loaded.model.talker.model)
         self.thinker = ThinkerOps(loaded, max_sessions, context_limit, self.graphing)
         # The talker holds every user turn plus the reply's frames (one per codec frame).
         talker_limit = context_limit + self.talker_max_tokens + 16
