@@ -58,7 +58,8 @@ class Session:
             if webrtc else None)
         self.video = VideoSampler(fps=config.video_fps, max_side=config.video_max_side)
         self.frames: FrameRing[VideoSample] = FrameRing(config.ingest_buffer_frames, kind="video")
-        self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms))
+        self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms),
+                                 echo=self._playing_level)
         self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
         self._reply: Optional[Response] = None  # the response in progress
         self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
@@ -121,6 +122,14 @@ class Session:
         """Microphone audio, any rate and layout (a WebRTC track's frames, decoded WebSocket appends)."""
         for event in self.input.push(frame):
             self._on_turn_event(event)
+
+    def _playing_level(self) -> Optional[float]:
+        """For the echo guard (agent/vad.py): the level the agent plays now, None while silent."""
+        if self.track is not None:
+            return self.track.level.level()
+        # WebSocket: the client plays the deltas at its own pace; all we know is that a spoken
+        # reply is under way (level 0: the duration rule applies, the threshold is not raised).
+        return 0.0 if self._reply is not None and self._reply.audio else None
 
     def push_video(self, frame: av.VideoFrame) -> None:
         sample = self.video.push(frame, self.input.audio_in.clock)
