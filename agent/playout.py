@@ -114,7 +114,7 @@ class AgentAudioTrack(MediaStreamTrack):
         self._overflowing = False
 
         # The level of what was sent lately: the endpointer's echo guard reads it.
-        self.level = PlayoutLevel()
+        self.level = PlayoutLevel(clock=clock)
         self._first_audio = asyncio.Event()
         self.early_starts = 0  # frames sent ahead of their slot because a reply began
         self.frames_sent = 0
