@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Optional
 import av
 import numpy as np
 
-from . import metrics
+from . import metrics, priority
 from .bridge import FrameRing
 from .config import INPUT_FRAME_SAMPLES, OUTPUT_RATE, Config
 from .engine import Engine, EngineBusy
@@ -50,6 +50,7 @@ class Session:
         self.webrtc = webrtc
         self.settings = settings or session_config.default_session(config)
         self.settings["id"] = self.id
+        self.priority = session_config.priority_of(self.settings)  # fixed for the session's life
         self.conversation = Conversation()
         self.conversation_id = new_id("conv")
         # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
@@ -78,6 +79,8 @@ class Session:
         self._unlisten = self.admission.listen(self._on_level)
         if self.settings["instructions"] != self.config.system_prompt:
             self._engine_call("set_instructions", self.settings["instructions"])
+        if self.priority != priority.NORMAL:
+            self._engine_call("set_priority", priority.RANK[self.priority])
         if self.settings["audio"]["output"].get("voice") not in (None, "default", self.config.speaker):
             self._set_voice(self.settings["audio"]["output"]["voice"])  # from the offer's session
         self.emit({"type": "session.created", "session": self.settings,
@@ -305,7 +308,7 @@ class Session:
             return
         if reply.ttft is None:
             reply.ttft = time.monotonic() - reply.end_of_turn
-            metrics.TTFT.observe(reply.ttft)
+            metrics.TTFT.labels(priority=self.priority).observe(reply.ttft)
         self.emit(reply.text_delta(delta.text, len(delta.token_ids)))
         if reply.max_tokens is not None and reply.tokens >= reply.max_tokens:
             # The client's max_output_tokens, under the server's own cap: end the reply here.
@@ -320,7 +323,7 @@ class Session:
         if reply.ttfa is None:
             # TTFA: end of turn -> first audio handed to the transport.
             reply.ttfa = time.monotonic() - reply.end_of_turn
-            metrics.TTFA.observe(reply.ttfa)
+            metrics.TTFA.labels(priority=self.priority).observe(reply.ttfa)
         if self.track is not None:
             reply.samples += len(audio.pcm)
             self.track.push(audio.pcm)
