@@ -9,10 +9,11 @@ the audio clock, never the wall clock: the same audio always gives the same even
 
 Echo guard: while the agent is speaking (``echo()`` returns the level it plays, see
 agent/echo.py), a turn, i.e. a barge-in, needs ``barge_in_ms`` of voiced audio with no
-unvoiced gap over ``BARGE_IN_GAP_MS``, and with ``echo_margin_db`` set each of those sub-frames
-must be louder than the agent's recent loudest frame plus that margin (negative: under it). The
-agent's own voice coming back through the microphone is quieter than what it sent, so it never
-starts a turn; a person talking over it is not. Inside a turn nothing changes.
+unvoiced gap over ``BARGE_IN_GAP_MS``, and with ``echo_margin_db`` set only sub-frames louder
+than the agent's recent loudest frame plus that margin (negative: under it) count; voiced ones
+under it neither count nor break the candidate. The agent's own voice coming back through the
+microphone is quieter than what it sent, so it never starts a turn; a person talking over it
+has enough syllables above it. Inside a turn nothing changes.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ class Endpointer:
                     events.append(SpeechAudio(chunk))
                     events.append(self._stop(at=t_end))
                     stopped_here = True
-            elif self._candidate(self._onset_voiced(voiced, sub, playing), t_end, playing) and not stopped_here:
+            elif self._candidate(voiced, t_end, playing, self._under_echo(voiced, sub, playing)) and not stopped_here:
                 events += self._start(chunk, t_end)
                 started_here = True
 
@@ -211,20 +212,24 @@ class Endpointer:
         rms = math.sqrt(float(np.mean(np.square(sub.astype(np.float64))))) / 32768.0
         return speech and rms >= self._min_rms
 
-    def _onset_voiced(self, voiced: bool, sub: np.ndarray, playing: Optional[float]) -> bool:
-        """Whether a voiced sub-frame may count towards starting a turn while the agent plays
-        at level `playing` (None: it is silent): only when louder than its echo could be."""
+    def _under_echo(self, voiced: bool, sub: np.ndarray, playing: Optional[float]) -> bool:
+        """A voiced sub-frame no louder than the agent's echo could be, while it plays at level
+        `playing` (None: it is silent)."""
         if not voiced or playing is None or self._echo_gain is None:
-            return voiced
+            return False
         rms = math.sqrt(float(np.mean(np.square(sub.astype(np.float64))))) / 32768.0
-        return rms >= playing * self._echo_gain
+        return rms < playing * self._echo_gain
 
     # -- candidate -> turn ---------------------------------------------------------------
 
-    def _candidate(self, voiced: bool, t_end: float, playing: Optional[float] = None) -> bool:
+    def _candidate(self, voiced: bool, t_end: float, playing: Optional[float] = None, under_echo: bool = False) -> bool:
         """Track voiced audio before a turn; True once there is enough to start one (while the
-        agent speaks: barge_in_ms of it, without a gap over BARGE_IN_GAP_MS)."""
+        agent speaks: barge_in_ms of it, without an unvoiced gap over BARGE_IN_GAP_MS). A voiced
+        sub-frame under the echo level neither counts nor breaks a candidate: a person talking
+        over the agent has quieter syllables too, and the echo alone never adds anything."""
         barge_in = playing is not None
+        if under_echo:
+            return False
         if voiced:
             if self._onset is None:
                 self._onset = t_end - SUBFRAME_MS / 1000

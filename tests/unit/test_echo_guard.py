@@ -6,8 +6,9 @@ its microphone 120 ms later at -10 dB never starts a turn (so never barges in), 
 echo does start one when the guard is not told the agent is playing (the echo really is speech to
 the VAD); a person talking over the reply at the reply's level does start a turn, near their onset.
 The policy, with a detector that calls any non-silent sub-frame voiced: while the agent plays a
-turn needs barge_in_ms (not min_speech_ms) of voiced audio without a gap over 100 ms, each
-sub-frame above played level + margin (margin None: duration rule only); silent agent: as before.
+turn needs barge_in_ms (not min_speech_ms) of voiced audio above played level + margin, without
+an unvoiced gap over 100 ms (voiced sub-frames under that level neither count nor break it;
+margin None: duration rule only); silent agent: as before.
 Selection: --vad picks the detector, Silero's threshold is range-checked, unknown kinds are refused.
 """
 
@@ -173,6 +174,13 @@ def test_onset_threshold_rises_with_the_played_level():
     assert starts(voice, playing=0.25) == []  # 0.1 < 0.25 * 0.5
     assert len(starts(voice, playing=0.25, echo_margin_db=-10.0)) == 1  # 0.1 >= 0.25 * 0.316
     assert len(starts(voice, playing=0.25, echo_margin_db=None)) == 1  # guard off: duration only
+
+
+def test_voice_under_the_echo_level_neither_counts_nor_breaks_a_barge_in():
+    loud, quiet = tone(120, -20.0), tone(200, -40.0)  # RMS 0.1 and 0.01; threshold 0.1 * 0.5
+    assert len(starts(np.concatenate([loud, quiet, tone(100, -20.0)]), playing=0.1)) == 1
+    assert starts(np.concatenate([loud, quiet]), playing=0.1) == []  # 120 ms above it: not enough
+    assert starts(tone(2000, -40.0), playing=0.1) == []  # an echo-level voice alone: never
 
 
 def test_playout_level_is_the_loudest_recent_frame_and_expires():
