@@ -80,7 +80,10 @@ class Session:
         if self.settings["instructions"] != self.config.system_prompt:
             self._engine_call("set_instructions", self.settings["instructions"])
         if self.priority != priority.NORMAL:
-            self._engine_call("set_priority", priority.RANK[self.priority])
+            # A runner without a scheduler (--runner reference) has nothing to order: not an error
+            # the client could act on, so the future's failure is only retrieved, never reported.
+            self.engine.call(self.id, "set_priority", priority.RANK[self.priority]).add_done_callback(
+                lambda f: f.cancelled() or f.exception())
         if self.settings["audio"]["output"].get("voice") not in (None, "default", self.config.speaker):
             self._set_voice(self.settings["audio"]["output"]["voice"])  # from the offer's session
         self.emit({"type": "session.created", "session": self.settings,
