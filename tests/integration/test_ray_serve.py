@@ -185,7 +185,7 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
             for owner in set(owners):
                 async with http.get(f"{url}/metrics?replica={owner}") as resp:
                     assert resp.status == 200 and resp.headers[REPLICA_HEADER] == owner
-                    assert "agent_sessions_active 2.0" in await resp.text()
+                    assert 'agent_sessions_active{priority="normal"} 2.0' in await resp.text()
 
             # The sideband WebSocket (?call_id=) through the proxy: relayed to the owner, both ways.
             call = clients[1].result.call_id
