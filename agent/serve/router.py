@@ -66,6 +66,7 @@ class OwnerPinnedRouter(ConsistentHashRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._routed_offers: Counter[str] = Counter()  # replica unique id -> offers this router sent
+        self._placing: set[str] = set()  # offers whose replica is being chosen
 
     def _load(self, replica: RunningReplica) -> tuple[int, float, str]:
         stats = replica.routing_stats or {}
@@ -87,15 +88,28 @@ class OwnerPinnedRouter(ConsistentHashRouter):
         owner = request_owner(pending_request)
         ranked = self.by_load(candidate_replicas)
         if owner is None:
+            if pending_request is not None and _is_offer(pending_request):
+                self._count_when_placed(pending_request)
             return [[r] for r in ranked]
         for replica in candidate_replicas:
             if replica.replica_id.unique_id == owner:
                 return [[replica]]
         return [ranked[:1]]  # the owner is gone: a live replica answers 410 at once
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        if _is_offer(pending_request):
-            self._routed_offers[replica_id.unique_id] += 1
+    def _count_when_placed(self, pending: PendingRequest) -> None:
+        # The request's future resolves to the replica chosen for it (whichever rank won), once.
+        # (Serve's on_request_routed hook only runs with strict max_ongoing_requests.)
+        key = pending.metadata.internal_request_id
+        if key in self._placing:
+            return
+        self._placing.add(key)
+
+        def placed(future: Any) -> None:
+            self._placing.discard(key)
+            if not future.cancelled() and future.exception() is None:
+                self._routed_offers[future.result().replica_id.unique_id] += 1
+
+        pending.future.add_done_callback(placed)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import pickle
+import secrets
 from collections import Counter
 from types import SimpleNamespace
 from typing import Any
@@ -110,8 +111,8 @@ def test_policy_never_gives_up_a_replica_with_calls() -> None:
 def _pending(method: str, path: str, query: bytes = b"", headers: list | None = None, session: str = "") -> PendingRequest:
     scope = {"type": "http", "method": method, "path": path, "query_string": query, "headers": headers or []}
     request = pickle.dumps(StreamingHTTPRequest(asgi_scope=scope, proxy_actor_name="proxy"))
-    meta = RequestMetadata(request_id="r", internal_request_id="i", session_id=session)
-    return PendingRequest(args=[request], kwargs={}, metadata=meta, future=None)  # type: ignore[arg-type]
+    meta = RequestMetadata(request_id="r", internal_request_id=secrets.token_hex(4), session_id=session)
+    return PendingRequest(args=[request], kwargs={}, metadata=meta)
 
 
 def _replica(rid: str, calls: int = 0, offers: int = 0, draining: bool = False) -> Any:
@@ -123,6 +124,7 @@ def _router() -> OwnerPinnedRouter:
     # choose_replicas reads only the load bookkeeping; the rest of a router needs a live Serve.
     router = OwnerPinnedRouter.__new__(OwnerPinnedRouter)
     router._routed_offers = Counter()
+    router._placing = set()
     return router
 
 
@@ -146,12 +148,18 @@ async def test_router_places_offers_on_the_fewest_calls() -> None:
     a, b = _replica("aaa", calls=2, offers=2), _replica("bbb", calls=1, offers=1)
     offer = _pending("POST", "/v1/realtime/calls")
     assert _ids(await router.choose_replicas([a, b], offer)) == [["bbb"], ["aaa"]]
-    # This router sent bbb 3 offers, its last report saw 1: 2 unreported, so bbb counts 3 calls.
-    router.on_request_routed(offer, b.replica_id, None)
-    router.on_request_routed(offer, b.replica_id, None)
-    router.on_request_routed(offer, b.replica_id, None)
-    router.on_request_routed(_pending("GET", "/healthz"), b.replica_id, None)  # not an offer: not counted
-    assert _ids(await router.choose_replicas([a, b], offer)) == [["aaa"], ["bbb"]]
+    # This router places 3 offers on bbb, whose last report saw 1: 2 unreported, so bbb counts 3 calls.
+    for _ in range(3):
+        placed = _pending("POST", "/v1/realtime/calls")
+        await router.choose_replicas([a, b], placed)
+        await router.choose_replicas([a, b], placed)  # a retry of the same request counts once
+        placed.future.set_result(b)
+    other = _pending("GET", "/healthz")
+    await router.choose_replicas([a, b], other)
+    other.future.set_result(b)  # not an offer: not counted
+    await asyncio.sleep(0)  # done callbacks run on the next loop turn
+    assert router._routed_offers == Counter({"bbb": 3})
+    assert _ids(await router.choose_replicas([a, b], _pending("POST", "/v1/realtime"))) == [["aaa"], ["bbb"]]
     # A draining replica comes last whatever its load.
     c = _replica("ccc", calls=0, draining=True)
     assert _ids(await router.choose_replicas([c, a], offer))[-1] == ["ccc"]
