@@ -43,23 +43,18 @@ def request_scope(pending: Optional[PendingRequest]) -> Optional[dict[str, Any]]
     return scope if isinstance(scope, dict) else None
 
 
-def request_owner(pending: Optional[PendingRequest]) -> Optional[str]:
-    """The replica id that must serve this request, or None when any may."""
+def request_owner(pending: Optional[PendingRequest], scope: Optional[dict[str, Any]] = None) -> Optional[str]:
+    """The replica id that must serve this request, or None when any may (scope: already read)."""
     if pending is None:
         return None
     if pending.metadata.session_id:
         owner = owner_of(pending.metadata.session_id)
         if owner is not None:
             return owner
-    scope = request_scope(pending)
+    scope = scope if scope is not None else request_scope(pending)
     if scope is None:
         return None
     return owner_from_request(scope.get("path", ""), scope.get("query_string", b""), scope.get("headers", []))
-
-
-def _is_offer(pending: Optional[PendingRequest]) -> bool:
-    scope = request_scope(pending)
-    return scope is not None and is_offer(scope.get("method", ""), scope.get("path", ""))
 
 
 class OwnerPinnedRouter(ConsistentHashRouter):
@@ -85,10 +80,12 @@ class OwnerPinnedRouter(ConsistentHashRouter):
             return []
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True
-        owner = request_owner(pending_request)
+        scope = request_scope(pending_request)  # unpickled once per routing attempt
+        owner = request_owner(pending_request, scope)
         ranked = self.by_load(candidate_replicas)
         if owner is None:
-            if pending_request is not None and _is_offer(pending_request):
+            if pending_request is not None and scope is not None and is_offer(scope.get("method", ""),
+                                                                               scope.get("path", "")):
                 self._count_when_placed(pending_request)
             return [[r] for r in ranked]
         for replica in candidate_replicas:
