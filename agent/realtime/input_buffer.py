@@ -28,7 +28,8 @@ class InputBuffer:
         td, c = self.turn_detection, self.config
         return Endpointer(silence_ms=td.silence_ms if td else c.vad_silence_ms, min_speech_ms=c.vad_min_speech_ms,
                           aggressiveness=c.vad_aggressiveness, max_turn_s=c.max_turn_seconds,
-                          preroll_ms=td.prefix_padding_ms if td else 300)
+                          preroll_ms=td.prefix_padding_ms if td else 300,
+                          pause_ms=c.speculation_pause_ms if c.speculative_start else 0)
 
     @property
     def manual(self) -> bool:
