@@ -61,7 +61,8 @@ class Config:
     vad_min_speech_ms: int = 120  # voiced audio needed before a turn starts
     # Speculative start: after this much unvoiced audio inside a turn the engine starts the
     # reply, its output held, while the endpointer keeps listening: committed at the end of
-    # turn (vad_silence_ms), discarded invisibly if the user speaks again first.
+    # turn (vad_silence_ms), discarded invisibly if the user speaks again first. With or without
+    # speculation, the turn's audio ends at such a pause when no voice follows it.
     speculative_start: bool = True
     speculation_pause_ms: int = 120
     max_turn_seconds: float = 30.0  # a turn longer than this is ended by force

@@ -59,6 +59,9 @@ class Session:
         self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms))
         self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
         self._speculating = False  # a reply was started on a pause of this turn (held by the engine)
+        # Audio since a pause of the turn: it joins the turn only if the user goes on. So the turn
+        # ends where the pause began, with speculation or without, and both answer the same audio.
+        self._after_pause: Optional[list[np.ndarray]] = None
         self._reply: Optional[Response] = None  # the response in progress
         self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
         self._last: Optional[Response] = None  # the latest response (what a truncation may cut)
@@ -132,21 +135,30 @@ class Session:
             if isinstance(event, SpeechStarted):
                 if td is not None and td.interrupt_response:
                     self.interrupt("turn_detected")
-                self._speech_item, self._speculating = new_id("item"), False
+                self._speech_item, self._speculating, self._after_pause = new_id("item"), False, None
                 self.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000),
                            "item_id": self._speech_item})
             elif isinstance(event, SpeechAudio):
-                self.engine.append_audio(self.id, event.chunk.pcm)
+                if self._after_pause is not None:
+                    self._after_pause.append(event.chunk.pcm)
+                else:
+                    self.engine.append_audio(self.id, event.chunk.pcm)
             elif isinstance(event, SpeechPaused):
+                self._after_pause = []
                 self._speculate()
             elif isinstance(event, SpeechResumed):
                 if self._speculating:  # mid-sentence: the held reply goes, unseen
                     self._speculating = False
                     self.engine.drop_speculation(self.id)
+                after, self._after_pause = self._after_pause or [], None
+                for pcm in after:  # the pause was part of the sentence
+                    self.engine.append_audio(self.id, pcm)
             elif isinstance(event, SpeechStopped):
                 item_id = self._speech_item or new_id("item")
                 self._speech_item = None
-                self._speculating = False  # create_response commits it; a refusal discards the turn
+                # The rest of the silence is not part of the turn; create_response commits the
+                # speculation (a refusal discards the turn, and it with it).
+                self._speculating, self._after_pause = False, None
                 self.emit({"type": "input_audio_buffer.speech_stopped",
                            "audio_end_ms": int(event.end_of_speech * 1000), "item_id": item_id})
                 self._commit_item(item_id, None)
@@ -197,6 +209,13 @@ class Session:
                 return
             self.input.reset()
             item_id, self._speech_item = self._speech_item or new_id("item"), None
+            if self._speculating:  # a commit without a response: nothing to answer yet
+                self._speculating = False
+                self.engine.drop_speculation(self.id)
+            if self._after_pause:
+                for pcm in self._after_pause:
+                    self.engine.append_audio(self.id, pcm)
+            self._after_pause = None
             self._commit_item(item_id, event_id)
             return
         if self.input.buffered_ms() < 100:
@@ -216,7 +235,7 @@ class Session:
         if self.input.in_turn:
             self.engine.discard_turn(self.id)
         self.input.reset()
-        self._speech_item = None
+        self._speech_item, self._speculating, self._after_pause = None, False, None
         self.emit({"type": "input_audio_buffer.cleared"})
 
     def apply_settings(self, merged: dict[str, Any]) -> None:
@@ -232,7 +251,7 @@ class Session:
             if self.input.in_turn:  # the turn so far cannot be judged by new rules
                 self.engine.discard_turn(self.id)
             self.input.set_turn_detection(td)
-            self._speech_item = None
+            self._speech_item, self._speculating, self._after_pause = None, False, None
         self.emit({"type": "session.updated", "session": merged})
 
     # ---- responses -------------------------------------------------------------------

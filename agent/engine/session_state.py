@@ -1,4 +1,5 @@
-"""Per-session streaming state: one resettable dataclass per session, one per reply.
+"""Per-session streaming state: one resettable dataclass per session, one per reply (its phase
+in agent/engine/phase.py, its stages' state in the modules that advance them).
 
 Everything a session carries between engine steps lives here (its slot in the batched KV
 caches and code2wav state, position counters, the talker's view of the user turns, the reply's

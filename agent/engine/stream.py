@@ -24,6 +24,13 @@ Scheduling, each tick (policy in agent/engine/scheduler.py, estimates from `play
 4. microphone audio of users still speaking is encoded and prefilled (bounded) only in ticks
    with no first-audio work and no session under the low-water mark. An idle engine (no reply
    in flight) does it at once in append_audio: there is nothing to schedule it against.
+5. speculative replies (agent/engine/speculation.py: started on a pause of the user, output
+   held until the turn ends) are prefilled in those same ticks, last; once their first frame is
+   made they are parked and take no ticks until their commit.
+
+A reply's phase (agent/engine/phase.py) is moved only here and in speculation.py, through
+ReplyState.move(); what each stage has made is kept by the stage's module (turns.PrefillStage,
+frames.TextStage / VoiceStage).
 
 Under greedy decoding the result equals transformers' generate() on the same prompt (same
 text ids, same codec codes, same waveform up to float rounding): tests/unit/test_streaming_exact.py;

@@ -29,7 +29,7 @@ class InputBuffer:
         return Endpointer(silence_ms=td.silence_ms if td else c.vad_silence_ms, min_speech_ms=c.vad_min_speech_ms,
                           aggressiveness=c.vad_aggressiveness, max_turn_s=c.max_turn_seconds,
                           preroll_ms=td.prefix_padding_ms if td else 300,
-                          pause_ms=c.speculation_pause_ms if c.speculative_start else 0)
+                          pause_ms=c.speculation_pause_ms)
 
     @property
     def manual(self) -> bool:
