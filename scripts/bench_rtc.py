@@ -275,10 +275,11 @@ async def main_async(args: argparse.Namespace) -> None:
     spec_ratio, spec_share = float("nan"), float("nan")
     if speculation:
         print("\nspeculative start (1 session, audio only; server TTFA: end of turn → first audio frame sent)")
-        print(f"{'agent':>9} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'e2e p50':>8} {'from spec':>9}")
+        print(f"{'agent':>9} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'e2e p50':>8} {'from spec':>9} "
+              f"{'glitch':>6} {'underrun':>8}")
         for name, r in speculation.items():
             print(f"{'spec ' + name:>9} {len(r['ttfa']):>5} {ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['ttfa'], 95)):>8} "
-                  f"{ms(pct(r['v2v'], 50)):>8} {r['speculative']:>9}")
+                  f"{ms(pct(r['v2v'], 50)):>8} {r['speculative']:>9} {r['glitches']:>6} {r['underruns']:>8.0f}")
         spec_ratio = pct(speculation["on"]["ttfa"], 50) / pct(speculation["off"]["ttfa"], 50)
         spec_share = speculation["on"]["speculative"] / max(1, speculation["on"]["dones"])
     print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "

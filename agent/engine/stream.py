@@ -173,6 +173,9 @@ class StreamingRunner(Speculation, ConversationEdits):
 
     @torch.inference_mode()
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
+        # More of the turn: the user went on, so a speculation on the pause goes (the session
+        # keeps the pause's own audio back until it knows; drop_speculation says so earlier).
+        self.drop_speculation(session_id)
         state = self._sessions[session_id]
         self.turns.queue_pcm(state, pcm)
         if not self._busy():  # idle engine: encode and prefill now, nothing waits for it

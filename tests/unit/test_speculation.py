@@ -3,12 +3,12 @@
 Pins:
 - a speculation (started on a pause) makes its prefill and first frame but nothing of it comes
   out: every output is held; it then parks (HELD) and costs no more ticks;
-- discarded (the user speaks again), it leaves no trace: the KV rows are back at their lengths
+- discarded (the user speaks again: drop_speculation, or simply more audio of the turn), it
+  leaves no trace: the KV rows are back at their lengths
   and the reply that follows equals, token for token and code for code, the one of a runner
   that never speculated; several pauses in one turn may each start and discard one;
 - committed (the turn ended), its held text and first frame come out at once (take_ready,
-  before any step), the reply is the one a plain begin_reply at the pause would give, and
-  the audio after the pause is not part of the answered turn;
+  before any step), and the reply is the one a plain begin_reply at the pause would give;
 - the scheduler serves speculations last: only in ticks with no first-audio work and no
   session under the low-water mark;
 - a conversation edit (a user text item) discards a speculation.
@@ -90,9 +90,14 @@ def test_discarded_speculations_leave_no_trace(loaded) -> None:
         lengths = (state.thinker.length, state.talker.length, list(state.closing))
         speculate_until_held(runner, "s")
         assert state.thinker.length > lengths[0]  # the speculation's prefill is in the cache
-        speak(runner, "s", piece)  # the user goes on while it is held
-        assert runner.drop_speculation("s")
-        assert (state.thinker.length, state.talker.length, list(state.closing)) == lengths
+        if piece is b:
+            assert runner.drop_speculation("s")
+            assert (state.thinker.length, state.talker.length, list(state.closing)) == lengths
+            speak(runner, "s", piece)
+        else:
+            runner.append_audio("s", piece[:PIECE])  # more of the turn discards it by itself
+            assert state.reply is None and not runner.drop_speculation("s")
+            speak(runner, "s", piece[PIECE:])
         assert state.reply is None
     runner.begin_reply("s", [])
     outputs = finish(runner, "s")
@@ -108,12 +113,12 @@ def test_committed_speculation_releases_its_held_frame_at_once(loaded) -> None:
     runner.open_session("s")
     speak(runner, "s", speech)
     speculate_until_held(runner, "s")
-    speak(runner, "s", pause)  # the rest of the end-of-turn silence: not part of the answer
     runner.begin_reply("s", [])
     ready = runner.take_ready()
     assert [type(o) for o in ready][-1] is AudioOut and any(isinstance(o, TextDelta) for o in ready)
     assert runner._sessions["s"].reply.phase is ReplyPhase.STREAMING
-    assert not runner._sessions["s"].turn.pcm  # the pause's audio went with the answered turn
+    runner.append_audio("s", pause)  # the next turn's audio does not touch the committed reply
+    assert runner._sessions["s"].reply.phase is ReplyPhase.STREAMING
     outputs = finish(runner, "s")
     done = [o for o in outputs if isinstance(o, ReplyDone)][0]
     assert done.stats["speculative"] is True and done.stats["first_audio_seconds"] == 0.0
