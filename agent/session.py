@@ -149,7 +149,10 @@ class Session:
             elif isinstance(event, SpeechResumed):
                 if self._speculating:  # mid-sentence: the held reply goes, unseen
                     self._speculating = False
-                    self.engine.drop_speculation(self.id)
+                    try:
+                        self.engine.drop_speculation(self.id)
+                    except EngineBusy:
+                        pass  # the audio below discards it too (StreamingRunner.append_audio)
                 after, self._after_pause = self._after_pause or [], None
                 for pcm in after:  # the pause was part of the sentence
                     self.engine.append_audio(self.id, pcm)
@@ -180,7 +183,10 @@ class Session:
         if mode == "fallback":
             return
         images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
-        self.engine.speculate(self.id, images, mode=mode)
+        try:
+            self.engine.speculate(self.id, images, mode=mode)
+        except EngineBusy:
+            return  # a busy engine has no room for a reply that may be thrown away
         self._speculating = True
 
     def _reply_mode(self, modalities: list[str]) -> str:

@@ -41,8 +41,9 @@ MoE experts are fused (agent/engine/moe.py), the slot caches reserved at their l
 thinker decode, talker step, code-predictor loop and code2wav step compiled with torch.compile
 (agent/engine/compiled.py; `--compile`, on CUDA by default) and captured as CUDA graphs per
 batch bucket, here in the constructor (so compiling happens at start-up, never in a reply),
-i.e. on the engine thread that builds the runner; only that thread may replay them. `graphs="fake"` runs the same wiring on CPU for tests
-(tests/unit/test_graph_wiring.py).
+i.e. on the engine thread that builds the runner; only that thread may replay them. Tests and
+the CPU kernel benchmark run the same wiring on CPU by passing agent/engine/fake_graphs.py's
+`fake_graph_config()` (tests/unit/test_graph_wiring.py); production never imports it.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class StreamingRunner(Speculation, ConversationEdits):
         max_sessions: slots in the static caches (open sessions at most).
         clock: the scheduler's time source (seconds), injectable for tests.
         graphs: CUDA graph mode or settings ("auto": graphs on a CUDA device, eager elsewhere;
-        "off"; "cuda"; "fake": the graph wiring on CPU). With graphs on, this fuses the MoE
+        "off"; "cuda"; a GraphConfig, e.g. fake_graphs.fake_graph_config(): the graph wiring on
+        CPU). With graphs on, this fuses the MoE
         experts of `loaded.model` in place and captures here."""
         if max_reply_tokens < 2:
             raise ValueError("max_reply_tokens must be >= 2 (a reply is one text token plus its end)")

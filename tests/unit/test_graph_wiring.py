@@ -1,6 +1,6 @@
 """The streaming engine's CUDA-graph path, proven on CPU with the fake capture backend.
 
-Pins, on the tiny model under greedy decoding, a runner with `graphs="fake"` (the GPU wiring:
+Pins, on the tiny model under greedy decoding, a runner with `graphs=fake_graph_config()` (the GPU wiring:
 fused MoE, reserved slot caches, static device-tensor inputs, fixed-length masked attention,
 GraphPool padding, capture/replay; agent/engine/fake_graphs.py makes capture execute nothing,
 refuse host syncs and check that every replay issues the captured ops on the same memory):
