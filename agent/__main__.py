@@ -55,6 +55,10 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                         "(default %(default)s dB)")
     p.add_argument("--no-echo-guard", dest="echo_guard", action="store_false",
                    help="do not raise the barge-in threshold by the level the agent plays (duration rule only)")
+    p.add_argument("--no-speculative-start", dest="speculative_start", action="store_false",
+                   help="do not start replies on short pauses (speculatively, held until the turn ends)")
+    p.add_argument("--speculation-pause-ms", type=int, default=d.speculation_pause_ms,
+                   help="unvoiced audio inside a turn after which a reply starts speculatively")
     p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="offers beyond this get 503")
     p.add_argument("--high-priority-slots", type=int, default=d.high_priority_slots,
                    help="of --max-sessions, slots kept for priority=high sessions (default %(default)s)")
@@ -65,6 +69,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="P95 first-response latency above which new replies are text-only")
     p.add_argument("--fallback-p95-ms", type=float, default=d.fallback_p95_ms,
                    help="P95 above which replies come from the fallback model")
+    p.add_argument("--speculation-p95-ms", type=float, default=d.speculation_p95_ms,
+                   help="P95 above which speculative starts stop (the ladder's first rung)")
     p.add_argument("--ladder-margin-ms", type=float, default=d.ladder_margin_ms,
                    help="step back down only under threshold minus this ...")
     p.add_argument("--ladder-recover-s", type=float, default=d.ladder_recover_s, help="... held this long")

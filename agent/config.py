@@ -69,6 +69,12 @@ class Config:
     barge_in_ms: int = 200
     echo_guard: bool = True  # raise the onset threshold by the level played (False: duration only)
     echo_margin_db: float = -6.0
+    # Speculative start: after this much unvoiced audio inside a turn the engine starts the
+    # reply, its output held, while the endpointer keeps listening: committed at the end of
+    # turn (vad_silence_ms), discarded invisibly if the user speaks again first. With or without
+    # speculation, the turn's audio ends at such a pause when no voice follows it.
+    speculative_start: bool = True
+    speculation_pause_ms: int = 120
     max_turn_seconds: float = 30.0  # a turn longer than this is ended by force
     video_fps: float = 4.0
     video_max_side: int = 448  # frames are resized so the longer side is at most this
@@ -84,6 +90,7 @@ class Config:
     max_turns_per_s: float = 20.0  # per engine
     text_only_p95_ms: float = 300.0  # P95 first-response latency above this: text-only replies
     fallback_p95_ms: float = 500.0  # above this: the text-only fallback model
+    speculation_p95_ms: float = 200.0  # the ladder's first rung: above this, no speculative starts
     ladder_margin_ms: float = 50.0  # step back only under threshold - margin ...
     ladder_recover_s: float = 10.0  # ... held this long
     engine_inbox: int = 64  # bounded queue into the engine thread

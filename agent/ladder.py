@@ -1,6 +1,8 @@
 """Admission and the degradation ladder: refuse honestly, degrade before starving anyone.
 
-Level 0 (audio): normal replies. Level 1 (text): new replies are text-only (the talker is
+Before level 1, the first rung: speculative starts (agent/engine/phase.py) stop once the P95
+exceeds `speculation_p95_s` (they spend engine time on replies that may be discarded) and come
+back under it minus the margin. Level 0 (audio): normal replies. Level 1 (text): new replies are text-only (the talker is
 paused), so each costs only the Thinker. Level 2 (fallback): replies come from a small
 text-only fallback model. The signal is the P95 of the first-response latency over a
 sliding window: TTFA for spoken replies, TTFT for text-only ones (a text-only reply's
@@ -29,6 +31,7 @@ LEVEL_NAMES = ("audio", "text", "fallback")
 class LadderSettings:
     text_only_p95_s: float = 0.300
     fallback_p95_s: float = 0.500
+    speculation_p95_s: float = 0.200  # above this no speculative starts (below text_only_p95_s)
     margin_s: float = 0.050
     recover_s: float = 10.0
     window: int = 50  # latest samples kept
@@ -48,6 +51,7 @@ class DegradationLadder:
         self._clock = clock
         self._samples: deque[tuple[float, float]] = deque(maxlen=settings.window)
         self.level = 0
+        self.speculate = True  # whether sessions may start replies speculatively
         self._below_since: Optional[float] = None
         metrics.DEGRADATION_LEVEL.set(0)
 
@@ -72,6 +76,12 @@ class DegradationLadder:
         now = self._clock()
         value = self.current_p95()
         old = self.level
+        # The first rung goes before any level: speculation off over its threshold (or at any
+        # degraded level), back on only under threshold - margin.
+        if self.level > 0 or (value is not None and value > self.s.speculation_p95_s):
+            self.speculate = False
+        elif value is None or value < self.s.speculation_p95_s - self.s.margin_s:
+            self.speculate = True
         if value is None:
             # Too little recent traffic to judge: nobody is waiting, so step down on the clock.
             target = 0
@@ -111,6 +121,7 @@ class Admission:
         settings = LadderSettings(
             text_only_p95_s=config.text_only_p95_ms / 1000,
             fallback_p95_s=config.fallback_p95_ms / 1000,
+            speculation_p95_s=config.speculation_p95_ms / 1000,
             margin_s=config.ladder_margin_ms / 1000,
             recover_s=config.ladder_recover_s,
             window=config.ladder_window,

@@ -63,6 +63,13 @@ TURNS_REJECTED = Counter("agent_turns_rejected_total", "Turns refused by the tur
 ENGINE_INBOX = Gauge("agent_engine_inbox_depth", "Requests waiting for the engine thread", registry=REGISTRY)
 TURNS = Counter("agent_turns_total", "Turns sent to the engine", registry=REGISTRY)
 ERRORS = Counter("agent_errors_total", "Errors reported to clients", ["where"], registry=REGISTRY)
+SPECULATIONS = Counter(
+    "agent_speculative_replies_total",
+    "Replies started speculatively on a short pause, by outcome: started, committed_held (its first "
+    "frame was ready), committed_prefilling, discarded",
+    ["outcome"],
+    registry=REGISTRY,
+)
 
 
 for _priority in ("high", "normal"):  # both classes are exported from the start, at zero

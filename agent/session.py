@@ -26,17 +26,15 @@ from .engine.api import AudioOut, ReplyDone, TextDelta
 from .ingest import VideoSample, VideoSampler
 from .ladder import LEVEL_NAMES, Admission
 from .playout import AgentAudioTrack
-from .realtime import session_config
+from .realtime import edits, session_config
 from .realtime.conversation import Conversation
 from .realtime.input_buffer import InputBuffer
 from .realtime.events import new_id, user_audio_item, user_text_item
 from .realtime.outbox import Outbox
 from .realtime.response import STATUS_BY_REASON, Response
-from .vad import SpeechAudio, SpeechStarted, SpeechStopped
+from .vad import SpeechAudio, SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
-
-FRAME_MS = 80  # one codec frame: the unit a truncation is counted in
 
 
 class Session:
@@ -62,6 +60,10 @@ class Session:
         self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms),
                                  echo=self._playing_level)
         self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
+        self._speculating = False  # a reply was started on a pause of this turn (held by the engine)
+        # Audio since a pause of the turn: it joins the turn only if the user goes on. So the turn
+        # ends where the pause began, with speculation or without, and both answer the same audio.
+        self._after_pause: Optional[list[np.ndarray]] = None
         self._reply: Optional[Response] = None  # the response in progress
         self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
         self._last: Optional[Response] = None  # the latest response (what a truncation may cut)
@@ -148,14 +150,33 @@ class Session:
             if isinstance(event, SpeechStarted):
                 if td is not None and td.interrupt_response:
                     self.interrupt("turn_detected")
-                self._speech_item = new_id("item")
+                self._speech_item, self._speculating, self._after_pause = new_id("item"), False, None
                 self.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000),
                            "item_id": self._speech_item})
             elif isinstance(event, SpeechAudio):
-                self.engine.append_audio(self.id, event.chunk.pcm)
+                if self._after_pause is not None:
+                    self._after_pause.append(event.chunk.pcm)
+                else:
+                    self.engine.append_audio(self.id, event.chunk.pcm)
+            elif isinstance(event, SpeechPaused):
+                self._after_pause = []
+                self._speculate()
+            elif isinstance(event, SpeechResumed):
+                if self._speculating:  # mid-sentence: the held reply goes, unseen
+                    self._speculating = False
+                    try:
+                        self.engine.drop_speculation(self.id)
+                    except EngineBusy:
+                        pass  # the audio below discards it too (StreamingRunner.append_audio)
+                after, self._after_pause = self._after_pause or [], None
+                for pcm in after:  # the pause was part of the sentence
+                    self.engine.append_audio(self.id, pcm)
             elif isinstance(event, SpeechStopped):
                 item_id = self._speech_item or new_id("item")
                 self._speech_item = None
+                # The rest of the silence is not part of the turn; create_response commits the
+                # speculation (a refusal discards the turn, and it with it).
+                self._speculating, self._after_pause = False, None
                 self.emit({"type": "input_audio_buffer.speech_stopped",
                            "audio_end_ms": int(event.end_of_speech * 1000), "item_id": item_id})
                 self._commit_item(item_id, None)
@@ -164,6 +185,32 @@ class Session:
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
             self.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
+
+    def _speculate(self) -> None:
+        """A pause in the user's turn: let the engine start the reply that the end of turn would
+        create, held until then (StreamingRunner.speculate). Only where that reply would follow
+        by itself (server VAD creating responses), none is running, and the ladder allows it."""
+        td = self.input.turn_detection
+        if (self._speculating or not self.config.speculative_start or td is None or not td.create_response
+                or self._reply is not None or self._stale_done or not self.admission.ladder.speculate):
+            return
+        mode = self._reply_mode(self.settings["output_modalities"])
+        if mode == "fallback":
+            return
+        images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
+        try:
+            self.engine.speculate(self.id, images, mode=mode)
+        except EngineBusy:
+            return  # a busy engine has no room for a reply that may be thrown away
+        self._speculating = True
+
+    def _reply_mode(self, modalities: list[str]) -> str:
+        level = self.admission.ladder.level
+        if level >= 2 and self.engine.has_fallback:
+            return "fallback"
+        if level >= 1 or modalities == ["text"]:
+            return "text"
+        return "audio"
 
     def _commit_item(self, item_id: str, event_id: Optional[str]) -> None:
         previous = self.conversation.last_id()
@@ -183,6 +230,13 @@ class Session:
                 return
             self.input.reset()
             item_id, self._speech_item = self._speech_item or new_id("item"), None
+            if self._speculating:  # a commit without a response: nothing to answer yet
+                self._speculating = False
+                self.engine.drop_speculation(self.id)
+            if self._after_pause:
+                for pcm in self._after_pause:
+                    self.engine.append_audio(self.id, pcm)
+            self._after_pause = None
             self._commit_item(item_id, event_id)
             return
         if self.input.buffered_ms() < 100:
@@ -202,7 +256,7 @@ class Session:
         if self.input.in_turn:
             self.engine.discard_turn(self.id)
         self.input.reset()
-        self._speech_item = None
+        self._speech_item, self._speculating, self._after_pause = None, False, None
         self.emit({"type": "input_audio_buffer.cleared"})
 
     def apply_settings(self, merged: dict[str, Any]) -> None:
@@ -218,7 +272,7 @@ class Session:
             if self.input.in_turn:  # the turn so far cannot be judged by new rules
                 self.engine.discard_turn(self.id)
             self.input.set_turn_detection(td)
-            self._speech_item = None
+            self._speech_item, self._speculating, self._after_pause = None, False, None
         self.emit({"type": "session.updated", "session": merged})
 
     # ---- responses -------------------------------------------------------------------
@@ -235,13 +289,7 @@ class Session:
             return
         if self._playing is not None:
             self.clear_output()  # a new reply does not queue behind the old one's audio
-        modalities = params.get("output_modalities") or self.settings["output_modalities"]
-        level = self.admission.ladder.level
-        mode = "audio"
-        if level >= 2 and self.engine.has_fallback:
-            mode = "fallback"
-        elif level >= 1 or modalities == ["text"]:
-            mode = "text"
+        mode = self._reply_mode(params.get("output_modalities") or self.settings["output_modalities"])
         limit = session_config.max_output_tokens(params.get("max_output_tokens", self.settings["max_output_tokens"]))
         if limit is not None and limit >= self.config.max_reply_tokens:
             limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
@@ -270,24 +318,31 @@ class Session:
         self.interrupt("client_cancelled")
 
     def interrupt(self, reason: str) -> None:
-        """Barge-in or response.cancel: stop generating and drop queued audio at once."""
-        if self._playing is not None:
-            self.clear_output()
+        """Barge-in or response.cancel: stop generating and drop queued audio at once. A barge-in
+        also cuts the reply in the model's context to the words the user heard (WebRTC: the
+        agent knows what was played)."""
+        playing, heard = self._playing, 0
+        if playing is not None:
+            heard = playing.samples - round(self.clear_output() * OUTPUT_RATE)
         reply = self._reply
         if reply is not None and reply.engine_open:
             self.engine.cancel_reply(self.id)
             self._stale_done += 1
             self._finish(reply, "cancelled", reason, {})
+        if reason == "turn_detected" and playing is not None and playing is self._last:
+            edits.truncate_to_heard(self, playing, max(0, heard))
 
-    def clear_output(self) -> None:
-        """output_audio_buffer.clear (WebRTC): the track drops what it has not played."""
+    def clear_output(self) -> float:
+        """output_audio_buffer.clear (WebRTC): the track drops what it has not played; returns
+        the seconds dropped."""
         playing, self._playing = self._playing, None
         if self.track is None:
-            return
-        self.track.flush()
+            return 0.0
+        dropped = self.track.flush()
         response_id = playing.id if playing is not None else (self._last.id if self._last else None)
         if response_id is not None:
             self.emit({"type": "output_audio_buffer.cleared", "response_id": response_id})
+        return dropped
 
     def _on_first_audio(self, _wall: float) -> None:
         if self._playing is not None:
@@ -383,62 +438,12 @@ class Session:
         self._add_item(user_audio_item(item_id))
 
     def truncate(self, item_id: str, audio_end_ms: int, event_id: Optional[str]) -> None:
-        """Cut the latest spoken reply to what the listener heard, in the item and in the model's context."""
-        last = self._last
-        if item_id not in self.conversation:
-            self.emit_error(f"no item {item_id!r}", "item_not_found", param="item_id", event_id=event_id)
-            return
-        if last is None or last.item_id != item_id or not last.audio:
-            self.emit_error("only the latest spoken assistant item can be truncated", "unsupported",
-                            param="item_id", event_id=event_id)
-            return
-        produced_ms = last.samples * 1000 // OUTPUT_RATE
-        if audio_end_ms > produced_ms:
-            self.emit_error(f"audio_end_ms {audio_end_ms} is past the item's audio ({produced_ms} ms)",
-                            "invalid_value", param="audio_end_ms", event_id=event_id)
-            return
-
-        def truncated(kept_tokens: int) -> None:
-            self.conversation.set_transcript(item_id, last.text_upto(kept_tokens))
-            self.emit({"type": "conversation.item.truncated", "item_id": item_id, "content_index": 0,
-                       "audio_end_ms": audio_end_ms})
-
-        self._cut_latest_reply(audio_end_ms // FRAME_MS, event_id, truncated)
+        """conversation.item.truncate (agent/realtime/edits.py)."""
+        edits.truncate(self, item_id, audio_end_ms, event_id)
 
     def delete_item(self, item_id: str, event_id: Optional[str]) -> None:
-        """Delete the latest assistant item: its words leave the list and the model's context (an
-        empty assistant turn stays, so the turns keep their order). Earlier items are refused:
-        the KV cache holds the conversation in order and cannot drop a turn from its middle."""
-        last = self._last
-        if last is None or last.item_id != item_id:
-            self.emit_error("only the latest assistant item can be deleted: the model's context keeps "
-                            "the conversation in order", "unsupported", param="item_id", event_id=event_id)
-            return
-
-        def deleted(_kept_tokens: int) -> None:
-            self.conversation.remove(item_id)
-            self._last = None
-            self.emit({"type": "conversation.item.deleted", "item_id": item_id})
-
-        self._cut_latest_reply(0, event_id, deleted)
-
-    def _cut_latest_reply(self, audio_frames: int, event_id: Optional[str], then: Callable[[int], None]) -> None:
-        """Keep the latest reply's first `audio_frames` frames' text in the model's context (a reply
-        still running is cancelled first), then call `then(kept_tokens)`."""
-        if self._last is self._reply:
-            self.interrupt("client_cancelled")
-
-        def cut() -> None:
-            future = self._engine_call("truncate_reply", audio_frames, event_id=event_id)
-
-            def done(f: asyncio.Future) -> None:
-                if f.cancelled() or f.exception() is not None or self._closed:
-                    return  # _engine_call reported it
-                then(f.result()["kept_tokens"])
-
-            future.add_done_callback(done)
-
-        self.after_engine_idle(cut)
+        """conversation.item.delete (agent/realtime/edits.py)."""
+        edits.delete_item(self, item_id, event_id)
 
     def after_engine_idle(self, fn: Callable[[], None]) -> None:
         """Run fn once the engine has ended every cancelled reply (a truncation needs that)."""

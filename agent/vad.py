@@ -14,6 +14,10 @@ than the agent's recent loudest frame plus that margin (negative: under it) coun
 under it neither count nor break the candidate. The agent's own voice coming back through the
 microphone is quieter than what it sent, so it never starts a turn; a person talking over it
 has enough syllables above it. Inside a turn nothing changes.
+
+With ``pause_ms`` set, a shorter unvoiced run inside a turn is reported as ``SpeechPaused``
+(once per pause) and voice after it as ``SpeechResumed``: the session starts a speculative
+reply on the first and discards it on the second (agent/engine/phase.py).
 """
 
 from __future__ import annotations
@@ -65,7 +69,23 @@ class SpeechStopped:
     forced: bool = False  # max_turn_s reached while still speaking
 
 
-TurnEvent = Union[SpeechStarted, SpeechAudio, SpeechStopped]
+@dataclass(frozen=True)
+class SpeechPaused:
+    """Inside a turn, ``pause_ms`` of unvoiced audio since ``end_of_speech``: the turn may be
+    over (it is, if the silence reaches ``silence_ms`` before any voice)."""
+
+    at: float
+    end_of_speech: float
+
+
+@dataclass(frozen=True)
+class SpeechResumed:
+    """Voice again after a SpeechPaused, before the turn ended: the pause was mid-sentence."""
+
+    at: float
+
+
+TurnEvent = Union[SpeechStarted, SpeechAudio, SpeechStopped, SpeechPaused, SpeechResumed]
 
 
 class Endpointer:
@@ -85,13 +105,17 @@ class Endpointer:
         echo_margin_db: Optional[float] = -6.0,
         echo: Optional[Callable[[], Optional[float]]] = None,
         detector: Optional[VoiceDetector] = None,
+        pause_ms: int = 0,
     ) -> None:
         """vad: "silero" or "webrtc" (aggressiveness: webrtcvad's mode; threshold: Silero's
         speech probability); detector overrides both. echo: the level (RMS, 0..1) the agent is
         playing now, None while it is silent; barge_in_ms / echo_margin_db: the guard (above),
-        echo_margin_db None leaves the onset threshold alone."""
+        echo_margin_db None leaves the onset threshold alone. pause_ms: report SpeechPaused after
+        this much unvoiced audio in a turn (0: never; only meaningful under silence_ms)."""
         assert silence_ms >= SUBFRAME_MS and min_speech_ms >= SUBFRAME_MS and max_turn_s > 0
         assert barge_in_ms >= SUBFRAME_MS
+        self._pause_ms = pause_ms if 0 < pause_ms < silence_ms else 0
+        self._paused = False  # a SpeechPaused went out and no voice came since
         self._vad = detector or make_detector(vad, aggressiveness, threshold)
         self._barge_in_ms = barge_in_ms
         self._echo_gain = None if echo_margin_db is None else threshold_gain(echo_margin_db)
@@ -131,6 +155,7 @@ class Endpointer:
         self._expected_index = None
         self._reset_candidate()
         self._in_turn = False
+        self._paused = False
 
     def peek(self, index: int, partial: np.ndarray) -> list[TurnEvent]:
         """End the turn from the complete 20 ms sub-frames of chunk `index`, still being filled.
@@ -143,16 +168,18 @@ class Endpointer:
             return []
         start = index * CHUNK_SECONDS
         pcm16 = np.clip(np.round(partial * 32768.0), -32768, 32767).astype(np.int16)
+        events: list[TurnEvent] = []
         for k in range(len(pcm16) // SUBFRAME_SAMPLES):
             voiced = self._peeked.get((index, k))
             if voiced is None:
                 voiced = self._peeked[(index, k)] = self._voiced(pcm16[k * SUBFRAME_SAMPLES : (k + 1) * SUBFRAME_SAMPLES])
             if voiced:
-                return []
+                return events
             t_end = start + (k + 1) * SUBFRAME_MS / 1000
             if self._silence_reached(t_end):
-                return [self._stop(at=t_end)]
-        return []
+                return [*events, self._stop(at=t_end)]
+            events += self._pause(t_end)
+        return events
 
     def push(self, chunk: AudioChunk) -> list[TurnEvent]:
         """Classify one chunk; return the events it causes, in order.
@@ -178,12 +205,17 @@ class Endpointer:
                 voiced = self._voiced(sub)
             if self._in_turn:
                 if voiced:
+                    if self._paused:
+                        self._paused = False
+                        events.append(SpeechResumed(at=t_end - SUBFRAME_MS / 1000))
                     self._last_voiced_end = t_end
                 elif self._silence_reached(t_end):
                     # The chunk that completes the silence still belongs to the turn.
                     events.append(SpeechAudio(chunk))
                     events.append(self._stop(at=t_end))
                     stopped_here = True
+                else:
+                    events += self._pause(t_end)
             elif self._candidate(voiced, t_end, playing, self._under_echo(voiced, sub, playing)) and not stopped_here:
                 events += self._start(chunk, t_end)
                 started_here = True
@@ -249,6 +281,7 @@ class Endpointer:
         preroll = [c for c in self._history if c.end > onset - self._preroll_s]
         turn_audio = preroll + [chunk]
         self._in_turn = True
+        self._paused = False
         self._turn_start = turn_audio[0].start
         self._last_voiced_end = t_end  # the sub-frame that completed min_speech_ms
         self._reset_candidate()
@@ -267,8 +300,16 @@ class Endpointer:
         # Unvoiced since the last voiced sub-frame, so the silence is simply t - last voiced.
         return (t - self._last_voiced_end) * 1000 >= self._silence_ms - 1e-6
 
+    def _pause(self, t: float) -> list[TurnEvent]:
+        """SpeechPaused, the first time an unvoiced run in the turn reaches pause_ms."""
+        if not self._pause_ms or self._paused or (t - self._last_voiced_end) * 1000 < self._pause_ms - 1e-6:
+            return []
+        self._paused = True
+        return [SpeechPaused(at=t, end_of_speech=self._last_voiced_end)]
+
     def _stop(self, at: float, forced: bool = False) -> SpeechStopped:
         self._in_turn = False
+        self._paused = False
         self._reset_candidate()
         return SpeechStopped(at=at, end_of_speech=self._last_voiced_end, forced=forced)
 
@@ -286,3 +327,4 @@ class Endpointer:
             if at <= chunk.start:
                 events.append(SpeechStopped(at=max(at, gap_start), end_of_speech=self._last_voiced_end))
                 self._in_turn = False
+                self._paused = False

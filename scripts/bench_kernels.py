@@ -200,6 +200,7 @@ def engine_config(args, batches: list[int]) -> Config:
 
 def run(args, utterance: Callable[[float], np.ndarray]) -> None:
     from agent.engine import ensure_model
+    from agent.engine.fake_graphs import fake_graph_config
     from agent.engine.graphing import GraphConfig
     from agent.engine.presets import REAL, _build_meta, _merge, depth_overrides, load_random, preset_config
     from agent.engine.roofline import CODEC_FRAME_S, H200, ByteModel
@@ -210,7 +211,8 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
     low, high = sorted(args.layers)
     batches = sorted(set(args.kernel_batches) | {1, 4})
     cfg = engine_config(args, batches)
-    graphs = GraphConfig(mode=args.graphs, check_replays=False)
+    # "fake": the CPU capture backend is injected here (production never imports it).
+    graphs = fake_graph_config(check_replays=False) if args.graphs == "fake" else GraphConfig(mode=args.graphs)
     audio = utterance(args.kernel_utterance_s)
     counts: dict[int, dict[str, Phase]] = {}
     graph_mode = ""

@@ -13,10 +13,17 @@ streamed as 24 kHz pcm16 `input_audio_buffer.append` events in real time), each 
 audio to the first audible reply audio (WebRTC: the first audible received 20 ms frame;
 WebSocket: the arrival of the first audible `response.output_audio.delta`).
 
+Then speculative start, in the same run: one audio-only WebRTC session for --spec-turns turns
+against the agent (speculation on, its default), then the same against a second agent started
+with --no-speculative-start; server TTFA (end of turn → first audio frame sent, from
+response.done's omni field) P50 on over off, and the share of turns whose reply was committed
+from a speculation (omni.stats.speculative).
+
 Prints a table per concurrency level and one per transport; last line:
-`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D`
+`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D speculative_ttfa_ratio=S speculative_share=F`
 (voice-to-voice P95 at 4 sessions over 1 session; overhead P50 at 1 session; WebSocket P50
-minus WebRTC P50 end of speech → first audio, target ≤ 30 ms).
+minus WebRTC P50 end of speech → first audio, target ≤ 30 ms; server TTFA P50 with speculation
+over without, target ≤ 0.2; share of turns committed from a speculation).
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
 
 With --ray --replicas N (the `serve` extra): the single-process agent and then the agent as N
@@ -142,7 +149,7 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
                 await c.close()
         after = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         underruns = await scrape_value(http, url, "agent_playout_underruns_total") - underruns_before
-    v2v, ttft, ttfa, overhead, glitches, missing = [], [], [], [], 0, 0
+    v2v, ttft, ttfa, overhead, glitches, missing, speculative = [], [], [], [], 0, 0, 0
     for c in clients:
         lat = c.turn_latencies()[:turns]
         dones = c.result.of_type("response.done")[:turns]
@@ -157,25 +164,30 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         figures = [omni_figures(d) for d in dones]
         ttft += [f["ttft_ms"] / 1000 for f in figures if f.get("ttft_ms") is not None]
         ttfa += [f["ttfa_ms"] / 1000 for f in figures if f.get("ttfa_ms") is not None]
+        speculative += sum(bool((f.get("stats") or {}).get("speculative")) for f in figures)
         glitches += c.result.glitches
     return {
         "n": n, "turns": len(v2v), "missing": missing, "v2v": v2v, "ttft": ttft, "ttfa": ttfa,
-        "overhead": overhead, "glitches": glitches, "underruns": underruns,
+        "overhead": overhead, "glitches": glitches, "underruns": underruns, "speculative": speculative,
+        "dones": sum(min(len(c.result.of_type("response.done")), turns) for c in clients),
         "server_ttfa_p50": histogram_quantile(0.5, before, after),
         "server_ttfa_p95": histogram_quantile(0.95, before, after),
     }
 
 
-def start_server(port: int, args: argparse.Namespace, ray_replicas: int = 0) -> subprocess.Popen:
+def start_server(
+    port: int, args: argparse.Namespace, ray_replicas: int = 0, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--ice-host", "127.0.0.1", "--runner", args.runner, "--max-sessions", str(max(args.levels) + 1),
-           "--vad-silence-ms", str(args.silence_ms), "--log-level", "WARNING"]
+           "--vad-silence-ms", str(args.silence_ms), "--log-level", "WARNING", *extra]
     if ray_replicas:
         cmd += ["--ray", "--replicas", str(ray_replicas)]
     if not args.ladder:
         # Measure the spoken path's capacity: keep the degradation ladder from switching
         # replies to text (which would hide exactly the latency we are measuring).
-        cmd += ["--text-only-p95-ms", "1e9", "--fallback-p95-ms", "1e9", "--fallback-model", "none"]
+        cmd += ["--text-only-p95-ms", "1e9", "--fallback-p95-ms", "1e9", "--speculation-p95-ms", "1e9",
+                "--fallback-model", "none"]
     if args.model:
         cmd += ["--model", args.model]
     if args.threads:
@@ -295,9 +307,26 @@ async def main_async(args: argparse.Namespace) -> None:
                 1, args.transport_turns, limit_s, silence_s)
             for name, r in transports.items():
                 print(f"  {name}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
+        speculation = {}
+        if args.spec_turns:
+            rtc = lambda u: lambda: AgentClient(u, wav, video=False, repeat_after_s=args.gap_s)  # noqa: E731
+            speculation["on"] = await run_level(url, rtc(url), 1, args.spec_turns, limit_s, silence_s)
     finally:
         server.terminate()
         server.wait(timeout=30)
+    if args.spec_turns:
+        # The same speech against a second agent with speculation off (one agent at a time).
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port_off = s.getsockname()[1]
+        url_off = f"http://127.0.0.1:{port_off}"
+        server = start_server(port_off, args, extra=("--no-speculative-start",))
+        try:
+            await wait_ready(url_off)
+            speculation["off"] = await run_level(url_off, rtc(url_off), 1, args.spec_turns, limit_s, silence_s)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
 
     ms = lambda v: f"{v * 1000:7.0f}"  # noqa: E731
     print(f"\nrunner={args.runner} silence={args.silence_ms} ms  (voice-to-voice at the client; "
@@ -316,7 +345,7 @@ async def main_async(args: argparse.Namespace) -> None:
     # CPU contention on this shared 2-core machine (the table shows it per level).
     overhead = pct(by_n[1]["overhead"] if 1 in by_n else [o for r in results for o in r["overhead"]], 50)
     if transports:
-        print(f"\ntransport (1 session, audio only; end of speech → first audio at the client, "
+        print("\ntransport (1 session, audio only; end of speech → first audio at the client, "
               "TTFA from the server)")
         print(f"{'transport':>9} {'turns':>5} {'e2e p50':>8} {'e2e p95':>8} {'TTFA p50':>8} {'e2e-TTFA':>8}")
         for name, r in transports.items():
@@ -324,8 +353,19 @@ async def main_async(args: argparse.Namespace) -> None:
                   f"{ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['v2v'], 50) - pct(r['ttfa'], 50)):>8}")
     ws_minus = (pct(transports["websocket"]["v2v"], 50) - pct(transports["webrtc"]["v2v"], 50)
                 if transports else float("nan"))
+    spec_ratio, spec_share = float("nan"), float("nan")
+    if speculation:
+        print("\nspeculative start (1 session, audio only; server TTFA: end of turn → first audio frame sent)")
+        print(f"{'agent':>9} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'e2e p50':>8} {'from spec':>9} "
+              f"{'glitch':>6} {'underrun':>8}")
+        for name, r in speculation.items():
+            print(f"{'spec ' + name:>9} {len(r['ttfa']):>5} {ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['ttfa'], 95)):>8} "
+                  f"{ms(pct(r['v2v'], 50)):>8} {r['speculative']:>9} {r['glitches']:>6} {r['underruns']:>8.0f}")
+        spec_ratio = pct(speculation["on"]["ttfa"], 50) / pct(speculation["off"]["ttfa"], 50)
+        spec_share = speculation["on"]["speculative"] / max(1, speculation["on"]["dones"])
     print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "
-          f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f}")
+          f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f} speculative_ttfa_ratio={spec_ratio:.2f} "
+          f"speculative_share={spec_share:.2f}")
 
 
 def main() -> None:
@@ -341,6 +381,8 @@ def main() -> None:
     p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
     p.add_argument("--transport-turns", type=int, default=5,
                    help="turns each for the WebRTC vs WebSocket comparison (0: skip it)")
+    p.add_argument("--spec-turns", type=int, default=5,
+                   help="turns each with speculative start on and off (0: skip the comparison)")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
     p.add_argument("--ray", action="store_true", help="compare single process with Ray Serve replicas")
     p.add_argument("--replicas", type=int, default=2, help="with --ray: Serve replicas")

@@ -55,6 +55,11 @@ class Runner(Protocol):
     A session streams its microphone audio in with append_audio while the user speaks
     (a runner may encode and prefill it incrementally); begin_reply marks the end of the
     turn; step() advances every active reply by one unit of work and returns what it made.
+
+    Optional (the engine loop uses them where a runner has them; StreamingRunner does):
+    speculate(session_id, images, text_only) starts the reply on a pause, its output held;
+    drop_speculation(session_id) discards it; begin_reply commits it, and take_ready() returns
+    the held output it released, which the loop emits at once.
     """
 
     def open_session(self, session_id: str) -> None: ...

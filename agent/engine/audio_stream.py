@@ -26,6 +26,8 @@ Two stages, each matching its one-shot counterpart in transformers:
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from torch import nn
@@ -247,3 +249,13 @@ class AudioStream:
     def finish(self) -> torch.Tensor:
         final = self.encoder.push(self.mel.finish())
         return torch.cat([final, self.encoder.finish()], dim=0)
+
+    def fork(self) -> AudioStream:
+        """An independent copy of the stream so far (a speculative reply finishes the copy while
+        this one keeps encoding). Cheap: both stages replace their tensors rather than write into
+        them, so only the encoder's list of open chunks needs copying."""
+        twin = copy.copy(self)
+        twin.mel = copy.copy(self.mel)
+        twin.encoder = copy.copy(self.encoder)
+        twin.encoder.open_chunks = list(self.encoder.open_chunks)
+        return twin

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from agent.engine.graphing import GraphConfig
 from agent.engine.graphs import Outputs, StepFn
 
 _aten = torch.ops.aten
@@ -193,3 +194,9 @@ def _storage(t: Tensor) -> int:
 
 def _as_tuple(out: Outputs) -> tuple[Tensor, ...]:
     return (out,) if isinstance(out, Tensor) else tuple(out)
+
+
+def fake_graph_config(**settings: Any) -> GraphConfig:
+    """Graph settings that run the CUDA-graph wiring on CPU with this backend (tests, CPU benchmarks)."""
+    return GraphConfig(mode="fake", capture=lambda config: FakeCaptureBackend(check_replays=config.check_replays),
+                       **settings)

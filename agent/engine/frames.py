@@ -19,20 +19,52 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from agent.engine.api import AudioOut, Output, StageTime, TextDelta
 from agent.engine.code2wav_slots import SlotCode2Wav
 from agent.engine.code_predictor import CodePredictorOps
+from agent.engine.detok import IncrementalDecoder
 from agent.engine.graphing import Graphing
 from agent.engine.model import LoadedModel
-from agent.engine.reference import to_pcm16
+from agent.engine.output_audio import to_pcm16
 from agent.engine.session_state import SessionState, add_batch_time
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import ThinkerOps
 
 Row = tuple[str, SessionState]
+
+
+@dataclass
+class TextStage:
+    """A reply's thinker side, advanced here: its tokens (the end token too) and how many the
+    thinker cache holds (the thinker stays one token ahead of the talker)."""
+
+    decoder: IncrementalDecoder  # the reply's text deltas
+    tokens: list[int] = field(default_factory=list)
+    fed: int = 0
+    done: bool = False
+    reason: str = ""  # "stop" | "length"
+
+
+@dataclass
+class VoiceStage:
+    """A reply's talker, code-predictor and code2wav side, advanced here."""
+
+    max_tokens: int  # talker (codebook-0) tokens at most: the reply's audio cap
+    started: bool = False  # its talker prefix is in the talker cache
+    done: bool = False
+    reason: str = ""
+    codes0: list[int] = field(default_factory=list)  # codebook-0 tokens generated
+    last_hidden: torch.Tensor | None = None  # talker's last hidden state for codes0[-1]
+    next_codec_embed: torch.Tensor | None = None  # sum of the last frame's 16 codebook embeddings
+    frame_codes: list[list[int]] = field(default_factory=list)  # all 16 codes of each rendered frame
+    pending_frame: bool = False  # codes0[-1] still needs its residual codes and audio
+    samples_out: int = 0
+    wav: list[np.ndarray] = field(default_factory=list)  # float samples, kept when recording
 
 
 class FrameBatcher:
@@ -76,24 +108,24 @@ class FrameBatcher:
 
     def take_token(self, session_id: str, state: SessionState, token: int) -> list[Output]:
         reply = state.reply
-        reply.tokens.append(token)
+        reply.text.tokens.append(token)
         if token in self.eos:
-            reply.thinker_done, reply.thinker_reason = True, "stop"
+            reply.text.done, reply.text.reason = True, "stop"
             return []
-        if len(reply.tokens) >= self.max_reply_tokens:
-            reply.thinker_done, reply.thinker_reason = True, "length"
-        assert reply.decoder is not None
-        delta = reply.decoder.push(token)  # holds back a character split across tokens
+        if len(reply.text.tokens) >= self.max_reply_tokens:
+            reply.text.done, reply.text.reason = True, "length"
+        assert reply.text.decoder is not None
+        delta = reply.text.decoder.push(token)  # holds back a character split across tokens
         return [TextDelta(session_id, delta, (token,))] if delta else []
 
     def _needs_token(self, state: SessionState, first_pass: bool) -> bool:
         reply = state.reply
-        if reply.thinker_done:
+        if reply.text.done:
             return False
-        if reply.text_only or reply.talker_done:
+        if reply.text_only or reply.voice.done:
             return first_pass  # one token per tick
         # Talker entry j (= len(codes0) - 1) needs reply token j + 1 (or the end).
-        return len(reply.tokens) <= len(reply.codes0)
+        return len(reply.text.tokens) <= len(reply.voice.codes0)
 
     def _thinker(self, rows: list[Row]) -> list[Output]:
         outputs: list[Output] = []
@@ -101,10 +133,10 @@ class FrameBatcher:
         while need := [(sid, st) for sid, st in rows if self._needs_token(st, first_pass)]:
             states = [st for _, st in need]
             with self._batched("thinker_decode", need):
-                logits = self.thinker.decode([st.thinker for st in states], [st.reply.tokens[-1] for st in states])
+                logits = self.thinker.decode([st.thinker for st in states], [st.reply.text.tokens[-1] for st in states])
                 tokens = logits.argmax(-1).tolist()
             for (sid, st), token in zip(need, tokens):
-                st.reply.fed += 1
+                st.reply.text.fed += 1
                 outputs += self.take_token(sid, st, token)
             first_pass = False
         return outputs
@@ -118,17 +150,17 @@ class FrameBatcher:
         self.seen[slots, codes] = True
         for st, code in zip(states, codes.tolist()):
             reply = st.reply
-            reply.codes0.append(code)
+            reply.voice.codes0.append(code)
             if code == self.talker.codec_eos:
-                reply.talker_done, reply.talker_reason = True, "stop"
-            elif len(reply.codes0) >= reply.talker_max_tokens:
+                reply.voice.done, reply.voice.reason = True, "stop"
+            elif len(reply.voice.codes0) >= reply.voice.max_tokens:
                 # generate() stops here too: the last codebook-0 token never gets residual codes.
-                reply.talker_done, reply.talker_reason = True, "length"
+                reply.voice.done, reply.voice.reason = True, "length"
             else:
-                reply.pending_frame = True
+                reply.voice.pending_frame = True
 
     def _talker(self, rows: list[Row]) -> None:
-        rows = [(sid, st) for sid, st in rows if not (st.reply.text_only or st.reply.talker_done)]
+        rows = [(sid, st) for sid, st in rows if not (st.reply.text_only or st.reply.voice.done)]
         if not rows:
             return
         states = [st for _, st in rows]
@@ -136,9 +168,9 @@ class FrameBatcher:
         ended: list[bool] = []
         for st in states:
             reply = st.reply
-            j, n = len(reply.codes0) - 1, len(reply.tokens)  # j: generate()'s generation_step
-            use = j + 1 < n and not (reply.thinker_done and j + 1 == n - 1)
-            fed.append(reply.tokens[j + 1] if use else -1)
+            j, n = len(reply.voice.codes0) - 1, len(reply.text.tokens)  # j: generate()'s generation_step
+            use = j + 1 < n and not (reply.text.done and j + 1 == n - 1)
+            fed.append(reply.text.tokens[j + 1] if use else -1)
             ended.append(j + 1 > n - 1)
         with self._batched("talker_step", rows):
             ids = [t for t in fed if t >= 0]
@@ -148,10 +180,10 @@ class FrameBatcher:
                 rows_embeds.append(embeds[k : k + 1] if t >= 0 else None)
                 k += t >= 0
             text = self.talker.text_sides(rows_embeds, ended)
-            codec = torch.cat([st.reply.next_codec_embed for st in states], dim=0)
+            codec = torch.cat([st.reply.voice.next_codec_embed for st in states], dim=0)
             logits, hidden = self.talker.step([st.talker for st in states], codec + text)
             for i, st in enumerate(states):
-                st.reply.last_hidden = hidden[i : i + 1]
+                st.reply.voice.last_hidden = hidden[i : i + 1]
             self.take_code0(states, logits)
 
     def decode(self, rows: list[Row]) -> list[Output]:
@@ -162,13 +194,13 @@ class FrameBatcher:
 
     def render(self, rows: list[Row], clock: float) -> list[Output]:
         """Residual codes and audio for every row with a pending frame; AudioOut in row order."""
-        rows = [(sid, st) for sid, st in rows if st.reply.pending_frame]
+        rows = [(sid, st) for sid, st in rows if st.reply.voice.pending_frame]
         if not rows:
             return []
         states = [st for _, st in rows]
         with self._batched("code_predictor", rows):
-            hidden = torch.cat([st.reply.last_hidden for st in states], dim=0)
-            code0 = torch.tensor([st.reply.codes0[-1] for st in states], device=hidden.device)
+            hidden = torch.cat([st.reply.voice.last_hidden for st in states], dim=0)
+            code0 = torch.tensor([st.reply.voice.codes0[-1] for st in states], device=hidden.device)
             codes, codec_sum = self.predictor.run(hidden, code0)
             frame_codes = codes.tolist()
         with self._batched("code2wav", rows):
@@ -177,12 +209,12 @@ class FrameBatcher:
         outputs: list[Output] = []
         for i, ((sid, st), wav, pcm) in enumerate(zip(rows, wavs, pcms)):
             reply = st.reply
-            reply.pending_frame = False
-            reply.next_codec_embed = codec_sum[i : i + 1]
-            reply.frame_codes.append(frame_codes[i])
+            reply.voice.pending_frame = False
+            reply.voice.next_codec_embed = codec_sum[i : i + 1]
+            reply.voice.frame_codes.append(frame_codes[i])
             if self.record:
-                reply.wav.append(wav.detach().float().cpu().numpy())
-            reply.samples_out += len(pcm)
+                reply.voice.wav.append(wav.detach().float().cpu().numpy())
+            reply.voice.samples_out += len(pcm)
             if reply.first_audio is None:
                 reply.first_audio = clock - reply.started
             if len(pcm):

@@ -16,8 +16,8 @@ What makes a step graphable here:
   is bucketed: 256, 512, ... up to the cache capacity, a graph per (batch, length) bucket,
   the shortest captured at start-up and longer ones on first use.
 
-Modes: "cuda" (real graphs), "fake" (agent/engine/fake_graphs.py: the same wiring on CPU, for
-tests), "off" (the eager path: exact-length attention, no padding), "auto" (cuda on a CUDA
+Modes: "cuda" (real graphs), "fake" (the same wiring on CPU through a capture backend the caller
+injects as `GraphConfig.capture`: tests and the CPU benchmarks pass agent/engine/fake_graphs.py's), "off" (the eager path: exact-length attention, no padding), "auto" (cuda on a CUDA
 device, else off). `--no-cuda-graphs` makes it "off".
 
 Compilation (agent/engine/compiled.py; `compile`: "auto" = on CUDA only, `--compile on|off`)
@@ -33,15 +33,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
 
 from agent.engine.compiled import CompileMode, CompileSettings, CudaGraphImpl, PaddedBackend, StepCompiler, resolve_compile
-from agent.engine.fake_graphs import FakeCaptureBackend
 from agent.engine.graphs import CaptureBackend, CudaBackend, GraphPool, GraphStats, StepFn
-from agent.engine.session_state import KVState
+from agent.engine.kv import KVState
 from agent.engine.slots import SlotKV
 
 GraphMode = Literal["auto", "off", "cuda", "fake"]
@@ -58,6 +57,9 @@ class GraphConfig:
     min_key_len: int = 256  # shortest attention read of a graphed decode step
     warmup_iters: int = 1  # eager calls per graph before its capture (lazy CUDA init)
     check_replays: bool = True  # fake mode: compare every replay's ops with the capture's
+    # Fake mode's capture backend, made from this config. Injected (fake_graphs.fake_graph_config)
+    # so that production code never imports the CPU stand-in.
+    capture: Callable[["GraphConfig"], CaptureBackend] | None = None
 
 
 @dataclass
@@ -108,7 +110,10 @@ class Graphing:
         if self.mode == "cuda" and not (self.compiler is not None and config.cudagraphs == "inductor"):
             self.backend = CudaBackend()
         elif self.mode == "fake":
-            self.backend = FakeCaptureBackend(check_replays=config.check_replays)
+            if config.capture is None:
+                raise ValueError("graph mode 'fake' needs an injected capture backend "
+                                 "(agent.engine.fake_graphs.fake_graph_config())")
+            self.backend = config.capture(config)
         elif self.compiler is not None:
             self.backend, self.warmup_iters = PaddedBackend(), 0
         self.pools: dict[str, GraphPool] = {}

@@ -42,7 +42,7 @@ MODES = ("audio", "text", "fallback")
 
 @dataclass(frozen=True)
 class _Cmd:
-    op: str  # open | audio | discard | reply | cancel | close | stop | call
+    op: str  # open | audio | discard | speculate | unspeculate | reply | cancel | close | stop | call
     session_id: str = ""
     pcm: Optional[np.ndarray] = None
     images: tuple = ()
@@ -137,6 +137,15 @@ class Engine:
 
     def cancel_reply(self, session_id: str) -> None:
         self._put(_Cmd("cancel", session_id))
+
+    def speculate(self, session_id: str, images: list[np.ndarray], mode: str = "audio") -> None:
+        """The user paused: start the reply to the turn so far, its output held (the primary
+        runner only, and only a runner that can; a no-op otherwise). begin_reply commits it."""
+        self._put(_Cmd("speculate", session_id, images=tuple(images), mode=mode))
+
+    def drop_speculation(self, session_id: str) -> None:
+        """The user went on speaking: discard the held reply, if any (invisibly)."""
+        self._put(_Cmd("unspeculate", session_id))
 
     def close_session(self, session_id: str) -> None:
         self._put(_Cmd("close", session_id))
@@ -252,11 +261,23 @@ class Engine:
                     set_history(sid, list(cmd.history))
                 fallback.begin_reply(sid, list(cmd.images), True)
                 self._replying[sid] = fallback
+            elif cmd.op == "speculate":
+                speculate = getattr(primary, "speculate", None)
+                if speculate is not None and cmd.mode in ("audio", "text"):
+                    speculate(sid, list(cmd.images), cmd.mode == "text")
+            elif cmd.op == "unspeculate":
+                drop = getattr(primary, "drop_speculation", None)
+                if drop is not None:
+                    drop(sid)
             elif cmd.op == "reply":
                 for runner in runners[1:]:
                     runner.discard_turn(sid)
                 primary.begin_reply(sid, list(cmd.images), cmd.mode == "text")
                 self._replying[sid] = primary
+                # A committed speculation's held output (its first frame) goes out now.
+                take_ready = getattr(primary, "take_ready", None)
+                if take_ready is not None:
+                    self._emit(take_ready())
             elif cmd.op == "cancel":
                 for runner in runners:  # only the one with a reply in flight answers
                     runner.cancel_reply(sid)

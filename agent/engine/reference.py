@@ -16,8 +16,7 @@ import torch
 
 from agent.engine.api import AudioOut, Output, ReplyDone, StageTime, TextDelta
 from agent.engine.model import LoadedModel, build_inputs
-
-SAMPLES_PER_FRAME = 1920  # one codec frame at 24 kHz (80 ms)
+from agent.engine.output_audio import SAMPLES_PER_FRAME, talker_tokens_for, to_pcm16
 
 
 @dataclass
@@ -32,18 +31,6 @@ class _Request:
     images: list[np.ndarray]
     text_only: bool
     cancelled: bool = False
-
-
-def talker_tokens_for(max_reply_seconds: float, output_rate: int) -> int:
-    """talker_max_new_tokens giving at most max_reply_seconds of audio: generate() renders one
-    frame per talker token except the last, whose residual codes are never predicted."""
-    frames = int(np.ceil(max_reply_seconds * output_rate / SAMPLES_PER_FRAME))
-    return frames + 1
-
-
-def to_pcm16(wav: torch.Tensor | np.ndarray) -> np.ndarray:
-    samples = wav.detach().float().cpu().numpy() if isinstance(wav, torch.Tensor) else np.asarray(wav)
-    return np.clip(np.round(samples.reshape(-1) * 32767.0), -32768, 32767).astype(np.int16)
 
 
 class GenerateRunner:

@@ -24,6 +24,9 @@ started or kept from underrunning before a normal one, while a high-priority ses
 to spare never takes the row of a normal one about to run dry.
 3. Audio prefill of users still speaking (encoding and prefilling their microphone audio) runs
    only in ticks with no first-audio work and no speaking session under the low-water mark.
+   Speculative replies (a reply started on a short pause of the user, its output held until
+   the turn ends) are the lowest priority: they are prefilled only in those same ticks, after
+   everything else, so a speculation never delays anyone's audio by more than the tick it shares.
 
 The playout buffer is estimated on the engine side (`PlayoutClock`): the outbound track plays
 the audio it gets back to back and plays silence when it runs dry, so the buffer is the time
@@ -82,6 +85,7 @@ class ReplyView:
     awaiting_first: bool  # its end-of-turn prefill has not finished
     buffer_s: float | None  # None for text-only replies
     priority: int = 0  # the session's class (agent/priority.py RANK): higher is served first
+    speculative: bool = False  # a speculative start: served last (Plan.speculate)
 
 
 @dataclass
@@ -89,9 +93,12 @@ class Plan:
     first: list[str] = field(default_factory=list)  # replies to prefill (and start), earliest first
     decode: list[str] = field(default_factory=list)  # replies to advance one frame, most urgent first
     audio_prefill: bool = False  # microphone audio of speaking users may be prefilled this tick
+    speculate: list[str] = field(default_factory=list)  # speculative replies to prefill, earliest first
 
 
 def plan_tick(replies: list[ReplyView], config: SchedulerConfig) -> Plan:
+    speculative = sorted((r for r in replies if r.speculative), key=lambda r: r.started)
+    replies = [r for r in replies if not r.speculative]
     cap = config.max_batch if config.max_batch > 0 else len(replies) + 1
     first = sorted((r for r in replies if r.awaiting_first), key=lambda r: (-r.priority, r.started))[:cap]
     ongoing = [r for r in replies if not r.awaiting_first]
@@ -107,8 +114,10 @@ def plan_tick(replies: list[ReplyView], config: SchedulerConfig) -> Plan:
         busy = [r for r in ongoing if urgency(r) <= config.high_water_s]
         decode = (busy or ongoing)[:room]
     starving = any(urgency(r) < config.low_water_s for r in ongoing)
+    idle = not first and not starving
     return Plan(
         first=[r.session_id for r in first],
         decode=[r.session_id for r in decode],
-        audio_prefill=not first and not starving,
+        audio_prefill=idle,
+        speculate=[r.session_id for r in speculative][: max(0, room - len(decode))] if idle else [],
     )

@@ -1,4 +1,5 @@
-"""Per-session streaming state: one resettable dataclass per session, one per reply.
+"""Per-session streaming state: one resettable dataclass per session, one per reply (its phase
+in agent/engine/phase.py, its stages' state in the modules that advance them).
 
 Everything a session carries between engine steps lives here (its slot in the batched KV
 caches and code2wav state, position counters, the talker's view of the user turns, the reply's
@@ -11,37 +12,21 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from agent.engine.api import Output
 from agent.engine.audio_stream import AudioStream
-from agent.engine.detok import IncrementalDecoder
+from agent.engine.kv import KVState
+from agent.engine.phase import ReplyPhase
 from agent.engine.scheduler import PlayoutClock
 
-if TYPE_CHECKING:  # turns.py builds on this module: annotation only
-    from agent.engine.turns import ReplyPrefill
-
-
-@dataclass
-class KVState:
-    """A session's row of a decoder's slot cache and where the next token goes.
-
-    `length` is the physical cache length (the text-position row and the causal mask);
-    `next_pos` the next multimodal-RoPE position, which runs ahead of `length` after images
-    (an image's tokens share positions, the text after it continues from their max + 1).
-    """
-
-    slot: int
-    length: int = 0
-    next_pos: int = 0
-
-    def crop(self, length: int, next_pos: int) -> None:
-        """Forget everything after the first `length` tokens: a static cache masks keys by
-        index, so what lies beyond is never read again and is overwritten by the next tokens."""
-        self.length, self.next_pos = min(length, self.length), next_pos
+if TYPE_CHECKING:  # the stages' own modules build on this one: annotations only
+    from agent.engine.frames import TextStage, VoiceStage
+    from agent.engine.turns import PrefillStage
 
 
 @dataclass
@@ -80,38 +65,73 @@ class TurnState:
     text_ids: list[int] = field(default_factory=list)
     reply_system_ids: list[int] = field(default_factory=list)
 
+    def fork(self) -> TurnState:
+        """A copy to answer speculatively: the speculation may prefill, finish the encoder and
+        record the talker's view on it, while this one goes on receiving the user's audio."""
+        talker = TalkerTurn(list(self.talker.ids), list(self.talker.embeds), list(self.talker.image_grids))
+        return replace(self, audio=self.audio.fork(), pcm=list(self.pcm), pending_audio=list(self.pending_audio),
+                       ids=list(self.ids), audio_feats=list(self.audio_feats), talker=talker,
+                       text_ids=list(self.text_ids), reply_system_ids=list(self.reply_system_ids))
+
 
 @dataclass
 class ReplyState:
-    """One reply in flight: thinker one token ahead of the talker, code2wav frame by frame."""
+    """One reply in flight. The runner (stream.py) owns it and is the only one to move `phase`
+    (agent/engine/phase.py); each stage keeps what it has made in its own object, advanced by
+    its own module: `prefill` by turns.py, `text` (thinker) and `voice` (talker, code predictor,
+    code2wav) by frames.py."""
 
+    phase: ReplyPhase
     text_only: bool
-    talker_max_tokens: int
     turn: TurnState  # the user turn answered (from begin_reply on, state.turn is the next one)
-    started: float  # runner clock at begin_reply
+    started: float  # runner clock at begin_reply (a speculation: at its commit)
+    prefill: PrefillStage
+    text: TextStage
+    voice: VoiceStage
     images: list[np.ndarray] = field(default_factory=list)
-    cancelled: bool = False
-    job: ReplyPrefill | None = None  # the end-of-turn prefill while it runs in chunks
-    prefilled: bool = False
-    tokens: list[int] = field(default_factory=list)  # thinker tokens generated (the end token too)
-    fed: int = 0  # how many of `tokens` the thinker cache holds
-    thinker_done: bool = False
-    thinker_reason: str = ""  # "stop" | "length"
-    decoder: IncrementalDecoder | None = None  # the reply's text deltas (set at begin_reply)
-    # talker
-    talker_started: bool = False
-    talker_done: bool = False
-    talker_reason: str = ""
-    codes0: list[int] = field(default_factory=list)  # codebook-0 tokens generated
-    last_hidden: torch.Tensor | None = None  # talker's last hidden state for codes0[-1]
-    next_codec_embed: torch.Tensor | None = None  # sum of the last frame's 16 codebook embeddings
-    frame_codes: list[list[int]] = field(default_factory=list)  # all 16 codes of each rendered frame
-    pending_frame: bool = False  # codes0[-1] still needs its residual codes and audio
-    samples_out: int = 0
     first_audio: float | None = None  # seconds from begin_reply to the first audio
     playout: PlayoutClock = field(default_factory=PlayoutClock)  # the client's buffer, estimated
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    wav: list[np.ndarray] = field(default_factory=list)  # float samples, kept when recording
+    held: list[Output] = field(default_factory=list)  # a speculation's output, until its commit
+    rollback: Rollback | None = None  # a speculation: how to undo it
+    from_speculation: bool = False  # committed from a speculative start
+
+    def move(self, phase: ReplyPhase) -> None:
+        self.phase = self.phase.to(phase)
+
+    @property
+    def finished(self) -> bool:
+        """Both stages are done: nothing left to make."""
+        return self.text.done and (self.text_only or self.voice.done)
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """What a speculative reply may change in its session, as it was before the reply began: a
+    discard puts these back. The KV caches need no copy: their rows are static, and lowering
+    a length forgets everything past it (KVState.crop). The answered turn needs none either:
+    the speculation works on a fork of it (TurnState.fork) while the original keeps listening."""
+
+    thinker: tuple[int, int]  # (length, next_pos)
+    talker: tuple[int, int]
+    talker_backlog: tuple[TalkerTurn, ...]
+    talker_history: tuple[int, int]  # (talker_history_length, talker_history_pos)
+    closing: tuple[int, ...]
+    last_reply: LastReply | None
+
+    @classmethod
+    def of(cls, state: SessionState) -> Rollback:
+        return cls((state.thinker.length, state.thinker.next_pos), (state.talker.length, state.talker.next_pos),
+                   tuple(state.talker_backlog), (state.talker_history_length, state.talker_history_pos),
+                   tuple(state.closing), state.last_reply)
+
+    def restore(self, state: SessionState) -> None:
+        state.thinker.crop(*self.thinker)
+        state.talker.crop(*self.talker)
+        state.talker_backlog = list(self.talker_backlog)
+        state.talker_history_length, state.talker_history_pos = self.talker_history
+        state.closing = list(self.closing)
+        state.last_reply = self.last_reply
 
 
 @dataclass(frozen=True)
@@ -153,43 +173,6 @@ class SessionState:
     voice: str = ""  # the talker speaker of the session's replies ("": the loaded one)
     pending_system: list[int] = field(default_factory=list)  # a system message for the next turn's start
     last_reply: LastReply | None = None  # until the next reply begins
-
-
-def mrope_positions(
-    ids: Sequence[int],
-    start: int,
-    grids: Iterator[tuple[int, int, int]],
-    image_pad: int,
-    merge: int,
-    position_id_per_seconds: float,
-) -> tuple[torch.Tensor, int]:
-    """[3, n] multimodal RoPE positions of `ids`, continuing from `start`; and the next position.
-
-    Equal to transformers' get_rope_index on a prompt holding text, audio and images (no
-    video): text and audio advance by one per token; an image's tokens take (t, h, w) offsets
-    from the position after <|vision_start|>, and what follows continues from their max + 1.
-    """
-    out = torch.empty(3, len(ids), dtype=torch.long)
-    pos, i = start, 0
-    while i < len(ids):
-        if ids[i] != image_pad:
-            out[:, i] = pos
-            pos += 1
-            i += 1
-            continue
-        t, h, w = next(grids)
-        gh, gw = h // merge, w // merge
-        count = t * gh * gw
-        if any(tok != image_pad for tok in ids[i : i + count]):
-            raise ValueError("image placeholder run does not match its grid")
-        t_idx = (torch.arange(t).float() * position_id_per_seconds).long().view(-1, 1, 1).expand(t, gh, gw)
-        h_idx = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw)
-        w_idx = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw)
-        block = torch.stack([t_idx.flatten(), h_idx.flatten(), w_idx.flatten()]) + pos
-        out[:, i : i + count] = block
-        pos = int(block.max()) + 1
-        i += count
-    return out, pos
 
 
 @contextmanager

@@ -24,6 +24,13 @@ Scheduling, each tick (policy in agent/engine/scheduler.py, estimates from `play
 4. microphone audio of users still speaking is encoded and prefilled (bounded) only in ticks
    with no first-audio work and no session under the low-water mark. An idle engine (no reply
    in flight) does it at once in append_audio: there is nothing to schedule it against.
+5. speculative replies (agent/engine/speculation.py: started on a pause of the user, output
+   held until the turn ends) are prefilled in those same ticks, last; once their first frame is
+   made they are parked and take no ticks until their commit.
+
+A reply's phase (agent/engine/phase.py) is moved only here and in speculation.py, through
+ReplyState.move(); what each stage has made is kept by the stage's module (turns.PrefillStage,
+frames.TextStage / VoiceStage).
 
 Under greedy decoding the result equals transformers' generate() on the same prompt (same
 text ids, same codec codes, same waveform up to float rounding): tests/unit/test_streaming_exact.py;
@@ -34,8 +41,9 @@ MoE experts are fused (agent/engine/moe.py), the slot caches reserved at their l
 thinker decode, talker step, code-predictor loop and code2wav step compiled with torch.compile
 (agent/engine/compiled.py; `--compile`, on CUDA by default) and captured as CUDA graphs per
 batch bucket, here in the constructor (so compiling happens at start-up, never in a reply),
-i.e. on the engine thread that builds the runner; only that thread may replay them. `graphs="fake"` runs the same wiring on CPU for tests
-(tests/unit/test_graph_wiring.py).
+i.e. on the engine thread that builds the runner; only that thread may replay them. Tests and
+the CPU kernel benchmark run the same wiring on CPU by passing agent/engine/fake_graphs.py's
+`fake_graph_config()` (tests/unit/test_graph_wiring.py); production never imports it.
 """
 
 from __future__ import annotations
@@ -50,21 +58,25 @@ import torch
 
 from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
 from agent.engine.detok import IncrementalDecoder
-from agent.engine.frames import FrameBatcher, Row
+from agent.engine.edits import ConversationEdits
+from agent.engine.frames import FrameBatcher, Row, TextStage, VoiceStage
 from agent.engine.fusion import fuse_decoder
 from agent.engine.graphing import GraphConfig, GraphMode, Graphing
+from agent.engine.kv import KVState
 from agent.engine.model import LoadedModel
 from agent.engine.moe import fuse_moe
-from agent.engine.reference import talker_tokens_for
+from agent.engine.output_audio import talker_tokens_for
+from agent.engine.phase import ReplyPhase
 from agent.engine.scheduler import PlayoutEstimate, ReplyView, SchedulerConfig, plan_tick
-from agent.engine.session_state import KVState, LastReply, ReplyRecord, ReplyState, SessionState
+from agent.engine.session_state import LastReply, ReplyRecord, ReplyState, SessionState
 from agent.engine.slots import SlotPool
+from agent.engine.speculation import Speculation
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import PrefillOut, ThinkerOps
-from agent.engine.turns import TurnPrefill
+from agent.engine.turns import PrefillStage, SpeculationRefused, TurnPrefill
 
 
-class StreamingRunner:
+class StreamingRunner(Speculation, ConversationEdits):
     @torch.inference_mode()
     def __init__(
         self,
@@ -86,7 +98,8 @@ class StreamingRunner:
         max_sessions: slots in the static caches (open sessions at most).
         clock: the scheduler's time source (seconds), injectable for tests.
         graphs: CUDA graph mode or settings ("auto": graphs on a CUDA device, eager elsewhere;
-        "off"; "cuda"; "fake": the graph wiring on CPU). With graphs on, this fuses the MoE
+        "off"; "cuda"; a GraphConfig, e.g. fake_graphs.fake_graph_config(): the graph wiring on
+        CPU). With graphs on, this fuses the MoE
         experts of `loaded.model` in place and captures here."""
         if max_reply_tokens < 2:
             raise ValueError("max_reply_tokens must be >= 2 (a reply is one text token plus its end)")
@@ -126,6 +139,7 @@ class StreamingRunner:
         self._slots = SlotPool(max_sessions)
         self._sessions: dict[str, SessionState] = {}
         self._priority: dict[str, int] = {}  # session -> scheduler priority (set_priority); default 0
+        self._ready: list[Output] = []  # released outside a step (take_ready)
 
     @classmethod
     def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
@@ -167,14 +181,18 @@ class StreamingRunner:
 
     @torch.inference_mode()
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
+        # More of the turn: the user went on, so a speculation on the pause goes (the session
+        # keeps the pause's own audio back until it knows; drop_speculation says so earlier).
+        self.drop_speculation(session_id)
         state = self._sessions[session_id]
         self.turns.queue_pcm(state, pcm)
-        if not self._replying():  # idle engine: encode and prefill now, nothing waits for it
+        if not self._busy():  # idle engine: encode and prefill now, nothing waits for it
             self.turns.encode_audio(state)
             self.turns.flush_audio(state)
 
     @torch.inference_mode()
     def discard_turn(self, session_id: str) -> None:
+        self.drop_speculation(session_id)
         state = self._sessions[session_id]
         turn = state.turn
         if turn.header_done:  # only ever prefilled while no reply runs, so nothing came after it
@@ -184,15 +202,14 @@ class StreamingRunner:
     @torch.inference_mode()
     def begin_reply(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> None:
         state = self._sessions[session_id]
+        held = state.reply
+        if held is not None and held.phase.speculative:
+            if held.text_only == text_only:
+                self._commit(state)
+                return
+            self._discard(state)
         # The turn is answered from now on: audio that comes later belongs to the next one.
-        state.reply = ReplyState(
-            text_only=text_only,
-            talker_max_tokens=self.talker_max_tokens,
-            turn=state.turn,
-            started=self.clock(),
-            images=list(images),
-            decoder=IncrementalDecoder(self.loaded.tokenizer),
-        )
+        state.reply = self._new_reply(ReplyPhase.PREFILLING, state.turn, images, text_only)
         state.turn = self.turns.new_turn()
         state.last_reply = None  # the previous reply can no longer be truncated
         if not text_only:
@@ -200,17 +217,12 @@ class StreamingRunner:
 
     def cancel_reply(self, session_id: str) -> None:
         state = self._sessions.get(session_id)
-        if state is not None and state.reply is not None:
-            state.reply.cancelled = True
-
-    # ---- conversation edits (the Realtime API's items; additive to the Runner protocol) -------
-
-    def add_user_text(self, session_id: str, text: str) -> int:
-        """A user text message: it joins the turn being spoken, after its audio (prefilled at the
-        end of the turn). Returns its token count."""
-        ids = self.turns.text_ids(text)
-        self._sessions[session_id].turn.text_ids += ids
-        return len(ids)
+        if state is None or state.reply is None:
+            return
+        if state.reply.phase.speculative:
+            self._discard(state)  # nothing of it was seen: nothing to end
+        elif state.reply.phase in (ReplyPhase.PREFILLING, ReplyPhase.STREAMING):
+            state.reply.move(ReplyPhase.CANCELLING)
 
     def set_priority(self, session_id: str, priority: int) -> int:
         """The session's scheduling priority (agent/priority.py RANK: higher first), from now on."""
@@ -219,83 +231,50 @@ class StreamingRunner:
         self._priority[session_id] = priority
         return priority
 
-    def set_voice(self, session_id: str, voice: str) -> str:
-        """The talker speaker of the session's next replies (a reply keeps the one it began with)."""
-        name = self.talker.voice_name(voice)
-        self._sessions[session_id].voice = name
-        return name
-
-    @torch.inference_mode()
-    def set_instructions(self, session_id: str, text: str) -> str:
-        """The session's system prompt. Before the first turn it replaces the prefilled one
-        ("replaced"); later it is added as a system message before the next user turn
-        ("appended"), and it is what a history reset prefills."""
-        state = self._sessions[session_id]
-        state.system_prompt = text
-        pristine = state.reply is None and state.last_reply is None and not state.turn.header_done
-        if pristine and not state.closing:
-            state.thinker.crop(0, 0)
-            self.turns.prefill_system(state)
-            return "replaced"
-        ids = self.turns.system_message_ids(text)
-        if state.reply is None and not state.turn.header_done:
-            state.closing += ids  # prefilled at the start of the next user turn
-        else:
-            state.pending_system = ids  # a reply or a turn is under way: after this reply ends
-        return "appended"
-
-    def set_reply_instructions(self, session_id: str, text: str) -> int:
-        """Per-response instructions: a system message right before this reply's assistant
-        header (it stays in the history). Call before begin_reply; returns its token count."""
-        ids = self.turns.system_message_ids(text) if text else []
-        self._sessions[session_id].turn.reply_system_ids = ids
-        return len(ids)
-
-    @torch.inference_mode()
-    def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
-        """The listener heard only the first `audio_frames` codec frames of the latest reply: keep
-        the text tokens the talker had consumed by then (frame i was made after reading reply token
-        i) and close the assistant turn there, in the thinker cache. A turn being spoken is taken
-        back out of the cache first and prefilled again after the new end."""
-        state = self._sessions[session_id]
-        last = state.last_reply
-        if state.reply is not None or last is None:
-            raise RuntimeError("only the latest reply can be truncated, once it has ended")
-        keep = max(0, min(audio_frames, len(last.tokens)))
-        self.turns.unprefill_turn(state)
-        im_end = [self.loaded.ids.im_end, *self.loaded.ids.newline]
-        # The closing is the reply's unfed tokens and its end, then whatever was queued after it.
-        after = state.closing[len(last.tokens) - last.fed + len(im_end) :]
-        if keep <= last.fed:
-            state.thinker.crop(last.start_length + keep, last.start_pos + keep)
-        state.closing = [*last.tokens[min(keep, last.fed) : keep], *im_end, *after]
-        state.last_reply = LastReply(last.start_length, last.start_pos, last.tokens[:keep], min(keep, last.fed))
-        return {"kept_tokens": keep, "dropped_tokens": len(last.tokens) - keep, "context_tokens": state.thinker.length}
+    def _new_reply(self, phase: ReplyPhase, turn, images: list[np.ndarray], text_only: bool) -> ReplyState:
+        return ReplyState(
+            phase=phase,
+            text_only=text_only,
+            turn=turn,
+            started=self.clock(),
+            prefill=PrefillStage(),
+            text=TextStage(IncrementalDecoder(self.loaded.tokenizer)),
+            voice=VoiceStage(self.talker_max_tokens),
+            images=list(images),
+        )
 
     def has_work(self) -> bool:
-        return self._replying() or any(self.turns.pcm_queued(s) for s in self._sessions.values())
+        return bool(self._ready) or self._busy() or any(self.turns.pcm_queued(s) for s in self._sessions.values())
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
         """One tick: the scheduler's pick of replies advances by one codec frame (text-only
-        replies: one token); first-audio replies get their prefill (chunk) and first frame."""
-        outputs: list[Output] = []
+        replies: one token); first-audio replies get their prefill (chunk) and first frame;
+        speculative ones too, when nothing else needs the tick, their output held."""
+        outputs: list[Output] = self.take_ready()
         for session_id, state in list(self._sessions.items()):
-            if state.reply is not None and state.reply.cancelled:
+            if state.reply is not None and state.reply.phase is ReplyPhase.CANCELLING:
                 outputs += self._finish(session_id, state, "cancelled")
         now = self.clock()
-        replies = {sid: st for sid, st in self._sessions.items() if st.reply is not None}
+        # A held speculation is parked: it waits for its commit, not for the scheduler.
+        replies = {sid: st for sid, st in self._sessions.items()
+                   if st.reply is not None and st.reply.phase is not ReplyPhase.HELD}
         plan = plan_tick([self._view(sid, st, now) for sid, st in replies.items()], self.schedule)
 
         # First-audio replies share the prefill budget in deadline order, and all their chunks
-        # run in one batched forward (as do the talker prefixes of those that finish).
+        # run in one batched forward (as do the talker prefixes of those that finish);
+        # speculative ones come last, in ticks that have nothing more urgent (plan.speculate).
         chunks: list[tuple[str, SessionState, int]] = []
         budget = self.schedule.prefill_chunk_tokens
-        for session_id in plan.first:
+        for session_id in plan.first + plan.speculate:
             if budget <= 0:
                 break
             state = replies[session_id]
-            take = self.turns.reply_chunk(state, budget)
+            try:
+                take = self.turns.reply_chunk(state, budget)
+            except SpeculationRefused:  # it would drop the history: that cannot be undone
+                self._discard(state)
+                continue
             chunks.append((session_id, state, take))
             budget -= take
         done = self.turns.run_replies([(state, take) for _, state, take in chunks]) if chunks else []
@@ -306,14 +285,28 @@ class StreamingRunner:
         outputs += self.frames.decode(decoding)
         # Row order puts the new replies' first frames first.
         outputs += self.frames.render(started + decoding, self.clock())
-        for session_id, state in started + decoding:
+        for session_id, state in started:
             reply = state.reply
-            if reply.thinker_done and (reply.text_only or reply.talker_done):
+            reply.move(ReplyPhase.HELD if reply.phase is ReplyPhase.SPECULATING else ReplyPhase.STREAMING)
+        for session_id, state in started + decoding:
+            # A held reply cannot be finished: its first token is never the end and it stops at one frame.
+            if state.reply.phase is ReplyPhase.STREAMING and state.reply.finished:
                 outputs += self._finish(session_id, state, "")
         if plan.audio_prefill:
             self._prefill_speaking(self.schedule.prefill_chunk_tokens)
         # Stage times first: callers (and tests) read a reply's ReplyDone as the last output.
-        return self._stage_times() + outputs
+        return self._stage_times() + self._hold(outputs)
+
+    def _hold(self, outputs: list[Output]) -> list[Output]:
+        """Keep a speculative reply's output in its hold: until its commit, nothing of it goes out."""
+        out: list[Output] = []
+        for item in outputs:
+            state = self._sessions.get(item.session_id) if not isinstance(item, StageTime) else None
+            if state is not None and state.reply is not None and state.reply.phase.speculative:
+                state.reply.held.append(item)
+            else:
+                out.append(item)
+        return out
 
     # ---- estimates ---------------------------------------------------------------------------
 
@@ -323,27 +316,29 @@ class StreamingRunner:
         estimates = []
         for session_id, state in self._sessions.items():
             reply = state.reply
-            if reply is None:
+            if reply is None or reply.phase.speculative:
                 continue
             clock = reply.playout
-            phase = "first_audio" if not reply.prefilled else ("text" if reply.text_only else "speaking")
+            phase = "first_audio" if reply.phase.prefilling else ("text" if reply.text_only else "speaking")
             since = reply.started if clock.first_audio_at is None else clock.first_audio_at
             estimates.append(PlayoutEstimate(session_id, phase, clock.buffer_s(now), clock.produced_s, now - since))
         return estimates
 
     def _view(self, session_id: str, state: SessionState, now: float) -> ReplyView:
         reply = state.reply
-        if reply.text_only or reply.talker_done:
+        if reply.text_only or reply.voice.done:
             buffer = None  # only text left to make: no playout deadline
         else:
             buffer = reply.playout.buffer_s(now)
             buffer = 0.0 if buffer is None else buffer  # no audio out yet: nothing buffered
-        return ReplyView(session_id, reply.started, not reply.prefilled, buffer, self._priority.get(session_id, 0))
+        return ReplyView(session_id, reply.started, reply.phase.prefilling, buffer, self._priority.get(session_id, 0),
+                         speculative=reply.phase.speculative)
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _replying(self) -> bool:
-        return any(s.reply is not None for s in self._sessions.values())
+    def _busy(self) -> bool:
+        """A reply needs engine work (a held speculation does not: it waits for its commit)."""
+        return any(s.reply is not None and s.reply.phase is not ReplyPhase.HELD for s in self._sessions.values())
 
     def _first_tokens(self, finished: list[tuple[str, SessionState, PrefillOut]]) -> list[Output]:
         """First text token of every reply whose prefill just finished, then the talker prefixes
@@ -379,41 +374,43 @@ class StreamingRunner:
 
     def _finish(self, session_id: str, state: SessionState, reason: str) -> list[Output]:
         reply, turn = state.reply, state.reply.turn
+        reply.move(ReplyPhase.ENDED)
         if not reason:
-            capped = "length" in (reply.thinker_reason, reply.talker_reason)
+            capped = "length" in (reply.text.reason, reply.voice.reason)
             reason = "length" if capped else "stop"
-        text_ids = [t for t in reply.tokens if t not in self.eos]
-        if reply.prefilled:
+        text_ids = [t for t in reply.text.tokens if t not in self.eos]
+        if reply.prefill.done:
             # The history keeps this reply as text: what the thinker has not fed yet, then the end.
-            state.closing = [t for t in reply.tokens[reply.fed :] if t not in self.eos]
+            state.closing = [t for t in reply.text.tokens[reply.text.fed :] if t not in self.eos]
             state.closing += [self.loaded.ids.im_end, *self.loaded.ids.newline]
-            fed = min(reply.fed, len(text_ids))
+            fed = min(reply.text.fed, len(text_ids))
             state.last_reply = LastReply(state.thinker.length - fed, state.thinker.next_pos - fed, tuple(text_ids), fed)
             state.closing += state.pending_system  # instructions changed during the reply
             state.pending_system = []
-            if not reply.talker_started:  # its user turn is not in the talker cache yet
+            if not reply.voice.started:  # its user turn is not in the talker cache yet
                 state.talker_backlog.append(turn.talker)
         else:
             self.turns.abandon_reply(state)
         stats = {
-            "prefill_tokens": turn.prefill_tokens if reply.prefilled else 0,
-            "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefilled else 0,
-            "input_image_tokens": turn.ids.count(self.loaded.ids.image_pad) if reply.prefilled else 0,
-            "history_reset": turn.history_reset if reply.prefilled else False,
+            "prefill_tokens": turn.prefill_tokens if reply.prefill.done else 0,
+            "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefill.done else 0,
+            "input_image_tokens": turn.ids.count(self.loaded.ids.image_pad) if reply.prefill.done else 0,
+            "history_reset": turn.history_reset if reply.prefill.done else False,
             "text_tokens": len(text_ids),
-            "audio_frames": len(reply.frame_codes),
-            "audio_samples": reply.samples_out,
+            "audio_frames": len(reply.voice.frame_codes),
+            "audio_samples": reply.voice.samples_out,
             "context_tokens": state.thinker.length,
             "first_audio_seconds": reply.first_audio,
             "reply_seconds": self.clock() - reply.started,
             "stage_seconds": dict(reply.stage_seconds),
+            "speculative": reply.from_speculation,  # committed from a speculative start
         }
         if self.record:
-            codes = np.array(reply.frame_codes, dtype=np.int64).T.reshape(self.talker.num_groups, -1)
-            wav = np.concatenate(reply.wav) if reply.wav else np.zeros(0, dtype=np.float32)
+            codes = np.array(reply.voice.frame_codes, dtype=np.int64).T.reshape(self.talker.num_groups, -1)
+            wav = np.concatenate(reply.voice.wav) if reply.voice.wav else np.zeros(0, dtype=np.float32)
             self.records[session_id] = ReplyRecord(tuple(text_ids), codes, wav, stats["prefill_tokens"])
         state.reply = None
-        assert reply.decoder is not None
-        tail = reply.decoder.finish()  # a split character held back at the very end
+        assert reply.text.decoder is not None
+        tail = reply.text.decoder.finish()  # a split character held back at the very end
         outputs: list[Output] = [TextDelta(session_id, tail, ())] if tail else []
-        return outputs + [ReplyDone(session_id, reason, text=reply.decoder.text, stats=stats)]
+        return outputs + [ReplyDone(session_id, reason, text=reply.text.decoder.text, stats=stats)]

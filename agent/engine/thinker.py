@@ -27,7 +27,7 @@ import torch
 
 from agent.engine.graphing import DecodeRows, Graphing, slot_cache_with_graph
 from agent.engine.model import LoadedModel
-from agent.engine.session_state import KVState, mrope_positions
+from agent.engine.kv import KVState, mrope_positions
 from agent.engine.prefill import BucketedPrefill, PrefillRow
 from agent.engine.slots import Rows, decoder_forward
 

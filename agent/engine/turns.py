@@ -52,6 +52,19 @@ class ReplyPrefill:
     audio: torch.Tensor | None  # the audio tokens this prefill took from the turn
 
 
+class SpeculationRefused(RuntimeError):
+    """A speculative reply's prefill would drop the history (full context): a rollback could not
+    bring it back, so the reply waits for the end of the turn instead."""
+
+
+@dataclass
+class PrefillStage:
+    """A reply's end-of-turn prefill, advanced by TurnPrefill: the job while it runs in chunks."""
+
+    job: ReplyPrefill | None = None
+    done: bool = False  # the prompt is in the thinker cache; the reply's first token can be taken
+
+
 class TurnPrefill:
     def __init__(
         self,
@@ -152,9 +165,12 @@ class TurnPrefill:
         audio: torch.Tensor | None = None,
         images: ImageFeatures | None = None,
         assistant_tail: int = 0,
+        may_reset: bool = True,
     ) -> TurnJob:
         n_closing = len(state.closing) if not turn.ids else 0
         if state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
+            if not may_reset:
+                raise SpeculationRefused("the context is full: the history would be dropped")
             return self._reset_history(state, turn, ids[n_closing:], images, assistant_tail)
         job = self.thinker.start_prefill(state.thinker, ids, audio=audio, images=images)
         return TurnJob(job, n_closing, assistant_tail, images)
@@ -239,22 +255,23 @@ class TurnPrefill:
         ids += turn.text_ids  # user text items close the user message, after the audio and frames
         header = assistant_start_ids(self.ids)
         ids += [self.ids.im_end, *self.ids.newline, *turn.reply_system_ids, *header]
-        part = self._start(state, turn, ids, audio=audio, images=images, assistant_tail=len(header))
+        part = self._start(state, turn, ids, audio=audio, images=images, assistant_tail=len(header),
+                           may_reset=not reply.phase.speculative)
         return ReplyPrefill(part, *before, audio=audio)
 
     def reply_chunk(self, state: SessionState, budget: int) -> int:
         """Tokens the end-of-turn prefill of `state` takes next within `budget` (starting it
         on first call: audio tail, frames, header)."""
-        reply = state.reply
-        if reply.job is None:
-            reply.job = self.start_reply(state)
-        job = reply.job.part.job
+        stage = state.reply.prefill
+        if stage.job is None:
+            stage.job = self.start_reply(state)
+        job = stage.job.part.job
         return min(budget, len(job.ids) - job.done)
 
     def run_replies(self, chunks: Sequence[tuple[SessionState, int]]) -> list[PrefillOut | None]:
         """Advance the end-of-turn prefills (state, tokens from reply_chunk) in one batched
         forward; per reply its output when its prefill finished, else None."""
-        parts = [(state, state.reply.turn, state.reply.job.part) for state, _ in chunks]
+        parts = [(state, state.reply.turn, state.reply.prefill.job.part) for state, _ in chunks]
         self._run_parts(parts, [n for _, n in chunks])
         outs: list[PrefillOut | None] = []
         for state, _, part in parts:
@@ -262,7 +279,7 @@ class TurnPrefill:
                 outs.append(None)
                 continue
             state.closing = []
-            state.reply.prefilled, state.reply.job = True, None
+            state.reply.prefill.done, state.reply.prefill.job = True, None
             outs.append(part.job.result())
         return outs
 
@@ -270,7 +287,7 @@ class TurnPrefill:
         """A reply cancelled before its prefill finished: its turn was not answered, so it is the
         turn being spoken again (with the audio that came since), as if the reply never began."""
         reply, turn = state.reply, state.reply.turn
-        prefill: ReplyPrefill | None = reply.job
+        prefill: ReplyPrefill | None = reply.prefill.job
         if prefill is not None:
             if prefill.part.history_reset:
                 turn = self.new_turn()  # the history went with the context reset: so did the turn
@@ -290,7 +307,7 @@ class TurnPrefill:
     def talker_prefills(self, states: Sequence[SessionState]) -> torch.Tensor:
         """The talker's prefix of each reply, one batched forward: every user turn not in its
         cache yet, then the assistant part; returns codebook-0 logits [B, vocab] (sets each
-        reply.last_hidden)."""
+        reply.voice.last_hidden)."""
         items = []
         header = self.thinker.token_embeds(assistant_start_ids(self.ids))
         for state in states:
@@ -300,7 +317,7 @@ class TurnPrefill:
             turns = [*state.talker_backlog, turn.talker]
             user_ids = [i for t in turns for i in t.ids]
             grids = [g for t in turns for g in t.image_grids]
-            first = self.thinker.token_embeds([reply.tokens[0]])
+            first = self.thinker.token_embeds([reply.text.tokens[0]])
             prefix = self.talker.assistant_prefix(header, first, state.voice)
             embeds = torch.cat([*(e for t in turns for e in t.embeds), prefix], dim=1)
             items.append((state.talker, embeds, user_ids + [self.talker.tts_pad_id] * 9, grids))
@@ -308,12 +325,12 @@ class TurnPrefill:
             logits, last_hidden = self.talker.prefills(items)
         for i, (state, (_, _, ids, _)) in enumerate(zip(states, items)):
             reply = state.reply
-            reply.last_hidden = last_hidden[i : i + 1]
+            reply.voice.last_hidden = last_hidden[i : i + 1]
             # From now on the cache holds every user turn: the next turn crops back to here.
             state.talker_history_length += len(ids) - 9
             state.talker_history_pos = state.talker.next_pos - 9
             state.talker_backlog = []
-            reply.talker_started = True
+            reply.voice.started = True
         return logits
 
     def text_ids(self, text: str) -> list[int]:

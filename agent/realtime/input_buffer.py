@@ -33,7 +33,7 @@ class InputBuffer:
                           aggressiveness=c.vad_aggressiveness, max_turn_s=c.max_turn_seconds,
                           preroll_ms=td.prefix_padding_ms if td else 300, vad=c.vad, threshold=c.vad_threshold,
                           barge_in_ms=c.barge_in_ms, echo_margin_db=c.echo_margin_db if c.echo_guard else None,
-                          echo=self._echo)
+                          echo=self._echo, pause_ms=c.speculation_pause_ms)
 
     @property
     def manual(self) -> bool:

@@ -24,7 +24,6 @@ from typing import Any
 
 import av
 import numpy as np
-import pytest
 from aiohttp import web
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 

@@ -28,7 +28,6 @@ from typing import Any, Iterator
 
 import aiohttp
 import pytest
-import pytest_asyncio
 from realtime_helpers import free_port
 
 from agent.client import AgentClient

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from agent.engine.prefill import PREFILL_BUCKETS
-from agent.engine.session_state import KVState
+from agent.engine.kv import KVState
 from agent.engine.stream import StreamingRunner
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import ThinkerOps

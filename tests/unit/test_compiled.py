@@ -26,8 +26,8 @@ from torch._dynamo.utils import counters
 from agent.__main__ import _serve_parser, config_from_args
 from agent.engine.compiled import CompiledStep, CompileSettings, PaddedBackend
 from agent.engine.graphs import GraphPool
+from agent.engine.kv import KVState
 from agent.engine.prefill import PrefillRow
-from agent.engine.session_state import KVState
 from agent.engine.stream import StreamingRunner
 
 BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4

@@ -1,6 +1,6 @@
 """The streaming engine's CUDA-graph path, proven on CPU with the fake capture backend.
 
-Pins, on the tiny model under greedy decoding, a runner with `graphs="fake"` (the GPU wiring:
+Pins, on the tiny model under greedy decoding, a runner with `graphs=fake_graph_config()` (the GPU wiring:
 fused MoE, reserved slot caches, static device-tensor inputs, fixed-length masked attention,
 GraphPool padding, capture/replay; agent/engine/fake_graphs.py makes capture execute nothing,
 refuse host syncs and check that every replay issues the captured ops on the same memory):
@@ -28,8 +28,7 @@ import pytest
 import torch
 
 from agent.config import Config
-from agent.engine.fake_graphs import FakeCaptureBackend
-from agent.engine.graphing import GraphConfig
+from agent.engine.fake_graphs import FakeCaptureBackend, fake_graph_config
 from agent.engine.graphs import CUDAGraphed, GraphPool
 from agent.engine.model import load_model
 from agent.engine.moe import FusedSparseMoeBlock
@@ -41,7 +40,7 @@ PIECE = 1280  # 80 ms of 16 kHz audio
 OPTIONS = dict(max_reply_tokens=10, max_reply_seconds=1.2, audio_window_s=1.0, record=True, context_limit=1024)
 STAGES = ("thinker_decode", "talker_step", "code_predictor", "code2wav")
 PREFILLS = ("thinker_prefill", "talker_prefill")  # one graph per (batch, token) bucket
-FAKE = GraphConfig(mode="fake")
+FAKE = fake_graph_config()
 
 
 def make_audio(seconds: float, freq: float, seed: int) -> np.ndarray:

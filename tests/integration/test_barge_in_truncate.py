@@ -1,0 +1,59 @@
+"""Barge-in truncates the reply to what was heard, over real aiortc peers on loopback.
+
+Pins: when the user speaks over a spoken reply (WebRTC), the agent announces
+`conversation.item.truncated` for that reply, and the session's KV slot then holds exactly the
+reply tokens of the frames the track had played (one text token per codec frame: the talker
+reads reply token i for frame i), the assistant turn closed after them; checked by the tokens
+in the slot (StreamingRunner.context), not by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from agent.client import AgentClient
+from realtime_helpers import start_agent
+
+
+async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_wav: Path, strict_event) -> None:
+    # Speculation off: one reply per turn, started at the end of the turn (the simplest timeline).
+    agent = await start_agent(tiny_model_dir, max_sessions=1, max_reply_tokens=48, max_reply_seconds=4.0,
+                              speculative_start=False)
+    client = AgentClient(agent.url, speech_wav, video=False)
+    try:
+        await client.connect()
+        created = await client.wait_event("session.created", timeout=30)
+        await client.wait_event("output_audio_buffer.started", timeout=60)
+        for _ in range(100):  # some of the reply is heard, far from all of it (4 s)
+            if client.result.audible_samples > 0.4 * 48000:
+                break
+            await asyncio.sleep(0.05)
+        client.audio.play()  # talk over it
+        truncated = await client.wait_event("conversation.item.truncated", timeout=30)
+        context = await agent.engine.call(created["session"]["id"], "context")
+    finally:
+        await client.close()
+        await agent.stop()
+    r = client.result
+    for event in r.events:
+        strict_event(event)
+    assert truncated["item_id"] == r.of_type("response.output_item.added")[0]["item"]["id"]
+    heard_frames = truncated["audio_end_ms"] // 80
+    assert heard_frames > 0
+    last = context["last_reply"]
+    assert last is not None, "the truncated reply is not the session's latest"
+    # One reply token per heard frame (the reply had more: 48 tokens, up to 4 s of audio).
+    assert len(last["tokens"]) == heard_frames < 48
+    # The slot holds the history up to the reply, then the heard tokens the thinker had fed;
+    # the other heard tokens and <|im_end|> come right after them, with the next user turn.
+    if context["replying"]:
+        pytest.skip("a reply to the barge-in speech had already begun")
+    end = last["start_length"] + last["fed"]
+    if context["turn_start_length"] is not None:  # the barge-in speech is being prefilled
+        assert context["turn_start_length"] == end
+    else:
+        assert context["thinker_length"] == end
+        assert context["closing"][: heard_frames - last["fed"]] == last["tokens"][last["fed"] :]
