@@ -17,6 +17,12 @@ channel; cleared → stop is the outbound flush (the next 20 ms frame is silence
 and the client's jitter hold. The interrupting utterance is a user turn: the agent answers
 it, and the client interrupts that answer next (or asks again when no spoken answer comes).
 
+Table columns besides those: `1st gap` says "early" when the received audio already had a hole
+of >= 100 ms (an underrun) between the onset and the stop; `agent dBFS` is the agent's loudest
+received 20 ms in the 0.5 s before the onset (what the echo guard compares the speech with). The
+script also runs the endpointer alone over the same utterance (no transport, every onset phase in
+the 80 ms chunk) to show how much of the time is the confirmation rule itself.
+
 An interruption counts only when the server really cut a reply (`output_audio_buffer.cleared`
 after the onset); a reply that ended by itself first is skipped and retried; a barge-in the
 server never confirmed counts as a miss (infinite latency). The client does not feed the
