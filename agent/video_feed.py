@@ -55,11 +55,11 @@ class VideoFeed:
         if self.throttle.state.paused:
             # The sender was asked to stop; one that goes on costs no conversion here.
             INGEST_DROPPED.labels(kind="video", reason="paused").inc()
-            return
-        sample = self.sampler.push(frame, audio_clock)
-        if sample is not None:
-            self.ring.put(sample)  # full: the oldest goes (reason="full")
-            self._pump()
+        else:
+            sample = self.sampler.push(frame, audio_clock)
+            if sample is not None:
+                self.ring.put(sample)  # full: the oldest goes (reason="full")
+                self._pump()
         self._check()
 
     def flush_for_turn(self) -> None:
