@@ -5,9 +5,10 @@
                                                ▼                     frames not yet taken)
                                    SenderThrottle ─► input_video.throttle to the client
 
-The ring holds the frames the engine has not taken yet. While the engine keeps up it stays
+The ring holds the frames not yet handed to the engine. While the engine keeps up it stays
 near empty; when the engine falls behind (a long prefill, an overloaded host) it fills, and
-past its high-water mark the client is asked to send less (agent/backpressure.py). Only
+once the backlog (the ring plus the frames handed over but not yet taken) passes its
+high-water mark the client is asked to send less (agent/backpressure.py). Only
 MAX_IN_FLIGHT frames wait in the engine's inbox at a time, so a stalled engine backs frames
 up here, in a bounded drop-oldest ring, and never crowds the inbox the audio needs.
 """
@@ -102,11 +103,17 @@ class VideoFeed:
             self._check()
 
     # ---- back to the sender ----------------------------------------------------------------
+    @property
+    def backlog(self) -> int:
+        """Frames sampled and not yet taken by the engine: queued here or in its inbox (an end of
+        turn sends the newest past the in-flight cap, so both count)."""
+        return len(self.ring) + self.in_flight
+
     def _check(self) -> None:
-        state = self.throttle.observe(len(self.ring), self._clock())
+        state = self.throttle.observe(self.backlog, self._clock())
         if state is not None:
             reason = "recovered" if state.phase == "open" else "ingest_backlog"
-            log.info("session %s: video %s (backlog %d)", self._session_id, state.phase, len(self.ring))
+            log.info("session %s: video %s (backlog %d)", self._session_id, state.phase, self.backlog)
             self._emit(state.event(reason))
         if self.throttle.phase != "open" and self._timer is None and not self._closed:
             self._timer = asyncio.get_running_loop().call_later(RECHECK_S, self._recheck)
