@@ -1,4 +1,4 @@
-"""Command line: `omni-agent [serve] [flags]` and `omni-agent make-tiny DIR`."""
+"""Command line: `omni-agent [serve] [flags]`, `omni-agent call URL` and `omni-agent make-tiny DIR`."""
 
 from __future__ import annotations
 
@@ -88,7 +88,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _serve_parser(sub.add_parser("serve", help="run the agent (the default command)"))
     tiny = sub.add_parser("make-tiny", help="build the tiny Qwen3-Omni checkpoint into DIR")
     tiny.add_argument("dir", type=Path)
-    if not argv or argv[0] not in ("serve", "make-tiny", "-h", "--help"):
+    from .call import add_arguments as add_call_arguments
+
+    call = sub.add_parser("call", help="join an agent as a headless client: mic/camera or files in, "
+                                       "voice to the speaker or a WAV, captions printed")
+    add_call_arguments(call)
+    call.add_argument("--log-level", default="WARNING")
+    if not argv or argv[0] not in ("serve", "call", "make-tiny", "-h", "--help"):
         argv = ["serve", *argv]
     ns = parser.parse_args(argv)
     if ns.command == "make-tiny":
@@ -96,6 +102,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(make_tiny(ns.dir))
         return 0
+    if ns.command == "call":
+        from .call import options_from_args, run_call
+
+        logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_call(options_from_args(ns))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(config_from_args(ns))
     return 0

@@ -65,7 +65,8 @@ class AgentClient:
                  api_key: Optional[str] = None, session: Optional[dict[str, Any]] = None,
                  audio_source: Optional[MediaStreamTrack] = None, video_source: Optional[MediaStreamTrack] = None,
                  on_event: Optional[Callable[[dict[str, Any]], None]] = None,
-                 on_audio: Optional[Callable[[av.AudioFrame], None]] = None) -> None:
+                 on_audio: Optional[Callable[[av.AudioFrame], None]] = None,
+                 video_max_fps: Optional[float] = None) -> None:
         """base_url: the agent's root (http://host:port). wav: speech to send (then silence);
         audio_source instead sends any audio track (a device or file through MediaPlayer).
         video: send the test pattern at video_fps, unless video_source names the camera track.
@@ -73,7 +74,8 @@ class AgentClient:
         browser-like, None keeps aiortc's default of 4 (80 ms). api_key: sent as Bearer (the API
         key or an ek_ key). session: a GA session config sent with the offer (multipart); None
         sends the raw SDP only. on_event: called with every server event; on_audio with every
-        received audio frame (the agent's voice: to a WAV file, a speaker)."""
+        received audio frame (the agent's voice: to a WAV file, a speaker). video_max_fps: the
+        client's own cap on its camera rate (a throttle event can only lower it)."""
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.session_config = session
@@ -87,7 +89,7 @@ class AgentClient:
             self.speech_end = speech_end_sample(self.pcm)
             self.audio = WavTrack(self.pcm, repeat_after_s, self.speech_end)
         source = video_source if video_source is not None else PatternVideoTrack(fps=video_fps) if video else None
-        self.video = ThrottledVideoTrack(source) if source is not None else None
+        self.video = ThrottledVideoTrack(source, video_max_fps) if source is not None else None
         self._on_event = on_event
         self._on_audio = on_audio
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))

@@ -132,7 +132,8 @@ class ThrottledVideoTrack(MediaStreamTrack):
         self.max_fps: Optional[float] = max_fps
         self.scale = 1.0
         self.paused = False
-        self._last_sent: Optional[float] = None  # source time of the last frame sent
+        self._last_sent: Optional[float] = None  # wall time of the last frame sent
+        self._start: Optional[float] = None
         self.sent_at: deque[float] = deque(maxlen=512)  # wall time of each frame sent
         self.throttles: list[dict[str, Any]] = []  # the events applied, in order
 
@@ -153,18 +154,24 @@ class ThrottledVideoTrack(MediaStreamTrack):
         return sum(1 for t in self.sent_at if now - t <= window_s) / window_s
 
     async def recv(self) -> av.VideoFrame:
+        # Sources are live or paced to real time (a camera, a file through MediaPlayer), so the
+        # arrival time is the frame's time. The pts is restamped from it: a looping file's pts
+        # jumps back at every loop, and the VP8 encoder refuses a pts that goes backwards.
         while True:
             frame = await self._source.recv()
+            now = time.monotonic()
             if self.paused:
                 continue
-            t = frame.time if frame.time is not None else time.monotonic()
             # A little slack (10 %) so a source at exactly max_fps is not halved by jitter.
-            if self.max_fps and self._last_sent is not None and 0 <= t - self._last_sent < 0.9 / self.max_fps:
+            if self.max_fps and self._last_sent is not None and now - self._last_sent < 0.9 / self.max_fps:
                 continue
-            self._last_sent = t
+            self._last_sent = now
+            if self._start is None:
+                self._start = now
             if self.scale > 1:
                 frame = _scaled(frame, self.scale)
-            self.sent_at.append(time.monotonic())
+            frame.pts, frame.time_base = round((now - self._start) * 90_000), fractions.Fraction(1, 90_000)
+            self.sent_at.append(now)
             return frame
 
     def stop(self) -> None:
@@ -175,22 +182,24 @@ class ThrottledVideoTrack(MediaStreamTrack):
 def _scaled(frame: av.VideoFrame, scale: float) -> av.VideoFrame:
     width = max(2, int(frame.width / scale) // 2 * 2)  # even: the encoder's 4:2:0 wants it
     height = max(2, int(frame.height / scale) // 2 * 2)
-    out = frame.reformat(width=width, height=height)
-    out.pts, out.time_base = frame.pts, frame.time_base
-    return out
+    return frame.reformat(width=width, height=height)
 
 
 class SilenceAfterEnd(MediaStreamTrack):
     """An audio source (e.g. a file through aiortc's MediaPlayer) followed by silence forever:
     the agent only ends a turn after hearing silence, and a file that stops sending is heard as
-    nothing at all. Silence is 20 ms frames paced to the wall clock, continuing the source's pts."""
+    nothing at all. The silence has the source's own format, layout and rate (the encoder's
+    resampler accepts no change mid-stream), in 20 ms frames paced to the wall clock, its pts
+    continuing the source's."""
 
     kind = "audio"
 
     def __init__(self, source: MediaStreamTrack) -> None:
         super().__init__()
         self._source: Optional[MediaStreamTrack] = source
+        self._shape = ("s16", "mono", SEND_RATE)  # format, layout, rate of the source
         self._pts = 0
+        self._time_base = fractions.Fraction(1, SEND_RATE)
         self._next: Optional[float] = None
         self.ended_at: Optional[float] = None  # wall time the source ended
 
@@ -198,8 +207,10 @@ class SilenceAfterEnd(MediaStreamTrack):
         if self._source is not None:
             try:
                 frame = await self._source.recv()
-                if frame.pts is not None and frame.sample_rate:
-                    self._pts = int((frame.pts + frame.samples) * SEND_RATE * frame.time_base)
+                self._shape = (frame.format.name, frame.layout.name, frame.sample_rate)
+                if frame.pts is not None and frame.time_base is not None:
+                    self._time_base = frame.time_base
+                    self._pts = frame.pts + int(frame.samples / frame.sample_rate / frame.time_base)
                 return frame
             except MediaStreamError:
                 self._source = None
@@ -208,18 +219,31 @@ class SilenceAfterEnd(MediaStreamTrack):
         wait = self._next - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
-        self._next += SEND_FRAME / SEND_RATE
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, SEND_FRAME), np.int16), format="s16", layout="mono")
-        frame.sample_rate = SEND_RATE
-        frame.pts = self._pts
-        frame.time_base = fractions.Fraction(1, SEND_RATE)
-        self._pts += SEND_FRAME
+        self._next += 0.02
+        frame = _silence(*self._shape)
+        frame.pts, frame.time_base = self._pts, self._time_base
+        self._pts += int(frame.samples / frame.sample_rate / self._time_base)
         return frame
 
     def stop(self) -> None:
         super().stop()
         if self._source is not None:
             self._source.stop()
+
+
+def _silence(fmt: str, layout: str, rate: int) -> av.AudioFrame:
+    """20 ms of silence in exactly this sample format, layout and rate."""
+    samples = rate // 50
+    channels = len(av.AudioLayout(layout).channels)
+    dtype = {"s16": np.int16, "s32": np.int32, "flt": np.float32, "dbl": np.float64,
+             "u8": np.uint8}[fmt.rstrip("p")]
+    planar = fmt.endswith("p")
+    pcm = np.zeros((channels, samples) if planar else (1, samples * channels), dtype)
+    if dtype is np.uint8:
+        pcm += 128
+    frame = av.AudioFrame.from_ndarray(pcm, format=fmt, layout=layout)
+    frame.sample_rate = rate
+    return frame
 
 
 class WavSink:
