@@ -13,10 +13,15 @@ streamed as 24 kHz pcm16 `input_audio_buffer.append` events in real time), each 
 audio to the first audible reply audio (WebRTC: the first audible received 20 ms frame;
 WebSocket: the arrival of the first audible `response.output_audio.delta`).
 
-Prints a table per concurrency level and one per transport; last line:
-`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D`
+Then the camera comparison, same agent: one WebRTC session without video, then one sending a
+640x480 camera at 4 fps, each for --camera-turns turns; the server's end-of-turn → first audio
+(TTFA, from response.done) compared, and the image tokens response.done's usage reports.
+
+Prints a table per concurrency level, one per transport and one for the camera; last line:
+`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D camera_ttfa_ratio=C image_tokens=I`
 (voice-to-voice P95 at 4 sessions over 1 session; overhead P50 at 1 session; WebSocket P50
-minus WebRTC P50 end of speech → first audio, target ≤ 30 ms).
+minus WebRTC P50 end of speech → first audio, target ≤ 30 ms; TTFA P50 camera on over camera
+off, target ≤ 1.1; image tokens per camera-on turn, median).
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
 
     .venv/bin/python scripts/bench_rtc.py [--levels 1,2,4,8] [--turns 3] [--transport-turns 5] [--runner stream]
@@ -41,7 +46,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.client import AgentClient, WsAgentClient  # noqa: E402
+from agent.client import AgentClient, PatternVideoTrack, WsAgentClient  # noqa: E402
 from agent.ice import restrict_ice_hosts  # noqa: E402
 
 
@@ -133,6 +138,7 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         after = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         underruns = await scrape_value(http, url, "agent_playout_underruns_total") - underruns_before
     v2v, ttft, ttfa, overhead, glitches, missing = [], [], [], [], 0, 0
+    image_tokens: list[float] = []
     for c in clients:
         lat = c.turn_latencies()[:turns]
         dones = c.result.of_type("response.done")[:turns]
@@ -148,9 +154,11 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         ttft += [f["ttft_ms"] / 1000 for f in figures if f.get("ttft_ms") is not None]
         ttfa += [f["ttfa_ms"] / 1000 for f in figures if f.get("ttfa_ms") is not None]
         glitches += c.result.glitches
+        image_tokens += [((d["response"].get("usage") or {}).get("input_token_details") or {}).get("image_tokens", 0)
+                         for d in dones]
     return {
         "n": n, "turns": len(v2v), "missing": missing, "v2v": v2v, "ttft": ttft, "ttfa": ttfa,
-        "overhead": overhead, "glitches": glitches, "underruns": underruns,
+        "overhead": overhead, "glitches": glitches, "underruns": underruns, "image_tokens": image_tokens,
         "server_ttfa_p50": histogram_quantile(0.5, before, after),
         "server_ttfa_p95": histogram_quantile(0.95, before, after),
     }
@@ -216,6 +224,18 @@ async def main_async(args: argparse.Namespace) -> None:
                 1, args.transport_turns, limit_s, silence_s)
             for name, r in transports.items():
                 print(f"  {name}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
+        camera = {}
+        if args.camera_turns:
+            # Same agent, same speech, one session at a time: only the camera differs.
+            camera["off"] = await run_level(
+                url, lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s),
+                1, args.camera_turns, limit_s, silence_s)
+            camera["on"] = await run_level(
+                url, lambda: AgentClient(url, wav, repeat_after_s=args.gap_s,
+                                         video_source=PatternVideoTrack(640, 480, fps=4)),
+                1, args.camera_turns, limit_s, silence_s)
+            for name, r in camera.items():
+                print(f"  camera {name}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -245,8 +265,18 @@ async def main_async(args: argparse.Namespace) -> None:
                   f"{ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['v2v'], 50) - pct(r['ttfa'], 50)):>8}")
     ws_minus = (pct(transports["websocket"]["v2v"], 50) - pct(transports["webrtc"]["v2v"], 50)
                 if transports else float("nan"))
+    camera_ratio, image_tokens = float("nan"), float("nan")
+    if camera:
+        print("\ncamera (1 session; 640x480 at 4 fps vs none; TTFA from the server, image tokens from usage)")
+        print(f"{'camera':>6} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'v2v p50':>8} {'img tok':>7}")
+        for name, r in camera.items():
+            print(f"{name:>6} {len(r['ttfa']):>5} {ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['ttfa'], 95)):>8} "
+                  f"{ms(pct(r['v2v'], 50)):>8} {pct(r['image_tokens'], 50):>7.0f}")
+        camera_ratio = pct(camera["on"]["ttfa"], 50) / pct(camera["off"]["ttfa"], 50)
+        image_tokens = pct(camera["on"]["image_tokens"], 50)
     print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "
-          f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f}")
+          f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f} camera_ttfa_ratio={camera_ratio:.2f} "
+          f"image_tokens={image_tokens:.0f}")
 
 
 def main() -> None:
@@ -262,6 +292,8 @@ def main() -> None:
     p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
     p.add_argument("--transport-turns", type=int, default=5,
                    help="turns each for the WebRTC vs WebSocket comparison (0: skip it)")
+    p.add_argument("--camera-turns", type=int, default=5,
+                   help="turns each for the camera on vs off comparison (0: skip it)")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
     args = p.parse_args()
     asyncio.run(main_async(args))

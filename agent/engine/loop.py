@@ -250,6 +250,9 @@ class Engine:
                 # Settled even for a closed session: the sender's feed only counts it.
                 if sid in self._sinks:
                     self._frames.add(sid, cmd.images[0], cmd.at)
+                    append_video = getattr(primary, "append_video", None)  # a runner that encodes on arrival
+                    if append_video is not None:
+                        append_video(sid, cmd.images[0], cmd.at)
                 assert cmd.future is not None
                 self._loop.call_soon_threadsafe(_settle, cmd.future, None, None)
             elif sid not in self._sinks:

@@ -90,6 +90,7 @@ class ReplyState:
     turn: TurnState  # the user turn answered (from begin_reply on, state.turn is the next one)
     started: float  # runner clock at begin_reply
     images: list[np.ndarray] = field(default_factory=list)
+    frames_encoded_at_end: int = 0  # of `images`, those not encoded on arrival (agent/engine/video.py)
     cancelled: bool = False
     job: ReplyPrefill | None = None  # the end-of-turn prefill while it runs in chunks
     prefilled: bool = False
