@@ -121,6 +121,8 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
     async with aiohttp.ClientSession() as http:
         before = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         underruns_before = await scrape_value(http, url, "agent_playout_underruns_total")
+        stages_before = {stage: [await scrape_value(http, url, f'agent_stage_seconds_{k}{{stage="{stage}"}}')
+                                 for k in ("sum", "count")] for stage in ("vision_encoder", "thinker_prefill")}
         t0 = time.monotonic()
         try:
             for c in clients:
@@ -137,8 +139,13 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
                 await c.close()
         after = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         underruns = await scrape_value(http, url, "agent_playout_underruns_total") - underruns_before
+        stages = {}  # stage -> seconds per call (mean over the level), from /metrics
+        for stage in ("vision_encoder", "thinker_prefill"):
+            total = [await scrape_value(http, url, f'agent_stage_seconds_{k}{{stage="{stage}"}}') for k in ("sum", "count")]
+            stages[stage] = (total[0] - stages_before[stage][0]) / max(total[1] - stages_before[stage][1], 1)
     v2v, ttft, ttfa, overhead, glitches, missing = [], [], [], [], 0, 0
     image_tokens: list[float] = []
+    late = 0  # frames the vision encoder saw only at the end of a turn
     for c in clients:
         lat = c.turn_latencies()[:turns]
         dones = c.result.of_type("response.done")[:turns]
@@ -156,9 +163,11 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         glitches += c.result.glitches
         image_tokens += [((d["response"].get("usage") or {}).get("input_token_details") or {}).get("image_tokens", 0)
                          for d in dones]
+        late += sum(int((f.get("stats") or {}).get("frames_encoded_at_end_of_turn") or 0) for f in figures)
     return {
         "n": n, "turns": len(v2v), "missing": missing, "v2v": v2v, "ttft": ttft, "ttfa": ttfa,
         "overhead": overhead, "glitches": glitches, "underruns": underruns, "image_tokens": image_tokens,
+        "late_frames": late, "stages": stages,
         "server_ttfa_p50": histogram_quantile(0.5, before, after),
         "server_ttfa_p95": histogram_quantile(0.95, before, after),
     }
@@ -268,10 +277,12 @@ async def main_async(args: argparse.Namespace) -> None:
     camera_ratio, image_tokens = float("nan"), float("nan")
     if camera:
         print("\ncamera (1 session; 640x480 at 4 fps vs none; TTFA from the server, image tokens from usage)")
-        print(f"{'camera':>6} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'v2v p50':>8} {'img tok':>7}")
+        print(f"{'camera':>6} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'v2v p50':>8} {'img tok':>7} "
+              f"{'vision':>8} {'prefill':>8} {'late frames':>11}   (vision, prefill: mean per call at the end of a turn)")
         for name, r in camera.items():
             print(f"{name:>6} {len(r['ttfa']):>5} {ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['ttfa'], 95)):>8} "
-                  f"{ms(pct(r['v2v'], 50)):>8} {pct(r['image_tokens'], 50):>7.0f}")
+                  f"{ms(pct(r['v2v'], 50)):>8} {pct(r['image_tokens'], 50):>7.0f} "
+                  f"{ms(r['stages']['vision_encoder']):>8} {ms(r['stages']['thinker_prefill']):>8} {r['late_frames']:>11}")
         camera_ratio = pct(camera["on"]["ttfa"], 50) / pct(camera["off"]["ttfa"], 50)
         image_tokens = pct(camera["on"]["image_tokens"], 50)
     print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "
