@@ -80,6 +80,9 @@ class VideoFeed:
             self._timer.cancel()
             self._timer = None
         self.ring.clear()  # the ring's gauge is a sum over sessions
+        # _emit is the session's bound method: dropping it breaks the session -> feed -> session
+        # cycle, so the call is freed by reference counting at once, not at a rare full GC.
+        self._emit = _closed
 
     # ---- to the engine ---------------------------------------------------------------------
     def _pump(self) -> None:
@@ -122,3 +125,7 @@ class VideoFeed:
         self._timer = None
         if not self._closed:
             self._check()
+
+
+def _closed(event: dict[str, Any]) -> None:
+    """Where a closed feed's events go: nowhere."""
