@@ -34,6 +34,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="same as --compile off")
     p.add_argument("--runner", default=d.runner, choices=["stream", "reference"],
                    help="stream: streaming engine; reference: transformers' generate() (whole reply at once)")
+    p.add_argument("--no-video", dest="video", action="store_false",
+                   help="ignore the camera: frames are dropped unread and the client is asked to pause it")
     p.add_argument("--system-prompt", default=d.system_prompt)
     p.add_argument("--max-reply-tokens", type=int, default=d.max_reply_tokens, help="text tokens per reply")
     p.add_argument("--max-reply-seconds", type=float, default=d.max_reply_seconds, help="audio seconds per reply")

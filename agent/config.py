@@ -60,6 +60,7 @@ class Config:
     vad_aggressiveness: int = 2  # webrtcvad mode 0..3
     vad_min_speech_ms: int = 120  # voiced audio needed before a turn starts
     max_turn_seconds: float = 30.0  # a turn longer than this is ended by force
+    video: bool = True  # --no-video: camera frames are dropped unread and the sender is asked to pause
     video_fps: float = 4.0
     video_max_side: int = 448  # frames are resized so the longer side is at most this
     video_frames_per_turn: int = 2  # latest sampled frames sent with a turn

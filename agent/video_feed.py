@@ -46,12 +46,21 @@ class VideoFeed:
                                        config.video_throttle_hold_s, config.video_pause_after_s)
         self.in_flight = 0
         self.sent = 0  # frames handed to the engine
+        self.enabled = config.video  # --no-video: the camera is not looked at
+        self._told_off = False
         self._timer: Optional[asyncio.TimerHandle] = None
         self._closed = False
 
     def push(self, frame: av.VideoFrame, audio_clock: float) -> None:
         """A received camera frame (called by the track reader for every frame)."""
         if self._closed:
+            return
+        if not self.enabled:
+            # The agent does not look at the camera: ask the sender, once, to stop sending it.
+            INGEST_DROPPED.labels(kind="video", reason="disabled").inc()
+            if not self._told_off:
+                self._told_off = True
+                self._emit(self.throttle.states["paused"].event("video_disabled"))
             return
         if self.throttle.state.paused:
             # The sender was asked to stop; one that goes on costs no conversion here.

@@ -11,7 +11,8 @@ Pins:
   (never more than MAX_IN_FLIGHT in the engine's inbox), the sender is throttled then paused,
   frames sent while paused are dropped unconverted (reason="paused"); releasing the engine drains
   the backlog and, after the hold, restores the sender. The engine shows a reply the newest
-  frames it took when the session passes none.
+  frames it took when the session passes none. With --no-video (Config.video False) the engine
+  gets no frame and the sender is asked once to pause.
 """
 
 from __future__ import annotations
@@ -33,6 +34,22 @@ from agent.video_feed import MAX_IN_FLIGHT, VideoFeed
 
 def _count(name: str, **labels: str) -> float:
     return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_no_video_asks_the_sender_to_pause_once_and_sends_the_engine_nothing() -> None:
+    runner = HoldingRunner()
+    engine = Engine(lambda: runner)
+    await engine.start()
+    events: list[dict] = []
+    feed = VideoFeed(Config(video=False), engine, "s1", events.append)
+    try:
+        for t, frame in _frames(0.0, 1.0):
+            feed.push(frame, t)
+        assert feed.sent == 0 and len(feed.ring) == 0
+        assert [(e["paused"], e["reason"]) for e in events] == [(True, "video_disabled")]
+    finally:
+        feed.close()
+        await engine.stop()
 
 
 def test_throttle_phases_and_hold() -> None:
