@@ -46,7 +46,20 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="audio encoder attention window in seconds, 1..8 (default %(default)s)")
     p.add_argument("--vad-silence-ms", type=int, default=d.vad_silence_ms, help="silence that ends a turn")
     p.add_argument("--vad-aggressiveness", type=int, default=d.vad_aggressiveness, choices=[0, 1, 2, 3])
+    p.add_argument("--vad", default=d.vad, choices=["silero", "webrtc"],
+                   help="voice detector: silero (ONNX, one thread) or webrtc (webrtcvad) (default %(default)s)")
+    p.add_argument("--vad-threshold", type=float, default=d.vad_threshold,
+                   help="silero speech probability threshold (default %(default)s)")
+    p.add_argument("--barge-in-ms", type=int, default=d.barge_in_ms,
+                   help="voiced audio needed to interrupt the agent while it speaks (default %(default)s)")
+    p.add_argument("--echo-margin-db", type=float, default=d.echo_margin_db,
+                   help="while the agent speaks, a barge-in must be louder than its played level plus this "
+                        "(default %(default)s dB)")
+    p.add_argument("--no-echo-guard", dest="echo_guard", action="store_false",
+                   help="do not raise the barge-in threshold by the level the agent plays (duration rule only)")
     p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="offers beyond this get 503")
+    p.add_argument("--high-priority-slots", type=int, default=d.high_priority_slots,
+                   help="of --max-sessions, slots kept for priority=high sessions (default %(default)s)")
     p.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s,
                    help="close a session whose peer has not connected by then (frees its slot)")
     p.add_argument("--max-turns-per-s", type=float, default=d.max_turns_per_s, help="turn rate limit per engine")

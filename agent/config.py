@@ -59,6 +59,13 @@ class Config:
     vad_silence_ms: int = 300  # end of turn after this much unvoiced audio
     vad_aggressiveness: int = 2  # webrtcvad mode 0..3
     vad_min_speech_ms: int = 120  # voiced audio needed before a turn starts
+    vad: str = "silero"  # voice detector: silero (ONNX, one thread) | webrtc (agent/voice.py)
+    vad_threshold: float = 0.5  # Silero speech probability from which a sub-frame is voiced
+    # Echo guard (agent/vad.py, agent/echo.py): while the agent speaks, a barge-in needs this
+    # much voiced audio, each sub-frame louder than the agent's recent loudest frame + margin.
+    barge_in_ms: int = 200
+    echo_guard: bool = True  # raise the onset threshold by the level played (False: duration only)
+    echo_margin_db: float = -6.0
     max_turn_seconds: float = 30.0  # a turn longer than this is ended by force
     video: bool = True  # --no-video: camera frames are dropped unread and the sender is asked to pause
     video_fps: float = 4.0
@@ -74,6 +81,8 @@ class Config:
 
     # sessions, admission and the degradation ladder
     max_sessions: int = 8
+    # Of max_sessions, slots only high-priority sessions may take (priority classes: high, normal).
+    high_priority_slots: int = 0
     connect_timeout_s: float = 15.0  # an answered offer that never connects frees its slot
     max_turns_per_s: float = 20.0  # per engine
     text_only_p95_ms: float = 300.0  # P95 first-response latency above this: text-only replies

@@ -13,15 +13,18 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
+# `priority`: the session's class (agent/priority.py), high or normal.
 TTFT = Histogram(
     "agent_time_to_first_token_seconds",
     "End of turn to first text token",
+    ["priority"],
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
 TTFA = Histogram(
     "agent_time_to_first_audio_seconds",
     "End of turn to first audio frame handed to the outbound track",
+    ["priority"],
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
@@ -32,7 +35,7 @@ STAGE = Histogram(
     buckets=_STAGE_BUCKETS,
     registry=REGISTRY,
 )
-SESSIONS_ACTIVE = Gauge("agent_sessions_active", "Connected sessions", registry=REGISTRY)
+SESSIONS_ACTIVE = Gauge("agent_sessions_active", "Connected sessions", ["priority"], registry=REGISTRY)
 INGEST_BUFFER = Gauge(
     "agent_ingest_buffer_frames", "Frames waiting in the ingest ring", ["kind"], registry=REGISTRY
 )
@@ -69,6 +72,12 @@ TURNS_REJECTED = Counter("agent_turns_rejected_total", "Turns refused by the tur
 ENGINE_INBOX = Gauge("agent_engine_inbox_depth", "Requests waiting for the engine thread", registry=REGISTRY)
 TURNS = Counter("agent_turns_total", "Turns sent to the engine", registry=REGISTRY)
 ERRORS = Counter("agent_errors_total", "Errors reported to clients", ["where"], registry=REGISTRY)
+
+
+for _priority in ("high", "normal"):  # both classes are exported from the start, at zero
+    TTFT.labels(priority=_priority)
+    TTFA.labels(priority=_priority)
+    SESSIONS_ACTIVE.labels(priority=_priority)
 
 
 def render() -> bytes:

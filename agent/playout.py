@@ -24,6 +24,7 @@ import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from .config import OUTPUT_FRAME_SAMPLES, OUTPUT_RATE
+from .echo import PlayoutLevel
 from .metrics import PLAYOUT_BUFFER, PLAYOUT_UNDERRUNS
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class AgentAudioTrack(MediaStreamTrack):
         self._first_audio_pending = False
         self._overflowing = False
 
+        # The level of what was sent lately: the endpointer's echo guard reads it.
+        self.level = PlayoutLevel(clock=clock)
         self._first_audio = asyncio.Event()
         self.early_starts = 0  # frames sent ahead of their slot because a reply began
         self.frames_sent = 0
@@ -210,6 +213,8 @@ class AgentAudioTrack(MediaStreamTrack):
         pcm, real = self._take(OUTPUT_FRAME_SAMPLES)
         now = self._clock()
         self._account(real, now)
+        if real:
+            self.level.record(pcm)
 
         if self._upsampler is not None:
             pcm = self._upsampler.process(pcm)

@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Optional
 import av
 import numpy as np
 
-from . import metrics
+from . import metrics, priority
 from .config import INPUT_FRAME_SAMPLES, OUTPUT_RATE, Config
 from .engine import Engine, EngineBusy
 from .engine.api import AudioOut, ReplyDone, TextDelta
@@ -49,6 +49,7 @@ class Session:
         self.webrtc = webrtc
         self.settings = settings or session_config.default_session(config)
         self.settings["id"] = self.id
+        self.priority = session_config.priority_of(self.settings)  # fixed for the session's life
         self.conversation = Conversation()
         self.conversation_id = new_id("conv")
         # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
@@ -56,7 +57,8 @@ class Session:
             AgentAudioTrack(upsample_to_48k=True, on_first_audio=self._on_first_audio, on_drained=self._on_drained)
             if webrtc else None)
         self.video = VideoFeed(config, engine, self.id, self.emit)  # camera → engine, throttle → sender
-        self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms))
+        self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms),
+                                 echo=self._playing_level)
         self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
         self._reply: Optional[Response] = None  # the response in progress
         self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
@@ -75,6 +77,11 @@ class Session:
         self._unlisten = self.admission.listen(self._on_level)
         if self.settings["instructions"] != self.config.system_prompt:
             self._engine_call("set_instructions", self.settings["instructions"])
+        if self.priority != priority.NORMAL:
+            # A runner without a scheduler (--runner reference) has nothing to order: not an error
+            # the client could act on, so the future's failure is only retrieved, never reported.
+            self.engine.call(self.id, "set_priority", priority.RANK[self.priority]).add_done_callback(
+                lambda f: f.cancelled() or f.exception())
         if self.settings["audio"]["output"].get("voice") not in (None, "default", self.config.speaker):
             self._set_voice(self.settings["audio"]["output"]["voice"])  # from the offer's session
         self.emit({"type": "session.created", "session": self.settings,
@@ -119,6 +126,14 @@ class Session:
         """Microphone audio, any rate and layout (a WebRTC track's frames, decoded WebSocket appends)."""
         for event in self.input.push(frame):
             self._on_turn_event(event)
+
+    def _playing_level(self) -> Optional[float]:
+        """For the echo guard (agent/vad.py): the level the agent plays now, None while silent."""
+        if self.track is not None:
+            return self.track.level.level()
+        # WebSocket: the client plays the deltas at its own pace; all we know is that a spoken
+        # reply is under way (level 0: the duration rule applies, the threshold is not raised).
+        return 0.0 if self._reply is not None and self._reply.audio else None
 
     def push_video(self, frame: av.VideoFrame) -> None:
         self.video.push(frame, self.input.audio_in.clock)
@@ -292,7 +307,7 @@ class Session:
             return
         if reply.ttft is None:
             reply.ttft = time.monotonic() - reply.end_of_turn
-            metrics.TTFT.observe(reply.ttft)
+            metrics.TTFT.labels(priority=self.priority).observe(reply.ttft)
         self.emit(reply.text_delta(delta.text, len(delta.token_ids)))
         if reply.max_tokens is not None and reply.tokens >= reply.max_tokens:
             # The client's max_output_tokens, under the server's own cap: end the reply here.
@@ -307,7 +322,7 @@ class Session:
         if reply.ttfa is None:
             # TTFA: end of turn -> first audio handed to the transport.
             reply.ttfa = time.monotonic() - reply.end_of_turn
-            metrics.TTFA.observe(reply.ttfa)
+            metrics.TTFA.labels(priority=self.priority).observe(reply.ttfa)
         if self.track is not None:
             reply.samples += len(audio.pcm)
             self.track.push(audio.pcm)

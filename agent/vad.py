@@ -1,10 +1,19 @@
 """End-of-turn detection on the session's audio clock.
 
-webrtcvad classifies each 20 ms sub-frame of an 80 ms AudioChunk. A turn starts once
+A voice detector (agent/voice.py: Silero by default, or webrtcvad) classifies each 20 ms
+sub-frame of an 80 ms AudioChunk. A turn starts once
 ``min_speech_ms`` of voiced audio has gathered (short clicks and breaths never start one,
 so there is no "aborted turn" event to undo), and ends when ``silence_ms`` of unvoiced audio
 follow the last voiced sub-frame, or by force after ``max_turn_s``. Every time is read off
 the audio clock, never the wall clock: the same audio always gives the same events.
+
+Echo guard: while the agent is speaking (``echo()`` returns the level it plays, see
+agent/echo.py), a turn, i.e. a barge-in, needs ``barge_in_ms`` of voiced audio with no
+unvoiced gap over ``BARGE_IN_GAP_MS``, and with ``echo_margin_db`` set only sub-frames louder
+than the agent's recent loudest frame plus that margin (negative: under it) count; voiced ones
+under it neither count nor break the candidate. The agent's own voice coming back through the
+microphone is quieter than what it sent, so it never starts a turn; a person talking over it
+has enough syllables above it. Inside a turn nothing changes.
 """
 
 from __future__ import annotations
@@ -12,19 +21,23 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
-import webrtcvad
 
 from .config import INPUT_RATE
+from .echo import threshold_gain
 from .ingest import CHUNK_SECONDS, AudioChunk
+from .voice import VoiceDetector, make_detector
 
 SUBFRAME_MS = 20
 SUBFRAME_SAMPLES = INPUT_RATE * SUBFRAME_MS // 1000  # 320
 # webrtcvad calls the first few sub-frames of a stream speech while its noise model
 # settles (white noise at -40 dBFS: the first 4-5 are "voiced"); ignore that warm-up.
 WARMUP_SUBFRAMES = 5
+# Speech has stops and short pauses between syllables; a barge-in over the agent's voice may
+# have those, but not a longer hole (echo bursts are separated by the agent's own pauses).
+BARGE_IN_GAP_MS = 100
 
 
 @dataclass(frozen=True)
@@ -66,9 +79,23 @@ class Endpointer:
         max_turn_s: float = 30.0,
         preroll_ms: int = 300,
         min_level_dbfs: float = -55.0,
+        vad: str = "silero",
+        threshold: float = 0.5,
+        barge_in_ms: int = 200,
+        echo_margin_db: Optional[float] = -6.0,
+        echo: Optional[Callable[[], Optional[float]]] = None,
+        detector: Optional[VoiceDetector] = None,
     ) -> None:
+        """vad: "silero" or "webrtc" (aggressiveness: webrtcvad's mode; threshold: Silero's
+        speech probability); detector overrides both. echo: the level (RMS, 0..1) the agent is
+        playing now, None while it is silent; barge_in_ms / echo_margin_db: the guard (above),
+        echo_margin_db None leaves the onset threshold alone."""
         assert silence_ms >= SUBFRAME_MS and min_speech_ms >= SUBFRAME_MS and max_turn_s > 0
-        self._vad = webrtcvad.Vad(aggressiveness)
+        assert barge_in_ms >= SUBFRAME_MS
+        self._vad = detector or make_detector(vad, aggressiveness, threshold)
+        self._barge_in_ms = barge_in_ms
+        self._echo_gain = None if echo_margin_db is None else threshold_gain(echo_margin_db)
+        self._echo = echo
         self._silence_ms = silence_ms
         self._min_speech_ms = min_speech_ms
         self._max_turn_s = max_turn_s
@@ -139,6 +166,8 @@ class Endpointer:
         self._expected_index = chunk.index + 1
 
         pcm16 = np.clip(np.round(chunk.pcm * 32768.0), -32768, 32767).astype(np.int16)
+        # What the agent plays, read once per chunk: only a turn's start depends on it.
+        playing = None if self._in_turn or self._echo is None else self._echo()
         started_here = False
         stopped_here = False
         for k in range(len(pcm16) // SUBFRAME_SAMPLES):
@@ -155,7 +184,7 @@ class Endpointer:
                     events.append(SpeechAudio(chunk))
                     events.append(self._stop(at=t_end))
                     stopped_here = True
-            elif self._candidate(voiced, t_end) and not stopped_here:
+            elif self._candidate(voiced, t_end, playing, self._under_echo(voiced, sub, playing)) and not stopped_here:
                 events += self._start(chunk, t_end)
                 started_here = True
 
@@ -175,26 +204,42 @@ class Endpointer:
 
     def _voiced(self, sub: np.ndarray) -> bool:
         self._subframes += 1
-        # Always feed webrtcvad so its noise model keeps adapting, even when we overrule it.
-        speech = self._vad.is_speech(sub.tobytes(), INPUT_RATE)
+        # Always feed the detector (each sub-frame once, in order): webrtcvad adapts its noise
+        # model and Silero carries state from one window to the next, even when we overrule it.
+        speech = self._vad.voiced(sub)
         if self._subframes <= WARMUP_SUBFRAMES:
             return False
         rms = math.sqrt(float(np.mean(np.square(sub.astype(np.float64))))) / 32768.0
         return speech and rms >= self._min_rms
 
+    def _under_echo(self, voiced: bool, sub: np.ndarray, playing: Optional[float]) -> bool:
+        """A voiced sub-frame no louder than the agent's echo could be, while it plays at level
+        `playing` (None: it is silent)."""
+        if not voiced or playing is None or self._echo_gain is None:
+            return False
+        rms = math.sqrt(float(np.mean(np.square(sub.astype(np.float64))))) / 32768.0
+        return rms < playing * self._echo_gain
+
     # -- candidate -> turn ---------------------------------------------------------------
 
-    def _candidate(self, voiced: bool, t_end: float) -> bool:
-        """Track voiced audio before a turn; True once there is enough to start one."""
+    def _candidate(self, voiced: bool, t_end: float, playing: Optional[float] = None, under_echo: bool = False) -> bool:
+        """Track voiced audio before a turn; True once there is enough to start one (while the
+        agent speaks: barge_in_ms of it, without an unvoiced gap over BARGE_IN_GAP_MS). A voiced
+        sub-frame under the echo level neither counts nor breaks a candidate: a person talking
+        over the agent has quieter syllables too, and the echo alone never adds anything."""
+        barge_in = playing is not None
+        if under_echo:
+            return False
         if voiced:
             if self._onset is None:
                 self._onset = t_end - SUBFRAME_MS / 1000
             self._voiced_ms += SUBFRAME_MS
             self._unvoiced_ms = 0
-            return self._voiced_ms >= self._min_speech_ms
+            need = max(self._barge_in_ms, self._min_speech_ms) if barge_in else self._min_speech_ms
+            return self._voiced_ms >= need
         if self._onset is not None:
             self._unvoiced_ms += SUBFRAME_MS
-            if self._unvoiced_ms >= self._silence_ms:
+            if self._unvoiced_ms >= (BARGE_IN_GAP_MS if barge_in else self._silence_ms):
                 self._reset_candidate()
         return False
 

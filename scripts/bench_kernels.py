@@ -45,6 +45,7 @@ TURN_STAGES = ("audio_tail", "thinker_prefill", "talker_prefill", "code_predicto
 class Phase:
     kernels: Counter[str]
     compiled: Counter[str]
+    inductor: Counter[str]
     calls: dict[str, list[int]]  # stage -> batch rows (or prefill tokens) per call
     ops: Counter[str] = field(default_factory=Counter)  # eager aten op -> count
 
@@ -75,11 +76,12 @@ class Probe:
     def counting(self) -> Iterator[Phase]:
         self.counter.reset()
         self.calls.clear()
-        phase = Phase(Counter(), Counter(), {})
+        phase = Phase(Counter(), Counter(), Counter(), {})
         with self.counter:
             yield phase
         phase.kernels.update(self.counter.kernels)
         phase.compiled.update(self.counter.compiled)
+        phase.inductor.update(self.counter.inductor)
         phase.ops.update(self.counter.ops)
         phase.calls.update({k: list(v) for k, v in self.calls.items()})
 
@@ -230,7 +232,7 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
           f"vocabulary {args.count_vocab} (a matmul is one kernel at any width; bytes use the real 152064); "
           f"extrapolated per stack to {full}); graphs={graph_mode} compile={getattr(cfg, 'compile', 'n/a')}")
     print(f"{'run':<12} {'stage':<16} {f'{low}L':>7} {f'{high}L':>7} {'/layer':>7} {'depth':>5} {'full':>7} "
-          f"{'compiled':>8}  calls at {high}L")
+          f"{'compiled':>8} {'inductor':>8}  calls at {high}L")
     for name in counts[low]:
         a, b = counts[low][name], counts[high][name]
         stages = TURN_STAGES if name == "end_of_turn" else TICK_STAGES
@@ -240,7 +242,8 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
             row[stage] = extrapolate(low, high, a.kernels[stage], b.kernels[stage], depth)
             per = (b.kernels[stage] - a.kernels[stage]) / (high - low)
             print(f"{name:<12} {stage:<16} {a.kernels[stage]:>7} {b.kernels[stage]:>7} {per:>7.0f} "
-                  f"{depth or '-':>5} {row[stage]:>7} {b.compiled[stage]:>8}  {b.calls.get(stage, '')}")
+                  f"{depth or '-':>5} {row[stage]:>7} {b.compiled[stage]:>8} {b.inductor[stage]:>8}  "
+                  f"{b.calls.get(stage, '')}")
         if a.kernels[UNSTAGED] != b.kernels[UNSTAGED]:
             # Depth-dependent work outside every label would be left out of the extrapolation.
             raise RuntimeError(f"{name}: unlabelled kernels change with depth ({a.kernels[UNSTAGED]} -> "

@@ -91,7 +91,9 @@ async def scrape_histogram(http: aiohttp.ClientSession, url: str, name: str) -> 
     for line in text.splitlines():
         if line.startswith(f"{name}_bucket{{"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+            key = float("inf") if le == "+Inf" else float(le)
+            # Summed over the other labels (priority): the quantile is over every session.
+            buckets[key] = buckets.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return buckets
 
 

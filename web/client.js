@@ -306,7 +306,10 @@ async function postOffer(sdp, token) {
   const headers = { "Content-Type": "application/sdp", Accept: "application/sdp" };
   if (token) headers.Authorization = `Bearer ${token}`;
   // Relative URL: works when the page is served under a path prefix, too.
-  const res = await fetch("v1/realtime/calls", { method: "POST", headers, body: sdp });
+  // The page's own ?priority=high (a session's priority class) rides along on the offer.
+  const priority = new URLSearchParams(window.location.search).get("priority");
+  const url = priority ? `v1/realtime/calls?priority=${encodeURIComponent(priority)}` : "v1/realtime/calls";
+  const res = await fetch(url, { method: "POST", headers, body: sdp });
   if (res.status !== 201) throw new Error(await httpError(res, "The server refused the call"));
   const location = res.headers.get("Location");
   return { sdp: await res.text(), callUrl: location ? new URL(location, res.url).href : null };

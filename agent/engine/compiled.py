@@ -107,6 +107,7 @@ class CompiledStep:
         batch_sizes: Sequence[int],
         settings: CompileSettings,
         dynamic_dims: Sequence[tuple[int, int]] = (),
+        dynamic_batch: bool | None = None,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -117,7 +118,7 @@ class CompiledStep:
         self.stats = CompileStats()
         self._compiled: dict[int, Any] = {}
 
-        self.dynamic_batch = settings.dynamic_batch
+        self.dynamic_batch = settings.dynamic_batch if dynamic_batch is None else dynamic_batch
 
     def for_batch(self, batch: int) -> Any:
         if self.dynamic_batch:
@@ -171,8 +172,10 @@ class StepCompiler:
         # (tests build many): room for every bucket of several runners before it gives up.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
-    def wrap(self, name: str, fn: StepFn, dynamic_dims: Sequence[tuple[int, int]] = ()) -> CompiledStep:
-        step = CompiledStep(name, fn, self.batch_sizes, self.settings, dynamic_dims)
+    def wrap(
+        self, name: str, fn: StepFn, dynamic_dims: Sequence[tuple[int, int]] = (), *, dynamic_batch: bool | None = None
+    ) -> CompiledStep:
+        step = CompiledStep(name, fn, self.batch_sizes, self.settings, dynamic_dims, dynamic_batch)
         self.steps[name] = step
         return step
 

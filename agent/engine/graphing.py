@@ -124,16 +124,17 @@ class Graphing:
 
     def pool(
         self, name: str, fn: StepFn, pad_values: Sequence[float | int], *, clone_outputs: bool, variants: int = 1,
-        compiled: bool = False, dynamic_dims: Sequence[tuple[int, int]] = (),
+        compiled: bool = False, dynamic_dims: Sequence[tuple[int, int]] = (), dynamic_batch: bool | None = None,
     ) -> GraphPool | None:
         """A pool for `fn`, or None when graphs are off. `variants`: how many values another
         input dimension takes (attention length buckets): graphs allowed per batch bucket.
-        `compiled`: compile `fn` first when compiling (the per-frame steps opt in; the prefill
-        buckets do not yet); `dynamic_dims` names the varying dimension, (arg, dim)."""
+        `compiled`: compile `fn` first when compiling; `dynamic_dims` names the varying
+        dimensions, (arg, dim); `dynamic_batch` overrides the compiler's choice of one compile
+        for every batch bucket (None: the compiler's setting)."""
         if not self.enabled:
             return None
         if self.compiler is not None and compiled:
-            fn = self.compiler.wrap(name, fn, dynamic_dims)
+            fn = self.compiler.wrap(name, fn, dynamic_dims, dynamic_batch=dynamic_batch)
         pool = GraphPool(
             fn,
             self.batch_sizes,

@@ -11,14 +11,19 @@ Everything else counts: pointwise ops, matmuls, reductions, copies (`copy_`, `_t
 some launch two (a split-K matmul) or none (an op a library fuses), so treat the counts as
 ±20 %.
 
-Code run under `torch.compile` is counted by inductor's own numbers instead: each compiled
-graph (`CompiledFxGraph`) carries the kernels its code generation emitted
-(`metrics_deltas.generated_kernel_count`) and the extern calls it makes (matmuls and other
-library kernels, `counter_deltas["extern_calls"]`), kept with the graph even when it came from
-inductor's cache. While the counter is active, every call of a compiled graph adds those two
-numbers, and the aten ops the graph dispatches at run time (its extern calls) are not counted
-a second time. The mode declares `ignore_compile_internals`, so that Dynamo still compiles and
-runs compiled code while it is on the stack (it refuses other dispatch modes).
+Code run under `torch.compile` is counted from the code inductor generated for each compiled
+graph (`CompiledFxGraph.source_code`, kept with the graph even when it came from inductor's
+cache): every statement of its `call()` body that launches something, i.e. a call of a generated
+kernel (`cpp_fused_*(...)` on CPU, `triton_*.run(...)` on CUDA), of an extern library kernel
+(`extern_kernels.mm(...)`) or of a fallback aten op (`torch.ops.aten.topk.default(...)`);
+buffer bookkeeping (`empty_strided_*`, `reinterpret_tensor`, asserts, `del`) launches nothing.
+Inductor's own counters (`generated_kernel_count` + `extern_calls`, `inductor_counters()`) are
+kept for comparison: on CPU they count each fused node group before the C++ backend merges
+groups into one function (one launch), about twice the launches. While the counter is active,
+every call of a compiled graph adds its launches, and the aten ops the graph dispatches at run
+time (its extern calls) are not counted a second time. The mode declares
+`ignore_compile_internals`, so that Dynamo still compiles and runs compiled code while it is on
+the stack (it refuses other dispatch modes).
 
 Stages: `with counter.stage("thinker_decode"): ...` attributes the kernels issued inside to
 that label (the innermost label wins); kernels outside any stage go to `UNSTAGED`.
@@ -26,6 +31,7 @@ that label (the innermost label wins); kernels outside any stage go to `UNSTAGED
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,6 +82,7 @@ class KernelCounter(TorchDispatchMode):
         super().__init__()
         self.kernels: Counter[str] = Counter()  # stage -> kernels
         self.compiled: Counter[str] = Counter()  # stage -> of which from compiled graphs
+        self.inductor: Counter[str] = Counter()  # stage -> inductor's own counts for those graphs
         self.ops: Counter[str] = Counter()  # aten op name -> count (eager only)
         self._stages: list[str] = []
         self._in_compiled = 0
@@ -102,6 +109,7 @@ class KernelCounter(TorchDispatchMode):
     def reset(self) -> None:
         self.kernels.clear()
         self.compiled.clear()
+        self.inductor.clear()
         self.ops.clear()
 
     def __enter__(self) -> "KernelCounter":
@@ -129,10 +137,11 @@ class KernelCounter(TorchDispatchMode):
 
     # ---- compiled code ---------------------------------------------------------------------
 
-    def add_compiled(self, kernels: int) -> None:
+    def add_compiled(self, kernels: int, inductor: int = 0) -> None:
         label = self._label()
         self.kernels[label] += kernels
         self.compiled[label] += kernels
+        self.inductor[label] += inductor
 
     def _patch_compiled_graphs(self) -> None:
         try:
@@ -144,7 +153,7 @@ class KernelCounter(TorchDispatchMode):
         counter = self
 
         def counted_call(graph, inputs):
-            counter.add_compiled(compiled_graph_kernels(graph))
+            counter.add_compiled(compiled_graph_kernels(graph), inductor_counters(graph))
             counter._in_compiled += 1
             try:
                 return original(graph, inputs)
@@ -162,8 +171,53 @@ class KernelCounter(TorchDispatchMode):
 
 
 def compiled_graph_kernels(graph: Any) -> int:
-    """Kernels one call of an inductor-compiled graph launches, by inductor's own counts:
-    generated kernels plus extern (library) calls."""
+    """Kernels one call of an inductor-compiled graph launches: the launching statements of its
+    generated `call()` (see the module docstring). Cached per graph."""
+    cached = getattr(graph, "_omni_launches", None)
+    if cached is None:
+        cached = sum(wrapper_launches(graph.source_code).values())
+        graph._omni_launches = cached
+    return cached
+
+
+def inductor_counters(graph: Any) -> int:
+    """Inductor's own per-graph numbers: generated kernels plus extern (library) calls."""
     generated = graph.metrics_deltas.generated_kernel_count
     extern = graph.counter_deltas.get("extern_calls", 0)
     return int(generated) + int(extern)
+
+
+# Statements of a generated call() that launch nothing: allocation, views, checks, bookkeeping.
+_NOT_LAUNCHES = re.compile(
+    r"(empty_strided\w*|_empty_strided\w*|reinterpret_tensor|assert_\w+|as_strided|"
+    r"args\.clear|len|get_raw_stream|torch\.cuda\._DeviceGuard|torch\.cuda\.set_device|"
+    r"\w+\.run_to_completion|alloc_from_pool|torch\._C\._dynamo\.guards\.\w+)$"
+)
+_CALL = re.compile(r"^(?:[\w, \[\]]+ = )?([A-Za-z_][\w\.]*)\(")
+
+
+def wrapper_launches(source: str) -> Counter[str]:
+    """Launching statements of the `call()` in inductor's generated wrapper `source`, by callee
+    (trailing kernel numbers dropped: `cpp_fused_add_3` -> `cpp_fused_add`)."""
+    lines = source.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(r"\s*def call\(", line)), None)
+    if start is None:
+        raise ValueError("no call() in the generated code")
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    launches: Counter[str] = Counter()
+    for line in lines[start + 1 :]:
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if len(line) - len(line.lstrip()) <= indent:
+            break  # the end of call()'s body
+        match = _CALL.match(stripped)
+        if match is None:
+            continue
+        callee = match.group(1)
+        if callee.endswith(".run"):
+            callee = callee[: -len(".run")]  # a Triton kernel's launch
+        if _NOT_LAUNCHES.match(callee) or callee in ("del", "print"):
+            continue
+        launches[re.sub(r"_\d+$", "", callee)] += 1
+    return launches

@@ -9,12 +9,18 @@ dispatch is silent, so a GPU or torch change could put the loop back in the deco
 
 `fuse_moe(model)` pins the choice instead: every sparse block is replaced by `FusedSparseMoeBlock`,
 which reuses the block's own router, experts, shared expert and shared-expert gate modules (same
-Parameters, no copies, same state_dict keys; the router runs unchanged so routing is identical)
-and computes all routed experts at once with one of two graph-safe paths (fixed shapes, no host
-syncs):
+Parameters, no copies, same state_dict keys) and computes all routed experts at once with one of
+two graph-safe paths (fixed shapes, no host syncs). Launches are what decode costs at real size,
+so everything that reads the block's input is one matmul: the router's rows, and for the talker
+the shared expert's gate and up rows and its one-row gate, concatenated once (`entry`; the
+modules' weights become views of it, so nothing is stored twice). The router's softmax, top-k
+and renormalisation are transformers' own, in its order: routing is identical. The paths:
 
-- "grouped": sort the (token, expert) pairs by expert, offsets by `searchsorted`, then one
-  `grouped_mm` per projection over the expert weight tensors as they are. Reads each selected
+- "grouped": order the (token, expert) pairs by expert, then one `grouped_mm` per projection
+  over the expert weight tensors as they are. At decode (one token per row, at most a few
+  hundred pairs) the order comes from comparisons alone (`rank_by_expert`: two small
+  reductions that inductor fuses into the kernels around them); a prefill's thousands of pairs
+  are sorted (`torch.sort`, offsets by `searchsorted`). Both give the stable order. Reads each selected
   expert once. On CPU, decode is memory-bound: for 1 token it is on par with the loop
   (0.9-1.3x across runs, real talker/thinker expert sizes, 1 thread) and 1.1-1.2x for 2-8 tokens;
   gathering weights instead is 3-10x slower. The gain is on GPU: no host sync, so capturable.
@@ -68,30 +74,52 @@ def resolve_method(method: Method, weight: Tensor) -> Literal["grouped", "gather
 
 def experts_grouped(
     hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor, act: Activation,
-    expert_ids: Tensor | None = None,
+    expert_ids: Tensor | None = None, decode: bool = False,
 ) -> Tensor:
     """All routed experts via grouped matmuls over the unmodified `[E, out, in]` weights.
 
     hidden [T, H], top_k_index/top_k_weights [T, K] -> [T, H]. `expert_ids`: arange(E) made
-    once by the caller (else here: a kernel per call and layer in a compiled step).
+    once by the caller (else here: a kernel per call and layer in a compiled step). `decode`:
+    few pairs, ordered by `rank_by_expert` instead of a sort.
     """
     num_tokens, k = top_k_index.shape
     num_experts = gate_up_proj.shape[0]
     flat = top_k_index.reshape(-1)
-    sorted_ids, perm = torch.sort(flat, stable=True)
-    # Offsets from the sorted ids with a fixed-size search: no bincount (its output size
-    # depends on the data, a host sync that breaks graph capture).
     experts = expert_ids if expert_ids is not None else torch.arange(num_experts, device=flat.device)
-    experts = experts.to(sorted_ids.dtype)
-    offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+    if decode:
+        perm, rank, offs = rank_by_expert(flat, experts)
+    else:
+        sorted_ids, perm = torch.sort(flat, stable=True)
+        # Offsets from the sorted ids with a fixed-size search: no bincount (its output size
+        # depends on the data, a host sync that breaks graph capture).
+        offs = torch.searchsorted(sorted_ids, experts.to(sorted_ids.dtype), right=True).to(torch.int32)
+        rank = None
     x = hidden.index_select(0, perm // k).to(gate_up_proj.dtype)
     gate_up = _grouped_matmul(x, gate_up_proj.transpose(-2, -1), offs)
     gate, up = gate_up.chunk(2, dim=-1)
     y = _grouped_matmul(act(gate) * up, down_proj.transpose(-2, -1), offs)
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
-    # Undo the sort (perm is a permutation: index_copy is deterministic) and sum the k experts.
-    unsorted = torch.empty_like(y).index_copy_(0, perm, y)
+    # Undo the order (perm is a permutation: a gather by rank, or a deterministic index_copy)
+    # and sum the k experts.
+    unsorted = y.index_select(0, rank) if rank is not None else torch.empty_like(y).index_copy_(0, perm, y)
     return unsorted.view(num_tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def rank_by_expert(flat: Tensor, experts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The stable sort of `flat` [P] (expert ids) by comparisons, for a few hundred pairs.
+
+    rank[p]: pairs that sort before p, i.e. with a lower id, or the same id and a lower index;
+    perm: its inverse (the pair at each sorted place); offs [E] int32: pairs with id <= e, the
+    end of each expert's group. Equal to `torch.sort(flat, stable=True)` and `searchsorted`, but
+    made of broadcast compares and sums (P x P and E x P), which a compiled step fuses instead of
+    launching a sort and a search; quadratic, so for decode-sized P only."""
+    index = torch.arange(flat.shape[0], device=flat.device)
+    ids, other = flat.view(-1, 1), flat.view(1, -1)
+    before = (other < ids) | ((other == ids) & (index.view(1, -1) < index.view(-1, 1)))
+    rank = before.sum(1)
+    perm = ((rank.view(1, -1) == index.view(-1, 1)) * index.view(1, -1)).sum(1)
+    offs = (other <= experts.to(flat.dtype).view(-1, 1)).sum(1).to(torch.int32)
+    return perm, rank, offs
 
 
 def _grouped_matmul(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
@@ -122,7 +150,7 @@ class FusedSparseMoeBlock(nn.Module):
     """Drop-in forward for a thinker or talker sparse MoE block, sharing its modules.
 
     Submodule names match the original (`gate`, `experts`, and for the talker `shared_expert`,
-    `shared_expert_gate`) so state_dict keys and output-recorder hooks on the router still work.
+    `shared_expert_gate`) so state_dict keys stay the same.
     """
 
     def __init__(self, block: nn.Module, method: Method = "auto") -> None:
@@ -136,27 +164,55 @@ class FusedSparseMoeBlock(nn.Module):
         # Not persistent: the state_dict keeps the original block's keys.
         self.register_buffer("expert_ids", torch.arange(weights.shape[0], device=weights.device), persistent=False)
         self.source_class = type(block).__name__
+        self._fuse_entry()
+
+    def _fuse_entry(self) -> None:
+        """One weight for every projection of the block's input (see the module docstring)."""
+        modules = [self.gate]
+        if self.has_shared_expert:
+            shared = self.shared_expert
+            modules += [shared.gate_proj, shared.up_proj, self.shared_expert_gate]
+        if any(getattr(m, "bias", None) is not None for m in modules):
+            raise ValueError("the fused MoE entry assumes bias-free router and shared expert (Qwen3-Omni)")
+        with torch.no_grad():
+            entry = torch.cat([m.weight for m in modules], dim=0)
+            self.register_buffer("entry", entry, persistent=False)
+            row = 0
+            for m in modules:
+                n = m.weight.shape[0]
+                m.weight = nn.Parameter(entry[row : row + n], requires_grad=False)
+                row += n
+        self.entry_splits = [m.weight.shape[0] for m in modules]
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         batch, seq, hidden_dim = hidden_states.shape
         flat = hidden_states.reshape(-1, hidden_dim)
-        # Compiled: the router's own forward, without the output-capturing hooks transformers
-        # registers on it once generate() has run (they read a ContextVar, which dynamo cannot
-        # trace; they only record router logits, which the engine never asks for).
-        router = self.gate.forward if torch.compiler.is_compiling() else self.gate
-        _, routing_weights, selected = router(flat)
+        parts = F.linear(flat, self.entry).split(self.entry_splits, dim=-1)
+        routing_weights, selected = self._route(parts[0])
         experts = self.experts
         if self.method == "grouped":
             out = experts_grouped(
-                flat, selected, routing_weights, experts.gate_up_proj, experts.down_proj, experts.act_fn, self.expert_ids
+                flat, selected, routing_weights, experts.gate_up_proj, experts.down_proj, experts.act_fn,
+                self.expert_ids, decode=seq == 1,
             )
         else:
             out = experts_gathered(flat, selected, routing_weights, experts.gate_up_proj, experts.down_proj, experts.act_fn)
         if self.has_shared_expert:
+            gate, up, shared_gate = parts[1:]
+            mlp = self.shared_expert
             # Same order of operations as the talker block: sigmoid gate times shared MLP, added last.
-            shared = F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared = F.sigmoid(shared_gate) * mlp.down_proj(mlp.act_fn(gate) * up)
             out = out + shared
         return out.reshape(batch, seq, hidden_dim)
+
+    def _route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """transformers' TopKRouter after its matmul: softmax in fp32, top-k, renormalise."""
+        router = self.gate
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        top_value, top_index = torch.topk(probs, router.top_k, dim=-1)
+        if router.norm_topk_prob:
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        return top_value.to(logits.dtype), top_index
 
     def extra_repr(self) -> str:
         return f"method={self.method}, replaces={self.source_class}"

@@ -90,7 +90,17 @@ class BucketedPrefill:
             variants = len(self.buckets) * (len(graphing.key_lens(kv.capacity)) if self._windowed else 1)
             # Pads: zero inputs into the scratch row at 0..T-1, every key visible (never empty).
             pads = (0.0, pad_slot, 0, 0, 0, 1)
-            self.pool = graphing.pool(name, self._step, pads, clone_outputs=True, variants=variants)
+            # Compiled like the per-frame steps, with the batch, the token count (embeds,
+            # positions, mask) and the key window symbolic: one compile serves every (batch,
+            # token, window) bucket, so start-up pays for one, not dozens. Except flex attention
+            # on CUDA, whose prefill kernels need a static query length (agent/engine/attention.py):
+            # there dynamo compiles once per token bucket (five), the batch still symbolic.
+            static_tokens = self.kv.backend == "flex" and torch.device(self.kv.device).type == "cuda"
+            dynamic = (() if static_tokens else ((0, 1), (3, 2), (5, 1))) + (((5, 2),) if self._windowed else ())
+            self.pool = graphing.pool(
+                name, self._step, pads, clone_outputs=True, variants=variants,
+                compiled=True, dynamic_dims=dynamic, dynamic_batch=True,
+            )
 
     @property
     def _windowed(self) -> bool:

@@ -16,6 +16,12 @@ Pure policy on plain data (no torch): the runner describes each reply in flight 
    is to be done, so its rows go to sessions that need them; on an otherwise idle tick it runs
    (the engine has nothing better to do, and a bigger buffer rides out the next contention).
    Text-only replies have no playout buffer and rank as if at the low-water mark.
+Priority classes (agent/priority.py): `ReplyView.priority`, higher first. First-audio replies are
+ordered by priority, then deadline, for rows and for the prefill budget; speaking sessions under
+the low-water mark come first (by priority, then least buffered), then the rest (by priority,
+then least buffered). So when a tick has fewer rows than candidates a high-priority reply is
+started or kept from underrunning before a normal one, while a high-priority session with audio
+to spare never takes the row of a normal one about to run dry.
 3. Audio prefill of users still speaking (encoding and prefilling their microphone audio) runs
    only in ticks with no first-audio work and no speaking session under the low-water mark.
 
@@ -75,6 +81,7 @@ class ReplyView:
     started: float  # runner clock at begin_reply: the first-audio deadline order
     awaiting_first: bool  # its end-of-turn prefill has not finished
     buffer_s: float | None  # None for text-only replies
+    priority: int = 0  # the session's class (agent/priority.py RANK): higher is served first
 
 
 @dataclass
@@ -86,13 +93,13 @@ class Plan:
 
 def plan_tick(replies: list[ReplyView], config: SchedulerConfig) -> Plan:
     cap = config.max_batch if config.max_batch > 0 else len(replies) + 1
-    first = sorted((r for r in replies if r.awaiting_first), key=lambda r: r.started)[:cap]
+    first = sorted((r for r in replies if r.awaiting_first), key=lambda r: (-r.priority, r.started))[:cap]
     ongoing = [r for r in replies if not r.awaiting_first]
 
     def urgency(r: ReplyView) -> float:
         return config.low_water_s if r.buffer_s is None else r.buffer_s
 
-    ongoing.sort(key=urgency)
+    ongoing.sort(key=lambda r: (urgency(r) >= config.low_water_s, -r.priority, urgency(r)))
     room = cap - len(first)
     if first:
         decode = [r for r in ongoing if urgency(r) < config.low_water_s][:room]

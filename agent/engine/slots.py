@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from agent.engine.attention import Backend, KVTraffic, attend, kv_traffic, select_backend
+from agent.engine.fusion import qkv
 
 GROW = 256  # capacity step (tokens): amortises re-allocation without over-allocating on CPU
 
@@ -187,9 +188,10 @@ def attention(
     """One attention block of a Qwen3-style layer (q/k norms, RoPE, GQA) against the slot cache."""
     batch, n_new, _ = hidden.shape
     shape = (batch, n_new, -1, attn.head_dim)
-    q = attn.q_norm(attn.q_proj(hidden).view(shape)).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(hidden).view(shape)).transpose(1, 2)
-    v = attn.v_proj(hidden).view(shape).transpose(1, 2)
+    q, k, v = qkv(attn, hidden)  # one matmul once fused (agent/engine/fusion.py)
+    q = attn.q_norm(q.reshape(shape)).transpose(1, 2)
+    k = attn.k_norm(k.reshape(shape)).transpose(1, 2)
+    v = v.reshape(shape).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if rows.slot_range is not None and rows.start is not None:  # one block: a plain copy
         cache_k[rows.slot_range, :, rows.start : rows.start + n_new] = k

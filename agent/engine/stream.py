@@ -51,6 +51,7 @@ import torch
 from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
 from agent.engine.detok import IncrementalDecoder
 from agent.engine.frames import FrameBatcher, Row
+from agent.engine.fusion import fuse_decoder
 from agent.engine.graphing import GraphConfig, GraphMode, Graphing
 from agent.engine.model import LoadedModel
 from agent.engine.moe import fuse_moe
@@ -105,6 +106,9 @@ class StreamingRunner:
             # with host syncs; the fused block is graph-safe, the same function (bit for bit on
             # CPU, to bf16 rounding on CUDA: tests/unit/test_moe.py).
             fuse_moe(loaded.model)
+        # q/k/v as one matmul in every thinker and talker layer (views: no second copy).
+        fuse_decoder(loaded.model.thinker.model.language_model)
+        fuse_decoder(loaded.model.talker.model)
         self.thinker = ThinkerOps(loaded, max_sessions, context_limit, self.graphing)
         # The talker holds every user turn plus the reply's frames (one per codec frame).
         talker_limit = context_limit + self.talker_max_tokens + 16
@@ -121,6 +125,7 @@ class StreamingRunner:
         self.frames.capture_graphs()
         self._slots = SlotPool(max_sessions)
         self._sessions: dict[str, SessionState] = {}
+        self._priority: dict[str, int] = {}  # session -> scheduler priority (set_priority); default 0
 
     @classmethod
     def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
@@ -158,6 +163,7 @@ class StreamingRunner:
         if state is not None:
             self._slots.give(state.slot)
         self.records.pop(session_id, None)
+        self._priority.pop(session_id, None)
         self.turns.vision.drop(session_id)
 
     @torch.inference_mode()
@@ -212,6 +218,13 @@ class StreamingRunner:
         ids = self.turns.text_ids(text)
         self._sessions[session_id].turn.text_ids += ids
         return len(ids)
+
+    def set_priority(self, session_id: str, priority: int) -> int:
+        """The session's scheduling priority (agent/priority.py RANK: higher first), from now on."""
+        if session_id not in self._sessions:
+            raise KeyError(session_id)
+        self._priority[session_id] = priority
+        return priority
 
     def set_voice(self, session_id: str, voice: str) -> str:
         """The talker speaker of the session's next replies (a reply keeps the one it began with)."""
@@ -332,7 +345,7 @@ class StreamingRunner:
         else:
             buffer = reply.playout.buffer_s(now)
             buffer = 0.0 if buffer is None else buffer  # no audio out yet: nothing buffered
-        return ReplyView(session_id, reply.started, not reply.prefilled, buffer)
+        return ReplyView(session_id, reply.started, not reply.prefilled, buffer, self._priority.get(session_id, 0))
 
     # ---- internals ---------------------------------------------------------------------------
 

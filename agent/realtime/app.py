@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from .. import metrics
+from .. import metrics, priority
 from ..config import Config
 from ..engine import Engine
 from ..ladder import Admission
@@ -29,17 +29,38 @@ def json_error(status: int, message: str, code: str, *, kind: str = "invalid_req
     return web.json_response(body, status=status, headers=headers)
 
 
-def refuse_new_session(app: web.Application) -> Optional[web.Response]:
-    """503 (with Retry-After) while the engine loads or the session limit is reached."""
-    config, engine, sessions = app[CONFIG], app[ENGINE], app[SESSIONS]
+def refuse_new_session(app: web.Application, priority_class: str = priority.NORMAL) -> Optional[web.Response]:
+    """503 (with Retry-After) while the engine loads or the session limit is reached (for a
+    normal session: the limit less the slots kept for high priority)."""
+    config, engine = app[CONFIG], app[ENGINE]
     if not engine.ready:
         metrics.OFFERS_REJECTED.labels(reason="not_ready").inc()
         return json_error(503, "engine is still loading", "not_ready", kind="server_error", **{"Retry-After": "5"})
-    if len(sessions) >= config.max_sessions:
+    reason = priority.refusal(active_by_priority(app), priority_class, config.max_sessions, config.high_priority_slots)
+    if reason == "capacity":
         metrics.OFFERS_REJECTED.labels(reason="capacity").inc()
         return json_error(503, f"session limit reached ({config.max_sessions})", "capacity", kind="server_error",
                           **{"Retry-After": "10"})
+    if reason == "reserved":
+        metrics.OFFERS_REJECTED.labels(reason="reserved").inc()
+        return json_error(503, f"session limit for normal priority reached ({config.high_priority_slots} of "
+                          f"{config.max_sessions} slots are kept for priority=high)", "capacity",
+                          kind="server_error", **{"Retry-After": "10"})
     return None
+
+
+def active_by_priority(app: web.Application) -> dict[str, int]:
+    """Sessions per priority class (a connection whose session is not made yet counts as normal)."""
+    counts = {p: 0 for p in priority.PRIORITIES}
+    for connection in app[SESSIONS].values():
+        session = getattr(connection, "session", None)
+        counts[getattr(session, "priority", priority.NORMAL)] += 1
+    return counts
+
+
+def _export_sessions(app: web.Application) -> None:
+    for name, count in active_by_priority(app).items():
+        metrics.SESSIONS_ACTIVE.labels(priority=name).set(count)
 
 
 def grant(request: web.Request) -> Grant:
@@ -48,9 +69,9 @@ def grant(request: web.Request) -> Grant:
 
 def forget(app: web.Application, key: str) -> None:
     app[SESSIONS].pop(key, None)
-    metrics.SESSIONS_ACTIVE.set(len(app[SESSIONS]))
+    _export_sessions(app)
 
 
 def remember(app: web.Application, key: str, value: Any) -> None:
     app[SESSIONS][key] = value
-    metrics.SESSIONS_ACTIVE.set(len(app[SESSIONS]))
+    _export_sessions(app)

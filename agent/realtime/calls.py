@@ -66,9 +66,6 @@ async def create_call(request: web.Request) -> web.Response:
         return _bad(400, f"unreadable offer: {exc}")
     if not sdp.strip():
         return _bad(400, "the body must be an SDP offer (application/sdp, or multipart part 'sdp')", param="sdp")
-    refused = refuse_new_session(app)
-    if refused is not None:
-        return refused
     who = grant(request)
     settings = copy.deepcopy(who.session) if who.session else session_config.default_session(config)
     try:
@@ -76,8 +73,14 @@ async def create_call(request: web.Request) -> web.Response:
             settings = session_config.merge(settings, session_part)
         if request.query.get("model"):
             settings["model"] = request.query["model"]
+        # ?priority= or the session's omni.priority; an ephemeral key's session fixes it.
+        fixed = session_config.priority_of(who.session) if who.session else None
+        settings = session_config.offer_priority(settings, request.query.get("priority"), fixed)
     except session_config.ConfigError as exc:
         return _bad(400, str(exc), param=exc.param)
+    refused = refuse_new_session(app, session_config.priority_of(settings))
+    if refused is not None:
+        return refused
 
     if loopback_only(config.ice_hosts):
         sdp = keep_loopback_candidates(sdp)

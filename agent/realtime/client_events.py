@@ -72,7 +72,11 @@ def _session_update(session: "Session", event: dict[str, Any]) -> None:
     update = event["session"]
     if isinstance(update, dict) and set(update) - set(session.settings):
         log.debug("session %s: session.update fields not served: %s", session.id, sorted(set(update) - set(session.settings)))
-    session.apply_settings(session_config.merge(session.settings, update))
+    merged = session_config.merge(session.settings, update)
+    if session_config.priority_of(merged) != session.priority:
+        raise BadEvent("omni.priority is set when the session is created (the offer's ?priority=)",
+                       param="session.omni.priority")
+    session.apply_settings(merged)
 
 
 def _append(session: "Session", event: dict[str, Any]) -> None:

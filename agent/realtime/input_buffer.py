@@ -4,7 +4,7 @@ of uncommitted audio that input_audio_buffer.commit hands to the model at once."
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import av
 import numpy as np
@@ -16,8 +16,11 @@ from .session_config import TurnDetection
 
 
 class InputBuffer:
-    def __init__(self, config: Config, turn_detection: Optional[TurnDetection]) -> None:
+    def __init__(self, config: Config, turn_detection: Optional[TurnDetection],
+                 echo: Optional[Callable[[], Optional[float]]] = None) -> None:
+        """echo: the level the agent is playing now (None: silent), for the echo guard."""
         self.config = config
+        self._echo = echo
         self.audio_in = AudioIn()
         self.turn_detection = turn_detection
         self.endpointer = self._endpointer()
@@ -28,7 +31,9 @@ class InputBuffer:
         td, c = self.turn_detection, self.config
         return Endpointer(silence_ms=td.silence_ms if td else c.vad_silence_ms, min_speech_ms=c.vad_min_speech_ms,
                           aggressiveness=c.vad_aggressiveness, max_turn_s=c.max_turn_seconds,
-                          preroll_ms=td.prefix_padding_ms if td else 300)
+                          preroll_ms=td.prefix_padding_ms if td else 300, vad=c.vad, threshold=c.vad_threshold,
+                          barge_in_ms=c.barge_in_ms, echo_margin_db=c.echo_margin_db if c.echo_guard else None,
+                          echo=self._echo)
 
     @property
     def manual(self) -> bool:

@@ -14,6 +14,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .. import priority
 from ..config import Config
 from .events import PCM_FORMAT, new_id
 
@@ -75,6 +76,8 @@ def default_session(config: Config, model: str = "") -> dict[str, Any]:
             },
             "output": {"format": dict(PCM_FORMAT), "voice": config.speaker or "default", "speed": 1.0},
         },
+        # Project extras (strict clients ignore them): the session's priority class.
+        "omni": {"priority": priority.NORMAL},
     }
 
 
@@ -150,6 +153,27 @@ def validate(s: dict[str, Any]) -> None:
                    f"session.audio.input.turn_detection.{flag}")
         _check(td.get("idle_timeout_ms") is None, "idle_timeout_ms is not supported",
                "session.audio.input.turn_detection.idle_timeout_ms")
+    omni = s.get("omni", {})
+    _check(isinstance(omni, dict), "omni must be an object", "session.omni")
+    _check(omni.get("priority", priority.NORMAL) in priority.PRIORITIES,
+           f"omni.priority must be one of {', '.join(priority.PRIORITIES)}", "session.omni.priority")
+
+
+def priority_of(session: dict[str, Any]) -> str:
+    """The session's priority class (sessions from keys minted before it existed: normal)."""
+    return (session.get("omni") or {}).get("priority", priority.NORMAL)
+
+
+def offer_priority(session: dict[str, Any], requested: Optional[str], fixed: Optional[str]) -> dict[str, Any]:
+    """The session with the offer's `?priority=` applied; `fixed`: the priority an ephemeral key's
+    session carries, which the offer may not change. Raises ConfigError."""
+    if requested is not None:
+        _check(requested in priority.PRIORITIES, f"priority must be one of {', '.join(priority.PRIORITIES)}",
+               "priority")
+        session = {**session, "omni": {**(session.get("omni") or {}), "priority": requested}}
+    _check(fixed is None or priority_of(session) == fixed,
+           f"this key's session has priority {fixed}; the offer cannot change it", "priority")
+    return session
 
 
 def turn_detection(session: dict[str, Any], default_silence_ms: int) -> Optional[TurnDetection]:

@@ -57,13 +57,18 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     app = request.app
     if request.query.get("call_id"):
         return await _sideband(request)
-    refused = refuse_new_session(app)
-    if refused is not None:
-        return refused
     who = grant(request)
     settings = copy.deepcopy(who.session) if who.session else session_config.default_session(app[CONFIG])
     if request.query.get("model"):
         settings["model"] = request.query["model"]
+    try:
+        fixed = session_config.priority_of(who.session) if who.session else None
+        settings = session_config.offer_priority(settings, request.query.get("priority"), fixed)
+    except session_config.ConfigError as exc:
+        return json_error(400, str(exc), "invalid_value", param=exc.param)
+    refused = refuse_new_session(app, session_config.priority_of(settings))
+    if refused is not None:
+        return refused
     ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=None)
     await ws.prepare(request)
     conn = WsConnection(ws)

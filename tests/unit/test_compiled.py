@@ -4,6 +4,9 @@ Pins:
 - each compiled step function (thinker decode, talker step, the whole code-predictor loop,
   code2wav's push) gives the eager function's outputs and state writes, for every batch bucket
   (1, 2, 4, 8, 16) and for a batch padded up to its bucket (3 -> 4);
+- the compiled end-of-turn prefills (thinker and talker, one compile for every batch, token
+  bucket and key window) give the eager prefill's logits, hidden states and cache writes for
+  ragged rows across token buckets;
 - on CPU one compile serves every bucket (the batch dim is symbolic), made at start-up: the
   runner's constructor compiles, live calls do not (dynamo compiles no new graph);
 - per-bucket mode compiles once per bucket seen, never for a padded batch's own size, and runs a
@@ -23,6 +26,7 @@ from torch._dynamo.utils import counters
 from agent.__main__ import _serve_parser, config_from_args
 from agent.engine.compiled import CompiledStep, CompileSettings, PaddedBackend
 from agent.engine.graphs import GraphPool
+from agent.engine.prefill import PrefillRow
 from agent.engine.session_state import KVState
 from agent.engine.stream import StreamingRunner
 
@@ -56,7 +60,9 @@ def test_start_up_compiles_each_step_once_for_every_bucket(runner):
     compiler = runner.graphing.compiler
     assert compiler is not None and runner.graphing.batch_sizes == (1, 2, 4, 8, 16)
     seconds = compiler.compile_seconds()
-    assert set(seconds) == {"thinker_decode", "talker_step", "code_predictor", "code2wav"}
+    assert set(seconds) == {
+        "thinker_decode", "talker_step", "code_predictor", "code2wav", "thinker_prefill", "talker_prefill"
+    }
     assert all(list(s) == [0] for s in seconds.values()), seconds  # 0: one function for all buckets
 
 
@@ -124,6 +130,41 @@ def test_code2wav_push_equals_eager_with_its_state(runner, batch):
             torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
             for got, want in zip(after, snapshot()):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ops_name", ["thinker", "talker"])
+@pytest.mark.parametrize("lengths", [(16,), (3, 20, 9), (40, 64)])
+def test_prefill_buckets_equal_eager(runner, ops_name, lengths):
+    ops = getattr(runner, ops_name)
+    prefiller = ops.prefiller
+    gen = torch.Generator().manual_seed(sum(lengths))
+    hidden = prefiller.body.config.hidden_size
+    rows = []
+    for slot, n in zip(torch.randperm(15, generator=gen)[: len(lengths)].tolist(), lengths):
+        start = int(torch.randint(0, 100, (1,), generator=gen))
+        rope = (start + torch.arange(n)).expand(3, -1).clone()
+        rows.append(PrefillRow(slot + 1, start, torch.randn(n, hidden, generator=gen), rope))
+    pool = prefiller.pool
+    assert pool is not None
+    with torch.inference_mode():
+        compiled = prefiller.run(rows)
+        written = [(k.clone(), v.clone()) for k, v in zip(ops.kv.keys, ops.kv.values)]
+        prefiller.pool = None
+        try:
+            eager = prefiller.run(rows)
+        finally:
+            prefiller.pool = pool
+    torch.testing.assert_close(compiled.logits, eager.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(compiled.last_hidden, eager.last_hidden, rtol=1e-4, atol=1e-4)
+    if eager.captured is not None:
+        for got, want in zip(compiled.captured, eager.captured, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (k, v), k2, v2 in zip(written, ops.kv.keys, ops.kv.values):
+        for row in rows:  # the real tokens' keys and values (pads differ by design: not read)
+            span = slice(row.start, row.start + row.n)
+            torch.testing.assert_close(k[row.slot, :, span], k2[row.slot, :, span], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v[row.slot, :, span], v2[row.slot, :, span], rtol=1e-4, atol=1e-4)
+    assert runner.graphing.compiler.steps[f"{ops_name}_prefill"].stats.calls > 0
 
 
 def test_live_calls_never_recompiled(runner):

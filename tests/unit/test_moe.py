@@ -4,7 +4,10 @@ Pins: for the thinker block and the talker block (shared expert + its sigmoid ga
 the config classes with initialised experts, `FusedSparseMoeBlock` ("grouped" and "gather"
 paths) equals the block's Python loop over experts (`experts_implementation="eager"`) within
 1e-5 for 1, 3 and 17 tokens, shares the block's Parameters (no copies, same state_dict keys)
-and its router module (so routing is identical); it traces with torch.compile(fullgraph=True)
+and its router module (so routing is identical), its router and shared-expert weights being views
+of the one `entry` matmul weight; at decode (one token per row) the pairs are ordered by
+`rank_by_expert`, which equals the stable sort and its offsets for ids with repeats, ties and
+absent experts; it traces with torch.compile(fullgraph=True)
 in fp32; `fuse_moe` swaps every sparse block of the tiny Qwen3-Omni (4 thinker + 2 talker) and
 the swapped model gives the same greedy text and the same waveform as the unswapped one. A
 micro-benchmark prints the 1-token decode time against the loop (not asserted). On CUDA
@@ -21,7 +24,7 @@ import torch
 from transformers import Qwen3OmniMoeTalkerConfig, Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
-from agent.engine.moe import FusedSparseMoeBlock, fuse_moe
+from agent.engine.moe import FusedSparseMoeBlock, experts_grouped, fuse_moe, rank_by_expert
 
 torch.set_num_threads(1)
 
@@ -90,6 +93,38 @@ def test_fused_block_shares_weights_router_and_state_dict_keys():
     torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError):
         FusedSparseMoeBlock(block, method="loop")
+
+
+@pytest.mark.parametrize("pairs, experts", [(1, 8), (6, 8), (48, 8), (128, 128)])
+def test_rank_by_expert_is_the_stable_sort(pairs, experts):
+    gen = torch.Generator().manual_seed(pairs)
+    flat = torch.randint(0, max(2, experts // 3), (pairs,), generator=gen)  # repeats, absent experts
+    ids = torch.arange(experts)
+    perm, rank, offs = rank_by_expert(flat, ids)
+    sorted_ids, want_perm = torch.sort(flat, stable=True)
+    assert perm.tolist() == want_perm.tolist()
+    assert perm[rank].tolist() == list(range(pairs))  # rank is its inverse
+    assert offs.tolist() == torch.searchsorted(sorted_ids, ids, right=True).tolist()
+
+
+@torch.no_grad()
+def test_decode_ordering_gives_the_sorted_result_bit_for_bit():
+    block = _thinker_block()
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, 64, generator=gen)
+    _, weights, index = block.gate(hidden)
+    args = (hidden, index, weights, block.experts.gate_up_proj, block.experts.down_proj, block.experts.act_fn)
+    assert torch.equal(experts_grouped(*args, decode=True), experts_grouped(*args, decode=False))
+
+
+@torch.no_grad()
+def test_entry_weights_are_views_of_one_matmul():
+    block = _talker_block()
+    fused = FusedSparseMoeBlock(block)
+    parts = (block.gate, block.shared_expert.gate_proj, block.shared_expert.up_proj, block.shared_expert_gate)
+    base = fused.entry.untyped_storage().data_ptr()
+    assert all(m.weight.untyped_storage().data_ptr() == base for m in parts)
+    assert sum(m.weight.shape[0] for m in parts) == fused.entry.shape[0]
 
 
 @torch.no_grad()

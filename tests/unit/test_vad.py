@@ -1,4 +1,4 @@
-"""The Endpointer never starts a turn on silence, low noise or faint sound below its level
+"""The Endpointer (with either voice detector: Silero, the default, and webrtcvad) never starts a turn on silence, low noise or faint sound below its level
 floor; it starts one on real (espeak-ng) speech with ~300 ms of pre-roll, streams every chunk
 of the turn, and ends it 300 ms after the last voiced sub-frame (end_of_speech near the real
 end), not at a 0.18 s pause inside a sentence; max_turn_s cuts a turn by force; skipped
@@ -84,19 +84,21 @@ def white_noise(seconds: float, dbfs: float, seed: int = 0) -> np.ndarray:
     return (rng.standard_normal(int(seconds * RATE)) * 10 ** (dbfs / 20)).astype(np.float32)
 
 
+@pytest.mark.parametrize("vad", ["silero", "webrtc"])
 @pytest.mark.parametrize(
     "pcm",
     [silence(5.0), white_noise(5.0, -60.0), white_noise(5.0, -50.0, seed=1), white_noise(5.0, -40.0, seed=2)],
     ids=["zeros", "noise-60dBFS", "noise-50dBFS", "noise-40dBFS"],
 )
-def test_silence_and_low_noise_never_start_a_turn(pcm):
-    assert run(pcm) == []
+def test_silence_and_low_noise_never_start_a_turn(pcm, vad):
+    assert run(pcm, vad=vad) == []
 
 
-def test_speech_then_silence_is_one_turn(speech_wav):
+@pytest.mark.parametrize("vad", ["silero", "webrtc"])
+def test_speech_then_silence_is_one_turn(speech_wav, vad):
     speech = read_wav(speech_wav)  # 0.3 s lead-in, then "Hello agent, what do you see?"
     pcm = np.concatenate([speech, silence(1.0)])
-    events = run(pcm)
+    events = run(pcm, vad=vad)
     kinds = [type(e) for e in events]
     assert kinds[0] is SpeechStarted and kinds[-1] is SpeechStopped
     assert kinds.count(SpeechStarted) == 1 and kinds.count(SpeechStopped) == 1
@@ -172,7 +174,7 @@ def test_events_are_a_pure_function_of_the_audio(speech_wav):
 
 def test_aggressiveness_and_silence_are_configurable(speech_wav):
     pcm = np.concatenate([read_wav(speech_wav), silence(1.0)])
-    short = marks(run(pcm, silence_ms=500, aggressiveness=3))
+    short = marks(run(pcm, silence_ms=500, aggressiveness=3, vad="webrtc"))
     stop = short[-1]
     assert isinstance(stop, SpeechStopped)
     assert stop.at == pytest.approx(stop.end_of_speech + 0.5, abs=1e-6)
@@ -181,8 +183,8 @@ def test_aggressiveness_and_silence_are_configurable(speech_wav):
 def test_level_floor_ignores_faint_speech_that_webrtcvad_alone_would_take(speech_wav):
     speech = read_wav(speech_wav)  # about -21 dBFS RMS
     faint = np.concatenate([speech * 10 ** (-40 / 20), silence(1.0)])  # ~ -61 dBFS
-    assert run(faint) == []
-    assert len(marks(run(faint, min_level_dbfs=-200.0))) >= 2  # webrtcvad is level-blind
+    assert run(faint) == [] and run(faint, vad="webrtc") == []
+    assert len(marks(run(faint, min_level_dbfs=-200.0, vad="webrtc"))) >= 2  # webrtcvad is level-blind
     quieter = np.concatenate([speech * 10 ** (-20 / 20), silence(1.0)])
     assert [type(e) for e in marks(run(quieter))] == [SpeechStarted, SpeechStopped]
 
