@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from typing import Any, Awaitable, Callable, Optional
 
@@ -58,7 +59,7 @@ class Session:
             if webrtc else None)
         self.video = VideoFeed(config, engine, self.id, self.emit)  # camera → engine, throttle → sender
         self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms),
-                                 echo=self._playing_level)
+                                 echo=_weakly(self._playing_level))
         self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
         self._reply: Optional[Response] = None  # the response in progress
         self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
@@ -484,6 +485,18 @@ class Session:
     def emit_error(self, message: str, code: str, *, param: Optional[str] = None, event_id: Optional[str] = None,
                    kind: str = "invalid_request_error") -> None:
         self.outbox.error(message, code, param=param, event_id=event_id, kind=kind)
+
+
+def _weakly(method: Callable[[], Optional[float]]) -> Callable[[], Optional[float]]:
+    """The session's method for the echo guard, held without a reference to the session: a strong
+    one would make session -> input -> endpointer -> session a cycle, freed only at a full GC."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Optional[float]:
+        bound = ref()
+        return bound() if bound is not None else None
+
+    return call
 
 
 def _closed_already(session: Session) -> None:
