@@ -1,4 +1,4 @@
-"""Command line: `omni-agent [serve] [flags]` and `omni-agent make-tiny DIR`."""
+"""Command line: `omni-agent [serve] [flags]`, `omni-agent call URL` and `omni-agent make-tiny DIR`."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="same as --compile off")
     p.add_argument("--runner", default=d.runner, choices=["stream", "reference"],
                    help="stream: streaming engine; reference: transformers' generate() (whole reply at once)")
+    p.add_argument("--no-video", dest="video", action="store_false",
+                   help="ignore the camera: frames are dropped unread and the client is asked to pause it")
     p.add_argument("--system-prompt", default=d.system_prompt)
     p.add_argument("--max-reply-tokens", type=int, default=d.max_reply_tokens, help="text tokens per reply")
     p.add_argument("--max-reply-seconds", type=float, default=d.max_reply_seconds, help="audio seconds per reply")
@@ -110,7 +112,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _serve_parser(sub.add_parser("serve", help="run the agent (the default command)"))
     tiny = sub.add_parser("make-tiny", help="build the tiny Qwen3-Omni checkpoint into DIR")
     tiny.add_argument("dir", type=Path)
-    if not argv or argv[0] not in ("serve", "make-tiny", "-h", "--help"):
+    from .call import add_arguments as add_call_arguments
+
+    call = sub.add_parser("call", help="join an agent as a headless client: mic/camera or files in, "
+                                       "voice to the speaker or a WAV, captions printed")
+    add_call_arguments(call)
+    call.add_argument("--log-level", default="WARNING")
+    if not argv or argv[0] not in ("serve", "call", "make-tiny", "-h", "--help"):
         argv = ["serve", *argv]
     ns = parser.parse_args(argv)
     if ns.command == "make-tiny":
@@ -118,6 +126,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(make_tiny(ns.dir))
         return 0
+    if ns.command == "call":
+        from .call import options_from_args, run_call
+
+        logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_call(options_from_args(ns))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.ray:
         try:

@@ -84,6 +84,12 @@ class FrameRing(Generic[T]):
             return []
         return list(self._items)[-n:]
 
+    def pop_oldest(self) -> T:
+        """Remove and return the oldest item (IndexError when empty)."""
+        item = self._items.popleft()
+        self._changed()
+        return item
+
     def drain(self) -> list[T]:
         """Remove and return everything, oldest first."""
         items = list(self._items)

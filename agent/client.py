@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import fractions
 import json
 import time
-import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
@@ -25,106 +23,11 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
+from .client_media import PatternVideoTrack, ThrottledVideoTrack, WavTrack, load_wav_mono, speech_end_sample
 from .jitter import lower_audio_jitter_hold
 from .peer import close_peer
 
-SEND_RATE = 48_000
-SEND_FRAME = 960  # 20 ms
 AUDIBLE_RMS = 10 ** (-50 / 20) * 32768  # int16 RMS above -50 dBFS counts as sound
-
-
-def load_wav_mono(path: Path, rate: int = SEND_RATE) -> np.ndarray:
-    """int16 mono at `rate` (linear interpolation; good enough for speech probes)."""
-    with wave.open(str(path)) as w:
-        src_rate, channels = w.getframerate(), w.getnchannels()
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
-    pcm = pcm.reshape(-1, channels).mean(axis=1)
-    n = int(len(pcm) * rate / src_rate)
-    return np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.int16)
-
-
-def speech_end_sample(pcm: np.ndarray, rate: int = SEND_RATE, threshold_db: float = -40.0) -> int:
-    """Index just past the last 10 ms window louder than threshold_db."""
-    win = rate // 100
-    n = len(pcm) // win
-    rms = np.sqrt((pcm[: n * win].astype(np.float64).reshape(n, win) ** 2).mean(axis=1))
-    loud = np.nonzero(rms > 10 ** (threshold_db / 20) * 32768)[0]
-    return int((loud[-1] + 1) * win) if len(loud) else 0
-
-
-class WavTrack(MediaStreamTrack):
-    """Plays pcm once (then silence forever), paced to the wall clock like a microphone."""
-
-    kind = "audio"
-
-    def __init__(self, pcm: np.ndarray, repeat_after_s: Optional[float] = None, speech_end: Optional[int] = None) -> None:
-        super().__init__()
-        self._pcm = pcm
-        self._speech_end = speech_end_sample(pcm) if speech_end is None else speech_end
-        self.speech_ends: list[float] = []  # wall time the speech ended, one per play
-        self._pos = 0
-        self._start: Optional[float] = None
-        self._pts = 0
-        self._repeat_after = repeat_after_s
-        self.plays = 0
-
-    def play(self) -> None:
-        """Speak the WAV again from its start, now (e.g. over the agent: barge-in)."""
-        self._pos = 0
-        self.plays += 1
-
-    async def recv(self) -> av.AudioFrame:
-        if self._start is None:
-            self._start = time.monotonic()
-        wait = self._start + self._pts / SEND_RATE - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        chunk = self._pcm[self._pos : self._pos + SEND_FRAME]
-        if len(chunk) and self._pos < len(self._pcm):
-            now = time.monotonic()
-            last = self._speech_end - 1
-            if self._pos <= last < self._pos + SEND_FRAME:
-                # The frame holding the last speech sample leaves now; speech ends inside it.
-                self.speech_ends.append(now + (last - self._pos) / SEND_RATE)
-        self._pos += SEND_FRAME
-        if len(chunk) < SEND_FRAME:
-            chunk = np.concatenate([chunk, np.zeros(SEND_FRAME - len(chunk), np.int16)])
-        if self._repeat_after is not None and self._pos >= len(self._pcm) + self._repeat_after * SEND_RATE:
-            self.play()
-        frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = SEND_RATE
-        frame.pts = self._pts
-        frame.time_base = fractions.Fraction(1, SEND_RATE)
-        self._pts += SEND_FRAME
-        return frame
-
-
-class PatternVideoTrack(MediaStreamTrack):
-    """A moving colour pattern, like a camera, at `fps`."""
-
-    kind = "video"
-
-    def __init__(self, width: int = 320, height: int = 240, fps: int = 10) -> None:
-        super().__init__()
-        self._w, self._h, self._fps = width, height, fps
-        self._n = 0
-        self._start: Optional[float] = None
-
-    async def recv(self) -> av.VideoFrame:
-        if self._start is None:
-            self._start = time.monotonic()
-        wait = self._start + self._n / self._fps - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        x = np.arange(self._w, dtype=np.uint16)[None, :]
-        y = np.arange(self._h, dtype=np.uint16)[:, None]
-        img = np.stack([(x + 4 * self._n) % 256 + 0 * y, (y + 2 * self._n) % 256 + 0 * x,
-                        ((x + y) // 2) % 256], axis=-1).astype(np.uint8)
-        frame = av.VideoFrame.from_ndarray(img, format="rgb24")
-        frame.pts = int(self._n * 90_000 / self._fps)
-        frame.time_base = fractions.Fraction(1, 90_000)
-        self._n += 1
-        return frame
 
 
 @dataclass
@@ -154,22 +57,41 @@ class ClientResult:
 
 
 class AgentClient:
-    """One aiortc peer talking to the agent at base_url over loopback."""
+    """One aiortc peer talking to the agent at base_url (loopback in tests; `omni-agent call`
+    anywhere). Its video obeys the agent's input_video.throttle events."""
 
-    def __init__(self, base_url: str, wav: Path, video: bool = True, repeat_after_s: Optional[float] = None,
-                 receive_prefetch: Optional[int] = 1, video_fps: int = 10, api_key: Optional[str] = None,
-                 session: Optional[dict[str, Any]] = None) -> None:
-        """base_url: the agent's root (http://host:port). receive_prefetch: frames aiortc holds
-        before playing received audio; 1 (20 ms) is browser-like, None keeps aiortc's default of
-        4 (80 ms). api_key: sent as Bearer (the API key or an ek_ key). session: a GA session
-        config sent with the offer (multipart); None sends the raw SDP only."""
+    def __init__(self, base_url: str, wav: Optional[Path] = None, video: bool = True,
+                 repeat_after_s: Optional[float] = None, receive_prefetch: Optional[int] = 1, video_fps: int = 10,
+                 api_key: Optional[str] = None, session: Optional[dict[str, Any]] = None,
+                 audio_source: Optional[MediaStreamTrack] = None, video_source: Optional[MediaStreamTrack] = None,
+                 on_event: Optional[Callable[[dict[str, Any]], None]] = None,
+                 on_audio: Optional[Callable[[av.AudioFrame], None]] = None,
+                 video_max_fps: Optional[float] = None) -> None:
+        """base_url: the agent's root (http://host:port). wav: speech to send (then silence);
+        audio_source instead sends any audio track (a device or file through MediaPlayer).
+        video: send the test pattern at video_fps, unless video_source names the camera track.
+        receive_prefetch: frames aiortc holds before playing received audio; 1 (20 ms) is
+        browser-like, None keeps aiortc's default of 4 (80 ms). api_key: sent as Bearer (the API
+        key or an ek_ key). session: a GA session config sent with the offer (multipart); None
+        sends the raw SDP only. on_event: called with every server event; on_audio with every
+        received audio frame (the agent's voice: to a WAV file, a speaker). video_max_fps: the
+        client's own cap on its camera rate (a throttle event can only lower it)."""
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.session_config = session
-        self.pcm = load_wav_mono(wav)
-        self.speech_end = speech_end_sample(self.pcm)
-        self.audio = WavTrack(self.pcm, repeat_after_s, self.speech_end)
-        self.video = PatternVideoTrack(fps=video_fps) if video else None
+        self.audio: MediaStreamTrack
+        if audio_source is not None:
+            self.pcm, self.speech_end = np.zeros(0, np.int16), 0
+            self.audio = audio_source
+        else:
+            assert wav is not None, "a WAV or an audio source is needed"
+            self.pcm = load_wav_mono(wav)
+            self.speech_end = speech_end_sample(self.pcm)
+            self.audio = WavTrack(self.pcm, repeat_after_s, self.speech_end)
+        source = video_source if video_source is not None else PatternVideoTrack(fps=video_fps) if video else None
+        self.video = ThrottledVideoTrack(source, video_max_fps) if source is not None else None
+        self._on_event = on_event
+        self._on_audio = on_audio
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.result = ClientResult()
         self._prefetch = receive_prefetch
@@ -196,6 +118,10 @@ class AgentClient:
         event = json.loads(message)
         event["_t"] = time.monotonic()
         self.result.events.append(event)
+        if event.get("type") == "input_video.throttle" and self.video is not None:
+            self.video.apply(event)
+        if self._on_event is not None:
+            self._on_event(event)
         for kind, fut in list(self._event_waiters):
             if kind == event.get("type") and not fut.done():
                 fut.set_result(event)
@@ -268,6 +194,8 @@ class AgentClient:
                 frame = await track.recv()
             except MediaStreamError:
                 return
+            if self._on_audio is not None:
+                self._on_audio(frame)
             pcm = frame.to_ndarray().astype(np.float64)
             rms = float(np.sqrt((pcm**2).mean())) if pcm.size else 0.0
             self.result.received_samples += frame.samples
@@ -293,7 +221,8 @@ class AgentClient:
 
     def turn_latencies(self) -> list[Optional[float]]:
         """Voice-to-voice for each play of the WAV (None: no reply heard before the next play)."""
-        return latencies(self.audio.speech_ends, self.result.audible_onsets)
+        speech_ends = self.audio.speech_ends if isinstance(self.audio, WavTrack) else []
+        return latencies(speech_ends, self.result.audible_onsets)
 
     async def close(self) -> None:
         for task in self._tasks:

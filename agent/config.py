@@ -76,10 +76,16 @@ class Config:
     speculative_start: bool = True
     speculation_pause_ms: int = 120
     max_turn_seconds: float = 30.0  # a turn longer than this is ended by force
+    video: bool = True  # --no-video: camera frames are dropped unread and the sender is asked to pause
     video_fps: float = 4.0
     video_max_side: int = 448  # frames are resized so the longer side is at most this
     video_frames_per_turn: int = 2  # latest sampled frames sent with a turn
-    ingest_buffer_frames: int = 8  # bounded ring between ingest and the turn (5-10)
+    ingest_buffer_frames: int = 8  # bounded ring between ingest and the engine (5-10)
+    # Back-pressure on the camera (agent/backpressure.py): frames the engine has not taken.
+    video_high_water: int = 6  # backlog at which the sender is asked for 1 fps at half size
+    video_low_water: int = 1  # backlog under which, held video_throttle_hold_s, it is restored
+    video_throttle_hold_s: float = 2.0
+    video_pause_after_s: float = 3.0  # still at the high-water mark this long: pause the camera
     jitter_prefetch: int = 0  # aiortc holds 4 x 20 ms; 0 = release in-order packets at once
 
     # sessions, admission and the degradation ladder

@@ -59,6 +59,15 @@ DEGRADATION_LEVEL = Gauge(
 GPU_UTILIZATION = Gauge(
     "agent_gpu_utilization_ratio", "GPU busy ratio from NVML (absent without a GPU)", registry=REGISTRY
 )
+VIDEO_THROTTLE_EVENTS = Counter(
+    "agent_video_throttle_events_total",
+    "input_video.throttle events sent, by the state the sender is asked into (throttled, paused, open)",
+    ["state"],
+    registry=REGISTRY,
+)
+VIDEO_THROTTLED_SECONDS = Counter(
+    "agent_video_throttled_seconds_total", "Time video senders spent throttled or paused", registry=REGISTRY
+)
 TURNS_REJECTED = Counter("agent_turns_rejected_total", "Turns refused by the turn rate limit", registry=REGISTRY)
 ENGINE_INBOX = Gauge("agent_engine_inbox_depth", "Requests waiting for the engine thread", registry=REGISTRY)
 TURNS = Counter("agent_turns_total", "Turns sent to the engine", registry=REGISTRY)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from typing import Any, Awaitable, Callable, Optional
 
@@ -19,11 +20,9 @@ import av
 import numpy as np
 
 from . import metrics, priority
-from .bridge import FrameRing
 from .config import INPUT_FRAME_SAMPLES, OUTPUT_RATE, Config
 from .engine import Engine, EngineBusy
 from .engine.api import AudioOut, ReplyDone, TextDelta
-from .ingest import VideoSample, VideoSampler
 from .ladder import LEVEL_NAMES, Admission
 from .playout import AgentAudioTrack
 from .realtime import edits, session_config
@@ -33,6 +32,7 @@ from .realtime.events import new_id, user_audio_item, user_text_item
 from .realtime.outbox import Outbox
 from .realtime.response import STATUS_BY_REASON, Response
 from .vad import SpeechAudio, SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
+from .video_feed import VideoFeed
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,9 @@ class Session:
         self.track: Optional[AgentAudioTrack] = (
             AgentAudioTrack(upsample_to_48k=True, on_first_audio=self._on_first_audio, on_drained=self._on_drained)
             if webrtc else None)
-        self.video = VideoSampler(fps=config.video_fps, max_side=config.video_max_side)
-        self.frames: FrameRing[VideoSample] = FrameRing(config.ingest_buffer_frames, kind="video")
+        self.video = VideoFeed(config, engine, self.id, self.emit)  # camera → engine, throttle → sender
         self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms),
-                                 echo=self._playing_level)
+                                 echo=_weakly(self._playing_level))
         self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
         self._speculating = False  # a reply was started on a pause of this turn (held by the engine)
         # Audio since a pause of the turn: it joins the turn only if the user goes on. So the turn
@@ -108,7 +107,7 @@ class Session:
         except EngineBusy:
             log.warning("session %s: engine inbox full on close", self.id)
         self.outbox.close()
-        self.frames.clear()  # the ring's gauge is a sum over sessions
+        self.video.close()
         if self.track is not None:
             self.track.stop()
         # Its FFmpeg filter graph owns one worker thread per core: free it now, not at a GC.
@@ -140,9 +139,7 @@ class Session:
         return 0.0 if self._reply is not None and self._reply.audio else None
 
     def push_video(self, frame: av.VideoFrame) -> None:
-        sample = self.video.push(frame, self.input.audio_in.clock)
-        if sample is not None:
-            self.frames.put(sample)
+        self.video.push(frame, self.input.audio_in.clock)
 
     def _on_turn_event(self, event: object) -> None:
         td = self.input.turn_detection
@@ -295,8 +292,8 @@ class Session:
             limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
         if params.get("instructions"):
             self._engine_call("set_reply_instructions", params["instructions"])
-        images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
-        self.engine.begin_reply(self.id, images, mode=mode, history=tuple(self._history))
+        self.video.flush_for_turn()  # the newest frames reach the engine ahead of the reply
+        self.engine.begin_reply(self.id, [], mode=mode, history=tuple(self._history))
         self.turns += 1
         metrics.TURNS.inc()
         voice = self.settings["audio"]["output"].get("voice") or "default"
@@ -493,6 +490,18 @@ class Session:
     def emit_error(self, message: str, code: str, *, param: Optional[str] = None, event_id: Optional[str] = None,
                    kind: str = "invalid_request_error") -> None:
         self.outbox.error(message, code, param=param, event_id=event_id, kind=kind)
+
+
+def _weakly(method: Callable[[], Optional[float]]) -> Callable[[], Optional[float]]:
+    """The session's method for the echo guard, held without a reference to the session: a strong
+    one would make session -> input -> endpointer -> session a cycle, freed only at a full GC."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Optional[float]:
+        bound = ref()
+        return bound() if bound is not None else None
+
+    return call
 
 
 def _closed_already(session: Session) -> None:

@@ -19,11 +19,17 @@ with --no-speculative-start; server TTFA (end of turn → first audio frame sent
 response.done's omni field) P50 on over off, and the share of turns whose reply was committed
 from a speculation (omni.stats.speculative).
 
-Prints a table per concurrency level and one per transport; last line:
-`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D speculative_ttfa_ratio=S speculative_share=F`
+Then the camera comparison, same agent: one WebRTC session without video, then one sending a
+640x480 camera at 4 fps, each for --camera-turns turns; the server's end-of-turn → first audio
+(TTFA, from response.done) compared, and the image tokens response.done's usage reports.
+
+Prints a table per concurrency level, one per transport, one for speculation and one for the
+camera; last line:
+`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D speculative_ttfa_ratio=S speculative_share=F camera_ttfa_ratio=C image_tokens=I`
 (voice-to-voice P95 at 4 sessions over 1 session; overhead P50 at 1 session; WebSocket P50
 minus WebRTC P50 end of speech → first audio, target ≤ 30 ms; server TTFA P50 with speculation
-over without, target ≤ 0.2; share of turns committed from a speculation).
+over without, target ≤ 0.2; share of turns committed from a speculation; TTFA P50 camera on
+over camera off, target ≤ 1.1; image tokens per camera-on turn, median).
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
 
 With --ray --replicas N (the `serve` extra): the single-process agent and then the agent as N
@@ -56,7 +62,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.client import AgentClient, WsAgentClient  # noqa: E402
+from agent.client import AgentClient, PatternVideoTrack, WsAgentClient  # noqa: E402
 from agent.ice import restrict_ice_hosts  # noqa: E402
 
 
@@ -133,6 +139,8 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
     async with aiohttp.ClientSession() as http:
         before = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         underruns_before = await scrape_value(http, url, "agent_playout_underruns_total")
+        stages_before = {stage: [await scrape_value(http, url, f'agent_stage_seconds_{k}{{stage="{stage}"}}')
+                                 for k in ("sum", "count")] for stage in ("vision_encoder", "thinker_prefill")}
         t0 = time.monotonic()
         try:
             for c in clients:
@@ -149,7 +157,13 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
                 await c.close()
         after = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         underruns = await scrape_value(http, url, "agent_playout_underruns_total") - underruns_before
+        stages = {}  # stage -> seconds per call (mean over the level), from /metrics
+        for stage in ("vision_encoder", "thinker_prefill"):
+            total = [await scrape_value(http, url, f'agent_stage_seconds_{k}{{stage="{stage}"}}') for k in ("sum", "count")]
+            stages[stage] = (total[0] - stages_before[stage][0]) / max(total[1] - stages_before[stage][1], 1)
     v2v, ttft, ttfa, overhead, glitches, missing, speculative = [], [], [], [], 0, 0, 0
+    image_tokens: list[float] = []
+    late = 0  # frames the vision encoder saw only at the end of a turn
     for c in clients:
         lat = c.turn_latencies()[:turns]
         dones = c.result.of_type("response.done")[:turns]
@@ -166,10 +180,14 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         ttfa += [f["ttfa_ms"] / 1000 for f in figures if f.get("ttfa_ms") is not None]
         speculative += sum(bool((f.get("stats") or {}).get("speculative")) for f in figures)
         glitches += c.result.glitches
+        image_tokens += [((d["response"].get("usage") or {}).get("input_token_details") or {}).get("image_tokens", 0)
+                         for d in dones]
+        late += sum(int((f.get("stats") or {}).get("frames_encoded_at_end_of_turn") or 0) for f in figures)
     return {
         "n": n, "turns": len(v2v), "missing": missing, "v2v": v2v, "ttft": ttft, "ttfa": ttfa,
         "overhead": overhead, "glitches": glitches, "underruns": underruns, "speculative": speculative,
         "dones": sum(min(len(c.result.of_type("response.done")), turns) for c in clients),
+        "image_tokens": image_tokens, "late_frames": late, "stages": stages,
         "server_ttfa_p50": histogram_quantile(0.5, before, after),
         "server_ttfa_p95": histogram_quantile(0.95, before, after),
     }
@@ -311,6 +329,18 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.spec_turns:
             rtc = lambda u: lambda: AgentClient(u, wav, video=False, repeat_after_s=args.gap_s)  # noqa: E731
             speculation["on"] = await run_level(url, rtc(url), 1, args.spec_turns, limit_s, silence_s)
+        camera = {}
+        if args.camera_turns:
+            # Same agent, same speech, one session at a time: only the camera differs.
+            camera["off"] = await run_level(
+                url, lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s),
+                1, args.camera_turns, limit_s, silence_s)
+            camera["on"] = await run_level(
+                url, lambda: AgentClient(url, wav, repeat_after_s=args.gap_s,
+                                         video_source=PatternVideoTrack(640, 480, fps=4)),
+                1, args.camera_turns, limit_s, silence_s)
+            for name, r in camera.items():
+                print(f"  camera {name}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -363,9 +393,20 @@ async def main_async(args: argparse.Namespace) -> None:
                   f"{ms(pct(r['v2v'], 50)):>8} {r['speculative']:>9} {r['glitches']:>6} {r['underruns']:>8.0f}")
         spec_ratio = pct(speculation["on"]["ttfa"], 50) / pct(speculation["off"]["ttfa"], 50)
         spec_share = speculation["on"]["speculative"] / max(1, speculation["on"]["dones"])
+    camera_ratio, image_tokens = float("nan"), float("nan")
+    if camera:
+        print("\ncamera (1 session; 640x480 at 4 fps vs none; TTFA from the server, image tokens from usage)")
+        print(f"{'camera':>6} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'v2v p50':>8} {'img tok':>7} "
+              f"{'vision':>8} {'prefill':>8} {'late frames':>11}   (vision, prefill: mean per call at the end of a turn)")
+        for name, r in camera.items():
+            print(f"{name:>6} {len(r['ttfa']):>5} {ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['ttfa'], 95)):>8} "
+                  f"{ms(pct(r['v2v'], 50)):>8} {pct(r['image_tokens'], 50):>7.0f} "
+                  f"{ms(r['stages']['vision_encoder']):>8} {ms(r['stages']['thinker_prefill']):>8} {r['late_frames']:>11}")
+        camera_ratio = pct(camera["on"]["ttfa"], 50) / pct(camera["off"]["ttfa"], 50)
+        image_tokens = pct(camera["on"]["image_tokens"], 50)
     print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "
           f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f} speculative_ttfa_ratio={spec_ratio:.2f} "
-          f"speculative_share={spec_share:.2f}")
+          f"speculative_share={spec_share:.2f} camera_ttfa_ratio={camera_ratio:.2f} image_tokens={image_tokens:.0f}")
 
 
 def main() -> None:
@@ -383,6 +424,8 @@ def main() -> None:
                    help="turns each for the WebRTC vs WebSocket comparison (0: skip it)")
     p.add_argument("--spec-turns", type=int, default=5,
                    help="turns each with speculative start on and off (0: skip the comparison)")
+    p.add_argument("--camera-turns", type=int, default=5,
+                   help="turns each for the camera on vs off comparison (0: skip it)")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
     p.add_argument("--ray", action="store_true", help="compare single process with Ray Serve replicas")
     p.add_argument("--replicas", type=int, default=2, help="with --ray: Serve replicas")

@@ -26,16 +26,17 @@ const ui = {
   status: $("status"), stateText: $("state-text"), mode: $("mode"), error: $("error"),
   start: $("start"), stop: $("stop"), video: $("self-view"), placeholder: $("placeholder"),
   captions: $("captions"), audio: $("agent-audio"), keyForm: $("key-form"), key: $("api-key"),
-  textOnly: $("text-only"),
+  textOnly: $("text-only"), throttle: $("camera-throttle"),
   ttft: $("ttft"), ttfa: $("ttfa"), eotV2v: $("eot-v2v"), v2v: $("v2v"),
 };
 
 // Tests and curious people read this: every data-channel message lands in `events`.
 // callUrl is the call's Location (what DELETE hangs up), token the call's ek_ key (null when
-// the server is open), authRequired what GET /v1/omni/config said.
+// the server is open), authRequired what GET /v1/omni/config said. camera is the video
+// sender and its own cap ({sender, fps, scale}); throttle the agent's last input_video.throttle.
 const omni = (window.omni = {
   pc: null, channel: null, state: "new", sessionId: null, callUrl: null, token: null, authRequired: null,
-  events: [], latency: {},
+  events: [], latency: {}, camera: null, throttle: null,
   send(message) {
     if (omni.channel && omni.channel.readyState === "open") omni.channel.send(JSON.stringify(message));
   },
@@ -155,6 +156,9 @@ function onEvent(ev) {
     case "response.done":
       if (ev.response?.omni) showLatency(ev.response.omni);
       break;
+    case "input_video.throttle": // the agent is behind on video: send less (never less audio)
+      applyThrottle(ev);
+      break;
     case "omni.response.mode": // the server degraded (e.g. text only while overloaded): say so
       ui.mode.hidden = ev.mode === "audio";
       ui.mode.textContent = ev.mode === "audio" ? "" : `${ev.mode} mode${ev.reason ? `: ${ev.reason}` : ""}`;
@@ -248,12 +252,38 @@ async function capVideo(sender, track) {
   const params = sender.getParameters();
   if (!params.encodings || params.encodings.length === 0) return; // nothing to tune
   const width = track.getSettings().width || VIDEO_MAX_WIDTH;
+  const scale = width > VIDEO_MAX_WIDTH ? width / VIDEO_MAX_WIDTH : 1;
+  omni.camera = { sender, fps: VIDEO_MAX_FPS, scale };
   params.encodings[0].maxFramerate = VIDEO_MAX_FPS;
-  if (width > VIDEO_MAX_WIDTH) params.encodings[0].scaleResolutionDownBy = width / VIDEO_MAX_WIDTH;
+  if (scale > 1) params.encodings[0].scaleResolutionDownBy = scale;
   try {
     await sender.setParameters(params);
   } catch (err) {
     console.warn("video cap not applied:", err); // the call still works at full rate
+  }
+}
+
+// The agent's back-pressure: it asks for a lower frame rate and resolution, or a paused
+// camera, while its video backlog is high, and for the full rate again once it has drained.
+// Applied to the encoder itself, on top of the page's own cap; the self-view is untouched.
+async function applyThrottle(ev) {
+  omni.throttle = ev;
+  const cam = omni.camera;
+  const slowed = ev.paused || ev.max_fps < VIDEO_MAX_FPS || ev.scale_resolution_down_by > 1;
+  ui.throttle.hidden = !slowed;
+  ui.throttle.textContent = ev.paused ? "camera paused: agent busy"
+    : `camera ${ev.max_fps} fps${ev.scale_resolution_down_by > 1 ? `, 1/${ev.scale_resolution_down_by} size` : ""}: agent busy`;
+  if (!cam) return;
+  const params = cam.sender.getParameters();
+  if (!params.encodings || params.encodings.length === 0) return;
+  const enc = params.encodings[0];
+  enc.active = !ev.paused;
+  enc.maxFramerate = Math.max(0.5, Math.min(cam.fps, Number(ev.max_fps) || cam.fps));
+  enc.scaleResolutionDownBy = cam.scale * Math.max(1, Number(ev.scale_resolution_down_by) || 1);
+  try {
+    await cam.sender.setParameters(params);
+  } catch (err) {
+    console.warn("throttle not applied:", err);
   }
 }
 
@@ -291,6 +321,8 @@ async function start() {
   captions.clear();
   omni.events.length = 0;
   omni.latency = {};
+  omni.throttle = null;
+  ui.throttle.hidden = true;
   setState("connecting");
   meter = makeMeter();
   try {
@@ -362,6 +394,7 @@ function teardown() {
   const pc = omni.pc;
   omni.pc = null; // before close(): its late state events are ignored
   omni.channel = null;
+  omni.camera = null;
   hangUp(omni.callUrl, omni.token);
   omni.callUrl = null;
   pc?.close();

@@ -88,4 +88,5 @@ def fallback_factory(config: Config) -> Optional[Callable[[], Runner]]:
 
 
 def build_engine(config: Config) -> Engine:
-    return Engine(runner_factory(config), inbox_size=config.engine_inbox, fallback_factory=fallback_factory(config))
+    return Engine(runner_factory(config), inbox_size=config.engine_inbox, fallback_factory=fallback_factory(config),
+                  frames_per_turn=config.video_frames_per_turn)

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import metrics
 from .api import AudioOut, Output, ReplyDone, Runner, StageTime, TextDelta
+from .video import LatestFrames
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,11 @@ MODES = ("audio", "text", "fallback")
 
 @dataclass(frozen=True)
 class _Cmd:
-    op: str  # open | audio | discard | speculate | unspeculate | reply | cancel | close | stop | call
+    op: str  # open | audio | video | discard | speculate | unspeculate | reply | cancel | close | stop | call
     session_id: str = ""
     pcm: Optional[np.ndarray] = None
-    images: tuple = ()
+    images: tuple = ()  # reply: the frames to show (empty: the newest taken); video: the one frame
+    at: float = 0.0  # video: the frame's time on the session's audio clock
     mode: str = "audio"  # audio | text | fallback (see MODES)
     history: tuple = ()  # (role, text) pairs, for the fallback model
     sink: Optional[ReplySink] = None
@@ -69,9 +71,10 @@ class Engine:
     """Facade used by the asyncio side. Thread-safe methods; none of them touch torch."""
 
     def __init__(self, runner_factory: Callable[[], Runner], inbox_size: int = 256,
-                 fallback_factory: Optional[Callable[[], Runner]] = None) -> None:
+                 fallback_factory: Optional[Callable[[], Runner]] = None, frames_per_turn: int = 2) -> None:
         """runner_factory builds the Omni runner; fallback_factory, when given, a text-only
-        runner that serves "fallback" replies (degradation level 2). Both run in the thread."""
+        runner that serves "fallback" replies (degradation level 2). Both run in the thread.
+        frames_per_turn: the newest camera frames a reply is shown."""
         self._factory = runner_factory
         self._fallback_factory = fallback_factory
         self._inbox: "queue.Queue[_Cmd]" = queue.Queue(maxsize=inbox_size)
@@ -80,6 +83,7 @@ class Engine:
         self._ready: Optional[asyncio.Future] = None
         self._sinks: dict[str, ReplySink] = {}  # engine thread only
         self._replying: dict[str, Runner] = {}  # session → runner its reply is on (engine thread)
+        self._frames = LatestFrames(frames_per_turn)  # engine thread
         self.stats = _Stats()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -122,6 +126,13 @@ class Engine:
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
         self._put(_Cmd("audio", session_id, pcm=pcm))
 
+    def append_video(self, session_id: str, image: np.ndarray, at: float) -> asyncio.Future:
+        """One sampled camera frame (RGB uint8 HxWx3, `at` on the audio clock). The future is
+        settled once the engine thread has taken it: the sender's back-pressure signal."""
+        future = asyncio.get_running_loop().create_future()
+        self._put(_Cmd("video", session_id, images=(image,), at=at, future=future))
+        return future
+
     def discard_turn(self, session_id: str) -> None:
         self._put(_Cmd("discard", session_id))
 
@@ -131,6 +142,7 @@ class Engine:
 
     def begin_reply(self, session_id: str, images: list[np.ndarray], mode: str = "audio",
                     history: tuple[tuple[str, str], ...] = ()) -> None:
+        """End of turn. images: the frames to show; empty: the newest taken by append_video."""
         if mode not in MODES or (mode == "fallback" and not self.has_fallback):
             raise ValueError(f"reply mode {mode!r} not available")
         self._put(_Cmd("reply", session_id, images=tuple(images), mode=mode, history=tuple(history)))
@@ -243,6 +255,15 @@ class Engine:
                 self._sinks[sid] = cmd.sink
                 for runner in runners:
                     runner.open_session(sid)
+            elif cmd.op == "video":
+                # Settled even for a closed session: the sender's feed only counts it.
+                if sid in self._sinks:
+                    self._frames.add(sid, cmd.images[0], cmd.at)
+                    append_video = getattr(primary, "append_video", None)  # a runner that encodes on arrival
+                    if append_video is not None:
+                        append_video(sid, cmd.images[0], cmd.at)
+                assert cmd.future is not None
+                self._loop.call_soon_threadsafe(_settle, cmd.future, None, None)
             elif sid not in self._sinks:
                 return  # session already closed: late audio is harmless
             elif cmd.op == "audio":
@@ -259,7 +280,7 @@ class Engine:
                 set_history = getattr(fallback, "set_history", None)
                 if set_history is not None:
                     set_history(sid, list(cmd.history))
-                fallback.begin_reply(sid, list(cmd.images), True)
+                fallback.begin_reply(sid, list(cmd.images) or self._frames.latest(sid), True)
                 self._replying[sid] = fallback
             elif cmd.op == "speculate":
                 speculate = getattr(primary, "speculate", None)
@@ -272,7 +293,7 @@ class Engine:
             elif cmd.op == "reply":
                 for runner in runners[1:]:
                     runner.discard_turn(sid)
-                primary.begin_reply(sid, list(cmd.images), cmd.mode == "text")
+                primary.begin_reply(sid, list(cmd.images) or self._frames.latest(sid), cmd.mode == "text")
                 self._replying[sid] = primary
                 # A committed speculation's held output (its first frame) goes out now.
                 take_ready = getattr(primary, "take_ready", None)
@@ -286,6 +307,7 @@ class Engine:
                     runner.close_session(sid)
                 del self._sinks[sid]
                 self._replying.pop(sid, None)
+                self._frames.drop(sid)
         except Exception as exc:
             # Bad input from one session (e.g. an image the processor rejects) is that
             # session's error only.

@@ -89,6 +89,7 @@ class ReplyState:
     text: TextStage
     voice: VoiceStage
     images: list[np.ndarray] = field(default_factory=list)
+    frames_encoded_at_end: int = 0  # of `images`, those not encoded on arrival (agent/engine/video.py)
     first_audio: float | None = None  # seconds from begin_reply to the first audio
     playout: PlayoutClock = field(default_factory=PlayoutClock)  # the client's buffer, estimated
     stage_seconds: dict[str, float] = field(default_factory=dict)

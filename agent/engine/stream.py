@@ -178,6 +178,13 @@ class StreamingRunner(Speculation, ConversationEdits):
             self._slots.give(state.slot)
         self.records.pop(session_id, None)
         self._priority.pop(session_id, None)
+        self.turns.vision.drop(session_id)
+
+    @torch.inference_mode()
+    def append_video(self, session_id: str, image: np.ndarray, at: float) -> None:
+        """A camera frame as it arrives: encoded now when no reply is running (off the end-of-turn
+        path), else left pending for a quieter moment or the end of the turn."""
+        self.turns.vision.add(session_id, image, encode_now=not self._replying())
 
     @torch.inference_mode()
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
@@ -395,6 +402,7 @@ class StreamingRunner(Speculation, ConversationEdits):
             "prefill_tokens": turn.prefill_tokens if reply.prefill.done else 0,
             "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefill.done else 0,
             "input_image_tokens": turn.ids.count(self.loaded.ids.image_pad) if reply.prefill.done else 0,
+            "frames_encoded_at_end_of_turn": reply.frames_encoded_at_end,
             "history_reset": turn.history_reset if reply.prefill.done else False,
             "text_tokens": len(text_ids),
             "audio_frames": len(reply.voice.frame_codes),

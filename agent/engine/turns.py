@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from agent.engine.audio_stream import AudioStream
-from agent.engine.model import LoadedModel, assistant_start_ids, encode_images, system_turn_ids
+from agent.engine.model import LoadedModel, assistant_start_ids, system_turn_ids
 from agent.engine.session_state import KVState, SessionState, TalkerTurn, TurnState, timed
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import ImageFeatures, PrefillJob, PrefillOut, ThinkerOps
+from agent.engine.vision import FrameEncoder
 
 # Room kept free in the context for the reply and its closing tokens.
 CLOSING_MARGIN = 8
@@ -82,6 +83,7 @@ class TurnPrefill:
         self.max_reply_tokens = max_reply_tokens
         self.context_limit = context_limit
         self.n_window_infer = n_window_infer
+        self.vision = FrameEncoder.for_model(loaded, thinker)  # frames encoded as they arrive
 
     def new_turn(self) -> TurnState:
         tower = self.loaded.model.thinker.model.audio_tower
@@ -237,9 +239,8 @@ class TurnPrefill:
         before = (state.thinker.length, state.thinker.next_pos, turn.header_done, turn.audio_open)
         images = None
         if reply.images:
-            with timed(state, "vision_encoder"):
-                pixels = encode_images(self.loaded, reply.images)
-                images = self.thinker.encode_images(pixels["pixel_values"], pixels["image_grid_thw"])
+            with timed(state, "vision_encoder"):  # only frames not encoded on arrival
+                images, reply.frames_encoded_at_end = self.vision.features(reply.images)
         ids = self._open_turn_ids(state, turn)
         if audio is not None:
             if not turn.audio_open:

@@ -27,7 +27,8 @@ import numpy as np
 from aiohttp import web
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-from agent.client import SEND_FRAME, AgentClient
+from agent.client import AgentClient
+from agent.client_media import SEND_FRAME
 from agent.config import Config
 from agent.engine import Engine, runner_factory
 from agent.engine.api import AudioOut

@@ -2,8 +2,8 @@
 
 Pins, over a real call (aiortc client on loopback, tiny model, streaming engine): TTFT and
 TTFA histograms count the reply; stage histograms see thinker/talker/code-predictor/
-code2wav time; sessions_active rises and falls; the video ring holds frames; frames over
-4 fps are dropped and counted; the playout buffer fills; an engine that falls behind real
+code2wav time; sessions_active rises and falls; frames over 4 fps are dropped and counted
+(the video ring's backlog and the throttle metrics move in test_video_backpressure.py); the playout buffer fills; an engine that falls behind real
 time mid-reply produces counted underruns; a bad offer is counted as rejected; the
 degradation level and GPU gauges are exported (they move in test_ladder_rtc / on a GPU).
 """
@@ -75,7 +75,7 @@ async def test_metrics_exist_and_move(tiny_model_dir: Path, speech_wav: Path) ->
     await web.TCPSite(app_runner, "127.0.0.1", port).start()
     url = f"http://127.0.0.1:{port}"
     client = AgentClient(url, speech_wav, video=True)
-    peaks = {"agent_sessions_active": 0.0, "agent_ingest_buffer_frames": 0.0, "agent_playout_buffer_seconds": 0.0}
+    peaks = {"agent_sessions_active": 0.0, "agent_playout_buffer_seconds": 0.0}
     async with aiohttp.ClientSession() as http:
         try:
             for _ in range(300):
@@ -107,7 +107,6 @@ async def test_metrics_exist_and_move(tiny_model_dir: Path, speech_wav: Path) ->
         key = f'agent_stage_seconds_count{{stage="{stage}"}}'
         assert during.get(key, 0) > before.get(key, 0), f"{stage} not timed"
     assert peaks["agent_sessions_active"] == 1 and _sum(after, "agent_sessions_active") == 0
-    assert peaks["agent_ingest_buffer_frames"] >= 1
     assert peaks["agent_playout_buffer_seconds"] > 0
     assert moved('agent_ingest_dropped_frames_total{kind="video",reason="rate"}') > 0
     assert moved("agent_playout_underruns_total") > 0, "a stalled engine must show underruns"
