@@ -194,9 +194,9 @@ class Session:
         mode = self._reply_mode(self.settings["output_modalities"])
         if mode == "fallback":
             return
-        images = [s.image for s in self.frames.latest(self.config.video_frames_per_turn)]
+        self.video.flush_for_turn()  # the newest frames reach the engine ahead of the reply
         try:
-            self.engine.speculate(self.id, images, mode=mode)
+            self.engine.speculate(self.id, [], mode=mode)
         except EngineBusy:
             return  # a busy engine has no room for a reply that may be thrown away
         self._speculating = True

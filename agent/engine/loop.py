@@ -285,7 +285,7 @@ class Engine:
             elif cmd.op == "speculate":
                 speculate = getattr(primary, "speculate", None)
                 if speculate is not None and cmd.mode in ("audio", "text"):
-                    speculate(sid, list(cmd.images), cmd.mode == "text")
+                    speculate(sid, list(cmd.images) or self._frames.latest(sid), cmd.mode == "text")
             elif cmd.op == "unspeculate":
                 drop = getattr(primary, "drop_speculation", None)
                 if drop is not None:

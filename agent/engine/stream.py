@@ -184,7 +184,7 @@ class StreamingRunner(Speculation, ConversationEdits):
     def append_video(self, session_id: str, image: np.ndarray, at: float) -> None:
         """A camera frame as it arrives: encoded now when no reply is running (off the end-of-turn
         path), else left pending for a quieter moment or the end of the turn."""
-        self.turns.vision.add(session_id, image, encode_now=not self._replying())
+        self.turns.vision.add(session_id, image, encode_now=not self._busy())
 
     @torch.inference_mode()
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
