@@ -1,7 +1,10 @@
 """Client events: parse, validate, and hand each to the Session.
 
 Malformed or unsupported events get an `error` event naming the client event (`event_id`) and,
-where one field is at fault, that field (`param`); the session goes on. What clients send is
+where one field is at fault, that field (`param`); the session goes on. A session sends at
+most `--max-events-per-s` events (a token bucket, bursts of a second's worth): the excess is
+dropped and reported in one `rate_limited` error a second, so a flooding client costs the
+loop little and slows no one else. Events other than audio are at most 256 KiB. What clients send is
 logged at debug level (type and top-level keys, never audio), to see what real clients use.
 """
 
@@ -11,8 +14,11 @@ import base64
 import binascii
 import json
 import logging
+import math
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .. import metrics
 from ..engine import EngineBusy
 from . import audio_codec, session_config
 from .events import new_id
@@ -23,6 +29,43 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_APPEND_BYTES = 15 * 1024 * 1024  # the API's own limit for one append
+_MAX_AUDIO_EVENT_CHARS = _MAX_APPEND_BYTES * 4 // 3 + 64 * 1024  # base64 audio plus the JSON around it
+_MAX_EVENT_CHARS = 256 * 1024  # any other event: instructions and text messages fit many times over
+_AUDIO_EVENTS = ("input_audio_buffer.append", "conversation.item.create")
+
+
+class EventRate:
+    """A session's client events per second: a token bucket of `rate` tokens a second holding
+    at most a second's worth (50 at least). Owned by the Session, used only here."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = max(rate, 50.0)
+        self._clock = clock
+        self._tokens = self.burst
+        self._at = clock()
+        self.dropped = 0  # since the last report
+        self._reported_at = -math.inf
+
+    def take(self) -> bool:
+        if self.rate <= 0:
+            return True
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        self.dropped += 1
+        return False
+
+    def report_due(self) -> Optional[int]:
+        """Events dropped since the last report, when a report is due (one a second at most)."""
+        now = self._clock()
+        if not self.dropped or now - self._reported_at < 1.0:
+            return None
+        dropped, self.dropped, self._reported_at = self.dropped, 0, now
+        return dropped
 
 
 class BadEvent(ValueError):
@@ -32,6 +75,17 @@ class BadEvent(ValueError):
 
 
 def handle(session: "Session", message: str | bytes) -> None:
+    rate = session.events_in
+    if not rate.take():
+        dropped = rate.report_due()
+        if dropped is not None:
+            metrics.ERRORS.labels(where="event_rate").inc()
+            session.emit_error(f"too many client events (more than {rate.rate:g} a second): {dropped} dropped",
+                               "rate_limited")
+        return
+    if len(message) > _MAX_AUDIO_EVENT_CHARS:
+        session.emit_error(f"client event too large ({len(message)} bytes)", "event_too_large")
+        return
     try:
         event = json.loads(message)
     except (ValueError, UnicodeDecodeError):
@@ -42,6 +96,10 @@ def handle(session: "Session", message: str | bytes) -> None:
         return
     kind, event_id = event["type"], event.get("event_id")
     event_id = event_id if isinstance(event_id, str) else None
+    if len(message) > _MAX_EVENT_CHARS and kind not in _AUDIO_EVENTS:
+        session.emit_error(f"{kind} too large ({len(message)} bytes; at most {_MAX_EVENT_CHARS})", "event_too_large",
+                           event_id=event_id)
+        return
     if kind != "input_audio_buffer.append":
         log.debug("session %s: %s %s", session.id, kind, sorted(k for k in event if k not in ("type", "event_id")))
     handler = _HANDLERS.get(kind)

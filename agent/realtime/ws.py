@@ -57,7 +57,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     app = request.app
     if request.query.get("call_id"):
         return await _sideband(request)
-    refused = refuse_new_session(app)
+    refused = refuse_new_session(request)
     if refused is not None:
         return refused
     who = grant(request)
