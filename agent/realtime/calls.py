@@ -88,6 +88,8 @@ async def create_call(request: web.Request) -> web.Response:
         # aiohttp's multipart reader raises these on malformed bodies (the 413 of a too-large
         # plain body is an HTTPException: JSON too, from server.json_errors).
         return _bad(400, f"unreadable offer: {exc}")
+    if len(sdp) > MAX_OFFER_BYTES:  # a chunked body declares no length
+        return _bad(413, f"offer too large (at most {MAX_OFFER_BYTES} bytes)")
     if not sdp.strip():
         return _bad(400, "the body must be an SDP offer (application/sdp, or multipart part 'sdp')", param="sdp")
     try:
@@ -128,7 +130,11 @@ async def create_call(request: web.Request) -> web.Response:
         metrics.OFFERS_REJECTED.labels(reason="busy").inc()
         return json_error(503, "engine is overloaded", "busy", kind="server_error", **{"Retry-After": "5"})
     remember(app, call.id, call)
-    await pc.setLocalDescription(await pc.createAnswer())
+    try:
+        await pc.setLocalDescription(await pc.createAnswer())
+    except Exception as exc:  # e.g. a media section without a direction aiortc can intersect
+        await call.close()
+        return _bad(400, f"cannot answer this offer: {type(exc).__name__}: {exc}", "bad_sdp", param="sdp")
     return web.Response(status=201, text=pc.localDescription.sdp, content_type="application/sdp",
                         headers={"Location": f"/v1/realtime/calls/{call.id}"})
 

@@ -9,22 +9,21 @@ down one level at a time to spoken replies. agent_degradation_level follows.
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import time
 import wave
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 import numpy as np
 import pytest
-from aiohttp import web
 
 from agent.client import AgentClient
 from agent.config import Config
 from agent.engine import Engine, fallback_factory, runner_factory
 from agent.engine.fallback import make_tiny_text
-from agent.server import create_app
+from realtime_helpers import start_agent
 
 
 class SlowStart:
@@ -66,39 +65,43 @@ async def _level(url: str) -> float:
     raise AssertionError("agent_degradation_level not exported")
 
 
+# Thresholds far from both the tiny model's own first response (well under 1 s even on a
+# loaded 2-core machine) and each other; the injected delays are lower bounds on the latency
+# (a sleep never ends early), so "above a threshold" holds under any load, and "below the next
+# one" leaves seconds of slack.
+TEXT_ONLY_MS, FALLBACK_MS = 1500, 5000
+SLOW_S, SLOWER_S = 2.0, 6.0
+
+
+def _slow_engine(delay: list[float]) -> Callable[[Config], Engine]:
+    def build(config: Config) -> Engine:
+        primary = runner_factory(config)
+        return Engine(lambda: SlowStart(primary(), delay), fallback_factory=fallback_factory(config))
+
+    return build
+
+
 async def test_ladder_degrades_and_recovers(tiny_model_dir: Path, short_wav: Path, tmp_path: Path) -> None:
     fallback_dir = make_tiny_text(tmp_path / "tiny-text", tokenizer_dir=tiny_model_dir)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = Config(port=port, ice_hosts=("127.0.0.1",), model=str(tiny_model_dir), fallback_model=str(fallback_dir),
-                    threads=1, max_reply_tokens=12, max_reply_seconds=1.0,
-                    text_only_p95_ms=300, fallback_p95_ms=800, ladder_margin_ms=50, ladder_recover_s=1.0,
-                    ladder_min_samples=2, ladder_window=3)
     delay = [0.0]
-    primary = runner_factory(config)
-    engine = Engine(lambda: SlowStart(primary(), delay), fallback_factory=fallback_factory(config))
-    app_runner = web.AppRunner(create_app(config, engine))
-    await app_runner.setup()
-    await web.TCPSite(app_runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
+    running = await start_agent(tiny_model_dir, engine=_slow_engine(delay), fallback_model=str(fallback_dir),
+                                max_reply_tokens=12, max_reply_seconds=1.0,
+                                text_only_p95_ms=TEXT_ONLY_MS, fallback_p95_ms=FALLBACK_MS, ladder_margin_ms=50,
+                                ladder_recover_s=1.0, ladder_min_samples=2, ladder_window=3)
+    url = running.url
     client = AgentClient(url, short_wav, video=False, repeat_after_s=2.0)
     levels_seen: list[float] = []
     try:
-        for _ in range(300):
-            if engine.ready:
-                break
-            await asyncio.sleep(0.1)
         await client.connect()
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 180
         phase = "baseline"
         while time.monotonic() < deadline:
             modes = [e["mode"] for e in client.result.of_type("omni.response.mode")]
             done = client.result.of_type("response.done")
             if phase == "baseline" and done:
-                phase, delay[0] = "slow", 0.45  # first response ~0.5 s: above 0.3, below 0.8
+                phase, delay[0] = "slow", SLOW_S  # above the text-only threshold, below fallback
             elif phase == "slow" and "text" in modes:
-                phase, delay[0] = "slower", 1.0  # above 0.8: fallback
+                phase, delay[0] = "slower", SLOWER_S  # above the fallback threshold
             elif phase == "slower" and "fallback" in modes:
                 phase, delay[0] = "recovering", 0.0
                 levels_seen.append(await _level(url))
@@ -109,7 +112,7 @@ async def test_ladder_degrades_and_recovers(tiny_model_dir: Path, short_wav: Pat
             await asyncio.sleep(0.1)
     finally:
         await client.close()
-        await app_runner.cleanup()
+        await running.stop()
 
     events = client.result.events
     modes = [e["mode"] for e in events if e["type"] == "omni.response.mode"]
