@@ -76,12 +76,13 @@ class BadEvent(ValueError):
 
 def handle(session: "Session", message: str | bytes) -> None:
     rate = session.events_in
-    if not rate.take():
-        dropped = rate.report_due()
-        if dropped is not None:
-            metrics.ERRORS.labels(where="event_rate").inc()
-            session.emit_error(f"too many client events (more than {rate.rate:g} a second): {dropped} dropped",
-                               "rate_limited")
+    allowed = rate.take()
+    dropped = rate.report_due()  # also after a flood has stopped: the next event reports the rest
+    if dropped is not None:
+        metrics.ERRORS.labels(where="event_rate").inc()
+        session.emit_error(f"too many client events (more than {rate.rate:g} a second): {dropped} dropped",
+                           "rate_limited")
+    if not allowed:
         return
     if len(message) > _MAX_AUDIO_EVENT_CHARS:
         session.emit_error(f"client event too large ({len(message)} bytes)", "event_too_large")
@@ -211,7 +212,8 @@ def _item_truncate(session: "Session", event: dict[str, Any]) -> None:
 
 
 def _response_create(session: "Session", event: dict[str, Any]) -> None:
-    params = event.get("response") or {}
+    params = event.get("response")
+    params = {} if params is None else params  # [] or "" are wrong types, not "no parameters"
     if not isinstance(params, dict):
         raise BadEvent("response must be an object", param="response")
     if params.get("conversation") not in (None, "auto"):
