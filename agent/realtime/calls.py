@@ -118,9 +118,6 @@ async def create_call(request: web.Request) -> web.Response:
     except Exception as exc:  # what aiortc raises on an offer it cannot take is input-dependent
         await close_peer(pc)
         return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
-    if not any(t.kind == "audio" for t in pc.getTransceivers()):
-        await close_peer(pc)
-        return _bad(400, "the offer has no audio: send the microphone", "bad_sdp", param="sdp")
     # Added after setRemoteDescription so it rides the client's sendrecv audio transceiver.
     pc.addTrack(call.track)
     try:
