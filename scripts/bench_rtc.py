@@ -159,7 +159,8 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
 def start_server(port: int, args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--ice-host", "127.0.0.1", "--runner", args.runner, "--max-sessions", str(max(args.levels) + 1),
-           "--vad-silence-ms", str(args.silence_ms), "--log-level", "WARNING"]
+           "--vad-silence-ms", str(args.silence_ms), "--log-level", "WARNING",
+           "--max-calls-per-minute", "0"]  # one loopback address opens every call
     if not args.ladder:
         # Measure the spoken path's capacity: keep the degradation ladder from switching
         # replies to text (which would hide exactly the latency we are measuring).
