@@ -101,7 +101,9 @@ async def agent(tiny_model_dir: Path, short_wav: Path):
     # report such errors in one line instead, so the test does not keep what it counts.
     asyncio.get_running_loop().set_exception_handler(
         lambda loop, context: print(f"asyncio: {context['message']}: {context.get('exception')!r}"))
-    running = await start_agent(tiny_model_dir, max_sessions=12, connect_timeout_s=3.0, max_turns_per_s=1000.0)
+    # The connect timeout ends the never-connecting calls; 10 s, since on a loaded machine ten
+    # peers at once may need several seconds for ICE and DTLS (3 s closed live calls).
+    running = await start_agent(tiny_model_dir, max_sessions=12, connect_timeout_s=10.0, max_turns_per_s=1000.0)
     url, app = running.url, running.app
     with pytest.MonkeyPatch.context() as mp:
         _quick_consent(mp)
