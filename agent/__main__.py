@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from .config import Config
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 def _serve_parser(p: argparse.ArgumentParser) -> None:
@@ -21,6 +26,18 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                         "(default: $OMNI_AGENT_API_KEY; unset = open, for loopback use)")
     p.add_argument("--ice-host", action="append", default=[], dest="ice_hosts", metavar="ADDR",
                    help="host address ICE advertises (repeatable); default: every interface but loopback")
+    p.add_argument("--ice-server", action="append", default=[], dest="ice_servers", type=_ice_server,
+                   metavar="URL[,USERNAME,CREDENTIAL]",
+                   help="STUN/TURN server for the agent's peers (repeatable), e.g. "
+                        "turn:turn.example.com:3478?transport=udp,alice,s3cret; default: none")
+    p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins", metavar="ORIGIN",
+                   help="let pages from this origin call the agent (repeatable; * for any); default: none")
+    p.add_argument("--max-calls-per-minute", type=int, default=d.max_calls_per_minute,
+                   help="new calls per client address per minute, beyond that 429 (0: no limit; default %(default)s)")
+    p.add_argument("--max-events-per-s", type=float, default=d.max_events_per_s,
+                   help="client events per session per second, beyond that `error` events (default %(default)s)")
+    p.add_argument("--drain-s", type=float, default=d.drain_s,
+                   help="on SIGTERM/Ctrl-C, let replies in progress finish for at most this long (default %(default)s)")
     p.add_argument("--model", default=d.model, metavar="PATH_OR_ID",
                    help="checkpoint for from_pretrained, e.g. Qwen/Qwen3-Omni-30B-A3B-Instruct; "
                         "default: the tiny model, built on first use in --cache-dir")
@@ -84,25 +101,62 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     add_serve_flags(p)
 
 
+def _ice_server(text: str):
+    from .ice import parse_ice_server
+
+    try:
+        return parse_ice_server(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def config_from_args(ns: argparse.Namespace) -> Config:
     fields = set(Config.__dataclass_fields__)
     values = {k: v for k, v in vars(ns).items() if k in fields}
-    values["ice_hosts"] = tuple(values.get("ice_hosts") or ())
+    for name in ("ice_hosts", "ice_servers", "cors_origins"):
+        values[name] = tuple(values.get(name) or ())
     return Config(**values)
 
 
 def serve(config: Config) -> None:
-    from aiohttp import web
-
     from .engine import build_engine
     from .ice import restrict_ice_hosts
     from .server import create_app
 
     restrict_ice_hosts(config.ice_hosts)
     engine = build_engine(config)
-    app = create_app(config, engine)
+    asyncio.run(_serve(config, create_app(config, engine)))
+
+
+async def _serve(config: Config, app: "web.Application") -> None:
+    """Serve until SIGTERM or Ctrl-C, then shut down in order: refuse new calls, let replies in
+    progress finish (at most --drain-s; a second signal cuts that short), close every peer and
+    the engine, return (exit status 0)."""
+    from aiohttp import web
+
+    from .server import drain
+
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
     print(f"omni-agent: serving on http://{config.host}:{config.port}  (model: {config.model or 'tiny'})", flush=True)
-    web.run_app(app, host=config.host, port=config.port, print=None)
+    loop = asyncio.get_running_loop()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await stop.wait()
+    print("omni-agent: shutting down (again to skip waiting for replies)", flush=True)
+    draining = asyncio.ensure_future(drain(app, config.drain_s))
+    hurried = asyncio.ensure_future(hurry.wait())
+    await asyncio.wait([draining, hurried], return_when=asyncio.FIRST_COMPLETED)
+    draining.cancel()
+    hurried.cancel()
+    await runner.cleanup()  # closes every session and peer, then stops the engine
+    print("omni-agent: stopped", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .ice import IceServer
 
 # Rates the model fixes: 16 kHz mono in, 12.5 Hz tokens (80 ms), 24 kHz out.
 INPUT_RATE = 16_000
@@ -37,6 +41,14 @@ class Config:
     # Set by a Ray Serve replica to its replica id: its calls are named `<prefix>.rtc_…`, so
     # the router can send a call's follow-ups to its owner (agent/serve/keys.py). "" = rtc_….
     call_id_prefix: str = ""
+    # Origins whose pages may call the agent from the browser (CORS); () = none, "*" = any.
+    cors_origins: tuple[str, ...] = ()
+    # STUN/TURN servers the agent's peers use (agent/ice.py IceServer); () = host candidates only.
+    ice_servers: tuple["IceServer", ...] = ()
+    max_calls_per_minute: int = 60  # new calls (WebRTC or WebSocket) per client address; 0 = no limit
+    max_events_per_s: float = 200.0  # client events per session (a flood gets `error` events)
+    # SIGTERM/Ctrl-C: stop taking calls, let replies in progress finish for at most this long.
+    drain_s: float = 10.0
 
     # model
     model: str = ""  # path or hub id; "" = the tiny checkpoint in cache_dir

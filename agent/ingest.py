@@ -82,6 +82,8 @@ class AudioIn:
 
     def push(self, frame: av.AudioFrame) -> list[AudioChunk]:
         """Feed one received frame; return the chunks it completed (often none, sometimes two)."""
+        if frame.samples == 0 or frame.sample_rate <= 0:
+            return []  # nothing to hear; FFmpeg's resampler fails on an empty frame (ENOMEM)
         chunks: list[AudioChunk] = []
         gap_s = self._gap(frame)
         if gap_s > 0.0:

@@ -16,15 +16,19 @@ its channel, whose transport is that SCTP transport: close() does not drop them.
 
 from __future__ import annotations
 
+import logging
+
 from aiortc import RTCDtlsTransport, RTCPeerConnection
+
+log = logging.getLogger(__name__)
 
 
 def _dtls_transports(pc: RTCPeerConnection) -> set[RTCDtlsTransport]:
     transports = {t.receiver.transport for t in pc.getTransceivers()}
     transports |= {t.sender.transport for t in pc.getTransceivers()}
-    if pc.sctp is not None:
+    if pc.sctp is not None and pc.sctp.transport is not None:
         transports.add(pc.sctp.transport)
-    return transports
+    return transports - {None}
 
 
 async def close_peer(pc: RTCPeerConnection) -> None:
@@ -32,7 +36,12 @@ async def close_peer(pc: RTCPeerConnection) -> None:
 
     Safe to call more than once and on a peer that never connected.
     """
-    await pc.close()
+    try:
+        await pc.close()
+    except Exception:
+        # A peer built from a hostile offer can be half set up (aiortc then trips over its own
+        # missing transports); what could be stopped is stopped, the rest is dropped below.
+        log.warning("closing a half-set-up peer failed", exc_info=True)
     # Nothing is emitted after close(): these listeners can only keep the peer alive.
     for transport in _dtls_transports(pc):
         transport.remove_all_listeners()

@@ -19,12 +19,13 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from . import metrics
+from .access import CallRate, cors_middleware
 from .config import Config
 from .engine import Engine
 from .ladder import Admission
 from .realtime import session_config
-from .realtime.app import (ADMISSION, CONFIG, ENGINE, ENGINE_START, GRANT, KEYS, LADDER_TICK, SESSIONS,
-                           json_error)
+from .realtime.app import (ADMISSION, CALL_RATE, CONFIG, DRAINING, ENGINE, ENGINE_START, GRANT, KEYS, LADDER_TICK,
+                           SESSIONS, json_error)
 from .realtime.calls import MAX_OFFER_BYTES, call_events, create_call, hangup
 from .realtime.keys import DEFAULT_TTL_S, KeyStore, bearer_token
 from .realtime.ws import websocket
@@ -32,6 +33,24 @@ from .realtime.ws import websocket
 log = logging.getLogger(__name__)
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """API errors are JSON with a reason, and a bug is a 500 without a traceback in the body
+    (the traceback goes to the log)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400 or not request.path.startswith("/v1/"):
+            raise
+        code = "request_too_large" if exc.status == 413 else "invalid_request"
+        return json_error(exc.status, exc.reason, code)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return json_error(500, "internal error (logged on the server)", "server_error", kind="server_error")
 
 
 @web.middleware
@@ -80,9 +99,16 @@ async def omni_config(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     engine, start = request.app[ENGINE], request.app[ENGINE_START]
     body: dict[str, Any] = {"status": "ok" if engine.ready else "loading", "sessions": len(request.app[SESSIONS])}
+    healthy = engine.ready
     if start.done() and start.exception() is not None:
         body.update(status="failed", error=f"model load failed: {start.exception()}")
-    return web.json_response(body, status=200 if engine.ready else 503)
+    elif engine.ready and not engine.alive:  # read per request: a dead thread fails the next probe
+        body.update(status="failed", error=engine.failed or "engine thread stopped")
+        healthy = False
+    elif request.app[DRAINING].is_set():
+        body.update(status="draining")
+        healthy = False
+    return web.json_response(body, status=200 if healthy else 503)
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -102,13 +128,38 @@ async def _tick(admission: Admission) -> None:
         gpu.sample()
 
 
+async def drain(app: web.Application, deadline_s: float) -> int:
+    """Shutting down: refuse new calls (503 shutting_down) and wait, at most `deadline_s`, until
+    no session is replying or playing a reply out. Returns the sessions still replying then
+    (the caller's cleanup closes every session and peer either way)."""
+    app[DRAINING].set()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+
+    def replying() -> int:
+        return sum(1 for c in app[SESSIONS].values() if c.session is not None and c.session.replying)
+
+    busy = replying()
+    log.info("shutting down: no new calls; %d session(s) finishing their reply (at most %.0f s)", busy, deadline_s)
+    while busy and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+        busy = replying()
+    if busy:
+        log.warning("shutting down: %d reply(ies) cut off at the %.0f s deadline", busy, deadline_s)
+    return busy
+
+
 def create_app(config: Config, engine: Engine) -> web.Application:
-    app = web.Application(client_max_size=MAX_OFFER_BYTES * 2, middlewares=[require_key])
+    # CORS first: a browser's preflight carries no key. Then JSON errors around everything.
+    middlewares = [cors_middleware(config.cors_origins)] if config.cors_origins else []
+    app = web.Application(client_max_size=MAX_OFFER_BYTES * 2, middlewares=[*middlewares, json_errors, require_key])
     app[CONFIG] = config
     app[ENGINE] = engine
     app[SESSIONS] = {}
     app[KEYS] = KeyStore(config.api_key, prefix=config.call_id_prefix)
     app[ADMISSION] = admission = Admission.from_config(config)
+    app[CALL_RATE] = CallRate(config.max_calls_per_minute)
+    app[DRAINING] = asyncio.Event()
     app.router.add_get("/", index)
     app.router.add_post("/v1/realtime/calls", create_call)
     app.router.add_post("/v1/realtime", create_call)
@@ -120,7 +171,9 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app.router.add_get("/v1/omni/config", omni_config)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_endpoint)
-    app.router.add_static("/", config.web_dir, show_index=False)
+    # Only files under web/: aiohttp resolves the path and refuses anything outside the
+    # folder, and symlinks are not followed (tests/integration/test_access.py).
+    app.router.add_static("/", config.web_dir, show_index=False, follow_symlinks=False)
 
     async def on_startup(app: web.Application) -> None:
         # Load in the background: /healthz says "loading" until the engine is ready.

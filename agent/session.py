@@ -25,7 +25,7 @@ from .engine import Engine, EngineBusy
 from .engine.api import AudioOut, ReplyDone, TextDelta
 from .ladder import LEVEL_NAMES, Admission
 from .playout import AgentAudioTrack
-from .realtime import edits, session_config
+from .realtime import client_events, edits, session_config
 from .realtime.conversation import Conversation
 from .realtime.input_buffer import InputBuffer
 from .realtime.events import new_id, user_audio_item, user_text_item
@@ -73,6 +73,7 @@ class Session:
         self._closed = False
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
         self.turns = 0
+        self.events_in = client_events.EventRate(config.max_events_per_s)  # client events' rate limit
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -93,6 +94,11 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def replying(self) -> bool:
+        """A reply is being made or its audio is still playing out (what a shutdown waits for)."""
+        return self._reply is not None or self._playing is not None
 
     async def close(self) -> None:
         if self._closed:

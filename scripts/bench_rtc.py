@@ -198,7 +198,8 @@ def start_server(
 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--ice-host", "127.0.0.1", "--runner", args.runner, "--max-sessions", str(max(args.levels) + 1),
-           "--vad-silence-ms", str(args.silence_ms), "--log-level", "WARNING", *extra]
+           "--vad-silence-ms", str(args.silence_ms), "--log-level", "WARNING",
+           "--max-calls-per-minute", "0", *extra]  # one loopback address opens every call
     if ray_replicas:
         cmd += ["--ray", "--replicas", str(ray_replicas)]
     if not args.ladder:

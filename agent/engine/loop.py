@@ -85,6 +85,9 @@ class Engine:
         self._replying: dict[str, Runner] = {}  # session → runner its reply is on (engine thread)
         self._frames = LatestFrames(frames_per_turn)  # engine thread
         self.stats = _Stats()
+        # Why the engine thread ended while it should be serving (None while it serves): set by
+        # the thread itself on its way out, read by /healthz and admission.
+        self.failed: Optional[str] = None
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,6 +185,24 @@ class Engine:
             self._loop.call_soon_threadsafe(self._ready.set_exception, exc)
             return
         self._loop.call_soon_threadsafe(self._ready.set_result, None)
+        try:
+            self._serve(runners)
+        except BaseException as exc:
+            # Not a model error (those end replies in _step/_apply): the loop itself broke.
+            # Say so, so that health checks fail and no new call waits on a dead thread.
+            self.failed = f"engine thread died: {exc!r}"
+            log.critical("engine: thread died", exc_info=True)
+            try:  # replies in flight would otherwise wait for ever
+                self._emit([ReplyDone(sid, "error", stats={"error": self.failed}) for sid in list(self._replying)])
+            except Exception:
+                log.exception("engine: could not report the failure")
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (loaded or loading) and has not died."""
+        return self._thread is not None and self._thread.is_alive() and self.failed is None
+
+    def _serve(self, runners: list[Runner]) -> None:
         while True:
             # Block only when there is nothing to step; otherwise just drain what is there.
             block = not any(r.has_work() for r in runners)

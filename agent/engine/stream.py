@@ -282,6 +282,11 @@ class StreamingRunner(Speculation, ConversationEdits):
             except SpeculationRefused:  # it would drop the history: that cannot be undone
                 self._discard(state)
                 continue
+            except Exception as exc:
+                # This session's own end-of-turn work (its audio tail, its frames) failed, e.g.
+                # out of memory on a huge image: its reply ends with an error, the others go on.
+                outputs += self._fail(session_id, state, exc)
+                continue
             chunks.append((session_id, state, take))
             budget -= take
         done = self.turns.run_replies([(state, take) for _, state, take in chunks]) if chunks else []
@@ -378,6 +383,17 @@ class StreamingRunner(Speculation, ConversationEdits):
         outputs += self.frames.stage_times
         self.frames.stage_times = []
         return outputs
+
+    def _fail(self, session_id: str, state: SessionState, exc: Exception) -> list[Output]:
+        """End a reply whose own work raised: its half-started prefill is abandoned and its turn
+        dropped, so the session's next turn starts clean."""
+        if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the failed allocation left cached is no one's
+        outputs = self._finish(session_id, state, "error")
+        self.discard_turn(session_id)
+        done = outputs[-1]
+        assert isinstance(done, ReplyDone)
+        return outputs[:-1] + [replace(done, stats={**done.stats, "error": f"{type(exc).__name__}: {exc}"})]
 
     def _finish(self, session_id: str, state: SessionState, reason: str) -> list[Output]:
         reply, turn = state.reply, state.reply.turn

@@ -8,6 +8,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 from .. import metrics, priority
+from ..access import CallRate
 from ..config import Config
 from ..engine import Engine
 from ..ladder import Admission
@@ -20,6 +21,9 @@ ADMISSION: web.AppKey[Admission] = web.AppKey("admission", Admission)
 KEYS: web.AppKey[KeyStore] = web.AppKey("keys", KeyStore)
 ENGINE_START: web.AppKey[asyncio.Future] = web.AppKey("engine_start", asyncio.Future)
 LADDER_TICK: web.AppKey[asyncio.Future] = web.AppKey("ladder_tick", asyncio.Future)
+CALL_RATE: web.AppKey[CallRate] = web.AppKey("call_rate", CallRate)
+# Set once on SIGTERM/Ctrl-C (agent/__main__.py): new calls get 503 while replies finish.
+DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining", asyncio.Event)
 GRANT: web.RequestKey[Grant] = web.RequestKey("grant", Grant)  # what the auth middleware found
 
 
@@ -29,10 +33,20 @@ def json_error(status: int, message: str, code: str, *, kind: str = "invalid_req
     return web.json_response(body, status=status, headers=headers)
 
 
-def refuse_new_session(app: web.Application, priority_class: str = priority.NORMAL) -> Optional[web.Response]:
-    """503 (with Retry-After) while the engine loads or the session limit is reached (for a
-    normal session: the limit less the slots kept for high priority)."""
-    config, engine = app[CONFIG], app[ENGINE]
+def refuse_new_session(request: web.Request, priority_class: str = priority.NORMAL) -> Optional[web.Response]:
+    """503 (with Retry-After) while the engine loads, after it died, while shutting down or at
+    the session limit (for a normal session: the limit less the slots kept for high priority);
+    429 when this client address opens calls too fast."""
+    app = request.app
+    config, engine, sessions = app[CONFIG], app[ENGINE], app[SESSIONS]
+    if app[DRAINING].is_set():
+        metrics.OFFERS_REJECTED.labels(reason="shutting_down").inc()
+        return json_error(503, "the agent is shutting down", "shutting_down", kind="server_error",
+                          **{"Retry-After": "30"})
+    if engine.failed is not None:
+        metrics.OFFERS_REJECTED.labels(reason="engine_failed").inc()
+        return json_error(503, f"the engine has stopped: {engine.failed}", "engine_failed", kind="server_error",
+                          **{"Retry-After": "30"})
     if not engine.ready:
         metrics.OFFERS_REJECTED.labels(reason="not_ready").inc()
         return json_error(503, "engine is still loading", "not_ready", kind="server_error", **{"Retry-After": "5"})
@@ -46,6 +60,11 @@ def refuse_new_session(app: web.Application, priority_class: str = priority.NORM
         return json_error(503, f"session limit for normal priority reached ({config.high_priority_slots} of "
                           f"{config.max_sessions} slots are kept for priority=high)", "capacity",
                           kind="server_error", **{"Retry-After": "10"})
+    wait = app[CALL_RATE].admit(request.remote or "")
+    if wait is not None:
+        metrics.OFFERS_REJECTED.labels(reason="call_rate").inc()
+        return json_error(429, f"too many new calls from this address (at most {config.max_calls_per_minute} "
+                               "a minute)", "rate_limited", **{"Retry-After": str(int(wait + 0.999))})
     return None
 
 

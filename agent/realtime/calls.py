@@ -12,19 +12,25 @@ import copy
 import json
 from typing import Any, Optional
 
-from aiohttp import web
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiohttp import BodyPartReader, web
+from aiortc import RTCPeerConnection, RTCSessionDescription
 
 from .. import metrics
 from ..engine import EngineBusy
-from ..ice import keep_loopback_candidates, loopback_only
+from ..config import Config
+from ..ice import keep_loopback_candidates, loopback_only, rtc_configuration
 from ..peer import close_peer
 from . import session_config
+from .offer import OfferError, check_offer
 from .app import ADMISSION, CONFIG, ENGINE, SESSIONS, forget, grant, json_error, refuse_new_session, remember
 from .rtc import RtcCall
 
 MAX_OFFER_BYTES = 64 * 1024  # a real offer is a few KB; anything huge is not an offer
+# What an offer may come as: the GA raw form (`application/sdp`; some clients say text/plain or
+# nothing) or multipart. JSON, forms and the like are a client talking to the wrong endpoint.
+_OFFER_TYPES = ("application/sdp", "text/plain", "application/octet-stream", "multipart/form-data")
 _SSE_KEEPALIVE_S = 15.0
+_MAX_PARTS = 4
 
 
 def _bad(status: int, message: str, reason: str = "bad_request", param: Optional[str] = None) -> web.Response:
@@ -37,35 +43,59 @@ async def _read_offer(request: web.Request) -> tuple[str, Any]:
     if request.content_type.startswith("multipart/"):
         sdp, session = "", None
         reader = await request.multipart()
+        parts = 0
         async for part in reader:
+            parts += 1
+            if parts > _MAX_PARTS or not isinstance(part, BodyPartReader):
+                raise ValueError("a multipart offer has the parts 'sdp' and 'session' only")
             if part.name == "sdp":
-                sdp = await part.text()
+                sdp = await _part_text(part)
             elif part.name == "session":
                 try:
-                    session = json.loads(await part.text())
+                    session = json.loads(await _part_text(part))
                 except ValueError:
                     raise ValueError("the session part is not JSON") from None
         return sdp, session
     return await request.text(), None
 
 
-def _peer_connection() -> RTCPeerConnection:
-    # No STUN/TURN servers: aiortc's default is a public STUN server, which this agent
-    # neither needs on a LAN/loopback nor may reach. Host candidates come from agent.ice.
-    return RTCPeerConnection(RTCConfiguration(iceServers=[]))
+async def _part_text(part: BodyPartReader) -> str:
+    # The request's own size limit covers only whole-body reads, not multipart parts.
+    data = bytearray()
+    while chunk := await part.read_chunk():
+        data += chunk
+        if len(data) > MAX_OFFER_BYTES:
+            raise ValueError(f"a part is larger than {MAX_OFFER_BYTES} bytes")
+    return data.decode(part.get_charset(default="utf-8"))
+
+
+def _peer_connection(config: Config) -> RTCPeerConnection:
+    # Only the --ice-server servers (none by default; aiortc's own default is a public STUN
+    # server). Host candidates come from agent.ice.
+    return RTCPeerConnection(rtc_configuration(config.ice_servers))
 
 
 async def create_call(request: web.Request) -> web.Response:
     app = request.app
     config = app[CONFIG]
     if request.content_length is not None and request.content_length > MAX_OFFER_BYTES:
-        return _bad(413, "offer too large")
+        return _bad(413, f"offer too large (at most {MAX_OFFER_BYTES} bytes)")
+    if request.content_type not in _OFFER_TYPES:
+        return _bad(415, f"an offer is application/sdp or multipart/form-data, not {request.content_type}")
     try:
         sdp, session_part = await _read_offer(request)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, LookupError, RuntimeError, AssertionError) as exc:
+        # aiohttp's multipart reader raises these on malformed bodies (the 413 of a too-large
+        # plain body is an HTTPException: JSON too, from server.json_errors).
         return _bad(400, f"unreadable offer: {exc}")
+    if len(sdp) > MAX_OFFER_BYTES:  # a chunked body declares no length
+        return _bad(413, f"offer too large (at most {MAX_OFFER_BYTES} bytes)")
     if not sdp.strip():
         return _bad(400, "the body must be an SDP offer (application/sdp, or multipart part 'sdp')", param="sdp")
+    try:
+        check_offer(sdp)
+    except OfferError as exc:
+        return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
     who = grant(request)
     settings = copy.deepcopy(who.session) if who.session else session_config.default_session(config)
     try:
@@ -78,22 +108,19 @@ async def create_call(request: web.Request) -> web.Response:
         settings = session_config.offer_priority(settings, request.query.get("priority"), fixed)
     except session_config.ConfigError as exc:
         return _bad(400, str(exc), param=exc.param)
-    refused = refuse_new_session(app, session_config.priority_of(settings))
+    refused = refuse_new_session(request, session_config.priority_of(settings))
     if refused is not None:
         return refused
 
     if loopback_only(config.ice_hosts):
         sdp = keep_loopback_candidates(sdp)
-    pc = _peer_connection()
+    pc = _peer_connection(config)
     call = RtcCall(config, app[ENGINE], app[ADMISSION], pc, settings, on_closed=lambda c: forget(app, c.id))
     try:
         await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
-    except (ValueError, KeyError, IndexError) as exc:  # aiortc's SDP parser raises these
+    except Exception as exc:  # what aiortc raises on an offer it cannot take is input-dependent
         await close_peer(pc)
         return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
-    if not any(t.kind == "audio" for t in pc.getTransceivers()):
-        await close_peer(pc)
-        return _bad(400, "the offer has no audio: send the microphone", "bad_sdp", param="sdp")
     # Added after setRemoteDescription so it rides the client's sendrecv audio transceiver.
     pc.addTrack(call.track)
     try:
@@ -103,7 +130,11 @@ async def create_call(request: web.Request) -> web.Response:
         metrics.OFFERS_REJECTED.labels(reason="busy").inc()
         return json_error(503, "engine is overloaded", "busy", kind="server_error", **{"Retry-After": "5"})
     remember(app, call.id, call)
-    await pc.setLocalDescription(await pc.createAnswer())
+    try:
+        await pc.setLocalDescription(await pc.createAnswer())
+    except Exception as exc:  # e.g. a media section without a direction aiortc can intersect
+        await call.close()
+        return _bad(400, f"cannot answer this offer: {type(exc).__name__}: {exc}", "bad_sdp", param="sdp")
     return web.Response(status=201, text=pc.localDescription.sdp, content_type="application/sdp",
                         headers={"Location": f"/v1/realtime/calls/{call.id}"})
 

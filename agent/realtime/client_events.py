@@ -1,7 +1,11 @@
 """Client events: parse, validate, and hand each to the Session.
 
 Malformed or unsupported events get an `error` event naming the client event (`event_id`) and,
-where one field is at fault, that field (`param`); the session goes on. What clients send is
+where one field is at fault, that field (`param`); the session goes on. A session sends at
+most `--max-events-per-s` events (a token bucket, bursts of a second's worth; appends that
+carry at least 10 ms of audio are not counted): the excess is dropped and reported in one
+`rate_limited` error a second, so a flooding client costs the loop little and slows no one
+else. Events other than audio are at most 256 KiB. What clients send is
 logged at debug level (type and top-level keys, never audio), to see what real clients use.
 """
 
@@ -11,8 +15,11 @@ import base64
 import binascii
 import json
 import logging
+import math
+import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .. import metrics
 from ..engine import EngineBusy
 from . import audio_codec, session_config
 from .events import new_id
@@ -23,6 +30,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_APPEND_BYTES = 15 * 1024 * 1024  # the API's own limit for one append
+_MAX_AUDIO_EVENT_CHARS = _MAX_APPEND_BYTES * 4 // 3 + 64 * 1024  # base64 audio plus the JSON around it
+_MAX_EVENT_CHARS = 256 * 1024  # any other event: instructions and text messages fit many times over
+_AUDIO_EVENTS = ("input_audio_buffer.append", "conversation.item.create")
+_MIN_AUDIO_CHARS = 428  # base64 of 10 ms of 16 kHz pcm16: an append that carries real audio
+
+
+class EventRate:
+    """A session's client events per second: a token bucket of `rate` tokens a second holding
+    at most a second's worth (50 at least). Owned by the Session, used only here."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = max(rate, 50.0)
+        self._clock = clock
+        self._tokens = self.burst
+        self._at = clock()
+        self.dropped = 0  # since the last report
+        self._reported_at = -math.inf
+
+    def take(self) -> bool:
+        if self.rate <= 0:
+            return True
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        self.dropped += 1
+        return False
+
+    def report_due(self) -> Optional[int]:
+        """Events dropped since the last report, when a report is due (one a second at most)."""
+        now = self._clock()
+        if not self.dropped or now - self._reported_at < 1.0:
+            return None
+        dropped, self.dropped, self._reported_at = self.dropped, 0, now
+        return dropped
 
 
 class BadEvent(ValueError):
@@ -32,16 +77,32 @@ class BadEvent(ValueError):
 
 
 def handle(session: "Session", message: str | bytes) -> None:
+    if len(message) > _MAX_AUDIO_EVENT_CHARS:
+        if _admit(session):
+            session.emit_error(f"client event too large ({len(message)} bytes)", "event_too_large")
+        return
     try:
         event = json.loads(message)
     except (ValueError, UnicodeDecodeError):
-        session.emit_error("client events must be JSON", "invalid_json")
+        if _admit(session):
+            session.emit_error("client events must be JSON", "invalid_json")
         return
     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-        session.emit_error("a client event is a JSON object with a string 'type'", "invalid_event")
+        if _admit(session):
+            session.emit_error("a client event is a JSON object with a string 'type'", "invalid_event")
         return
     kind, event_id = event["type"], event.get("event_id")
     event_id = event_id if isinstance(event_id, str) else None
+    # Audio is not counted: a client catching up after a stall sends its backlog at once, and
+    # dropping it would cut the user's words. What it costs is bounded by the audio itself.
+    carries_audio = (kind == "input_audio_buffer.append" and isinstance(event.get("audio"), str)
+                     and len(event["audio"]) >= _MIN_AUDIO_CHARS)
+    if not carries_audio and not _admit(session):
+        return
+    if len(message) > _MAX_EVENT_CHARS and kind not in _AUDIO_EVENTS:
+        session.emit_error(f"{kind} too large ({len(message)} bytes; at most {_MAX_EVENT_CHARS})", "event_too_large",
+                           event_id=event_id)
+        return
     if kind != "input_audio_buffer.append":
         log.debug("session %s: %s %s", session.id, kind, sorted(k for k in event if k not in ("type", "event_id")))
     handler = _HANDLERS.get(kind)
@@ -59,6 +120,18 @@ def handle(session: "Session", message: str | bytes) -> None:
     except Exception:  # a bug in one event's handling must not end the session
         log.exception("session %s: %s failed", session.id, kind)
         session.emit_error(f"{kind} failed on the server", "server_error", kind="server_error", event_id=event_id)
+
+
+def _admit(session: "Session") -> bool:
+    """Count one event against the session's rate; report drops (one error a second at most)."""
+    rate = session.events_in
+    allowed = rate.take()
+    dropped = rate.report_due()  # also after a flood has stopped: the next event reports the rest
+    if dropped is not None:
+        metrics.ERRORS.labels(where="event_rate").inc()
+        session.emit_error(f"too many client events (more than {rate.rate:g} a second): {dropped} dropped",
+                           "rate_limited")
+    return allowed
 
 
 def _event_id(event: dict[str, Any]) -> Optional[str]:
@@ -157,7 +230,8 @@ def _item_truncate(session: "Session", event: dict[str, Any]) -> None:
 
 
 def _response_create(session: "Session", event: dict[str, Any]) -> None:
-    params = event.get("response") or {}
+    params = event.get("response")
+    params = {} if params is None else params  # [] or "" are wrong types, not "no parameters"
     if not isinstance(params, dict):
         raise BadEvent("response must be an object", param="response")
     if params.get("conversation") not in (None, "auto"):

@@ -96,15 +96,25 @@ class RtcCall:
         elif track.kind == "video":
             self._tasks.append(asyncio.ensure_future(self._read(track, self.session.push_video)))
 
-    @staticmethod
-    async def _read(track: MediaStreamTrack, push: Callable[[Any], None]) -> None:
-        # Drained continuously: aiortc's receive queue is unbounded.
+    async def _read(self, track: MediaStreamTrack, push: Callable[[Any], None]) -> None:
+        # Drained continuously: aiortc's receive queue is unbounded. A track that ends leaves
+        # the session running (the peer may still talk on the data channel).
+        failures = 0
         while True:
             try:
                 frame = await track.recv()
             except MediaStreamError:
                 return
-            push(frame)
+            try:
+                push(frame)
+            except Exception as exc:
+                # A frame the ingest cannot take must not silently stop this track's reader:
+                # drop it, and tell the client (once, then every 100th) instead.
+                if failures % 100 == 0:
+                    log.exception("call %s: %s frame dropped", self.id, track.kind)
+                    self.session.emit_error(f"{track.kind} frame dropped: {type(exc).__name__}: {exc}",
+                                            "invalid_media", kind="server_error")
+                failures += 1
 
     # ---- events ---------------------------------------------------------------------------
     def _send(self, text: str) -> None:

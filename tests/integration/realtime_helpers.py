@@ -6,7 +6,7 @@ import asyncio
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import aiohttp
 import pytest
@@ -29,29 +29,45 @@ class RunningAgent:
     config: Config
     engine: Engine
     runner: web.AppRunner
+    app: web.Application
 
     async def stop(self) -> None:
         await self.runner.cleanup()
 
 
-async def start_agent(tiny_model_dir: Path, **overrides: Any) -> RunningAgent:
+def agent_config(tiny_model_dir: Path, **overrides: Any) -> Config:
+    """The tests' agent: loopback, the tiny model, one torch thread, no fallback model."""
     values: dict[str, Any] = dict(host="127.0.0.1", port=free_port(), ice_hosts=("127.0.0.1",),
-                                  model=str(tiny_model_dir), threads=1, fallback_model="none")
+                                  model=str(tiny_model_dir), threads=1, fallback_model="none",
+                                  max_calls_per_minute=0)  # the suite opens calls faster than people do
     values.update(overrides)
-    config = Config(**values)
-    engine = build_engine(config)
-    runner = web.AppRunner(create_app(config, engine))
+    return Config(**values)
+
+
+async def start_agent(tiny_model_dir: Path, engine: Optional[Callable[[Config], Engine]] = None,
+                      **overrides: Any) -> RunningAgent:
+    """Serve an agent on a free loopback port and wait (bounded: 60 s) until its engine is ready;
+    fail the test with the reason otherwise. `engine` builds a custom engine from the config
+    (e.g. a runner wrapped to be slow); default: the real one."""
+    config = agent_config(tiny_model_dir, **overrides)
+    engine_ = (engine or build_engine)(config)
+    app = create_app(config, engine_)
+    runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     url = f"http://{config.host}:{config.port}"
+    last = "no answer"
     async with aiohttp.ClientSession() as http:
         for _ in range(600):  # model load, bounded: 60 s
             async with http.get(f"{url}/healthz") as resp:
                 if resp.status == 200:
-                    return RunningAgent(url, config, engine, runner)
+                    return RunningAgent(url, config, engine_, runner, app)
+                last = await resp.text()
+                if '"failed"' in last:
+                    break
             await asyncio.sleep(0.1)
     await runner.cleanup()
-    pytest.fail("engine did not become ready")
+    pytest.fail(f"the agent's engine did not become ready: /healthz said {last}")
 
 
 async def wait_no_sessions(url: str, message: str) -> None:

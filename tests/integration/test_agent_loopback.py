@@ -134,16 +134,15 @@ async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: P
             if client.result.audible_samples > 4800:
                 break
             await asyncio.sleep(0.05)
+        before = len(client.result.of_type("input_audio_buffer.speech_started"))
+        mark = len(client.result.events)
         client.audio.play()
-        for _ in range(150):
-            starts = client.result.of_type("input_audio_buffer.speech_started")
-            if len(starts) >= 2:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the second utterance was not detected")
-        barge_at = starts[1]["_t"]
-        await asyncio.sleep(1.0)
+        barge = await _next_event(client, "input_audio_buffer.speech_started", after=before, timeout=15)
+        barge_at, barge_index = barge["_t"], client.result.events.index(barge)
+        # Watch the window from the barge-in to the end of that utterance (a new reply may begin
+        # after it): the audio the client still hears in it.
+        stopped = await _event_after(client, "input_audio_buffer.speech_stopped", barge_index, timeout=20)
+        window_end = stopped["_t"]
         first_done = client.result.of_type("response.done")
     finally:
         await client.close()
@@ -151,12 +150,41 @@ async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: P
     for event in r.events:
         strict_event(event)
     assert first_done, "the interrupted reply was never closed"
-    cancelled = first_done[0]["response"]["status"] == "cancelled" or r.of_type("output_audio_buffer.cleared")
-    assert cancelled, f"no cancellation reported: {first_done[0]}"
-    # Audio still heard 150 ms after the server saw the barge-in: at most what was in
-    # flight (aiortc/jitter buffers), never the rest of a 4 s reply.
-    late = sum(n for t, n in r.audible_log if barge_at + 0.15 < t < barge_at + 1.0)
-    assert late <= 2400, f"{late / 48000:.2f} s of agent audio after barge-in"  # 48 kHz at the client
+    # Order, not timing: the agent flushed the reply's audio (output_audio_buffer.cleared; the
+    # session sends it as it detects the speech, just before speech_started) before the user
+    # had even finished talking over it, and the reply that was cut ended (cancelled, or
+    # complete with its remaining audio dropped).
+    stopped_index = r.events.index(stopped)
+    flushed = [i for i, e in enumerate(r.events) if e["type"] == "output_audio_buffer.cleared" and mark <= i]
+    assert flushed and flushed[0] < stopped_index, [e["type"] for e in r.events[mark:stopped_index + 1]]
+    assert first_done[0]["response"]["status"] in ("cancelled", "completed", "incomplete"), first_done[0]
+    # What is still heard after the barge-in is what was in flight (aiortc and jitter buffers),
+    # never the rest of the reply: a wide bound, a quarter of the window (an unstopped reply
+    # would fill all of it).
+    late = sum(n for t, n in r.audible_log if barge_at < t < window_end)
+    window = window_end - barge_at
+    assert window > 0.5, f"the second utterance lasted {window:.2f} s"
+    assert late < 0.25 * window * 48_000, f"{late / 48000:.2f} s of agent audio in the {window:.2f} s after barge-in"
+
+
+async def _next_event(client: AgentClient, kind: str, after: int, timeout: float) -> dict:
+    """The (after+1)-th event of this kind, waited for (bounded)."""
+    for _ in range(int(timeout * 20)):
+        seen = client.result.of_type(kind)
+        if len(seen) > after:
+            return seen[after]
+        await asyncio.sleep(0.05)
+    pytest.fail(f"no {kind} #{after + 1}: {[e['type'] for e in client.result.events][-12:]}")
+
+
+async def _event_after(client: AgentClient, kind: str, index: int, timeout: float) -> dict:
+    """The first event of this kind after position `index` in the client's events (bounded)."""
+    for _ in range(int(timeout * 20)):
+        for event in client.result.events[index + 1:]:
+            if event["type"] == kind:
+                return event
+        await asyncio.sleep(0.05)
+    pytest.fail(f"no {kind} after event {index}: {[e['type'] for e in client.result.events][index:]}")
 
 
 async def test_data_channel_errors_and_text_only_mode(agent_url: str, speech_wav: Path) -> None:

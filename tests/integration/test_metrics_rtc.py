@@ -11,18 +11,16 @@ degradation level and GPU gauges are exported (they move in test_ladder_rtc / on
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
 from agent.client import AgentClient
 from agent.config import Config
 from agent.engine import Engine, runner_factory
 from agent.engine.api import AudioOut
-from agent.server import create_app
+from realtime_helpers import start_agent
 
 
 class StallAfterFirstAudio:
@@ -62,26 +60,28 @@ def _sum(values: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in values.items() if k == prefix or k.startswith(prefix + "{"))
 
 
-async def test_metrics_exist_and_move(tiny_model_dir: Path, speech_wav: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = Config(port=port, ice_hosts=("127.0.0.1",), model=str(tiny_model_dir), fallback_model="none",
-                    threads=1, max_reply_seconds=2.0)
+async def _wait_sessions_gauge_zero(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Scrape until agent_sessions_active is 0 (bounded: 10 s); the last scrape."""
+    for _ in range(100):
+        values = await _scrape(http, url)
+        if _sum(values, "agent_sessions_active") == 0:
+            return values
+        await asyncio.sleep(0.1)
+    return values
+
+
+def _stalling_engine(config: Config) -> Engine:
     primary = runner_factory(config)
-    engine = Engine(lambda: StallAfterFirstAudio(primary()))
-    app_runner = web.AppRunner(create_app(config, engine))
-    await app_runner.setup()
-    await web.TCPSite(app_runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
+    return Engine(lambda: StallAfterFirstAudio(primary()))
+
+
+async def test_metrics_exist_and_move(tiny_model_dir: Path, speech_wav: Path) -> None:
+    running = await start_agent(tiny_model_dir, engine=_stalling_engine, max_reply_seconds=2.0)
+    url = running.url
     client = AgentClient(url, speech_wav, video=True)
     peaks = {"agent_sessions_active": 0.0, "agent_playout_buffer_seconds": 0.0}
     async with aiohttp.ClientSession() as http:
         try:
-            for _ in range(300):
-                if engine.ready:
-                    break
-                await asyncio.sleep(0.1)
             before = await _scrape(http, url)
             async with http.post(f"{url}/v1/realtime/calls", data=b"", headers={"Content-Type": "application/sdp"}) as resp:
                 assert resp.status == 400
@@ -95,9 +95,8 @@ async def test_metrics_exist_and_move(tiny_model_dir: Path, speech_wav: Path) ->
             during = await _scrape(http, url)
         finally:
             await client.close()
-        await asyncio.sleep(0.3)
-        after = await _scrape(http, url)
-        await app_runner.cleanup()
+        after = await _wait_sessions_gauge_zero(http, url)
+        await running.stop()
 
     assert client.result.of_type("response.done"), "the reply never finished"
     moved = lambda name: _sum(during, name) - _sum(before, name)  # noqa: E731

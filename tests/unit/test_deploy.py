@@ -45,12 +45,18 @@ def test_promtool_accepts_rules() -> None:
 
 
 def test_rules_and_dashboard_query_exported_metrics() -> None:
-    # Labelled metrics export samples only once a label is used; touch each family.
-    metrics.STAGE.labels(stage="probe")
-    metrics.INGEST_BUFFER.labels(kind="probe")
-    metrics.INGEST_DROPPED.labels(kind="probe", reason="probe")
-    metrics.OFFERS_REJECTED.labels(reason="probe")
-    exported = _exported()
+    # Labelled metrics export samples only once a label is used: touch each family with a
+    # probe label, and take the probes out again so that no later scrape sees them.
+    probes = [(metrics.STAGE, ("probe",)), (metrics.INGEST_BUFFER, ("probe",)),
+              (metrics.INGEST_DROPPED, ("probe", "probe")), (metrics.OFFERS_REJECTED, ("probe",))]
+    for family, labels in probes:
+        family.labels(*labels)
+    try:
+        exported = _exported()
+    finally:
+        for family, labels in probes:
+            family.remove(*labels)
+    assert 'reason="probe"' not in metrics.render().decode()
     rules = (DEPLOY / "prometheus-rules.yml").read_text()
     dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
     exprs = json.dumps([t["expr"] for p in dashboard["panels"] for t in p["targets"]])
