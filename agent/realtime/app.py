@@ -38,7 +38,7 @@ def refuse_new_session(request: web.Request, priority_class: str = priority.NORM
     the session limit (for a normal session: the limit less the slots kept for high priority);
     429 when this client address opens calls too fast."""
     app = request.app
-    config, engine, sessions = app[CONFIG], app[ENGINE], app[SESSIONS]
+    config, engine = app[CONFIG], app[ENGINE]
     if app[DRAINING].is_set():
         metrics.OFFERS_REJECTED.labels(reason="shutting_down").inc()
         return json_error(503, "the agent is shutting down", "shutting_down", kind="server_error",
