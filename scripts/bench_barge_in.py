@@ -329,16 +329,18 @@ async def interrupt_once(caller: Caller, question: np.ndarray, interruption: np.
 
 
 def endpointer_alone(pcm48: np.ndarray, barge_in_ms: int, agent_dbfs: Optional[float],
-                     guard: bool = True) -> list[float]:
+                     guard: bool = True, candidate: bool = False) -> list[float]:
     """The confirmation the endpointer itself needs for this utterance, without any transport:
     ms from the first voiced 20 ms frame to the 80 ms chunk whose push() starts the turn, for
     each of the four 20 ms phases of the onset within a chunk. The client sends a frame when its
     audio is complete (its pts time), so a chunk is at the server one frame before its end.
     agent_dbfs: the level the agent plays (None: it is silent: a plain turn start, min_speech_ms);
-    guard False: the duration rule only (--no-echo-guard)."""
+    guard False: the duration rule only (--no-echo-guard). candidate: time to the BargeInCandidate
+    the agent pauses on instead (fed per 20 ms frame as the server gets them: peek(), then push()
+    once a chunk is complete)."""
     from agent.config import INPUT_RATE
     from agent.ingest import AudioChunk, CHUNK_SECONDS
-    from agent.vad import Endpointer, SpeechStarted
+    from agent.vad import BargeInCandidate, Endpointer, SpeechStarted
 
     level = None if agent_dbfs is None else 10 ** (agent_dbfs / 20)
     pcm16 = pcm48[: len(pcm48) // 3 * 3].astype(np.float32).reshape(-1, 3).mean(axis=1) / 32768.0
@@ -355,7 +357,14 @@ def endpointer_alone(pcm48: np.ndarray, barge_in_ms: int, agent_dbfs: Optional[f
         onset = len(lead) / INPUT_RATE + first_voiced
         for i in range(len(audio) // chunk_len):
             chunk = AudioChunk(audio[i * chunk_len : (i + 1) * chunk_len], i, i * CHUNK_SECONDS)
-            if any(isinstance(e, SpeechStarted) for e in ep.push(chunk)):
+            if candidate:
+                k = next((k for k in range(3) if any(isinstance(e, BargeInCandidate) for e in ep.peek(
+                    i, chunk.pcm[: (k + 1) * sub]))), None)
+                if k is not None or any(isinstance(e, BargeInCandidate) for e in ep.push(chunk)):
+                    ready = chunk.start + (4 if k is None else k + 1) * 0.02
+                    out.append((ready - 0.02 - onset) * 1000)
+                    break
+            elif any(isinstance(e, SpeechStarted) for e in ep.push(chunk)):
                 out.append((chunk.end - 0.02 - onset) * 1000)
                 break
         else:
@@ -517,7 +526,9 @@ async def main_async(args: argparse.Namespace) -> None:
     guard = pct([r.agent_dbfs for r in done], 50)
     alone = {"agent silent (plain turn start)": endpointer_alone(interruption, args.barge_in_ms, None),
              f"agent at {guard:.0f} dBFS, guard off": endpointer_alone(interruption, args.barge_in_ms, guard, False),
-             f"agent at {guard:.0f} dBFS, guard on": endpointer_alone(interruption, args.barge_in_ms, guard)}
+             f"agent at {guard:.0f} dBFS, guard on": endpointer_alone(interruption, args.barge_in_ms, guard),
+             f"agent at {guard:.0f} dBFS, guard on, onset → pause (candidate)":
+                 endpointer_alone(interruption, args.barge_in_ms, guard, candidate=True)}
     print("endpointer alone on the same utterance (no transport), onset → turn start per onset phase "
           "0/20/40/60 ms in the 80 ms chunk: " + "; ".join(
               f"{name}: {'/'.join(f'{v:.0f}' for v in vals)} ms" for name, vals in alone.items()))
