@@ -181,7 +181,7 @@ class Endpointer:
         self._reset_candidate()
         self._in_turn = False
         self._paused = False
-        self._announced = False  # the caller that resets knows what it was waiting for
+        self._announced = False  # no BargeInDropped: a pause waiting on it ends by its own bound
 
     def peek(self, index: int, partial: np.ndarray) -> list[TurnEvent]:
         """Judge the complete 20 ms sub-frames of chunk `index`, still being filled.

@@ -54,9 +54,8 @@ async def test_pause_sends_silence_and_resume_plays_on_with_the_same_samples():
     clock = FakeClock()
     track = AgentAudioTrack(clock=clock, sleep=clock.sleep)
     audio = ramp(10 * N)
-    track.begin_reply()
+    track.begin_reply()  # and not ended: a silent frame inside it would count as an underrun
     track.push(audio)
-    track.end_reply()
     sent = [pcm_of(await track.recv()) for _ in range(3)]
     resumed_before = pauses("resumed")
     track.pause(0.6)
@@ -69,6 +68,8 @@ async def test_pause_sends_silence_and_resume_plays_on_with_the_same_samples():
     assert pauses("resumed") == resumed_before + 1
     sent += [pcm_of(await track.recv()) for _ in range(7)]
     assert np.array_equal(np.concatenate(sent), audio)  # every sample, in order, none lost
+    assert track.underruns == 0
+    track.end_reply()
     assert not track.in_reply  # then the reply drained as usual
 
 
