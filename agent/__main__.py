@@ -74,6 +74,11 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                         "(default %(default)s dB)")
     p.add_argument("--no-echo-guard", dest="echo_guard", action="store_false",
                    help="do not raise the barge-in threshold by the level the agent plays (duration rule only)")
+    p.add_argument("--no-barge-in-pause", dest="barge_in_pause", action="store_false",
+                   help="do not pause the agent's voice on a likely barge-in before it is confirmed "
+                        "(--barge-in-ms); with it, a false alarm resumes where it paused")
+    p.add_argument("--barge-in-pause-max-ms", type=int, default=d.barge_in_pause_max_ms,
+                   help="an unconfirmed barge-in pause resumes after this long (default %(default)s)")
     p.add_argument("--no-speculative-start", dest="speculative_start", action="store_false",
                    help="do not start replies on short pauses (speculatively, held until the turn ends)")
     p.add_argument("--speculation-pause-ms", type=int, default=d.speculation_pause_ms,

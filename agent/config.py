@@ -81,6 +81,11 @@ class Config:
     barge_in_ms: int = 200
     echo_guard: bool = True  # raise the onset threshold by the level played (False: duration only)
     echo_margin_db: float = -6.0
+    # Barge-in pause: while the agent speaks, its voice pauses (silence, queue held) on the first
+    # voiced sub-frame above the echo level; the confirmed barge-in then drops the held audio, a
+    # candidate that dies resumes it where it paused, and so does a pause longer than the bound.
+    barge_in_pause: bool = True
+    barge_in_pause_max_ms: int = 600
     # Speculative start: after this much unvoiced audio inside a turn the engine starts the
     # reply, its output held, while the endpointer keeps listening: committed at the end of
     # turn (vad_silence_ms), discarded invisibly if the user speaks again first. With or without

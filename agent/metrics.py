@@ -50,6 +50,13 @@ PLAYOUT_UNDERRUNS = Counter(
     "20 ms frames sent as silence while a reply was still playing",
     registry=REGISTRY,
 )
+BARGE_IN_PAUSES = Counter(
+    "agent_barge_in_pauses_total",
+    "Outbound audio paused on a barge-in candidate, by how the pause ended: flushed (confirmed), "
+    "resumed (the candidate died), expired (no confirmation within the bound)",
+    ["outcome"],
+    registry=REGISTRY,
+)
 OFFERS_REJECTED = Counter(
     "agent_offers_rejected_total", "Offers refused", ["reason"], registry=REGISTRY
 )
@@ -85,6 +92,8 @@ for _priority in ("high", "normal"):  # both classes are exported from the start
     TTFT.labels(priority=_priority)
     TTFA.labels(priority=_priority)
     SESSIONS_ACTIVE.labels(priority=_priority)
+for _outcome in ("flushed", "resumed", "expired"):
+    BARGE_IN_PAUSES.labels(outcome=_outcome)
 
 
 def render() -> bytes:

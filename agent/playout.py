@@ -5,6 +5,12 @@ frame is encoded, so the track sleeps until ``start + pts / rate`` like aiortc's
 AudioStreamTrack. It never waits for audio: when nothing is queued it sends silence, so
 RTP timestamps keep advancing with real time and the browser's jitter buffer stays small.
 
+Barge-in pause: ``pause()`` sends silence while holding the queue (nothing is dropped) until
+``resume()`` plays on from the same sample, ``flush()`` drops it (the barge-in was confirmed), or
+the bound passes and it resumes by itself: a likely interruption silences the agent at once, a
+false alarm costs only the pause. Frames held are not sent, so they are not "heard"
+(Session.interrupt counts heard audio as pushed minus flushed).
+
 All methods run on the asyncio thread; the engine thread hands PCM over with
 ``loop.call_soon_threadsafe(track.push, pcm)``.
 """
@@ -25,7 +31,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from .config import OUTPUT_FRAME_SAMPLES, OUTPUT_RATE
 from .echo import PlayoutLevel
-from .metrics import PLAYOUT_BUFFER, PLAYOUT_UNDERRUNS
+from .metrics import BARGE_IN_PAUSES, PLAYOUT_BUFFER, PLAYOUT_UNDERRUNS
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +118,7 @@ class AgentAudioTrack(MediaStreamTrack):
         self._reply = _IDLE
         self._first_audio_pending = False
         self._overflowing = False
+        self._pause_left: Optional[int] = None  # paused: silent frames still allowed; None: playing
 
         # The level of what was sent lately: the endpointer's echo guard reads it.
         self.level = PlayoutLevel(clock=clock)
@@ -156,8 +163,28 @@ class AgentAudioTrack(MediaStreamTrack):
             if self._first_audio_pending:
                 self._first_audio.set()  # a reply's first audio: don't wait out the frame slot
 
+    @property
+    def paused(self) -> bool:
+        return self._pause_left is not None
+
+    def pause(self, max_s: float) -> None:
+        """Send silence and hold what is queued (a possible barge-in), for at most max_s; then
+        play resumes by itself. Pausing while paused keeps the first bound."""
+        if self._pause_left is None:
+            self._pause_left = max(1, round(max_s * OUTPUT_RATE / OUTPUT_FRAME_SAMPLES))
+
+    def resume(self) -> None:
+        """Play on from where pause() held (a false alarm); nothing when not paused."""
+        if self._pause_left is not None:
+            self._pause_left = None
+            BARGE_IN_PAUSES.labels(outcome="resumed").inc()
+
     def flush(self) -> float:
-        """Drop everything queued at once (barge-in) and end the reply; return the seconds dropped."""
+        """Drop everything queued at once (barge-in) and end the reply; return the seconds dropped.
+        Ends a pause: the held audio is dropped with the rest."""
+        if self._pause_left is not None:
+            self._pause_left = None
+            BARGE_IN_PAUSES.labels(outcome="flushed").inc()
         dropped = self.buffered_seconds
         self._chunks.clear()
         self._head = 0
@@ -204,15 +231,23 @@ class AgentAudioTrack(MediaStreamTrack):
                 self._start -= wait
                 self.reanchors += 1
                 wait = 0.0
-            if self._first_audio_pending and not self._buffered and wait > 0:
+            if self._first_audio_pending and not self._buffered and wait > 0 and self._pause_left is None:
                 await self._sleep_or_first_audio(wait)
             else:
                 await self._sleep(max(wait, 0.0))
 
-        # Read the queue after the sleep, so a flush() during it silences this frame.
-        pcm, real = self._take(OUTPUT_FRAME_SAMPLES)
-        now = self._clock()
-        self._account(real, now)
+        # Read the queue after the sleep, so a flush() or pause() during it silences this frame.
+        if self._pause_left is not None:
+            pcm, real = np.zeros(OUTPUT_FRAME_SAMPLES, dtype=np.int16), 0
+            self._pause_left -= 1
+            if self._pause_left == 0:  # the bound: no confirmation came, play on
+                self._pause_left = None
+                BARGE_IN_PAUSES.labels(outcome="expired").inc()
+            now = self._clock()
+        else:
+            pcm, real = self._take(OUTPUT_FRAME_SAMPLES)
+            now = self._clock()
+            self._account(real, now)
         if real:
             self.level.record(pcm)
 

@@ -31,7 +31,8 @@ from .realtime.input_buffer import InputBuffer
 from .realtime.events import new_id, user_audio_item, user_text_item
 from .realtime.outbox import Outbox
 from .realtime.response import STATUS_BY_REASON, Response
-from .vad import SpeechAudio, SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
+from .vad import (BargeInCandidate, BargeInDropped, SpeechAudio, SpeechPaused, SpeechResumed, SpeechStarted,
+                  SpeechStopped)
 from .video_feed import VideoFeed
 
 log = logging.getLogger(__name__)
@@ -150,9 +151,16 @@ class Session:
     def _on_turn_event(self, event: object) -> None:
         td = self.input.turn_detection
         try:
-            if isinstance(event, SpeechStarted):
+            if isinstance(event, BargeInCandidate):
+                self._pause_output()
+            elif isinstance(event, BargeInDropped):
+                if self.track is not None:
+                    self.track.resume()  # a false alarm: play on from where it paused
+            elif isinstance(event, SpeechStarted):
                 if td is not None and td.interrupt_response:
                     self.interrupt("turn_detected")
+                if self.track is not None:
+                    self.track.resume()  # after interrupt()'s flush: nothing; without one: play on
                 self._speech_item, self._speculating, self._after_pause = new_id("item"), False, None
                 self.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000),
                            "item_id": self._speech_item})
@@ -188,6 +196,16 @@ class Session:
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
             self.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
+
+    def _pause_output(self) -> None:
+        """A barge-in candidate while the agent speaks: pause its voice now (the track holds the
+        queue) rather than after barge_in_ms. Only where a confirmed turn would interrupt, and
+        with the echo guard on: without it the agent's own echo is a candidate, and pausing on
+        it would stutter the reply."""
+        td = self.input.turn_detection
+        if (self.track is not None and self.config.barge_in_pause and self.config.echo_guard
+                and td is not None and td.interrupt_response):
+            self.track.pause(self.config.barge_in_pause_max_ms / 1000)
 
     def _speculate(self) -> None:
         """A pause in the user's turn: let the engine start the reply that the end of turn would

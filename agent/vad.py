@@ -18,6 +18,12 @@ has enough syllables above it. Inside a turn nothing changes.
 With ``pause_ms`` set, a shorter unvoiced run inside a turn is reported as ``SpeechPaused``
 (once per pause) and voice after it as ``SpeechResumed``: the session starts a speculative
 reply on the first and discards it on the second (agent/engine/phase.py).
+
+Barge-in candidates: while the agent plays, the first counted voiced sub-frame (above the echo
+level: where the barge_in_ms count starts) is reported as ``BargeInCandidate`` as soon as it is
+complete, per 20 ms sub-frame through peek() (not per 80 ms chunk), so the session can pause the
+agent's voice at once; ``BargeInDropped`` follows if that candidate dies without becoming a turn
+(a gap over BARGE_IN_GAP_MS, a discontinuity), ``SpeechStarted`` if it is confirmed.
 """
 
 from __future__ import annotations
@@ -85,7 +91,23 @@ class SpeechResumed:
     at: float
 
 
-TurnEvent = Union[SpeechStarted, SpeechAudio, SpeechStopped, SpeechPaused, SpeechResumed]
+@dataclass(frozen=True)
+class BargeInCandidate:
+    """While the agent plays: voice above its echo level that may become a barge-in.
+    ``onset``: the start of the candidate's first counted voiced sub-frame."""
+
+    onset: float
+
+
+@dataclass(frozen=True)
+class BargeInDropped:
+    """The last BargeInCandidate ended without a turn; ``at``: when that was decided (audio clock)."""
+
+    at: float
+
+
+TurnEvent = Union[SpeechStarted, SpeechAudio, SpeechStopped, SpeechPaused, SpeechResumed, BargeInCandidate,
+                  BargeInDropped]
 
 
 class Endpointer:
@@ -139,6 +161,9 @@ class Endpointer:
         self._onset: Optional[float] = None
         self._voiced_ms = 0
         self._unvoiced_ms = 0
+        # A BargeInCandidate went out for the current candidate (peek() may announce a
+        # sub-frame before push() counts it) and no BargeInDropped / SpeechStarted since.
+        self._announced = False
         # turn
         self._in_turn = False
         self._turn_start = 0.0
@@ -156,23 +181,26 @@ class Endpointer:
         self._reset_candidate()
         self._in_turn = False
         self._paused = False
+        self._announced = False  # no BargeInDropped: a pause waiting on it ends by its own bound
 
     def peek(self, index: int, partial: np.ndarray) -> list[TurnEvent]:
-        """End the turn from the complete 20 ms sub-frames of chunk `index`, still being filled.
+        """Judge the complete 20 ms sub-frames of chunk `index`, still being filled.
 
-        Only ends a turn (a start or a voiced sub-frame waits for push()). The chunk that is
+        In a turn, only ends it (a voiced sub-frame waits for push()). The chunk that is
         still filling is then not part of the turn: it would only add silence the model
         does not need, and waiting for it would delay the end of turn by up to 60 ms.
+        Before a turn, while the agent plays, only announces a barge-in candidate (push()
+        still does the counting), so the agent can fall silent 20-60 ms sooner.
         """
-        if not self._in_turn or (self._expected_index is not None and index != self._expected_index):
+        if self._expected_index is not None and index != self._expected_index:
             return []
+        if not self._in_turn:
+            return self._peek_candidate(index, partial)
         start = index * CHUNK_SECONDS
         pcm16 = np.clip(np.round(partial * 32768.0), -32768, 32767).astype(np.int16)
         events: list[TurnEvent] = []
         for k in range(len(pcm16) // SUBFRAME_SAMPLES):
-            voiced = self._peeked.get((index, k))
-            if voiced is None:
-                voiced = self._peeked[(index, k)] = self._voiced(pcm16[k * SUBFRAME_SAMPLES : (k + 1) * SUBFRAME_SAMPLES])
+            voiced = self._peek_voiced(index, k, pcm16)
             if voiced:
                 return events
             t_end = start + (k + 1) * SUBFRAME_MS / 1000
@@ -180,6 +208,31 @@ class Endpointer:
                 return [*events, self._stop(at=t_end)]
             events += self._pause(t_end)
         return events
+
+    def _peek_voiced(self, index: int, k: int, pcm16: np.ndarray) -> bool:
+        voiced = self._peeked.get((index, k))
+        if voiced is None:
+            voiced = self._peeked[(index, k)] = self._voiced(pcm16[k * SUBFRAME_SAMPLES : (k + 1) * SUBFRAME_SAMPLES])
+        return voiced
+
+    def _peek_candidate(self, index: int, partial: np.ndarray) -> list[TurnEvent]:
+        """BargeInCandidate at the first voiced sub-frame above the echo level while the agent
+        plays. Counting stays with push(): if push() then judges that sub-frame differently
+        (the played level moved), it reports BargeInDropped."""
+        playing = None if self._announced or self._echo is None else self._echo()
+        if playing is None:
+            return []
+        pcm16 = np.clip(np.round(partial * 32768.0), -32768, 32767).astype(np.int16)
+        for k in range(len(pcm16) // SUBFRAME_SAMPLES):
+            sub = pcm16[k * SUBFRAME_SAMPLES : (k + 1) * SUBFRAME_SAMPLES]
+            voiced = self._peek_voiced(index, k, pcm16)
+            if voiced and not self._under_echo(voiced, sub, playing):
+                self._announced = True
+                # push()'s arithmetic, so SpeechStarted.onset is the same float
+                t_end = index * CHUNK_SECONDS + (k + 1) * SUBFRAME_MS / 1000
+                onset = self._onset if self._onset is not None else t_end - SUBFRAME_MS / 1000
+                return [BargeInCandidate(onset=onset)]
+        return []
 
     def push(self, chunk: AudioChunk) -> list[TurnEvent]:
         """Classify one chunk; return the events it causes, in order.
@@ -216,11 +269,18 @@ class Endpointer:
                     stopped_here = True
                 else:
                     events += self._pause(t_end)
-            elif self._candidate(voiced, t_end, playing, self._under_echo(voiced, sub, playing)) and not stopped_here:
-                events += self._start(chunk, t_end)
-                started_here = True
+            else:
+                counting = self._onset is not None
+                if self._candidate(voiced, t_end, playing, self._under_echo(voiced, sub, playing)) and not stopped_here:
+                    events += self._start(chunk, t_end)
+                    started_here = True
+                elif counting and self._onset is None and self._announced:
+                    self._announced = False
+                    events.append(BargeInDropped(at=t_end))
 
         self._peeked = {key: v for key, v in self._peeked.items() if key[0] > chunk.index}
+        if not self._in_turn:
+            events += self._settle_candidate(chunk.end, playing)
         if self._in_turn:
             if not started_here:
                 events.append(SpeechAudio(chunk))
@@ -275,6 +335,18 @@ class Endpointer:
                 self._reset_candidate()
         return False
 
+    def _settle_candidate(self, t: float, playing: Optional[float]) -> list[TurnEvent]:
+        """After push(): announce a candidate peek() did not (its first voiced sub-frame was the
+        chunk's last, or the agent's voice began under it); drop one peek() announced that
+        push() did not count (judged under the echo level at the chunk's played level)."""
+        if self._onset is not None and not self._announced and playing is not None:
+            self._announced = True
+            return [BargeInCandidate(onset=self._onset)]
+        if self._onset is None and self._announced:
+            self._announced = False
+            return [BargeInDropped(at=t)]
+        return []
+
     def _start(self, chunk: AudioChunk, t_end: float) -> list[TurnEvent]:
         assert self._onset is not None
         onset = self._onset
@@ -285,6 +357,7 @@ class Endpointer:
         self._turn_start = turn_audio[0].start
         self._last_voiced_end = t_end  # the sub-frame that completed min_speech_ms
         self._reset_candidate()
+        self._announced = False  # SpeechStarted confirms the candidate
         events: list[TurnEvent] = [SpeechStarted(at=self._turn_start, onset=onset)]
         events += [SpeechAudio(c) for c in turn_audio]
         return events
@@ -322,6 +395,9 @@ class Endpointer:
         # Pre-roll and candidate do not survive a discontinuity.
         self._history.clear()
         self._reset_candidate()
+        if self._announced:
+            self._announced = False
+            events.append(BargeInDropped(at=gap_start))
         if self._in_turn:
             at = self._last_voiced_end + self._silence_ms / 1000
             if at <= chunk.start:

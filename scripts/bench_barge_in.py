@@ -13,8 +13,12 @@ question (espeak-ng speech); once the agent's reply audio is arriving it waits a
 and, from the data channel, when `input_audio_buffer.speech_started` and
 `output_audio_buffer.cleared` arrived: onset → cleared is the server's confirmation (the
 endpointer's --barge-in-ms of voiced audio, its 80 ms chunks, the detector) plus the data
-channel; cleared → stop is the outbound flush (the next 20 ms frame is silence), Opus, RTP
-and the client's jitter hold. The interrupting utterance is a user turn: the agent answers
+channel. With the barge-in pause (the agent's default) the agent falls silent at the candidate,
+the first voiced 20 ms above the echo level, long before the confirmation, so stop comes before
+cleared (clr→stop is negative); with --no-pause (the agent's --no-barge-in-pause) cleared →
+stop is the outbound flush (the next 20 ms frame is silence), Opus, RTP and the client's jitter
+hold. Either way stop is the first silence the client hears, and a try counts only when the
+server confirmed the barge-in (below). The interrupting utterance is a user turn: the agent answers
 it, and the client interrupts that answer next (or asks again when no spoken answer comes).
 
 Table columns besides those: `1st gap` says "early" when the received audio already had a hole
@@ -325,16 +329,18 @@ async def interrupt_once(caller: Caller, question: np.ndarray, interruption: np.
 
 
 def endpointer_alone(pcm48: np.ndarray, barge_in_ms: int, agent_dbfs: Optional[float],
-                     guard: bool = True) -> list[float]:
+                     guard: bool = True, candidate: bool = False) -> list[float]:
     """The confirmation the endpointer itself needs for this utterance, without any transport:
     ms from the first voiced 20 ms frame to the 80 ms chunk whose push() starts the turn, for
     each of the four 20 ms phases of the onset within a chunk. The client sends a frame when its
     audio is complete (its pts time), so a chunk is at the server one frame before its end.
     agent_dbfs: the level the agent plays (None: it is silent: a plain turn start, min_speech_ms);
-    guard False: the duration rule only (--no-echo-guard)."""
+    guard False: the duration rule only (--no-echo-guard). candidate: time to the BargeInCandidate
+    the agent pauses on instead (fed per 20 ms frame as the server gets them: peek(), then push()
+    once a chunk is complete)."""
     from agent.config import INPUT_RATE
     from agent.ingest import AudioChunk, CHUNK_SECONDS
-    from agent.vad import Endpointer, SpeechStarted
+    from agent.vad import BargeInCandidate, Endpointer, SpeechStarted
 
     level = None if agent_dbfs is None else 10 ** (agent_dbfs / 20)
     pcm16 = pcm48[: len(pcm48) // 3 * 3].astype(np.float32).reshape(-1, 3).mean(axis=1) / 32768.0
@@ -351,7 +357,14 @@ def endpointer_alone(pcm48: np.ndarray, barge_in_ms: int, agent_dbfs: Optional[f
         onset = len(lead) / INPUT_RATE + first_voiced
         for i in range(len(audio) // chunk_len):
             chunk = AudioChunk(audio[i * chunk_len : (i + 1) * chunk_len], i, i * CHUNK_SECONDS)
-            if any(isinstance(e, SpeechStarted) for e in ep.push(chunk)):
+            if candidate:
+                k = next((k for k in range(3) if any(isinstance(e, BargeInCandidate) for e in ep.peek(
+                    i, chunk.pcm[: (k + 1) * sub]))), None)
+                if k is not None or any(isinstance(e, BargeInCandidate) for e in ep.push(chunk)):
+                    ready = chunk.start + (4 if k is None else k + 1) * 0.02
+                    out.append((ready - 0.02 - onset) * 1000)
+                    break
+            elif any(isinstance(e, SpeechStarted) for e in ep.push(chunk)):
                 out.append((chunk.end - 0.02 - onset) * 1000)
                 break
         else:
@@ -365,8 +378,11 @@ async def scrape(url: str) -> dict[str, float]:
         async with http.get(f"{url}/metrics") as resp:
             for line in (await resp.text()).splitlines():
                 if line and not line.startswith("#"):
-                    name = line.split("{", 1)[0].split(" ", 1)[0]
-                    values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+                    full, value = line.rsplit(" ", 1)
+                    name = full.split("{", 1)[0]
+                    values[name] = values.get(name, 0.0) + float(value)
+                    if full != name:  # each labelled series too
+                        values[full] = float(value)
     return values
 
 
@@ -374,6 +390,8 @@ def start_server(port: int, args: argparse.Namespace, log: Path) -> subprocess.P
     cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--ice-host", "127.0.0.1", "--max-sessions", "2", "--log-level", "WARNING",
            "--barge-in-ms", str(args.barge_in_ms)]
+    if args.no_pause:
+        cmd += ["--no-barge-in-pause"]
     if not args.ladder:
         # A busy 2-core box would make replies text-only (nothing to interrupt): keep them spoken.
         cmd += ["--text-only-p95-ms", "1e9", "--fallback-p95-ms", "1e9", "--speculation-p95-ms", "1e9",
@@ -480,7 +498,8 @@ async def main_async(args: argparse.Namespace) -> None:
         server.wait(timeout=60)
 
     ms = lambda a, b: "     -" if a is None or b is None else f"{(b - a) * 1000:6.0f}"  # noqa: E731
-    print(f"\nbarge-in over WebRTC loopback, tiny model, --barge-in-ms {args.barge_in_ms}, client jitter hold "
+    print(f"\nbarge-in over WebRTC loopback, tiny model, --barge-in-ms {args.barge_in_ms}, "
+          f"{'no barge-in pause' if args.no_pause else 'barge-in pause on'}, client jitter hold "
           f"{args.prefetch} frame(s), speech at {args.speech_dbfs:.0f} dBFS, agent voice median "
           f"{pct(levels, 50):.0f} dBFS (client clock; ss = speech_started, clr = output_audio_buffer.cleared "
           "arrival)")
@@ -499,13 +518,17 @@ async def main_async(args: argparse.Namespace) -> None:
           f"{len(log)} ({'; '.join(sorted(set(log))) or 'none'}); {elapsed:.0f} s")
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("agent_playout_underruns_total",
                                                                    "agent_turns_total")}
-    barge = sorted(k for k in after if "barge" in k)
-    print(f"server /metrics: {', '.join(barge) if barge else 'no barge-in metric'}; during the run "
+    barge = sorted(k for k in after if k.startswith("agent_barge_in_pauses_total{"))
+    outcome = lambda k: k.split("=", 1)[1].strip('"}')  # noqa: E731
+    pauses = ", ".join(f"{outcome(k)} {after[k] - before.get(k, 0.0):.0f}" for k in barge)
+    print(f"server /metrics: barge-in pauses {pauses or 'not exported'}; during the run "
           f"turns {delta['agent_turns_total']:.0f}, playout underruns {delta['agent_playout_underruns_total']:.0f}")
     guard = pct([r.agent_dbfs for r in done], 50)
     alone = {"agent silent (plain turn start)": endpointer_alone(interruption, args.barge_in_ms, None),
              f"agent at {guard:.0f} dBFS, guard off": endpointer_alone(interruption, args.barge_in_ms, guard, False),
-             f"agent at {guard:.0f} dBFS, guard on": endpointer_alone(interruption, args.barge_in_ms, guard)}
+             f"agent at {guard:.0f} dBFS, guard on": endpointer_alone(interruption, args.barge_in_ms, guard),
+             f"agent at {guard:.0f} dBFS, guard on, onset → pause (candidate)":
+                 endpointer_alone(interruption, args.barge_in_ms, guard, candidate=True)}
     print("endpointer alone on the same utterance (no transport), onset → turn start per onset phase "
           "0/20/40/60 ms in the 80 ms chunk: " + "; ".join(
               f"{name}: {'/'.join(f'{v:.0f}' for v in vals)} ms" for name, vals in alone.items()))
@@ -524,6 +547,8 @@ def main() -> None:
     p.add_argument("--barge-in-ms", type=int, default=200, help="the agent's flag (its default: 200)")
     p.add_argument("--prefetch", type=int, default=1, help="client jitter hold in 20 ms frames (1: browser-like)")
     p.add_argument("--speech-dbfs", type=float, default=-20.0, help="RMS of the client's voiced frames")
+    p.add_argument("--no-pause", action="store_true",
+                   help="run the agent with --no-barge-in-pause (silent only once the barge-in is confirmed)")
     p.add_argument("--ladder", action="store_true", help="leave the degradation ladder on (default: off)")
     p.add_argument("--model", default="")
     p.add_argument("--seed", type=int, default=9)
