@@ -59,6 +59,16 @@ class SpeaksSpeech:
         self._inner = inner
         self._speech = speech
         self._pos: dict[str, int] = {}
+        # The random talker may end a reply after a few frames (codec end token), which would
+        # leave nothing to talk over: keep it speaking to its cap (max_reply_seconds).
+        eos = inner.talker.codec_eos
+
+        def never_ends(module: Any, args: Any, logits: Any) -> Any:
+            logits = logits.clone()
+            logits[..., eos] = float("-inf")
+            return logits
+
+        inner.loaded.model.talker.codec_head.register_forward_hook(never_ends)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -68,8 +78,15 @@ class SpeaksSpeech:
         self._inner.begin_reply(session_id, images, text_only)
 
     def step(self) -> list:
+        return self._speak(self._inner.step())
+
+    def take_ready(self) -> list:
+        # A committed speculation's held output leaves through here, outside a step.
+        return self._speak(self._inner.take_ready())
+
+    def _speak(self, inner_outputs: list) -> list:
         outputs = []
-        for out in self._inner.step():
+        for out in inner_outputs:
             if isinstance(out, AudioOut):
                 pos = self._pos.get(out.session_id, 0)
                 pcm = np.zeros(len(out.pcm), dtype=np.int16)
