@@ -31,8 +31,7 @@ from .realtime.input_buffer import InputBuffer
 from .realtime.events import new_id, user_audio_item, user_text_item
 from .realtime.outbox import Outbox
 from .realtime.response import STATUS_BY_REASON, Response
-from .vad import (BargeInCandidate, BargeInDropped, SpeechAudio, SpeechPaused, SpeechResumed, SpeechStarted,
-                  SpeechStopped)
+from .realtime.server_turn import ServerTurn
 from .video_feed import VideoFeed
 
 log = logging.getLogger(__name__)
@@ -59,11 +58,7 @@ class Session:
         self.video = VideoFeed(config, engine, self.id, self.emit)  # camera → engine, throttle → sender
         self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms),
                                  echo=_weakly(self._playing_level))
-        self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
-        self._speculating = False  # a reply was started on a pause of this turn (held by the engine)
-        # Audio since a pause of the turn: it joins the turn only if the user goes on. So the turn
-        # ends where the pause began, with speculation or without, and both answer the same audio.
-        self._after_pause: Optional[list[np.ndarray]] = None
+        self.turn = ServerTurn(self)  # the turn server VAD follows (agent/realtime/server_turn.py)
         self._reply: Optional[Response] = None  # the response in progress
         self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
         self._last: Optional[Response] = None  # the latest response (what a truncation may cut)
@@ -95,6 +90,11 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def reply_in_flight(self) -> bool:
+        """A response is being made, or a cancelled one's engine work is still winding down."""
+        return self._reply is not None or bool(self._stale_done)
 
     @property
     def replying(self) -> bool:
@@ -135,7 +135,7 @@ class Session:
     def push_audio(self, frame: av.AudioFrame) -> None:
         """Microphone audio, any rate and layout (a WebRTC track's frames, decoded WebSocket appends)."""
         for event in self.input.push(frame):
-            self._on_turn_event(event)
+            self.turn.on_event(event)
 
     def _playing_level(self) -> Optional[float]:
         """For the echo guard (agent/vad.py): the level the agent plays now, None while silent."""
@@ -148,84 +148,7 @@ class Session:
     def push_video(self, frame: av.VideoFrame) -> None:
         self.video.push(frame, self.input.audio_in.clock)
 
-    def _on_turn_event(self, event: object) -> None:
-        td = self.input.turn_detection
-        try:
-            if isinstance(event, BargeInCandidate):
-                self._pause_output()
-            elif isinstance(event, BargeInDropped):
-                if self.track is not None:
-                    self.track.resume()  # a false alarm: play on from where it paused
-            elif isinstance(event, SpeechStarted):
-                if td is not None and td.interrupt_response:
-                    self.interrupt("turn_detected")
-                if self.track is not None:
-                    self.track.resume()  # after interrupt()'s flush: nothing; without one: play on
-                self._speech_item, self._speculating, self._after_pause = new_id("item"), False, None
-                self.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000),
-                           "item_id": self._speech_item})
-            elif isinstance(event, SpeechAudio):
-                if self._after_pause is not None:
-                    self._after_pause.append(event.chunk.pcm)
-                else:
-                    self.engine.append_audio(self.id, event.chunk.pcm)
-            elif isinstance(event, SpeechPaused):
-                self._after_pause = []
-                self._speculate()
-            elif isinstance(event, SpeechResumed):
-                if self._speculating:  # mid-sentence: the held reply goes, unseen
-                    self._speculating = False
-                    try:
-                        self.engine.drop_speculation(self.id)
-                    except EngineBusy:
-                        pass  # the audio below discards it too (StreamingRunner.append_audio)
-                after, self._after_pause = self._after_pause or [], None
-                for pcm in after:  # the pause was part of the sentence
-                    self.engine.append_audio(self.id, pcm)
-            elif isinstance(event, SpeechStopped):
-                item_id = self._speech_item or new_id("item")
-                self._speech_item = None
-                # The rest of the silence is not part of the turn; create_response commits the
-                # speculation (a refusal discards the turn, and it with it).
-                self._speculating, self._after_pause = False, None
-                self.emit({"type": "input_audio_buffer.speech_stopped",
-                           "audio_end_ms": int(event.end_of_speech * 1000), "item_id": item_id})
-                self._commit_item(item_id, None)
-                if td is None or td.create_response:
-                    self.create_response({}, None)
-        except EngineBusy:
-            metrics.ERRORS.labels(where="engine_busy").inc()
-            self.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
-
-    def _pause_output(self) -> None:
-        """A barge-in candidate while the agent speaks: pause its voice now (the track holds the
-        queue) rather than after barge_in_ms. Only where a confirmed turn would interrupt, and
-        with the echo guard on: without it the agent's own echo is a candidate, and pausing on
-        it would stutter the reply."""
-        td = self.input.turn_detection
-        if (self.track is not None and self.config.barge_in_pause and self.config.echo_guard
-                and td is not None and td.interrupt_response):
-            self.track.pause(self.config.barge_in_pause_max_ms / 1000)
-
-    def _speculate(self) -> None:
-        """A pause in the user's turn: let the engine start the reply that the end of turn would
-        create, held until then (StreamingRunner.speculate). Only where that reply would follow
-        by itself (server VAD creating responses), none is running, and the ladder allows it."""
-        td = self.input.turn_detection
-        if (self._speculating or not self.config.speculative_start or td is None or not td.create_response
-                or self._reply is not None or self._stale_done or not self.admission.ladder.speculate):
-            return
-        mode = self._reply_mode(self.settings["output_modalities"])
-        if mode == "fallback":
-            return
-        self.video.flush_for_turn()  # the newest frames reach the engine ahead of the reply
-        try:
-            self.engine.speculate(self.id, [], mode=mode)
-        except EngineBusy:
-            return  # a busy engine has no room for a reply that may be thrown away
-        self._speculating = True
-
-    def _reply_mode(self, modalities: list[str]) -> str:
+    def reply_mode(self, modalities: list[str]) -> str:
         level = self.admission.ladder.level
         if level >= 2 and self.engine.has_fallback:
             return "fallback"
@@ -233,7 +156,7 @@ class Session:
             return "text"
         return "audio"
 
-    def _commit_item(self, item_id: str, event_id: Optional[str]) -> None:
+    def commit_item(self, item_id: str, event_id: Optional[str]) -> None:
         previous = self.conversation.last_id()
         self.emit({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": previous})
         self._add_item(user_audio_item(item_id))
@@ -250,15 +173,7 @@ class Session:
                 self.emit_error("the input audio buffer is empty", "input_audio_buffer_commit_empty", event_id=event_id)
                 return
             self.input.reset()
-            item_id, self._speech_item = self._speech_item or new_id("item"), None
-            if self._speculating:  # a commit without a response: nothing to answer yet
-                self._speculating = False
-                self.engine.drop_speculation(self.id)
-            if self._after_pause:
-                for pcm in self._after_pause:
-                    self.engine.append_audio(self.id, pcm)
-            self._after_pause = None
-            self._commit_item(item_id, event_id)
+            self.commit_item(self.turn.commit(), event_id)
             return
         if self.input.buffered_ms() < 100:
             self.emit_error("commit needs at least 100 ms of audio", "input_audio_buffer_commit_empty", event_id=event_id)
@@ -270,14 +185,14 @@ class Session:
             self.emit_error("engine is overloaded; the audio was dropped", "engine_busy", kind="server_error",
                             event_id=event_id)
             return
-        self._commit_item(new_id("item"), event_id)
+        self.commit_item(new_id("item"), event_id)
 
     def clear_audio(self) -> None:
         """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
         if self.input.in_turn:
             self.engine.discard_turn(self.id)
         self.input.reset()
-        self._speech_item, self._speculating, self._after_pause = None, False, None
+        self.turn.reset()
         self.emit({"type": "input_audio_buffer.cleared"})
 
     def apply_settings(self, merged: dict[str, Any]) -> None:
@@ -293,7 +208,7 @@ class Session:
             if self.input.in_turn:  # the turn so far cannot be judged by new rules
                 self.engine.discard_turn(self.id)
             self.input.set_turn_detection(td)
-            self._speech_item, self._speculating, self._after_pause = None, False, None
+            self.turn.reset()
         self.emit({"type": "session.updated", "session": merged})
 
     # ---- responses -------------------------------------------------------------------
@@ -310,7 +225,7 @@ class Session:
             return
         if self._playing is not None:
             self.clear_output()  # a new reply does not queue behind the old one's audio
-        mode = self._reply_mode(params.get("output_modalities") or self.settings["output_modalities"])
+        mode = self.reply_mode(params.get("output_modalities") or self.settings["output_modalities"])
         limit = session_config.max_output_tokens(params.get("max_output_tokens", self.settings["max_output_tokens"]))
         if limit is not None and limit >= self.config.max_reply_tokens:
             limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
