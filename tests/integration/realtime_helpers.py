@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from agent.config import Config
-from agent.engine import Engine, build_engine
+from agent.engine import Engine, build_engine, fallback_factory, runner_factory
 from agent.server import create_app
 
 
@@ -68,6 +68,27 @@ async def start_agent(tiny_model_dir: Path, engine: Optional[Callable[[Config], 
             await asyncio.sleep(0.1)
     await runner.cleanup()
     pytest.fail(f"the agent's engine did not become ready: /healthz said {last}")
+
+
+def talker_never_ends(runner: Any) -> Any:
+    """The random tiny talker may end a reply after a second (its codec end token), leaving
+    nothing to talk over: make it speak to its cap (max_reply_seconds). Returns the runner."""
+    eos = runner.talker.codec_eos
+
+    def never_ends(module: Any, args: Any, logits: Any) -> Any:
+        logits = logits.clone()
+        logits[..., eos] = float("-inf")
+        return logits
+
+    runner.loaded.model.talker.codec_head.register_forward_hook(never_ends)
+    return runner
+
+
+def long_replies_engine(config: Config) -> Engine:
+    """build_engine, with replies that always run to max_reply_seconds (talker_never_ends)."""
+    build = runner_factory(config)
+    return Engine(lambda: talker_never_ends(build()), inbox_size=config.engine_inbox,
+                  fallback_factory=fallback_factory(config), frames_per_turn=config.video_frames_per_turn)
 
 
 async def wait_no_sessions(url: str, message: str) -> None:

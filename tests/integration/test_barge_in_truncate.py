@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 
 from agent.client import AgentClient
-from realtime_helpers import start_agent
+from realtime_helpers import long_replies_engine, start_agent
 
 
 async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_wav: Path, strict_event) -> None:
     # Speculation off: one reply per turn, started at the end of the turn (the simplest timeline).
     # Echo guard's level rule off: this client plays espeak speech quieter than the tiny model's
     # voice and never plays the reply back (the guard has its own tests: test_echo_rtc.py).
-    agent = await start_agent(tiny_model_dir, max_sessions=1, max_reply_tokens=48, max_reply_seconds=4.0,
-                              speculative_start=False, echo_guard=False)
+    # Replies run to their 4 s cap: a random talker ending after a second would leave nothing to cut.
+    agent = await start_agent(tiny_model_dir, engine=long_replies_engine, max_sessions=1, max_reply_tokens=48,
+                              max_reply_seconds=4.0, speculative_start=False, echo_guard=False)
     client = AgentClient(agent.url, speech_wav, video=False)
     try:
         await client.connect()

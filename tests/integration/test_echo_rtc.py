@@ -33,7 +33,7 @@ from agent.config import Config
 from agent.engine import Engine, runner_factory
 from agent.engine.api import AudioOut
 from agent.server import create_app
-from realtime_helpers import free_port
+from realtime_helpers import free_port, talker_never_ends
 
 ECHO_GAIN = 10 ** (-10 / 20)
 ECHO_DELAY_S = 0.1
@@ -59,16 +59,7 @@ class SpeaksSpeech:
         self._inner = inner
         self._speech = speech
         self._pos: dict[str, int] = {}
-        # The random talker may end a reply after a few frames (codec end token), which would
-        # leave nothing to talk over: keep it speaking to its cap (max_reply_seconds).
-        eos = inner.talker.codec_eos
-
-        def never_ends(module: Any, args: Any, logits: Any) -> Any:
-            logits = logits.clone()
-            logits[..., eos] = float("-inf")
-            return logits
-
-        inner.loaded.model.talker.codec_head.register_forward_hook(never_ends)
+        talker_never_ends(inner)  # a reply the random talker ended early would leave nothing to talk over
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
