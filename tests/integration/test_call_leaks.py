@@ -226,7 +226,8 @@ async def test_calls_leave_no_threads_objects_or_memory(agent, short_wav: Path, 
           f"alive after a round: {dict(alive) or 'none'}; RSS per round {[round(r) for r in rss_rounds]}")
     assert not app[SESSIONS], "the agent still holds sessions"
     assert ENDED_EARLY[ending] <= CALLS[ending] // 10, f"{ENDED_EARLY[ending]} calls ended before their reply"
-    assert metrics.REGISTRY.get_sample_value("agent_sessions_active") == 0
+    active = [metrics.REGISTRY.get_sample_value("agent_sessions_active", {"priority": p}) for p in ("high", "normal")]
+    assert active == [0, 0], f"agent_sessions_active by priority (high, normal): {active}"
     assert tasks_after <= tasks_first, f"asyncio tasks {tasks_first} -> {tasks_after}"
     assert not alive, f"objects of finished calls still alive: {dict(alive)}"
     assert threads_after <= threads_first + 2, f"threads {threads_first} -> {threads_after}"
