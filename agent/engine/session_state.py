@@ -173,6 +173,7 @@ class SessionState:
     voice: str = ""  # the talker speaker of the session's replies ("": the loaded one)
     pending_system: list[int] = field(default_factory=list)  # a system message for the next turn's start
     last_reply: LastReply | None = None  # until the next reply begins
+    captions_only: bool = False  # a transcription-only session: no replies, its turns never prefilled
 
 
 @contextmanager

@@ -133,7 +133,7 @@ class TurnPrefill:
 
     def _flush_part(self, state: SessionState, max_tokens: int | None) -> tuple[TurnJob | None, int]:
         turn = state.turn
-        if not turn.pending_audio or state.reply is not None:
+        if not turn.pending_audio or state.reply is not None or state.captions_only:
             return None, 0
         audio = torch.cat(turn.pending_audio, dim=0)
         take = audio.shape[0] if max_tokens is None else min(max_tokens, audio.shape[0])
@@ -353,7 +353,8 @@ class TurnPrefill:
         turn.header_done = turn.audio_open = False
 
     def pcm_queued(self, state: SessionState) -> bool:
-        return bool(state.turn.pcm) or (state.reply is None and bool(state.turn.pending_audio))
+        prefills = state.reply is None and not state.captions_only  # captions: transcribe.py reads them
+        return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio))
 
     @staticmethod
     def queue_pcm(state: SessionState, pcm: np.ndarray) -> None:
