@@ -22,7 +22,7 @@ from . import metrics, priority
 from .bridge import FrameRing
 from .config import INPUT_FRAME_SAMPLES, OUTPUT_RATE, Config
 from .engine import Engine, EngineBusy
-from .engine.api import AudioOut, ReplyDone, TextDelta
+from .engine.api import AudioOut, ReplyDone, TextDelta, TranscriptOut
 from .ingest import VideoSample, VideoSampler
 from .ladder import LEVEL_NAMES, Admission
 from .playout import AgentAudioTrack
@@ -32,6 +32,7 @@ from .realtime.input_buffer import InputBuffer
 from .realtime.events import new_id, user_audio_item, user_text_item
 from .realtime.outbox import Outbox
 from .realtime.response import STATUS_BY_REASON, Response
+from .realtime.transcription import InputTranscription
 from .vad import SpeechAudio, SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
 
 log = logging.getLogger(__name__)
@@ -49,17 +50,22 @@ class Session:
         self.settings = settings or session_config.default_session(config)
         self.settings["id"] = self.id
         self.priority = session_config.priority_of(self.settings)  # fixed for the session's life
+        # A transcription session (GA type "transcription"): the user's speech is transcribed,
+        # nothing is answered, nothing is sent back on the audio track. Fixed for its life.
+        self.transcription_only = self.settings["type"] == "transcription"
+        self.transcription = InputTranscription(self)
         self.conversation = Conversation()
         self.conversation_id = new_id("conv")
         # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
         self.track: Optional[AgentAudioTrack] = (
             AgentAudioTrack(upsample_to_48k=True, on_first_audio=self._on_first_audio, on_drained=self._on_drained)
-            if webrtc else None)
+            if webrtc and not self.transcription_only else None)
         self.video = VideoSampler(fps=config.video_fps, max_side=config.video_max_side)
         self.frames: FrameRing[VideoSample] = FrameRing(config.ingest_buffer_frames, kind="video")
         self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms),
                                  echo=self._playing_level)
         self._speech_item: Optional[str] = None  # the user audio item being spoken (server VAD)
+        self._speech_at = 0.0  # where its audio starts (session clock, s)
         self._speculating = False  # a reply was started on a pause of this turn (held by the engine)
         # Audio since a pause of the turn: it joins the turn only if the user goes on. So the turn
         # ends where the pause began, with speculation or without, and both answer the same audio.
@@ -79,6 +85,10 @@ class Session:
     def start(self) -> None:
         self.engine.open_session(self.id, self)
         self._unlisten = self.admission.listen(self._on_level)
+        self.transcription.apply(self.settings)
+        if self.transcription_only:
+            self.emit({"type": "session.created", "session": self.settings})
+            return
         if self.settings["instructions"] != self.config.system_prompt:
             self._engine_call("set_instructions", self.settings["instructions"])
         if self.priority != priority.NORMAL:
@@ -151,6 +161,8 @@ class Session:
                 if td is not None and td.interrupt_response:
                     self.interrupt("turn_detected")
                 self._speech_item, self._speculating, self._after_pause = new_id("item"), False, None
+                self._speech_at = event.at
+                self.transcription.speech_started(self._speech_item)
                 self.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000),
                            "item_id": self._speech_item})
             elif isinstance(event, SpeechAudio):
@@ -180,7 +192,10 @@ class Session:
                 self.emit({"type": "input_audio_buffer.speech_stopped",
                            "audio_end_ms": int(event.end_of_speech * 1000), "item_id": item_id})
                 self._commit_item(item_id, None)
-                if td is None or td.create_response:
+                self.transcription.speech_stopped(item_id, event.end_of_speech - self._speech_at)
+                if self.transcription_only:
+                    self._engine_call("end_turn")
+                elif td is None or td.create_response:
                     self.create_response({}, None)
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
@@ -191,7 +206,7 @@ class Session:
         create, held until then (StreamingRunner.speculate). Only where that reply would follow
         by itself (server VAD creating responses), none is running, and the ladder allows it."""
         td = self.input.turn_detection
-        if (self._speculating or not self.config.speculative_start or td is None or not td.create_response
+        if (self._speculating or self.transcription_only or not self.config.speculative_start or td is None or not td.create_response
                 or self._reply is not None or self._stale_done or not self.admission.ladder.speculate):
             return
         mode = self._reply_mode(self.settings["output_modalities"])
@@ -238,18 +253,24 @@ class Session:
                     self.engine.append_audio(self.id, pcm)
             self._after_pause = None
             self._commit_item(item_id, event_id)
+            if self.transcription_only:
+                self._engine_call("end_turn")
             return
         if self.input.buffered_ms() < 100:
             self.emit_error("commit needs at least 100 ms of audio", "input_audio_buffer_commit_empty", event_id=event_id)
             return
+        item_id = new_id("item")
         try:
+            self.transcription.speech_started(item_id)  # the audio below is this item's
             for pcm in self.input.take():
                 self.engine.append_audio(self.id, pcm)
         except EngineBusy:
             self.emit_error("engine is overloaded; the audio was dropped", "engine_busy", kind="server_error",
                             event_id=event_id)
             return
-        self._commit_item(new_id("item"), event_id)
+        self._commit_item(item_id, event_id)
+        if self.transcription_only:
+            self._engine_call("end_turn")
 
     def clear_audio(self) -> None:
         """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
@@ -262,10 +283,13 @@ class Session:
     def apply_settings(self, merged: dict[str, Any]) -> None:
         """A validated session.update: act on what changed, then answer session.updated."""
         old, self.settings = self.settings, merged
-        if merged["instructions"] != old["instructions"]:
+        self.transcription.apply(merged)
+        if self.transcription_only:
+            pass  # no instructions, no voice: nothing is answered
+        elif merged["instructions"] != old["instructions"]:
             self._engine_call("set_instructions", merged["instructions"])
-        voice = merged["audio"]["output"].get("voice")
-        if voice != old["audio"]["output"].get("voice"):
+        voice = None if self.transcription_only else merged["audio"]["output"].get("voice")
+        if not self.transcription_only and voice != old["audio"]["output"].get("voice"):
             self._set_voice(voice)
         td = session_config.turn_detection(merged, self.config.vad_silence_ms)
         if td != self.input.turn_detection:
@@ -277,6 +301,9 @@ class Session:
 
     # ---- responses -------------------------------------------------------------------
     def create_response(self, params: dict[str, Any], event_id: Optional[str]) -> None:
+        if self.transcription_only:
+            self.emit_error("a transcription session does not respond", "unsupported", param="type", event_id=event_id)
+            return
         if self._reply is not None:
             self.emit_error(f"a response is in progress ({self._reply.id})", "conversation_already_has_active_response",
                             event_id=event_id)
@@ -387,6 +414,9 @@ class Session:
             self.track.push(audio.pcm)
         else:
             self.emit(reply.audio_delta(audio.pcm))
+
+    def on_transcript(self, out: TranscriptOut) -> None:
+        self.transcription.on_transcript(out)
 
     def on_done(self, done: ReplyDone) -> None:
         if self._stale_done:

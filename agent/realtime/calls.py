@@ -67,7 +67,10 @@ async def create_call(request: web.Request) -> web.Response:
     if not sdp.strip():
         return _bad(400, "the body must be an SDP offer (application/sdp, or multipart part 'sdp')", param="sdp")
     who = grant(request)
-    settings = copy.deepcopy(who.session) if who.session else session_config.default_session(config)
+    # A session part with type "transcription" makes a transcription-only call (no replies, no
+    # outbound audio).
+    kind = session_part.get("type") if isinstance(session_part, dict) else None
+    settings = copy.deepcopy(who.session) if who.session else session_config.base_session(config, kind)
     try:
         if session_part is not None:
             settings = session_config.merge(settings, session_part)
@@ -95,7 +98,8 @@ async def create_call(request: web.Request) -> web.Response:
         await close_peer(pc)
         return _bad(400, "the offer has no audio: send the microphone", "bad_sdp", param="sdp")
     # Added after setRemoteDescription so it rides the client's sendrecv audio transceiver.
-    pc.addTrack(call.track)
+    if call.session.track is not None:  # a transcription call sends nothing back: recvonly
+        pc.addTrack(call.track)
     try:
         call.start()
     except EngineBusy:
