@@ -108,3 +108,23 @@ def test_conversation_transcribes_in_its_own_slot(runner):
     assert len(runner._slots._free) == free
     runner.close_session("s")
     assert len(runner._slots._free) == free + 1
+
+
+def test_partials_wait_for_first_audio(runner):
+    """Under load transcription is what waits: in a tick with a reply waiting for its first
+    audio, no transcript is made; once the engine has slack, it comes."""
+    runner.open_session("talker")
+    runner.open_session("captions")
+    runner.set_transcription("captions", "only")
+    runner.set_transcript_item("captions", "c1")
+    speak(runner, "talker", audio(1.0, 3))
+    wav = audio(2.0, 4)
+    for i in range(0, len(wav), PIECE):  # an idle engine encodes at once: tokens are ready
+        runner.append_audio("captions", wav[i : i + PIECE])
+    assert runner.transcriber.has_work(runner._sessions)
+    runner.begin_reply("talker", [])
+    first = runner.step()
+    assert runner._sessions["talker"].reply.prefill.done  # the reply's prefill had the tick
+    assert not [o for o in first if isinstance(o, TranscriptOut)]
+    later = [o for o in run(runner) if isinstance(o, TranscriptOut)]
+    assert later and all(o.item_id == "c1" for o in later)
