@@ -168,7 +168,11 @@ class TurnPrefill:
         may_reset: bool = True,
     ) -> TurnJob:
         n_closing = len(state.closing) if not turn.ids else 0
-        if state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
+        full = state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit
+        # A bounded context (interpreter mode): a turn after `max_turns` answered ones starts the
+        # history over, as a full context does, so a long stream neither grows nor slows.
+        bounded = 0 < state.max_turns <= state.context_turns and not turn.ids and not turn.history_reset
+        if full or bounded:
             if not may_reset:
                 raise SpeculationRefused("the context is full: the history would be dropped")
             return self._reset_history(state, turn, ids[n_closing:], images, assistant_tail)
@@ -212,6 +216,7 @@ class TurnPrefill:
         state.talker = KVState(state.slot)
         state.talker_backlog, state.closing = [], []
         state.talker_history_length = state.talker_history_pos = 0
+        state.context_turns = 0
         self.prefill_system(state)
         if state.thinker.length + len(replay) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
             raise RuntimeError("one turn is longer than the context limit")
@@ -279,6 +284,7 @@ class TurnPrefill:
                 outs.append(None)
                 continue
             state.closing = []
+            state.context_turns += 1
             state.reply.prefill.done, state.reply.prefill.job = True, None
             outs.append(part.job.result())
         return outs
