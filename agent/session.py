@@ -91,6 +91,8 @@ class Session:
             return
         if self.settings["instructions"] != self.config.system_prompt:
             self._engine_call("set_instructions", self.settings["instructions"])
+        if session_config.interpret_to(self.settings):  # interpreter mode: a bounded context
+            self._engine_call("set_context_turns", session_config.INTERPRET_TURNS)
         if self.priority != priority.NORMAL:
             # A runner without a scheduler (--runner reference) has nothing to order: not an error
             # the client could act on, so the future's failure is only retrieved, never reported.
@@ -288,6 +290,9 @@ class Session:
             pass  # no instructions, no voice: nothing is answered
         elif merged["instructions"] != old["instructions"]:
             self._engine_call("set_instructions", merged["instructions"])
+        if session_config.interpret_to(merged) != session_config.interpret_to(old):
+            on = bool(session_config.interpret_to(merged))
+            self._engine_call("set_context_turns", session_config.INTERPRET_TURNS if on else 0)
         voice = None if self.transcription_only else merged["audio"]["output"].get("voice")
         if not self.transcription_only and voice != old["audio"]["output"].get("voice"):
             self._set_voice(voice)

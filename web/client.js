@@ -179,9 +179,12 @@ function showLatency(figures) {
 // captions.html?session=<call id>, which follows the call's events).
 function sendSessionConfig() {
   const session = { type: "realtime", output_modalities: [ui.textOnly.checked ? "text" : "audio"] };
-  if (new URLSearchParams(window.location.search).has("transcribe")) {
+  const query = new URLSearchParams(window.location.search);
+  if (query.has("transcribe")) {
     session.audio = { input: { transcription: { model: "qwen3-omni-thinker" } } };
   }
+  // ?interpret_to=French: interpreter mode (every utterance answered by its translation).
+  if (query.get("interpret_to")) session.omni = { interpret_to: query.get("interpret_to") };
   omni.send({ type: "session.update", session });
 }
 

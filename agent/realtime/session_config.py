@@ -26,6 +26,9 @@ OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "
 _EAGERNESS_SILENCE_MS = {"low": 800, "medium": 500, "auto": 500, "high": 300}
 _INPUT_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
 MAX_OUTPUT_TOKENS = 4096
+# Interpreter mode (omni.interpret_to): answered turns kept in the model's context, so a
+# two-hour stream neither grows the context nor slows down.
+INTERPRET_TURNS = 4
 # What a transcription session transcribes with unless told: the Thinker of the loaded model.
 DEFAULT_TRANSCRIPTION = {"model": "qwen3-omni-thinker", "language": None, "prompt": ""}
 
@@ -104,6 +107,27 @@ def transcribes(session: dict[str, Any]) -> bool:
     return session["type"] == "transcription" or session["audio"]["input"].get("transcription") is not None
 
 
+def interpret_instructions(language: str) -> str:
+    """The interpreter preset's instructions (docs/realtime.md, "Interpreter mode")."""
+    return (f"You are a simultaneous interpreter. Translate everything the user says into {language}. "
+            f"Answer only with the translation, spoken in {language}: no comments, no answers, no questions.")
+
+
+def interpret_to(session: dict[str, Any]) -> Optional[str]:
+    """The target language of interpreter mode, None when off."""
+    return (session.get("omni") or {}).get("interpret_to")
+
+
+def _interpreter_preset(merged: dict[str, Any], update: dict[str, Any]) -> None:
+    """omni.interpret_to was just set: its instructions, and no barge-in (the speaker goes on
+    while the translation plays), unless the same update says otherwise."""
+    merged["instructions"] = update.get("instructions", interpret_instructions(merged["omni"]["interpret_to"]))
+    td = merged["audio"]["input"].get("turn_detection")
+    asked = ((update.get("audio") or {}).get("input") or {}).get("turn_detection") or {}
+    if isinstance(td, dict) and isinstance(asked, dict) and "interrupt_response" not in asked:
+        td["interrupt_response"] = False
+
+
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in update.items():
@@ -128,6 +152,8 @@ def merge(session: dict[str, Any], update: Any) -> dict[str, Any]:
     merged = _merge(session, {k: v for k, v in update.items() if k in session})
     # Fields that are the server's, whatever the client says.
     merged["id"], merged["object"], merged["type"] = session["id"], session["object"], kind
+    if kind == "realtime" and isinstance(interpret_to(merged), str) and interpret_to(merged) != interpret_to(session):
+        _interpreter_preset(merged, update)
     validate(merged)
     return merged
 
@@ -203,6 +229,10 @@ def _validate_omni(s: dict[str, Any]) -> None:
     _check(isinstance(omni, dict), "omni must be an object", "session.omni")
     _check(omni.get("priority", priority.NORMAL) in priority.PRIORITIES,
            f"omni.priority must be one of {', '.join(priority.PRIORITIES)}", "session.omni.priority")
+    lang = omni.get("interpret_to")
+    _check(lang is None or (isinstance(lang, str) and 0 < len(lang.strip()) <= 64 and s["type"] == "realtime"),
+           "omni.interpret_to is a language name (1-64 characters), in realtime sessions only",
+           "session.omni.interpret_to")
 
 
 def priority_of(session: dict[str, Any]) -> str:

@@ -150,3 +150,21 @@ async def test_bad_intent_is_refused(agent: RunningAgent) -> None:
         async with http.get(f"{agent.url}/v1/realtime?intent=dictation") as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["param"] == "intent"
+
+
+async def test_interpreter_preset(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    """omni.interpret_to over the SDK: the preset's instructions and no barge-in come back in
+    session.updated, the engine takes the bounded context without error, and a turn is answered."""
+    manager, conn, ev = await connect(agent, strict_event)
+    try:
+        await ev.wait("session.created")
+        await conn.send({"type": "session.update", "session": {"type": "realtime", "omni": {"interpret_to": "French"}}})
+        session = (await ev.wait("session.updated"))["session"]
+        assert "French" in session["instructions"] and session["omni"]["interpret_to"] == "French"
+        assert session["audio"]["input"]["turn_detection"]["interrupt_response"] is False
+        await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
+        await ev.wait("response.done")
+        assert not ev.of("error"), ev.of("error")
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
