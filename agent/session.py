@@ -164,7 +164,9 @@ class Session:
                     self.interrupt("turn_detected")
                 self._speech_item, self._speculating, self._after_pause = new_id("item"), False, None
                 self._speech_at = event.at
-                self.transcription.speech_started(self._speech_item)
+                # Speech onset on the server clock: the endpointer confirms speech a little later.
+                onset = time.monotonic() - max(0.0, self.input.audio_in.clock - event.onset)
+                self.transcription.speech_started(self._speech_item, onset)
                 self.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000),
                            "item_id": self._speech_item})
             elif isinstance(event, SpeechAudio):

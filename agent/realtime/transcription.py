@@ -7,7 +7,7 @@ transcripts (agent/engine/transcribe.py) into events:
 - `…delta` while the user speaks (one per second of speech at most): `delta` is only text that
   has become stable, so a client that appends deltas (as the GA API's do) never shows words
   that are later taken back; the project extra `omni` carries the whole hypothesis,
-  `{"text", "stable_chars", "since_speech_ms"}`: its first `stable_chars` characters are final,
+  `{"text", "stable_chars", "since_speech_ms"}` (server time since the speech onset): its first `stable_chars` characters are final,
   the rest may still change. The last delta of an item brings the deltas up to the transcript.
 - `…completed` with the final `transcript` at the end of the turn (after speech_stopped),
   with `usage` (the seconds of audio) and `omni.after_end_ms` (server time from the end of
@@ -44,9 +44,11 @@ class InputTranscription:
         mode = ("only" if self.session.transcription_only else "on") if want else "off"
         self.session._engine_call("set_transcription", mode, param="session.audio.input.transcription")
 
-    def speech_started(self, item_id: str) -> None:
+    def speech_started(self, item_id: str, onset: Optional[float] = None) -> None:
+        """A user turn begins (before its audio goes to the engine): transcribe it as item_id.
+        onset: time.monotonic() of the speech onset (default: now)."""
         if self.on:
-            self._started[item_id] = time.monotonic()
+            self._started[item_id] = time.monotonic() if onset is None else onset
             self.session._engine_call("set_transcript_item", item_id)
 
     def speech_stopped(self, item_id: str, audio_seconds: float) -> None:
