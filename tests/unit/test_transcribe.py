@@ -128,3 +128,33 @@ def test_partials_wait_for_first_audio(runner):
     assert not [o for o in first if isinstance(o, TranscriptOut)]
     later = [o for o in run(runner) if isinstance(o, TranscriptOut)]
     assert later and all(o.item_id == "c1" for o in later)
+
+
+def test_graph_wiring_gives_the_same_transcripts(loaded, tiny_model_dir):
+    """The GPU path (captured decode and prefill graphs, run on CPU by fake_graphs) transcribes
+    exactly as the eager one: the transcript rows go through the same graphs as replies."""
+    from agent.engine.fake_graphs import fake_graph_config
+    from agent.engine.model import load_model
+
+    options = dict(max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0, max_sessions=3, context_limit=1024)
+    texts = []
+    for runner in (StreamingRunner(loaded, SYSTEM, **options),
+                   StreamingRunner(load_model(str(tiny_model_dir), device="cpu"), SYSTEM, graphs=fake_graph_config(),
+                                   **options)):
+        runner.open_session("a")
+        runner.open_session("b")
+        runner.set_transcription("a", "only")
+        runner.set_transcription("b", "on")
+        for sid in ("a", "b"):
+            runner.set_transcript_item(sid, sid)
+        wav = audio(2.2, 11)
+        outs = []
+        for i in range(0, len(wav), PIECE):  # both at once: batched transcript rows
+            runner.append_audio("a", wav[i : i + PIECE])
+            runner.append_audio("b", wav[i : i + PIECE])
+            outs += run(runner)
+        runner.end_turn("a")
+        runner.begin_reply("b", [], text_only=True)
+        outs += run(runner)
+        texts.append([(o.item_id, o.text, o.stable_chars, o.final) for o in outs if isinstance(o, TranscriptOut)])
+    assert texts[0] == texts[1] and any(final for *_, final in texts[0])
