@@ -169,7 +169,7 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
 
     @torch.inference_mode()
     def open_session(self, session_id: str) -> None:
-        slot = self._slots.take()
+        slot = self.take_session_slot()
         state = SessionState(slot=slot, thinker=KVState(slot), talker=KVState(slot), turn=self.turns.new_turn())
         self._sessions[session_id] = state
         self.turns.prefill_system(state)

@@ -22,6 +22,7 @@ everything else in a tick (StreamingRunner.step), so under load partials slow do
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from agent.engine.kv import KVState
 from agent.engine.model import LoadedModel, assistant_start_ids, system_turn_ids
 from agent.engine.session_state import SessionState, TurnState
 from agent.engine.thinker import ThinkerOps
+
+log = logging.getLogger(__name__)
 
 TRANSCRIBE_SYSTEM = "You are a speech recognizer. Write down exactly what the user says, nothing else."
 TRANSCRIBE_ASK = "Transcribe the audio."
@@ -256,6 +259,19 @@ class Transcription:
         else:
             self.transcriber.open(session_id, self._slots.take(), own=True)
         return mode
+
+    def take_session_slot(self) -> int:
+        """A slot for a new session. Sessions come first: when none is free, a conversation's
+        transcription gives back the slot it took (that session's transcription stops)."""
+        try:
+            return self._slots.take()
+        except RuntimeError:
+            for session_id, tr in list(self.transcriber.sessions.items()):
+                if tr.own_slot is not None:
+                    log.warning("session %s: transcription stopped, its slot went to a new session", session_id)
+                    self._slots.give(self.transcriber.close(session_id))
+                    return self._slots.take()
+            raise
 
     def set_transcript_item(self, session_id: str, item_id: str) -> None:
         self.transcriber.set_item(session_id, item_id)

@@ -158,3 +158,16 @@ def test_graph_wiring_gives_the_same_transcripts(loaded, tiny_model_dir):
         outs += run(runner)
         texts.append([(o.item_id, o.text, o.stable_chars, o.final) for o in outs if isinstance(o, TranscriptOut)])
     assert texts[0] == texts[1] and any(final for *_, final in texts[0])
+
+
+def test_a_new_session_takes_back_a_transcription_slot(runner):
+    """Sessions come first: with every slot taken, a new session gets the slot a conversation's
+    transcription held (that transcription stops), and a transcription asking for a slot when
+    none is free is refused."""
+    runner.open_session("s1")
+    runner.set_transcription("s1", "on")
+    runner.open_session("s2")  # 3 slots: s1, s1's transcript, s2
+    with pytest.raises(RuntimeError):
+        runner.set_transcription("s2", "on")
+    runner.open_session("s3")
+    assert "s1" not in runner.transcriber.sessions and set(runner._sessions) == {"s1", "s2", "s3"}
