@@ -17,6 +17,7 @@ transcripts (agent/engine/transcribe.py) into events:
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..engine.api import TranscriptOut
@@ -28,12 +29,20 @@ if TYPE_CHECKING:
 
 class InputTranscription:
     def __init__(self, session: "Session") -> None:
-        self.session = session
+        # Weak: the session owns this object, and a cycle would keep a finished call alive until
+        # a full GC (tests/integration/test_call_leaks.py).
+        self._session = weakref.ref(session)
         self.on = False
         self._sent: dict[str, int] = {}  # item -> characters already sent as delta
         self._started: dict[str, float] = {}  # item -> monotonic time of its speech onset
         self._ended: dict[str, float] = {}  # item -> monotonic time of its end of speech
         self._seconds: dict[str, float] = {}  # item -> seconds of its audio
+
+    @property
+    def session(self) -> "Session":
+        session = self._session()
+        assert session is not None, "the session owns its transcription"
+        return session
 
     def apply(self, settings: dict[str, Any]) -> None:
         """Start or stop transcribing to match the session (at start and on session.update)."""
