@@ -22,7 +22,7 @@ import numpy as np
 from . import metrics, priority
 from .config import INPUT_FRAME_SAMPLES, OUTPUT_RATE, Config
 from .engine import Engine, EngineBusy
-from .engine.api import AudioOut, ReplyDone, TextDelta
+from .engine.api import AudioOut, ReplyDone, TextDelta, TranscriptOut
 from .ladder import LEVEL_NAMES, Admission
 from .playout import AgentAudioTrack
 from .realtime import client_events, edits, session_config
@@ -33,6 +33,7 @@ from .realtime.outbox import Outbox
 from .realtime.response import STATUS_BY_REASON, Response
 from .realtime.server_turn import ServerTurn
 from .video_feed import VideoFeed
+from .realtime.transcription import InputTranscription
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +50,16 @@ class Session:
         self.settings = settings or session_config.default_session(config)
         self.settings["id"] = self.id
         self.priority = session_config.priority_of(self.settings)  # fixed for the session's life
+        # A transcription session (GA type "transcription"): the user's speech is transcribed,
+        # nothing is answered, nothing is sent back on the audio track. Fixed for its life.
+        self.transcription_only = self.settings["type"] == "transcription"
+        self.transcription = InputTranscription(self)
         self.conversation = Conversation()
         self.conversation_id = new_id("conv")
         # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
         self.track: Optional[AgentAudioTrack] = (
             AgentAudioTrack(upsample_to_48k=True, on_first_audio=self._on_first_audio, on_drained=self._on_drained)
-            if webrtc else None)
+            if webrtc and not self.transcription_only else None)
         self.video = VideoFeed(config, engine, self.id, self.emit)  # camera → engine, throttle → sender
         self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms),
                                  echo=_weakly(self._playing_level))
@@ -75,8 +80,14 @@ class Session:
     def start(self) -> None:
         self.engine.open_session(self.id, self)
         self._unlisten = self.admission.listen(self._on_level)
+        self.transcription.apply(self.settings)
+        if self.transcription_only:
+            self.emit({"type": "session.created", "session": self.settings})
+            return
         if self.settings["instructions"] != self.config.system_prompt:
-            self._engine_call("set_instructions", self.settings["instructions"])
+            self.engine_call("set_instructions", self.settings["instructions"])
+        if session_config.interpret_to(self.settings):  # interpreter mode: a bounded context
+            self.engine_call("set_context_turns", session_config.INTERPRET_TURNS)
         if self.priority != priority.NORMAL:
             # A runner without a scheduler (--runner reference) has nothing to order: not an error
             # the client could act on, so the future's failure is only retrieved, never reported.
@@ -174,18 +185,24 @@ class Session:
                 return
             self.input.reset()
             self.commit_item(self.turn.commit(), event_id)
+            if self.transcription_only:
+                self.engine_call("end_turn")
             return
         if self.input.buffered_ms() < 100:
             self.emit_error("commit needs at least 100 ms of audio", "input_audio_buffer_commit_empty", event_id=event_id)
             return
+        item_id = new_id("item")
         try:
+            self.transcription.speech_started(item_id)  # the audio below is this item's
             for pcm in self.input.take():
                 self.engine.append_audio(self.id, pcm)
         except EngineBusy:
             self.emit_error("engine is overloaded; the audio was dropped", "engine_busy", kind="server_error",
                             event_id=event_id)
             return
-        self.commit_item(new_id("item"), event_id)
+        self.commit_item(item_id, event_id)
+        if self.transcription_only:
+            self.engine_call("end_turn")
 
     def clear_audio(self) -> None:
         """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
@@ -198,10 +215,16 @@ class Session:
     def apply_settings(self, merged: dict[str, Any]) -> None:
         """A validated session.update: act on what changed, then answer session.updated."""
         old, self.settings = self.settings, merged
-        if merged["instructions"] != old["instructions"]:
-            self._engine_call("set_instructions", merged["instructions"])
-        voice = merged["audio"]["output"].get("voice")
-        if voice != old["audio"]["output"].get("voice"):
+        self.transcription.apply(merged)
+        if self.transcription_only:
+            pass  # no instructions, no voice: nothing is answered
+        elif merged["instructions"] != old["instructions"]:
+            self.engine_call("set_instructions", merged["instructions"])
+        if session_config.interpret_to(merged) != session_config.interpret_to(old):
+            on = bool(session_config.interpret_to(merged))
+            self.engine_call("set_context_turns", session_config.INTERPRET_TURNS if on else 0)
+        voice = None if self.transcription_only else merged["audio"]["output"].get("voice")
+        if not self.transcription_only and voice != old["audio"]["output"].get("voice"):
             self._set_voice(voice)
         td = session_config.turn_detection(merged, self.config.vad_silence_ms)
         if td != self.input.turn_detection:
@@ -213,6 +236,9 @@ class Session:
 
     # ---- responses -------------------------------------------------------------------
     def create_response(self, params: dict[str, Any], event_id: Optional[str]) -> None:
+        if self.transcription_only:
+            self.emit_error("a transcription session does not respond", "unsupported", param="type", event_id=event_id)
+            return
         if self._reply is not None:
             self.emit_error(f"a response is in progress ({self._reply.id})", "conversation_already_has_active_response",
                             event_id=event_id)
@@ -230,7 +256,7 @@ class Session:
         if limit is not None and limit >= self.config.max_reply_tokens:
             limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
         if params.get("instructions"):
-            self._engine_call("set_reply_instructions", params["instructions"])
+            self.engine_call("set_reply_instructions", params["instructions"])
         self.video.flush_for_turn()  # the newest frames reach the engine ahead of the reply
         self.engine.begin_reply(self.id, [], mode=mode, history=tuple(self._history))
         self.turns += 1
@@ -324,6 +350,9 @@ class Session:
         else:
             self.emit(reply.audio_delta(audio.pcm))
 
+    def on_transcript(self, out: TranscriptOut) -> None:
+        self.transcription.on_transcript(out)
+
     def on_done(self, done: ReplyDone) -> None:
         if self._stale_done:
             self._stale_done -= 1
@@ -363,7 +392,7 @@ class Session:
     # ---- conversation items ------------------------------------------------------------
     def add_user_text(self, item_id: str, text: str, event_id: Optional[str]) -> None:
         """A user text message: it joins the user turn being spoken, after its audio."""
-        self._engine_call("add_user_text", text, event_id=event_id)
+        self.engine_call("add_user_text", text, event_id=event_id)
         self._history.append(("user", text))
         self._add_item(user_text_item(item_id, text))
 
@@ -402,9 +431,9 @@ class Session:
         # default speaker rather than an error, so a client works with only its base URL changed.
         if voice.lower() in session_config.OPENAI_VOICES:
             voice = "default"
-        self._engine_call("set_voice", voice, param="session.audio.output.voice")
+        self.engine_call("set_voice", voice, param="session.audio.output.voice")
 
-    def _engine_call(self, method: str, *args: Any, event_id: Optional[str] = None,
+    def engine_call(self, method: str, *args: Any, event_id: Optional[str] = None,
                      param: Optional[str] = None) -> asyncio.Future:
         """A runner method in order with the other commands; a failure becomes an error event
         (naming `param` when the client's value for it was refused: a ValueError)."""

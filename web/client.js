@@ -179,11 +179,17 @@ function showLatency(figures) {
 }
 
 // What the page asks of the session: spoken replies unless the box says text only.
+// With ?transcribe in the page's URL, the user's speech is transcribed live too (for
+// captions.html?session=<call id>, which follows the call's events).
 function sendSessionConfig() {
-  omni.send({
-    type: "session.update",
-    session: { type: "realtime", output_modalities: [ui.textOnly.checked ? "text" : "audio"] },
-  });
+  const session = { type: "realtime", output_modalities: [ui.textOnly.checked ? "text" : "audio"] };
+  const query = new URLSearchParams(window.location.search);
+  if (query.has("transcribe")) {
+    session.audio = { input: { transcription: { model: "qwen3-omni-thinker" } } };
+  }
+  // ?interpret_to=French: interpreter mode (every utterance answered by its translation).
+  if (query.get("interpret_to")) session.omni = { interpret_to: query.get("interpret_to") };
+  omni.send({ type: "session.update", session });
 }
 
 // ---- keys --------------------------------------------------------------------------------

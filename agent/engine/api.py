@@ -36,6 +36,18 @@ class ReplyDone:
 
 
 @dataclass(frozen=True)
+class TranscriptOut:
+    """A transcript of the user's turn (agent/engine/transcribe.py): the whole text so far, of
+    which the first `stable_chars` characters are final; `final`: the turn's last one."""
+
+    session_id: str
+    item_id: str | None  # the user item, as the session named it (set_transcript_item)
+    text: str
+    stable_chars: int
+    final: bool = False
+
+
+@dataclass(frozen=True)
 class StageTime:
     """One stage's duration, for agent_stage_seconds{stage=...}."""
 
@@ -46,7 +58,7 @@ class StageTime:
     batch: int = 1  # sessions served by the same (batched) call; `seconds` is the whole call's
 
 
-Output = Union[TextDelta, AudioOut, ReplyDone, StageTime]
+Output = Union[TextDelta, AudioOut, ReplyDone, StageTime, TranscriptOut]
 
 
 class Runner(Protocol):

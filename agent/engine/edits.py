@@ -55,6 +55,14 @@ class ConversationEdits:
             state.pending_system = ids  # a reply or a turn is under way: after this reply ends
         return "appended"
 
+    def set_context_turns(self: StreamingRunner, session_id: str, turns: int) -> int:
+        """Keep at most `turns` answered turns in the context (0: no bound): the turn after them
+        starts the history over from the system prompt (interpreter mode, docs/realtime.md)."""
+        if turns < 0:
+            raise ValueError("turns must be >= 0")
+        self._sessions[session_id].max_turns = turns
+        return turns
+
     def set_reply_instructions(self: StreamingRunner, session_id: str, text: str) -> int:
         """Per-response instructions: a system message right before this reply's assistant
         header (it stays in the history). Call before begin_reply; returns its token count."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from .. import metrics
-from .api import AudioOut, Output, ReplyDone, Runner, StageTime, TextDelta
+from .api import AudioOut, Output, ReplyDone, Runner, StageTime, TextDelta, TranscriptOut
 from .video import LatestFrames
 
 log = logging.getLogger(__name__)
@@ -350,6 +350,10 @@ class Engine:
                 self._loop.call_soon_threadsafe(sink.on_text, out)
             elif isinstance(out, AudioOut):
                 self._loop.call_soon_threadsafe(sink.on_audio, out)
+            elif isinstance(out, TranscriptOut):
+                on_transcript = getattr(sink, "on_transcript", None)  # a sink that asked for them
+                if on_transcript is not None:
+                    self._loop.call_soon_threadsafe(on_transcript, out)
             elif isinstance(out, ReplyDone):
                 # Exactly one done per reply: a runner's late "cancelled" after an error
                 # (or for a session with nothing in flight) has no reply left to end.

@@ -174,6 +174,9 @@ class SessionState:
     voice: str = ""  # the talker speaker of the session's replies ("": the loaded one)
     pending_system: list[int] = field(default_factory=list)  # a system message for the next turn's start
     last_reply: LastReply | None = None  # until the next reply begins
+    max_turns: int = 0  # a bounded context (interpreter mode): answered turns kept at most; 0: no bound
+    context_turns: int = 0  # answered turns in the thinker cache since its last history reset
+    captions_only: bool = False  # a transcription-only session: no replies, its turns never prefilled
 
 
 @contextmanager

@@ -73,10 +73,11 @@ from agent.engine.slots import SlotPool
 from agent.engine.speculation import Speculation
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import PrefillOut, ThinkerOps
+from agent.engine.transcribe import Transcriber, Transcription
 from agent.engine.turns import PrefillStage, SpeculationRefused, TurnPrefill
 
 
-class StreamingRunner(Speculation, ConversationEdits):
+class StreamingRunner(Speculation, ConversationEdits, Transcription):
     @torch.inference_mode()
     def __init__(
         self,
@@ -137,6 +138,7 @@ class StreamingRunner(Speculation, ConversationEdits):
         self.talker.capture_graphs()
         self.frames.capture_graphs()
         self._slots = SlotPool(max_sessions)
+        self.transcriber = Transcriber(loaded, self.thinker)  # live input transcription
         self._sessions: dict[str, SessionState] = {}
         self._priority: dict[str, int] = {}  # session -> scheduler priority (set_priority); default 0
         self._ready: list[Output] = []  # released outside a step (take_ready)
@@ -167,7 +169,7 @@ class StreamingRunner(Speculation, ConversationEdits):
 
     @torch.inference_mode()
     def open_session(self, session_id: str) -> None:
-        slot = self._slots.take()
+        slot = self.take_session_slot()
         state = SessionState(slot=slot, thinker=KVState(slot), talker=KVState(slot), turn=self.turns.new_turn())
         self._sessions[session_id] = state
         self.turns.prefill_system(state)
@@ -176,6 +178,9 @@ class StreamingRunner(Speculation, ConversationEdits):
         state = self._sessions.pop(session_id, None)
         if state is not None:
             self._slots.give(state.slot)
+        slot = self.transcriber.close(session_id)
+        if slot is not None:
+            self._slots.give(slot)
         self.records.pop(session_id, None)
         self._priority.pop(session_id, None)
         self.turns.vision.drop(session_id)
@@ -202,6 +207,7 @@ class StreamingRunner(Speculation, ConversationEdits):
         self.drop_speculation(session_id)
         state = self._sessions[session_id]
         turn = state.turn
+        self.transcriber.discard(session_id)
         if turn.header_done:  # only ever prefilled while no reply runs, so nothing came after it
             state.thinker.crop(turn.start_length, turn.start_pos)
         state.turn = self.turns.new_turn()
@@ -209,6 +215,13 @@ class StreamingRunner(Speculation, ConversationEdits):
     @torch.inference_mode()
     def begin_reply(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> None:
         state = self._sessions[session_id]
+        if state.captions_only:
+            raise RuntimeError("a transcription-only session has no replies")
+        self._begin_reply(state, images, text_only)
+        # The turn is answered: its transcript ends once the reply's prefill has its audio tail.
+        self.transcriber.ended(session_id, state.reply.turn)
+
+    def _begin_reply(self, state: SessionState, images: list[np.ndarray], text_only: bool) -> None:
         held = state.reply
         if held is not None and held.phase.speculative:
             if held.text_only == text_only:
@@ -251,7 +264,8 @@ class StreamingRunner(Speculation, ConversationEdits):
         )
 
     def has_work(self) -> bool:
-        return bool(self._ready) or self._busy() or any(self.turns.pcm_queued(s) for s in self._sessions.values())
+        return (bool(self._ready) or self._busy() or any(self.turns.pcm_queued(s) for s in self._sessions.values())
+                or self.transcriber.has_work(self._sessions))
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
@@ -306,6 +320,8 @@ class StreamingRunner(Speculation, ConversationEdits):
                 outputs += self._finish(session_id, state, "")
         if plan.audio_prefill:
             self._prefill_speaking(self.schedule.prefill_chunk_tokens)
+            # Transcription last of all: under load the partials are what slows down first.
+            outputs += self.transcriber.step(self._sessions)
         # Stage times first: callers (and tests) read a reply's ReplyDone as the last output.
         return self._stage_times() + self._hold(outputs)
 

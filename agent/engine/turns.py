@@ -135,7 +135,7 @@ class TurnPrefill:
 
     def _flush_part(self, state: SessionState, max_tokens: int | None) -> tuple[TurnJob | None, int]:
         turn = state.turn
-        if not turn.pending_audio or state.reply is not None:
+        if not turn.pending_audio or state.reply is not None or state.captions_only:
             return None, 0
         audio = torch.cat(turn.pending_audio, dim=0)
         take = audio.shape[0] if max_tokens is None else min(max_tokens, audio.shape[0])
@@ -170,7 +170,11 @@ class TurnPrefill:
         may_reset: bool = True,
     ) -> TurnJob:
         n_closing = len(state.closing) if not turn.ids else 0
-        if state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
+        full = state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit
+        # A bounded context (interpreter mode): a turn after `max_turns` answered ones starts the
+        # history over, as a full context does, so a long stream neither grows nor slows.
+        bounded = 0 < state.max_turns <= state.context_turns and not turn.ids and not turn.history_reset
+        if full or bounded:
             if not may_reset:
                 raise SpeculationRefused("the context is full: the history would be dropped")
             return self._reset_history(state, turn, ids[n_closing:], images, assistant_tail)
@@ -214,6 +218,7 @@ class TurnPrefill:
         state.talker = KVState(state.slot)
         state.talker_backlog, state.closing = [], []
         state.talker_history_length = state.talker_history_pos = 0
+        state.context_turns = 0
         self.prefill_system(state)
         if state.thinker.length + len(replay) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
             raise RuntimeError("one turn is longer than the context limit")
@@ -280,6 +285,7 @@ class TurnPrefill:
                 outs.append(None)
                 continue
             state.closing = []
+            state.context_turns += 1
             state.reply.prefill.done, state.reply.prefill.job = True, None
             outs.append(part.job.result())
         return outs
@@ -354,7 +360,8 @@ class TurnPrefill:
         turn.header_done = turn.audio_open = False
 
     def pcm_queued(self, state: SessionState) -> bool:
-        return bool(state.turn.pcm) or (state.reply is None and bool(state.turn.pending_audio))
+        prefills = state.reply is None and not state.captions_only  # captions: transcribe.py reads them
+        return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio))
 
     @staticmethod
     def queue_pcm(state: SessionState, pcm: np.ndarray) -> None:

@@ -97,7 +97,10 @@ async def create_call(request: web.Request) -> web.Response:
     except OfferError as exc:
         return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
     who = grant(request)
-    settings = copy.deepcopy(who.session) if who.session else session_config.default_session(config)
+    # A session part with type "transcription" makes a transcription-only call (no replies, no
+    # outbound audio).
+    kind = session_part.get("type") if isinstance(session_part, dict) else None
+    settings = copy.deepcopy(who.session) if who.session else session_config.base_session(config, kind)
     try:
         if session_part is not None:
             settings = session_config.merge(settings, session_part)
@@ -122,7 +125,8 @@ async def create_call(request: web.Request) -> web.Response:
         await close_peer(pc)
         return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
     # Added after setRemoteDescription so it rides the client's sendrecv audio transceiver.
-    pc.addTrack(call.track)
+    if call.session.track is not None:  # a transcription call sends nothing back: recvonly
+        pc.addTrack(call.track)
     try:
         call.start()
     except EngineBusy:

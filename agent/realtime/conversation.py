@@ -48,6 +48,12 @@ class Conversation:
                 return item_id
         return None
 
+    def set_input_transcript(self, item_id: str, text: str) -> None:
+        """A user audio item's transcript (live input transcription)."""
+        item = self._items.get(item_id)
+        if item is not None and item.get("content") and item["content"][0].get("type") == "input_audio":
+            item["content"][0]["transcript"] = text
+
     def set_transcript(self, item_id: str, text: str) -> None:
         """The assistant item's content after a truncation."""
         item = self._items.get(item_id)

@@ -74,11 +74,11 @@ def cut_latest_reply(session: Session, audio_frames: int, event_id: Optional[str
         session.interrupt("client_cancelled")
 
     def cut() -> None:
-        future = session._engine_call("truncate_reply", audio_frames, event_id=event_id)
+        future = session.engine_call("truncate_reply", audio_frames, event_id=event_id)
 
         def done(f: asyncio.Future) -> None:
             if f.cancelled() or f.exception() is not None or session.closed:
-                return  # _engine_call reported it
+                return  # engine_call reported it
             then(f.result()["kept_tokens"])
 
         future.add_done_callback(done)

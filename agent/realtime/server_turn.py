@@ -13,6 +13,7 @@ full collection (see Session.close).
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import TYPE_CHECKING, Optional
 
@@ -32,6 +33,7 @@ class ServerTurn:
     def __init__(self, session: "Session") -> None:
         self._session = weakref.proxy(session)
         self.item_id: Optional[str] = None  # the user audio item being spoken
+        self.speech_at = 0.0  # where its audio starts (session clock, s)
         self.speculating = False  # a reply was started on a pause of this turn (held by the engine)
         self.after_pause: Optional[list[np.ndarray]] = None  # audio since a pause, held
 
@@ -68,6 +70,10 @@ class ServerTurn:
                 if s.track is not None:
                     s.track.resume()  # after interrupt()'s flush: nothing; without one: play on
                 self.item_id, self.speculating, self.after_pause = new_id("item"), False, None
+                self.speech_at = event.at
+                # Speech onset on the server clock: the endpointer confirms speech a little later.
+                onset = time.monotonic() - max(0.0, s.input.audio_in.clock - event.onset)
+                s.transcription.speech_started(self.item_id, onset)
                 s.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000),
                         "item_id": self.item_id})
             elif isinstance(event, SpeechAudio):
@@ -97,7 +103,10 @@ class ServerTurn:
                 s.emit({"type": "input_audio_buffer.speech_stopped",
                         "audio_end_ms": int(event.end_of_speech * 1000), "item_id": item_id})
                 s.commit_item(item_id, None)
-                if td is None or td.create_response:
+                s.transcription.speech_stopped(item_id, event.end_of_speech - self.speech_at)
+                if s.transcription_only:
+                    s.engine_call("end_turn")
+                elif td is None or td.create_response:
                     s.create_response({}, None)
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
@@ -120,7 +129,8 @@ class ServerTurn:
         by itself (server VAD creating responses), none is running, and the ladder allows it."""
         s = self._session
         td = s.input.turn_detection
-        if (self.speculating or not s.config.speculative_start or td is None or not td.create_response
+        if (self.speculating or s.transcription_only or not s.config.speculative_start or td is None
+                or not td.create_response
                 or s.reply_in_flight or not s.admission.ladder.speculate):
             return
         mode = s.reply_mode(s.settings["output_modalities"])

@@ -26,6 +26,11 @@ OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "
 _EAGERNESS_SILENCE_MS = {"low": 800, "medium": 500, "auto": 500, "high": 300}
 _INPUT_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
 MAX_OUTPUT_TOKENS = 4096
+# Interpreter mode (omni.interpret_to): answered turns kept in the model's context, so a
+# two-hour stream neither grows the context nor slows down.
+INTERPRET_TURNS = 4
+# What a transcription session transcribes with unless told: the Thinker of the loaded model.
+DEFAULT_TRANSCRIPTION = {"model": "qwen3-omni-thinker", "language": None, "prompt": ""}
 
 
 class ConfigError(ValueError):
@@ -81,6 +86,48 @@ def default_session(config: Config, model: str = "") -> dict[str, Any]:
     }
 
 
+def default_transcription_session(config: Config) -> dict[str, Any]:
+    """A transcription-only session (GA `type: "transcription"`): the user's speech is
+    transcribed live, nothing is answered (docs/realtime.md, "Transcription")."""
+    realtime = default_session(config)
+    audio_in = realtime["audio"]["input"]
+    audio_in["transcription"] = dict(DEFAULT_TRANSCRIPTION)
+    return {"type": "transcription", "object": "realtime.transcription_session", "id": new_id("sess"),
+            "audio": {"input": audio_in}, "include": None, "omni": realtime["omni"]}
+
+
+def base_session(config: Config, kind: Any) -> dict[str, Any]:
+    """The defaults a session of `kind` (a session object's `type`, or None) starts from."""
+    return default_transcription_session(config) if kind == "transcription" else default_session(config)
+
+
+def transcribes(session: dict[str, Any]) -> bool:
+    """The user's speech is transcribed live: a transcription session, or a realtime one with
+    audio.input.transcription set."""
+    return session["type"] == "transcription" or session["audio"]["input"].get("transcription") is not None
+
+
+def interpret_instructions(language: str) -> str:
+    """The interpreter preset's instructions (docs/realtime.md, "Interpreter mode")."""
+    return (f"You are a simultaneous interpreter. Translate everything the user says into {language}. "
+            f"Answer only with the translation, spoken in {language}: no comments, no answers, no questions.")
+
+
+def interpret_to(session: dict[str, Any]) -> Optional[str]:
+    """The target language of interpreter mode, None when off."""
+    return (session.get("omni") or {}).get("interpret_to")
+
+
+def _interpreter_preset(merged: dict[str, Any], update: dict[str, Any]) -> None:
+    """omni.interpret_to was just set: its instructions, and no barge-in (the speaker goes on
+    while the translation plays), unless the same update says otherwise."""
+    merged["instructions"] = update.get("instructions", interpret_instructions(merged["omni"]["interpret_to"]))
+    td = merged["audio"]["input"].get("turn_detection")
+    asked = ((update.get("audio") or {}).get("input") or {}).get("turn_detection") or {}
+    if isinstance(td, dict) and isinstance(asked, dict) and "interrupt_response" not in asked:
+        td["interrupt_response"] = False
+
+
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in update.items():
@@ -96,12 +143,17 @@ def merge(session: dict[str, Any], update: Any) -> dict[str, Any]:
     when the result is not something the agent can serve."""
     if not isinstance(update, dict):
         raise ConfigError("session must be an object", "session")
-    if update.get("type", "realtime") != "realtime":
-        raise ConfigError("only realtime sessions are served (no transcription-only sessions)", "session.type")
+    kind = session.get("type", "realtime")
+    if update.get("type", kind) != kind:
+        raise ConfigError(f"this is a {kind} session: its type is set when it is created (a transcription "
+                          "session: ?intent=transcription or an offer's session with type transcription)",
+                          "session.type")
     # Unknown top-level fields (beta-era `modalities`, `voice`, …) are dropped, not echoed.
     merged = _merge(session, {k: v for k, v in update.items() if k in session})
     # Fields that are the server's, whatever the client says.
-    merged["id"], merged["object"], merged["type"] = session["id"], session["object"], "realtime"
+    merged["id"], merged["object"], merged["type"] = session["id"], session["object"], kind
+    if kind == "realtime" and isinstance(interpret_to(merged), str) and interpret_to(merged) != interpret_to(session):
+        _interpreter_preset(merged, update)
     validate(merged)
     return merged
 
@@ -112,6 +164,13 @@ def _check(ok: bool, message: str, param: str) -> None:
 
 
 def validate(s: dict[str, Any]) -> None:
+    if s.get("type") == "transcription":
+        audio = s.get("audio")
+        _check(isinstance(audio, dict) and isinstance(audio.get("input"), dict), "audio must hold an input object",
+               "session.audio")
+        _validate_input(audio["input"])
+        _validate_omni(s)
+        return
     modalities = s.get("output_modalities")
     _check(modalities in (["audio"], ["text"]), "output_modalities must be [\"audio\"] or [\"text\"]",
            "session.output_modalities")
@@ -124,12 +183,8 @@ def validate(s: dict[str, Any]) -> None:
     audio = s.get("audio")
     _check(isinstance(audio, dict) and isinstance(audio.get("input"), dict) and isinstance(audio.get("output"), dict),
            "audio must hold input and output objects", "session.audio")
-    inp, out = audio["input"], audio["output"]
-    fmt = inp.get("format")
-    _check(isinstance(fmt, dict) and fmt.get("type") in _INPUT_FORMATS,
-           "audio.input.format.type must be audio/pcm, audio/pcmu or audio/pcma", "session.audio.input.format")
-    if fmt["type"] == "audio/pcm":
-        _check(fmt.get("rate", 24000) == 24000, "audio/pcm input is 24000 Hz only", "session.audio.input.format.rate")
+    _validate_input(audio["input"])
+    out = audio["output"]
     fmt = out.get("format")
     _check(isinstance(fmt, dict) and fmt.get("type") == "audio/pcm" and fmt.get("rate", 24000) == 24000,
            "audio.output.format must be audio/pcm at 24000 Hz", "session.audio.output.format")
@@ -137,6 +192,20 @@ def validate(s: dict[str, Any]) -> None:
     _check(speed in (None, 1, 1.0), "only speed 1.0 is served", "session.audio.output.speed")
     _check(out.get("voice") is None or isinstance(out.get("voice"), (str, dict)), "voice must be a string",
            "session.audio.output.voice")
+    _validate_omni(s)
+
+
+def _validate_input(inp: dict[str, Any]) -> None:
+    fmt = inp.get("format")
+    _check(isinstance(fmt, dict) and fmt.get("type") in _INPUT_FORMATS,
+           "audio.input.format.type must be audio/pcm, audio/pcmu or audio/pcma", "session.audio.input.format")
+    if fmt["type"] == "audio/pcm":
+        _check(fmt.get("rate", 24000) == 24000, "audio/pcm input is 24000 Hz only", "session.audio.input.format.rate")
+    tr = inp.get("transcription")
+    _check(tr is None or (isinstance(tr, dict) and all(isinstance(tr.get(k), (str, type(None)))
+                                                       for k in ("model", "language", "prompt"))),
+           "transcription must be null or an object with string model, language, prompt",
+           "session.audio.input.transcription")
     td = inp.get("turn_detection")
     if td is not None:
         _check(isinstance(td, dict) and td.get("type") in ("server_vad", "semantic_vad"),
@@ -153,10 +222,17 @@ def validate(s: dict[str, Any]) -> None:
                    f"session.audio.input.turn_detection.{flag}")
         _check(td.get("idle_timeout_ms") is None, "idle_timeout_ms is not supported",
                "session.audio.input.turn_detection.idle_timeout_ms")
+
+
+def _validate_omni(s: dict[str, Any]) -> None:
     omni = s.get("omni", {})
     _check(isinstance(omni, dict), "omni must be an object", "session.omni")
     _check(omni.get("priority", priority.NORMAL) in priority.PRIORITIES,
            f"omni.priority must be one of {', '.join(priority.PRIORITIES)}", "session.omni.priority")
+    lang = omni.get("interpret_to")
+    _check(lang is None or (isinstance(lang, str) and 0 < len(lang.strip()) <= 64 and s["type"] == "realtime"),
+           "omni.interpret_to is a language name (1-64 characters), in realtime sessions only",
+           "session.omni.interpret_to")
 
 
 def priority_of(session: dict[str, Any]) -> str:
@@ -200,7 +276,8 @@ def max_output_tokens(value: Any) -> Optional[int]:
 
 def client_secret_session(config: Config, body: Any) -> dict[str, Any]:
     """The session an ephemeral key carries: the defaults with the request's session merged in."""
-    base = default_session(config)
+    part = body.get("session") if isinstance(body, dict) else None
+    base = base_session(config, part.get("type") if isinstance(part, dict) else None)
     if isinstance(body, dict) and body.get("session") is not None:
         base = merge(base, body["session"])
     return base

@@ -58,7 +58,13 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     if request.query.get("call_id"):
         return await _sideband(request)
     who = grant(request)
-    settings = copy.deepcopy(who.session) if who.session else session_config.default_session(app[CONFIG])
+    intent = request.query.get("intent")  # transcription: a transcription-only session
+    if intent not in (None, "", "conversation", "transcription"):
+        return json_error(400, "intent must be transcription (or absent)", "invalid_value", param="intent")
+    if who.session:
+        settings = copy.deepcopy(who.session)
+    else:
+        settings = session_config.base_session(app[CONFIG], intent)
     if request.query.get("model"):
         settings["model"] = request.query["model"]
     try:

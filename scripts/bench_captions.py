@@ -1,0 +1,133 @@
+"""Live-caption latency: first partial after speech onset, partial cadence, final after end of speech.
+
+Starts the agent in-process (the tiny model unless --model), opens --sessions WebSocket sessions
+at once (`--kind transcription`: GET /v1/realtime?intent=transcription; `--kind conversation`:
+realtime sessions with audio.input.transcription set, so replies run too) and streams an
+espeak-ng utterance (about 4 s) into each, in real time, --rounds times. Figures are the
+server's (`omni.since_speech_ms` of an item's first delta; the gaps between its deltas'
+since_speech_ms; `omni.after_end_ms` of completed). The last line is the summary.
+
+    python scripts/bench_captions.py --sessions 1 --rounds 3
+    python scripts/bench_captions.py --sessions 3 --kind conversation
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import wave
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent.config import Config  # noqa: E402
+from agent.engine import build_engine  # noqa: E402
+from agent.server import create_app  # noqa: E402
+
+SENTENCE = "Good evening everyone, welcome to the live caption test of this small agent today."
+
+
+def utterance() -> np.ndarray:
+    """The sentence as 24 kHz int16 (espeak-ng, linear resample)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "raw.wav"
+        subprocess.run(["espeak-ng", "-v", "en-us", "-s", "160", "-w", str(raw), SENTENCE], check=True)
+        with wave.open(str(raw)) as w:
+            rate = w.getframerate()
+            pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
+    n = int(len(pcm) * 24000 / rate)
+    return np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.int16)
+
+
+async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[dict]) -> None:
+    query = "?intent=transcription" if kind == "transcription" else ""
+    async with aiohttp.ClientSession() as http, http.ws_connect(f"{url}/v1/realtime{query}") as ws:
+        if kind == "conversation":
+            await ws.send_str(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"input": {"transcription": {"model": "thinker"}}}}}))
+        items: dict[str, dict] = {}
+        done = asyncio.Event()
+
+        async def read() -> None:
+            async for msg in ws:
+                ev = json.loads(msg.data)
+                kind_ = ev["type"]
+                if kind_ == "conversation.item.input_audio_transcription.delta":
+                    items.setdefault(ev["item_id"], {"since": []})["since"].append(ev["omni"]["since_speech_ms"])
+                elif kind_ == "conversation.item.input_audio_transcription.completed":
+                    items.setdefault(ev["item_id"], {"since": []})["final_ms"] = ev["omni"]["after_end_ms"]
+                    if sum("final_ms" in i for i in items.values()) >= rounds:
+                        done.set()
+
+        reader = asyncio.ensure_future(read())
+        silence = np.zeros(int(1.5 * 24000), np.int16)
+        audio = np.concatenate([np.concatenate([pcm, silence])] * rounds)
+        start = time.monotonic()
+        for i, at in enumerate(range(0, len(audio), 480)):  # 20 ms appends on the wall clock
+            chunk = base64.b64encode(audio[at : at + 480].astype("<i2").tobytes()).decode()
+            await ws.send_str(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+            wait = start + (i + 1) * 0.02 - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+        try:
+            await asyncio.wait_for(done.wait(), 60)
+        finally:
+            reader.cancel()
+        out += list(items.values())
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kind", choices=("transcription", "conversation"), default="transcription")
+    p.add_argument("--model", default="", help="model path (default: the tiny checkpoint)")
+    p.add_argument("--port", type=int, default=18089)
+    args = p.parse_args()
+    config = Config(host="127.0.0.1", port=args.port, model=args.model, fallback_model="none",
+                    max_sessions=max(8, 2 * args.sessions))
+    runner = web.AppRunner(create_app(config, build_engine(config)))
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    url = f"http://{config.host}:{config.port}"
+    async with aiohttp.ClientSession() as http:
+        for _ in range(1200):
+            async with http.get(f"{url}/healthz") as resp:
+                if resp.status == 200:
+                    break
+            await asyncio.sleep(0.1)
+    pcm = utterance()
+    items: list[dict] = []
+    try:
+        await asyncio.gather(*(session(url, args.kind, pcm, args.rounds, items) for _ in range(args.sessions)))
+    finally:
+        await runner.cleanup()
+    first = [i["since"][0] for i in items if i["since"]]
+    gaps = [b - a for i in items for a, b in zip(i["since"], i["since"][1:])]
+    final = [i["final_ms"] for i in items if i.get("final_ms") is not None]
+    partials = [len(i["since"]) for i in items]
+    print(f"utterance {len(pcm) / 24000:.1f} s, {args.sessions} {args.kind} session(s) x {args.rounds} rounds, "
+          f"{len(items)} items, partials per item {min(partials, default=0)}-{max(partials, default=0)}")
+    print(f"first partial after onset ms: p50 {pct(first, 50):.0f}  p95 {pct(first, 95):.0f}")
+    print(f"partial cadence ms:           p50 {pct(gaps, 50):.0f}  p95 {pct(gaps, 95):.0f}  max {max(gaps, default=0):.0f}")
+    print(f"final after end of speech ms: p50 {pct(final, 50):.0f}  p95 {pct(final, 95):.0f}")
+    print(f"SUMMARY kind={args.kind} sessions={args.sessions} first_partial_p50_ms={pct(first, 50):.0f} "
+          f"cadence_p50_ms={pct(gaps, 50):.0f} cadence_p95_ms={pct(gaps, 95):.0f} final_p95_ms={pct(final, 95):.0f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

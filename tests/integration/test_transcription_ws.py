@@ -1,0 +1,170 @@
+"""Live input transcription over the WebSocket transport, with the `openai` SDK and the tiny model.
+
+Pins (the tiny model's words are random: the protocol and the prefix property, not words):
+- a transcription session (GET /v1/realtime?intent=transcription) streaming a ~4 s utterance
+  in real time gets conversation.item.input_audio_transcription.delta partials *before*
+  input_audio_buffer.speech_stopped, each partial's `omni.text` starts with the previous
+  partial's stable prefix (`omni.stable_chars`, never shrinking), the deltas add up to the
+  `completed` transcript, which comes after speech_stopped for the same item;
+- that session sends no response.* event and no audio at all, refuses response.create, and
+  keeps transcribing turn after turn (the item holds its transcript on retrieve);
+- a conversation session with `audio.input.transcription` set transcribes its user turns as
+  well as answering them; without it, none of these events come;
+- every event validates strictly against the SDK's GA models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import wave
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from openai import AsyncOpenAI
+
+from realtime_helpers import RunningAgent, start_agent
+from test_realtime_ws import Events, pcm24, stream_realtime
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+DELTA = "conversation.item.input_audio_transcription.delta"
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+
+
+@pytest.fixture(scope="module")
+def long_speech(tmp_path_factory) -> Path:
+    """About 4 s of English speech, 16 kHz mono."""
+    if shutil.which("espeak-ng") is None:
+        pytest.fail("espeak-ng is missing: `make test` installs it")
+    raw = tmp_path_factory.mktemp("speech4") / "raw.wav"
+    subprocess.run(["espeak-ng", "-v", "en-us", "-s", "160", "-w", str(raw),
+                    "Good evening everyone, welcome to the live caption test of this small agent today."],
+                   check=True)
+    with wave.open(str(raw)) as w:
+        rate = w.getframerate()
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
+    n = int(len(pcm) * 16000 / rate)
+    out = raw.with_name("speech4.wav")
+    with wave.open(str(out), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.int16).tobytes())
+    assert 3.0 < n / 16000 < 6.0
+    return out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def agent(tiny_model_dir: Path):
+    running = await start_agent(tiny_model_dir, max_reply_seconds=1.0, max_reply_tokens=8)
+    yield running
+    await running.stop()
+
+
+async def connect(agent: RunningAgent, strict, **query: str):
+    client = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
+    manager = client.realtime.connect(model="qwen3-omni", extra_query=query)
+    conn = await manager.__aenter__()
+    return manager, conn, Events(conn, strict)
+
+
+def check_partials(events: list[dict[str, Any]], item_id: str) -> dict[str, Any]:
+    """The prefix property over one item's events; returns its completed event."""
+    deltas = [e for e in events if e["type"] == DELTA and e["item_id"] == item_id]
+    completed = [e for e in events if e["type"] == COMPLETED and e["item_id"] == item_id]
+    assert len(completed) == 1
+    stable, appended = "", ""
+    for e in deltas:
+        text, n = e["omni"]["text"], e["omni"]["stable_chars"]
+        assert text.startswith(stable) and n >= len(stable) and n <= len(text)
+        stable = text[:n]
+        appended += e["delta"]
+        assert stable.startswith(appended) or e is deltas[-1]  # deltas are stable text only
+    assert appended == completed[0]["transcript"]
+    assert completed[0]["transcript"].startswith(stable)
+    return completed[0]
+
+
+async def test_transcription_session(agent: RunningAgent, long_speech: Path, strict_event) -> None:
+    manager, conn, ev = await connect(agent, strict_event, intent="transcription")
+    try:
+        created = await ev.wait("session.created")
+        assert created["session"]["type"] == "transcription"
+        assert created["session"]["audio"]["input"]["transcription"] is not None
+        for turn in range(2):
+            start = len(ev.all)
+            await stream_realtime(conn, pcm24(long_speech), tail_silence_s=1.2)
+            stopped = await ev.wait("input_audio_buffer.speech_stopped", after=start)
+            item_id = stopped["item_id"]
+            done = await ev.wait(COMPLETED, after=start, timeout=60)
+            assert done["item_id"] == item_id
+            events = ev.all[start:]
+            at_stop = events.index(stopped)
+            early = [e for e in events[:at_stop] if e["type"] == DELTA and e["item_id"] == item_id]
+            assert len(early) >= 2, [e["type"] for e in events]  # partials while speaking
+            assert events.index(done) > at_stop
+            check_partials(events, item_id)
+        await conn.send({"type": "conversation.item.retrieve", "item_id": item_id})
+        item = (await ev.wait("conversation.item.retrieved"))["item"]
+        assert item["content"][0]["transcript"] == done["transcript"]
+        await conn.send({"type": "response.create", "event_id": "ask"})
+        error = await ev.wait("error", where=lambda e: e["error"]["event_id"] == "ask")
+        assert error["error"]["code"] == "unsupported"
+        await asyncio.sleep(0.5)
+        kinds = {e["type"] for e in ev.all}
+        assert not {k for k in kinds if k.startswith("response.") or k.startswith("output_audio")}, kinds
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def test_conversation_with_input_transcription(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    manager, conn, ev = await connect(agent, strict_event)
+    try:
+        await ev.wait("session.created")
+        await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
+        await ev.wait("response.done")
+        assert not ev.of(DELTA) and not ev.of(COMPLETED)  # not asked for
+        await conn.session.update(session={"type": "realtime",
+                                           "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}})
+        await ev.wait("session.updated")
+        start = len(ev.all)
+        await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
+        stopped = await ev.wait("input_audio_buffer.speech_stopped", after=start)
+        await ev.wait(COMPLETED, after=start, timeout=60)
+        await ev.wait("response.done", after=start)
+        check_partials(ev.all[start:], stopped["item_id"])
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def test_bad_intent_is_refused(agent: RunningAgent) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{agent.url}/v1/realtime?intent=dictation") as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["param"] == "intent"
+
+
+async def test_interpreter_preset(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    """omni.interpret_to over the SDK: the preset's instructions and no barge-in come back in
+    session.updated, the engine takes the bounded context without error, and a turn is answered."""
+    manager, conn, ev = await connect(agent, strict_event)
+    try:
+        await ev.wait("session.created")
+        await conn.send({"type": "session.update", "session": {"type": "realtime", "omni": {"interpret_to": "French"}}})
+        session = (await ev.wait("session.updated"))["session"]
+        assert "French" in session["instructions"] and session["omni"]["interpret_to"] == "French"
+        assert session["audio"]["input"]["turn_detection"]["interrupt_response"] is False
+        await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
+        await ev.wait("response.done")
+        assert not ev.of("error"), ev.of("error")
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)

@@ -1,0 +1,60 @@
+"""A bounded context (interpreter mode: StreamingRunner.set_context_turns), tiny model.
+
+Pins: over 30 utterances the session's thinker row (and the talker's view of the user turns)
+stays bounded when at most 3 answered turns are kept: its length never exceeds what it reached
+in the first few turns, while without the bound it grows with every turn; every utterance is
+still answered, and the history starts over only when 3 answered turns are in it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agent.engine.api import ReplyDone
+from agent.engine.stream import StreamingRunner
+
+PIECE = 1280
+
+
+def utterance(seed: int) -> np.ndarray:
+    t = np.arange(int(16000 * 0.6)) / 16000
+    wav = 0.2 * np.sin(2 * np.pi * (180 + 10 * seed) * t) + np.random.default_rng(seed).standard_normal(t.shape) * 0.05
+    return wav.astype(np.float32)
+
+
+def talk(runner: StreamingRunner, turns: int, spoken_every: int = 10) -> tuple[list[int], list[int], list[dict]]:
+    """`turns` utterances, each answered; the thinker length and talker turns kept after each."""
+    lengths, talker_turns, stats = [], [], []
+    for n in range(turns):
+        wav = utterance(n)
+        for i in range(0, len(wav), PIECE):
+            runner.append_audio("s", wav[i : i + PIECE])
+        runner.begin_reply("s", [], text_only=n % spoken_every != spoken_every - 1)
+        done = []
+        for _ in range(400):
+            if not runner.has_work():
+                break
+            done += [o for o in runner.step() if isinstance(o, ReplyDone)]
+        assert len(done) == 1 and done[0].reason in ("stop", "length")
+        state = runner._sessions["s"]
+        lengths.append(state.thinker.length)
+        talker_turns.append(len(state.talker_backlog))
+        stats.append(done[0].stats)
+    return lengths, talker_turns, stats
+
+
+def test_thirty_utterances_stay_bounded(loaded):
+    options = dict(max_reply_tokens=4, max_reply_seconds=0.2, audio_window_s=1.0, max_sessions=1)
+    bounded = StreamingRunner(loaded, "Translate into French.", **options)
+    bounded.open_session("s")
+    assert bounded.set_context_turns("s", 3) == 3
+    lengths, talker_turns, stats = talk(bounded, 30)
+    assert max(lengths[6:]) <= max(lengths[:6])  # no growth after the first cycles
+    assert max(talker_turns) <= 3
+    resets = [n for n, s in enumerate(stats) if s["history_reset"]]
+    assert resets == list(range(3, 30, 3))  # the 4th turn starts over; then it and 2 more are kept
+
+    free = StreamingRunner(loaded, "Translate into French.", **options)
+    free.open_session("s")
+    grown, _, _ = talk(free, 12)
+    assert grown[-1] > 2 * max(lengths)  # what the bound saves, even after 12 turns

@@ -1,0 +1,173 @@
+"""Live input transcription in the streaming runner (agent/engine/transcribe.py), tiny model.
+
+Pins (the tiny model's words are random: the protocol and the prefix property, not words):
+- while the user speaks, a partial comes for every new second of final audio tokens; each
+  partial's text starts with the previous one's stable prefix, and the stable prefix only grows;
+- the end of the turn gives one final transcript that starts with the last stable prefix;
+- a transcription-only session ('only') never prefills its turn into a conversation, answers
+  no reply, takes no second slot, and its transcript row stays bounded over many turns;
+- a conversation session ('on') transcribes in a slot of its own, gives it back when turned
+  off, and its reply still comes (the transcript's final after the reply's prefill);
+- a discarded turn gives no transcript.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agent.engine.api import ReplyDone, TranscriptOut
+from agent.engine.stream import StreamingRunner
+
+SYSTEM = "You are a helpful voice assistant."
+PIECE = 1280  # 80 ms
+
+
+def audio(seconds: float, seed: int) -> np.ndarray:
+    t = np.arange(int(16000 * seconds)) / 16000
+    wav = 0.2 * np.sin(2 * np.pi * 220 * t) + np.random.default_rng(seed).standard_normal(t.shape) * 0.05
+    return wav.astype(np.float32)
+
+
+def run(runner: StreamingRunner, limit: int = 200) -> list:
+    outputs = []
+    for _ in range(limit):
+        if not runner.has_work():
+            return outputs
+        outputs += runner.step()
+    raise AssertionError("the runner never went idle")
+
+
+def speak(runner: StreamingRunner, sid: str, wav: np.ndarray) -> list[TranscriptOut]:
+    """Feed 80 ms pieces, stepping as an engine loop would; the transcripts that came."""
+    outs = []
+    for i in range(0, len(wav), PIECE):
+        runner.append_audio(sid, wav[i : i + PIECE])
+        outs += run(runner)
+    return [o for o in outs if isinstance(o, TranscriptOut)]
+
+
+def check_prefixes(partials: list[TranscriptOut], final: TranscriptOut) -> None:
+    stable = ""
+    for p in [*partials, final]:
+        assert p.text.startswith(stable), (stable, p.text)
+        assert p.stable_chars >= len(stable)
+        stable = p.text[: p.stable_chars]
+    assert final.final and final.stable_chars == len(final.text)
+
+
+@pytest.fixture
+def runner(loaded):
+    return StreamingRunner(loaded, SYSTEM, max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0,
+                           max_sessions=3)
+
+
+def test_transcription_only_session(runner):
+    runner.open_session("c")
+    assert runner.set_transcription("c", "only") == "only"
+    free = len(runner._slots._free)
+    lengths = []
+    for turn in range(3):
+        runner.set_transcript_item("c", f"item{turn}")
+        partials = speak(runner, "c", audio(3.2, turn))
+        assert len(partials) >= 3  # one per second of final audio tokens
+        assert all(not p.final and p.item_id == f"item{turn}" for p in partials)
+        runner.end_turn("c")
+        finals = [o for o in run(runner) if isinstance(o, TranscriptOut)]
+        assert len(finals) == 1 and finals[0].item_id == f"item{turn}"
+        check_prefixes(partials, finals[0])
+        lengths.append(runner.transcriber.sessions["c"].kv.length)
+        state = runner._sessions["c"]
+        assert not state.turn.header_done and state.reply is None  # no conversation at all
+    assert len(set(lengths)) == 1  # back to the system prompt after every turn: bounded
+    assert len(runner._slots._free) == free  # no second slot
+    with pytest.raises(RuntimeError):
+        runner.begin_reply("c", [])
+
+
+def test_conversation_transcribes_in_its_own_slot(runner):
+    runner.open_session("s")
+    free = len(runner._slots._free)
+    runner.set_transcription("s", "on")
+    assert len(runner._slots._free) == free - 1
+    runner.set_transcript_item("s", "u1")
+    partials = speak(runner, "s", audio(2.4, 7))
+    assert partials
+    runner.begin_reply("s", [], text_only=True)
+    outs = run(runner)
+    finals = [o for o in outs if isinstance(o, TranscriptOut)]
+    assert [type(o) for o in outs if isinstance(o, ReplyDone)] == [ReplyDone]
+    assert len(finals) == 1 and finals[0].final and finals[0].item_id == "u1"
+    check_prefixes(partials, finals[0])
+    # A false start: nothing is transcribed for it.
+    runner.set_transcript_item("s", "u2")
+    runner.append_audio("s", audio(0.5, 8))
+    runner.discard_turn("s")
+    assert not [o for o in run(runner) if isinstance(o, TranscriptOut)]
+    runner.set_transcription("s", "off")
+    assert len(runner._slots._free) == free
+    runner.close_session("s")
+    assert len(runner._slots._free) == free + 1
+
+
+def test_partials_wait_for_first_audio(runner):
+    """Under load transcription is what waits: in a tick with a reply waiting for its first
+    audio, no transcript is made; once the engine has slack, it comes."""
+    runner.open_session("talker")
+    runner.open_session("captions")
+    runner.set_transcription("captions", "only")
+    runner.set_transcript_item("captions", "c1")
+    speak(runner, "talker", audio(1.0, 3))
+    wav = audio(2.0, 4)
+    for i in range(0, len(wav), PIECE):  # an idle engine encodes at once: tokens are ready
+        runner.append_audio("captions", wav[i : i + PIECE])
+    assert runner.transcriber.has_work(runner._sessions)
+    runner.begin_reply("talker", [])
+    first = runner.step()
+    assert runner._sessions["talker"].reply.prefill.done  # the reply's prefill had the tick
+    assert not [o for o in first if isinstance(o, TranscriptOut)]
+    later = [o for o in run(runner) if isinstance(o, TranscriptOut)]
+    assert later and all(o.item_id == "c1" for o in later)
+
+
+def test_graph_wiring_gives_the_same_transcripts(loaded, tiny_model_dir):
+    """The GPU path (captured decode and prefill graphs, run on CPU by fake_graphs) transcribes
+    exactly as the eager one: the transcript rows go through the same graphs as replies."""
+    from agent.engine.fake_graphs import fake_graph_config
+    from agent.engine.model import load_model
+
+    options = dict(max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0, max_sessions=3, context_limit=1024)
+    texts = []
+    for runner in (StreamingRunner(loaded, SYSTEM, **options),
+                   StreamingRunner(load_model(str(tiny_model_dir), device="cpu"), SYSTEM, graphs=fake_graph_config(),
+                                   **options)):
+        runner.open_session("a")
+        runner.open_session("b")
+        runner.set_transcription("a", "only")
+        runner.set_transcription("b", "on")
+        for sid in ("a", "b"):
+            runner.set_transcript_item(sid, sid)
+        wav = audio(2.2, 11)
+        outs = []
+        for i in range(0, len(wav), PIECE):  # both at once: batched transcript rows
+            runner.append_audio("a", wav[i : i + PIECE])
+            runner.append_audio("b", wav[i : i + PIECE])
+            outs += run(runner)
+        runner.end_turn("a")
+        runner.begin_reply("b", [], text_only=True)
+        outs += run(runner)
+        texts.append([(o.item_id, o.text, o.stable_chars, o.final) for o in outs if isinstance(o, TranscriptOut)])
+    assert texts[0] == texts[1] and any(final for *_, final in texts[0])
+
+
+def test_a_new_session_takes_back_a_transcription_slot(runner):
+    """Sessions come first: with every slot taken, a new session gets the slot a conversation's
+    transcription held (that transcription stops), and a transcription asking for a slot when
+    none is free is refused."""
+    runner.open_session("s1")
+    runner.set_transcription("s1", "on")
+    runner.open_session("s2")  # 3 slots: s1, s1's transcript, s2
+    with pytest.raises(RuntimeError):
+        runner.set_transcription("s2", "on")
+    runner.open_session("s3")
+    assert "s1" not in runner.transcriber.sessions and set(runner._sessions) == {"s1", "s2", "s3"}
