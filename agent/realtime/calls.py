@@ -92,10 +92,6 @@ async def create_call(request: web.Request) -> web.Response:
         return _bad(413, f"offer too large (at most {MAX_OFFER_BYTES} bytes)")
     if not sdp.strip():
         return _bad(400, "the body must be an SDP offer (application/sdp, or multipart part 'sdp')", param="sdp")
-    try:
-        check_offer(sdp)
-    except OfferError as exc:
-        return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
     who = grant(request)
     # A session part with type "transcription" makes a transcription-only call (no replies, no
     # outbound audio).
@@ -111,6 +107,10 @@ async def create_call(request: web.Request) -> web.Response:
         settings = session_config.offer_priority(settings, request.query.get("priority"), fixed)
     except session_config.ConfigError as exc:
         return _bad(400, str(exc), param=exc.param)
+    try:  # the SDP itself, before aiortc builds anything from it
+        check_offer(sdp)
+    except OfferError as exc:
+        return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
     refused = refuse_new_session(request, session_config.priority_of(settings))
     if refused is not None:
         return refused

@@ -136,7 +136,8 @@ class ServerTurn:
         mode = s.reply_mode(s.settings["output_modalities"])
         if mode == "fallback":
             return
-        s.video.flush_for_turn()  # the newest frames reach the engine ahead of the reply
+        # It is shown the frames the engine has taken so far (no flush here: each pause would
+        # push frames past the in-flight cap while the engine is behind); the end of turn flushes.
         try:
             s.engine.speculate(s.id, [], mode=mode)
         except EngineBusy:
