@@ -50,7 +50,6 @@ import fractions
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -72,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.ice import restrict_ice_hosts  # noqa: E402
 from agent.jitter import lower_audio_jitter_hold  # noqa: E402
 from agent.peer import close_peer  # noqa: E402
+from bench_rtc import free_port, wait_ready  # noqa: E402  (scripts/ is on sys.path when run)
 
 SEND_RATE = 48_000
 SEND_FRAME = 960  # 20 ms
@@ -421,26 +421,6 @@ def header(args: argparse.Namespace) -> str:
     return (f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit {commit}\n"
             f"# python {sys.version.split()[0]}; {', '.join(versions)}; {len(os.sched_getaffinity(0))} CPUs\n"
             f"# command: scripts/bench_barge_in.py {' '.join(sys.argv[1:])}".rstrip())
-
-
-async def wait_ready(url: str, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            try:
-                async with http.get(f"{url}/healthz") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError("agent did not become ready")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pct(values: list[float], q: float) -> float:
