@@ -405,6 +405,11 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         dropped, so the session's next turn starts clean."""
         if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
             torch.cuda.empty_cache()  # what the failed allocation left cached is no one's
+        if state.reply.phase.speculative:
+            self._discard(state)  # unseen, like any dropped speculation; the turn goes on
+            return []
+        if state.reply.phase is not ReplyPhase.CANCELLING:
+            state.reply.move(ReplyPhase.CANCELLING)  # its work is abandoned, then it ends
         outputs = self._finish(session_id, state, "error")
         self.discard_turn(session_id)
         done = outputs[-1]
