@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
-
 from agent.client import AgentClient
 from realtime_helpers import long_replies_engine, start_agent
 
@@ -30,6 +28,13 @@ async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_
         await client.connect()
         created = await client.wait_event("session.created", timeout=30)
         await client.wait_event("output_audio_buffer.started", timeout=60)
+        # From here the server VAD still interrupts but creates no reply: the barge-in speech
+        # must not start a reply of its own before the slot is inspected (a state race on a
+        # loaded machine, not something to skip on).
+        client.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+            "turn_detection": {"type": "server_vad", "create_response": False, "interrupt_response": True}}}}})
+        updated = await client.wait_event("session.updated", timeout=30)
+        assert updated["session"]["audio"]["input"]["turn_detection"]["create_response"] is False
         for _ in range(100):  # some of the reply is heard, far from all of it (4 s)
             if client.result.audible_samples > 0.4 * 48000:
                 break
@@ -52,8 +57,7 @@ async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_
     assert len(last["tokens"]) == heard_frames < 48
     # The slot holds the history up to the reply, then the heard tokens the thinker had fed;
     # the other heard tokens and <|im_end|> come right after them, with the next user turn.
-    if context["replying"]:
-        pytest.skip("a reply to the barge-in speech had already begun")
+    assert not context["replying"], "no reply may start: create_response is off"
     end = last["start_length"] + last["fed"]
     if context["turn_start_length"] is not None:  # the barge-in speech is being prefilled
         assert context["turn_start_length"] == end
