@@ -22,9 +22,9 @@ import pytest
 from aiohttp import web
 
 from agent.config import Config
-from agent.engine import Engine, runner_factory
 from agent.realtime.app import SESSIONS
 from agent.server import create_app
+from engine_hold import HeldEngine
 
 from .conftest import free_port
 
@@ -39,20 +39,6 @@ STATS_JS = """async () => {
 }"""
 
 
-class Holdable:
-    """The real runner, plus a `hold` call that blocks the engine thread until released."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-        self.release = threading.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-    def hold(self, session_id: str) -> None:
-        self.release.wait(60)
-
-
 class ThreadedAgent:
     """The agent on its own event loop in a thread, with a stallable engine."""
 
@@ -62,9 +48,8 @@ class ThreadedAgent:
         self.config = Config(port=self.port, ice_hosts=("127.0.0.1",), model=str(tiny_model_dir),
                              fallback_model="none", threads=1, max_reply_seconds=1.0,
                              video_throttle_hold_s=1.0, video_pause_after_s=2.0)
-        primary = runner_factory(self.config)
-        self.runners: list[Holdable] = []
-        self.engine = Engine(lambda: self.runners.append(Holdable(primary())) or self.runners[0], inbox_size=1024)
+        self.held = HeldEngine(inbox_size=1024)
+        self.engine = self.held(self.config)
         self.app = create_app(self.config, self.engine)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
@@ -95,8 +80,7 @@ class ThreadedAgent:
         self.run(call(), 10)
 
     def release(self) -> None:
-        for runner in self.runners:
-            runner.release.set()
+        self.held.release()
 
     def stop(self) -> None:
         self.release()

@@ -13,35 +13,16 @@ at most a few frames wait in the stalled engine's inbox, and audio is never thro
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 
-import aiohttp
-from aiohttp import web
 
 from agent.client import AgentClient
-from agent.config import Config
-from agent.engine import Engine, runner_factory
 from agent.metrics import REGISTRY
 from agent.realtime.app import SESSIONS
-from agent.server import create_app
 from agent.video_feed import MAX_IN_FLIGHT
-from realtime_helpers import free_port
-
-
-class Holdable:
-    """The real runner, plus a `hold` call that blocks the engine thread until released."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-        self.release = threading.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-    def hold(self, session_id: str) -> None:
-        self.release.wait(30)
+from engine_hold import HeldEngine
+from realtime_helpers import start_agent
 
 
 def _metric(name: str, **labels: str) -> float:
@@ -58,27 +39,14 @@ async def _until(predicate, timeout: float, step: float = 0.1) -> bool:
 
 
 async def test_python_client_obeys_throttle_from_a_stalled_engine(tiny_model_dir: Path, speech_wav: Path) -> None:
-    port = free_port()
-    config = Config(port=port, ice_hosts=("127.0.0.1",), model=str(tiny_model_dir), fallback_model="none",
-                    threads=1, max_reply_seconds=1.0, video_throttle_hold_s=1.0, video_pause_after_s=2.0)
-    primary = runner_factory(config)
-    holdable: list[Holdable] = []
-    engine = Engine(lambda: holdable.append(Holdable(primary())) or holdable[0], inbox_size=512)
-    app = create_app(config, engine)
-    app_runner = web.AppRunner(app)
-    await app_runner.setup()
-    await web.TCPSite(app_runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
+    held = HeldEngine()
+    agent = await start_agent(tiny_model_dir, engine=held, max_reply_seconds=1.0, video_throttle_hold_s=1.0,
+                              video_pause_after_s=2.0)
+    config, engine, url = agent.config, agent.engine, agent.url
     client = AgentClient(url, speech_wav, video=True, video_fps=10)
     events_before = {s: _metric("agent_video_throttle_events_total", state=s) for s in ("throttled", "open")}
     seconds_before = _metric("agent_video_throttled_seconds_total")
     try:
-        async with aiohttp.ClientSession() as http:
-            for _ in range(600):
-                async with http.get(f"{url}/healthz") as resp:
-                    if resp.status == 200:
-                        break
-                await asyncio.sleep(0.1)
         await client.connect()
         await client.wait_event("session.created", 20)
         video = client.video
@@ -87,8 +55,8 @@ async def test_python_client_obeys_throttle_from_a_stalled_engine(tiny_model_dir
         assert not client.result.of_type("input_video.throttle"), "an engine that keeps up must not throttle"
         full_rate = video.fps(2.0)
 
-        session = next(iter(app[SESSIONS].values())).session
-        held = engine.call(session.id, "hold")
+        session = next(iter(agent.app[SESSIONS].values())).session
+        holding = engine.call(session.id, "hold")
         peak_backlog = 0.0
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not video.paused:
@@ -102,8 +70,8 @@ async def test_python_client_obeys_throttle_from_a_stalled_engine(tiny_model_dir
         await asyncio.sleep(2.0)
         assert video.fps(2.0) == 0, "a paused client sends no frames"
 
-        holdable[0].release.set()
-        await held
+        held.release()
+        await holding
         assert await _until(lambda: len(client.result.of_type("input_video.throttle")) >= 3, 15)
         restored = client.result.of_type("input_video.throttle")[2]
         assert restored["reason"] == "recovered" and restored["paused"] is False and restored["max_fps"] == 4.0
@@ -116,7 +84,6 @@ async def test_python_client_obeys_throttle_from_a_stalled_engine(tiny_model_dir
         # Audio was never throttled: the turn spoken during the stall is still answered.
         assert await _until(lambda: bool(client.result.of_type("response.done")), 60)
     finally:
-        for h in holdable:
-            h.release.set()
+        held.release()
         await client.close()
-        await app_runner.cleanup()
+        await agent.stop()

@@ -27,10 +27,8 @@ from agent.config import Config
 from agent.ingest import AudioChunk
 from agent.metrics import REGISTRY
 from agent.playout import AgentAudioTrack
-from agent.realtime import session_config
-from agent.realtime.input_buffer import InputBuffer
 from agent.vad import BargeInCandidate, BargeInDropped, Endpointer, SpeechStarted, TurnEvent
-from test_echo_guard import DELAY_FRAMES, ECHO_DB, FakeClock, LoudIsVoiced, gap, mic_frame, tone, voices  # noqa: F401
+from test_echo_guard import FakeClock, LoudIsVoiced, gap, speakerphone, tone, voices  # noqa: F401 (voices: a fixture)
 
 N = 480  # samples per outbound frame
 
@@ -162,46 +160,26 @@ def test_no_candidate_while_the_agent_is_silent_or_under_the_echo_level():
 # ---- over the echo: the real track, the real InputBuffer and detector -----------------------
 
 
-async def speakerphone(voices, *, user_at_s: float | None, vad: str) -> tuple[list[tuple[int, TurnEvent]], list[bool]]:
-    """The reply on a real track, its echo 120 ms later at -10 dB into a real InputBuffer (plus
-    the user); the track is paused / resumed / flushed on the events as Session does."""
-    clock = FakeClock()
+async def speakerphone_pausing(voices, *, user_at_s: float | None, vad: str,
+                               ) -> tuple[list[tuple[int, TurnEvent]], list[bool]]:
+    """test_echo_guard's speakerphone, with the track paused / resumed / flushed on the events
+    as Session does."""
     config = Config(vad=vad)
-    track = AgentAudioTrack(clock=clock, sleep=clock.sleep)
-    td = session_config.turn_detection(session_config.default_session(config), config.vad_silence_ms)
-    buf = InputBuffer(config, td, echo=track.level.level)
-    track.begin_reply()
-    track.push(np.round(voices["reply"] * 32768).astype(np.int16))
-    track.end_reply()
-    frames = int(len(voices["reply"]) / 24000 / 0.02) + 25
-    user = np.zeros(frames * 320)
-    if user_at_s is not None:
-        start = int(user_at_s * 16000)
-        part = voices["user"][: len(user) - start]
-        user[start : start + len(part)] = part
-    played: list[np.ndarray] = []
-    audible: list[bool] = []
-    events: list[tuple[int, TurnEvent]] = []
-    for i in range(frames):
-        sent = pcm_of(await track.recv()).astype(np.float64) / 32768
-        audible.append(bool(sent.any()))
-        played.append(np.interp(np.arange(320) * 1.5, np.arange(480), sent))
-        echo = played[i - DELAY_FRAMES] * 10 ** (ECHO_DB / 20) if i >= DELAY_FRAMES else np.zeros(320)
-        for event in buf.push(mic_frame(echo + user[i * 320 : (i + 1) * 320], i)):
-            events.append((i, event))
-            if isinstance(event, BargeInCandidate):
-                track.pause(config.barge_in_pause_max_ms / 1000)
-            elif isinstance(event, BargeInDropped):
-                track.resume()
-            elif isinstance(event, SpeechStarted):
-                track.flush()
-    track.stop()
-    return events, audible
+
+    def drive(track: AgentAudioTrack, event: TurnEvent) -> None:
+        if isinstance(event, BargeInCandidate):
+            track.pause(config.barge_in_pause_max_ms / 1000)
+        elif isinstance(event, BargeInDropped):
+            track.resume()
+        elif isinstance(event, SpeechStarted):
+            track.flush()
+
+    return await speakerphone(voices, config=config, user_at_s=user_at_s, on_event=drive)
 
 
 @pytest.mark.parametrize("vad", ["silero", "webrtc"])
 async def test_own_echo_at_minus_10_db_never_pauses_the_agent(voices, vad):
-    events, audible = await speakerphone(voices, user_at_s=None, vad=vad)
+    events, audible = await speakerphone_pausing(voices, user_at_s=None, vad=vad)
     assert candidates_of(events) == []
     # The reply played without a hole: audible from its first frame to its last.
     first, last = audible.index(True), len(audible) - 1 - audible[::-1].index(True)
@@ -210,7 +188,7 @@ async def test_own_echo_at_minus_10_db_never_pauses_the_agent(voices, vad):
 
 @pytest.mark.parametrize("vad", ["silero", "webrtc"])
 async def test_talking_over_the_reply_silences_it_at_the_candidate(voices, vad):
-    events, audible = await speakerphone(voices, user_at_s=1.0, vad=vad)
+    events, audible = await speakerphone_pausing(voices, user_at_s=1.0, vad=vad)
     kinds = candidates_of(events)
     assert "SpeechStarted" in kinds
     started_at = next(i for i, e in events if isinstance(e, SpeechStarted))

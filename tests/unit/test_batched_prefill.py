@@ -15,7 +15,6 @@ Pins, on the tiny model:
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from agent.engine.prefill import PREFILL_BUCKETS
@@ -23,6 +22,7 @@ from agent.engine.kv import KVState
 from agent.engine.stream import StreamingRunner
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import ThinkerOps
+from engine_drive import make_audio
 
 HISTORY = (20, 37, 130)  # tokens already in each session's cache
 NEW = (9, 25, 60)  # end-of-turn tokens per session (bucket 64)
@@ -138,13 +138,6 @@ def test_three_talker_prefixes_in_one_forward_equal_three_separate(loaded):
     torch.testing.assert_close(last_b, last_a, atol=1e-5, rtol=1e-4)
     assert [(s.length, s.next_pos) for s in states_a] == [(s.length, s.next_pos) for s in states_b]
     assert_same_kv(ops_a.kv, ops_b.kv, states_a)
-
-
-def make_audio(seconds: float, freq: float, seed: int) -> np.ndarray:
-    t = np.arange(int(16000 * seconds)) / 16000
-    wav = 0.2 * np.sin(2 * np.pi * freq * t) + np.random.default_rng(seed).standard_normal(t.shape) * 0.02
-    wav[:40] = 0.5
-    return wav.astype(np.float32)
 
 
 @torch.inference_mode()

@@ -18,6 +18,7 @@ import subprocess
 import wave
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable
 
 import av
 import numpy as np
@@ -82,8 +83,13 @@ def mic_frame(pcm16k: np.ndarray, index: int) -> av.AudioFrame:
     return frame
 
 
-async def call(voices, *, config: Config, tell_playing: bool = True, user_at_s: float | None = None) -> list[TurnEvent]:
-    """Play the reply on a real track and feed the microphone its echo (plus the user, if any)."""
+async def speakerphone(voices, *, config: Config, tell_playing: bool = True, user_at_s: float | None = None,
+                       on_event: Callable[[AgentAudioTrack, TurnEvent], None] | None = None,
+                       ) -> tuple[list[tuple[int, TurnEvent]], list[bool]]:
+    """The reply on a real track, its echo DELAY_FRAMES later at ECHO_DB into a real InputBuffer
+    (plus the user from `user_at_s`). Returns each turn event with its 20 ms frame index, and
+    whether each played frame was audible; `on_event` lets the caller drive the track on the
+    events (pause / resume / flush, as Session does)."""
     clock = FakeClock()
     track = AgentAudioTrack(clock=clock, sleep=clock.sleep)
     td = session_config.turn_detection(session_config.default_session(config), config.vad_silence_ms)
@@ -98,14 +104,25 @@ async def call(voices, *, config: Config, tell_playing: bool = True, user_at_s: 
         part = voices["user"][: len(user) - start]
         user[start : start + len(part)] = part
     played: list[np.ndarray] = []
-    events: list[TurnEvent] = []
+    audible: list[bool] = []
+    events: list[tuple[int, TurnEvent]] = []
     for i in range(frames):
         sent = (await track.recv()).to_ndarray().reshape(-1).astype(np.float64) / 32768  # 480 @ 24 kHz
+        audible.append(bool(sent.any()))
         played.append(np.interp(np.arange(320) * 1.5, np.arange(480), sent))  # to 16 kHz
         echo = played[i - DELAY_FRAMES] * 10 ** (ECHO_DB / 20) if i >= DELAY_FRAMES else np.zeros(320)
-        events += buf.push(mic_frame(echo + user[i * 320 : (i + 1) * 320], i))
+        for event in buf.push(mic_frame(echo + user[i * 320 : (i + 1) * 320], i)):
+            events.append((i, event))
+            if on_event is not None:
+                on_event(track, event)
     track.stop()
-    return [e for e in events if isinstance(e, SpeechStarted)]
+    return events, audible
+
+
+async def call(voices, *, config: Config, tell_playing: bool = True, user_at_s: float | None = None) -> list[TurnEvent]:
+    """The speech starts the VAD reports on the speakerphone (the track left alone)."""
+    events, _ = await speakerphone(voices, config=config, tell_playing=tell_playing, user_at_s=user_at_s)
+    return [e for _, e in events if isinstance(e, SpeechStarted)]
 
 
 @pytest.mark.parametrize("vad", ["silero", "webrtc"])

@@ -34,20 +34,13 @@ from agent.engine.model import load_model
 from agent.engine.moe import FusedSparseMoeBlock
 from agent.engine.prefill import PREFILL_BUCKETS
 from agent.engine.stream import StreamingRunner
+from engine_drive import make_audio, speak
 
 SYSTEM = "You are a helpful voice assistant."
-PIECE = 1280  # 80 ms of 16 kHz audio
 OPTIONS = dict(max_reply_tokens=10, max_reply_seconds=1.2, audio_window_s=1.0, record=True, context_limit=1024)
 STAGES = ("thinker_decode", "talker_step", "code_predictor", "code2wav")
 PREFILLS = ("thinker_prefill", "talker_prefill")  # one graph per (batch, token) bucket
 FAKE = fake_graph_config()
-
-
-def make_audio(seconds: float, freq: float, seed: int) -> np.ndarray:
-    t = np.arange(int(16000 * seconds)) / 16000
-    wav = 0.2 * np.sin(2 * np.pi * freq * t) + np.random.default_rng(seed).standard_normal(t.shape) * 0.02
-    wav[:40] = 0.5  # loudest first: the streamed log-mel then equals the extractor's
-    return wav.astype(np.float32)
 
 
 AUDIO = {"a": make_audio(1.0, 220, 1), "b": make_audio(1.6, 330, 2), "c": make_audio(1.3, 180, 3)}
@@ -78,8 +71,7 @@ def converse(runner: StreamingRunner, sids: list[str], turns: int = 1) -> dict[s
     for turn in range(turns):
         for sid in sids:
             audio = AUDIO[sid][: len(AUDIO[sid]) - turn * 4000]
-            for i in range(0, len(audio), PIECE):
-                runner.append_audio(sid, audio[i : i + PIECE])
+            speak(runner, sid, audio)
         for sid in sids:
             runner.begin_reply(sid, [])
         for _ in range(200):

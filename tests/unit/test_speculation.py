@@ -22,22 +22,10 @@ from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
 from agent.engine.phase import ReplyPhase
 from agent.engine.scheduler import ReplyView, SchedulerConfig, plan_tick
 from agent.engine.stream import StreamingRunner
+from engine_drive import PIECE, make_audio, speak
 
 SYSTEM = "You are a helpful voice assistant."
-PIECE = 1280
 OPTIONS = dict(max_reply_tokens=8, max_reply_seconds=0.8, audio_window_s=1.0, record=True)
-
-
-def make_audio(seconds: float, freq: float, seed: int) -> np.ndarray:
-    t = np.arange(int(16000 * seconds)) / 16000
-    wav = 0.2 * np.sin(2 * np.pi * freq * t) + np.random.default_rng(seed).standard_normal(t.shape) * 0.02
-    wav[:40] = 0.5  # loudest first: the streamed log-mel then equals the extractor's
-    return wav.astype(np.float32)
-
-
-def speak(runner: StreamingRunner, sid: str, audio: np.ndarray) -> None:
-    for i in range(0, len(audio), PIECE):
-        runner.append_audio(sid, audio[i : i + PIECE])
 
 
 def finish(runner: StreamingRunner, sid: str) -> list:

@@ -1,0 +1,43 @@
+"""Shared by the back-pressure tests: an engine whose thread a test can stall (imported, not a test).
+
+`HeldEngine(config)` builds the real engine (the streaming runner for `config`), whose runner also
+answers a `hold` call: it blocks the engine thread until `release()`, the way a slow GPU step
+would, so the tests can watch what ingest and the sender do while the engine is behind.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from agent.config import Config
+from agent.engine import Engine, runner_factory
+
+
+class _Holdable:
+    """The real runner, plus a `hold` call that blocks the engine thread until released."""
+
+    def __init__(self, inner: Any, released: threading.Event) -> None:
+        self._inner = inner
+        self._released = released
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def hold(self, session_id: str) -> None:
+        self._released.wait(60)  # bounded: a test that forgets to release still ends
+
+
+class HeldEngine:
+    """An engine builder (start_agent's `engine=`) that remembers how to release its hold."""
+
+    def __init__(self, inbox_size: int = 512) -> None:
+        self._released = threading.Event()
+        self._inbox_size = inbox_size
+
+    def __call__(self, config: Config) -> Engine:
+        build = runner_factory(config)
+        return Engine(lambda: _Holdable(build(), self._released), inbox_size=self._inbox_size)
+
+    def release(self) -> None:
+        self._released.set()
