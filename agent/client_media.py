@@ -43,10 +43,37 @@ def speech_end_sample(pcm: np.ndarray, rate: int = SEND_RATE, threshold_db: floa
     return int((loud[-1] + 1) * win) if len(loud) else 0
 
 
-class WavTrack(MediaStreamTrack):
-    """Plays pcm once (then silence forever), paced to the wall clock like a microphone."""
+class PacedAudioTrack(MediaStreamTrack):
+    """A microphone-like track: 20 ms s16 mono frames at SEND_RATE, paced to the wall clock
+    (pts = samples sent). Subclasses say what each frame holds (`chunk`)."""
 
     kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._start: Optional[float] = None
+        self._pts = 0
+
+    def chunk(self, now: float) -> np.ndarray:
+        """The next SEND_FRAME samples (int16), sent at wall time `now`."""
+        raise NotImplementedError
+
+    async def recv(self) -> av.AudioFrame:
+        if self._start is None:
+            self._start = time.monotonic()
+        wait = self._start + self._pts / SEND_RATE - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        frame = av.AudioFrame.from_ndarray(self.chunk(time.monotonic()).reshape(1, -1), format="s16", layout="mono")
+        frame.sample_rate = SEND_RATE
+        frame.pts = self._pts
+        frame.time_base = fractions.Fraction(1, SEND_RATE)
+        self._pts += SEND_FRAME
+        return frame
+
+
+class WavTrack(PacedAudioTrack):
+    """Plays pcm once (then silence forever), paced to the wall clock like a microphone."""
 
     def __init__(self, pcm: np.ndarray, repeat_after_s: Optional[float] = None, speech_end: Optional[int] = None) -> None:
         super().__init__()
@@ -54,8 +81,6 @@ class WavTrack(MediaStreamTrack):
         self._speech_end = speech_end_sample(pcm) if speech_end is None else speech_end
         self.speech_ends: list[float] = []  # wall time the speech ended, one per play
         self._pos = 0
-        self._start: Optional[float] = None
-        self._pts = 0
         self._repeat_after = repeat_after_s
         self.plays = 0
 
@@ -64,15 +89,9 @@ class WavTrack(MediaStreamTrack):
         self._pos = 0
         self.plays += 1
 
-    async def recv(self) -> av.AudioFrame:
-        if self._start is None:
-            self._start = time.monotonic()
-        wait = self._start + self._pts / SEND_RATE - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
+    def chunk(self, now: float) -> np.ndarray:
         chunk = self._pcm[self._pos : self._pos + SEND_FRAME]
         if len(chunk) and self._pos < len(self._pcm):
-            now = time.monotonic()
             last = self._speech_end - 1
             if self._pos <= last < self._pos + SEND_FRAME:
                 # The frame holding the last speech sample leaves now; speech ends inside it.
@@ -82,12 +101,7 @@ class WavTrack(MediaStreamTrack):
             chunk = np.concatenate([chunk, np.zeros(SEND_FRAME - len(chunk), np.int16)])
         if self._repeat_after is not None and self._pos >= len(self._pcm) + self._repeat_after * SEND_RATE:
             self.play()
-        frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = SEND_RATE
-        frame.pts = self._pts
-        frame.time_base = fractions.Fraction(1, SEND_RATE)
-        self._pts += SEND_FRAME
-        return frame
+        return chunk
 
 
 class PatternVideoTrack(MediaStreamTrack):

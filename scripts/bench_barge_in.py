@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import fractions
 import json
 import os
 import random
@@ -61,20 +60,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 import aiohttp
-import av
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agent.client_media import SEND_FRAME, SEND_RATE, PacedAudioTrack  # noqa: E402
 from agent.ice import restrict_ice_hosts  # noqa: E402
 from agent.jitter import lower_audio_jitter_hold  # noqa: E402
 from agent.peer import close_peer  # noqa: E402
 from bench_rtc import free_port, wait_ready  # noqa: E402  (scripts/ is on sys.path when run)
 
-SEND_RATE = 48_000
-SEND_FRAME = 960  # 20 ms
 VOICED_DBFS = -40.0  # a sent frame above this is speech (the onset)
 AUDIBLE_DBFS = -50.0  # a received frame above this is the agent's voice
 REPLY_GAP_S = 0.3  # audible after this much quiet: a new reply started
@@ -107,18 +104,14 @@ def speech(folder: Path, name: str, text: str, level_dbfs: float) -> np.ndarray:
     return np.clip(np.round(pcm), -32768, 32767).astype(np.int16)
 
 
-class Microphone(MediaStreamTrack):
-    """The client's microphone: silence, or an utterance when say() is called, paced to the wall
-    clock in 20 ms frames. Records when each utterance's first voiced frame is sent."""
-
-    kind = "audio"
+class Microphone(PacedAudioTrack):
+    """The client's microphone: silence, or an utterance when say() is called (the pacing is
+    client_media's). Records when each utterance's first voiced frame is sent."""
 
     def __init__(self) -> None:
         super().__init__()
         self._pcm: Optional[np.ndarray] = None
         self._pos = 0
-        self._start: Optional[float] = None
-        self._pts = 0
         self._onset: Optional[asyncio.Future] = None
         self._done: Optional[asyncio.Future] = None
 
@@ -129,30 +122,19 @@ class Microphone(MediaStreamTrack):
         self._onset, self._done = loop.create_future(), loop.create_future()
         return self._onset, self._done
 
-    async def recv(self) -> av.AudioFrame:
-        if self._start is None:
-            self._start = time.monotonic()
-        wait = self._start + self._pts / SEND_RATE - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
+    def chunk(self, now: float) -> np.ndarray:
         chunk = np.zeros(SEND_FRAME, np.int16)
         if self._pcm is not None:
             part = self._pcm[self._pos : self._pos + SEND_FRAME]
             chunk[: len(part)] = part
             self._pos += SEND_FRAME
-            now = time.monotonic()
             if self._onset is not None and not self._onset.done() and dbfs(chunk) > VOICED_DBFS:
                 self._onset.set_result(now)
             if self._pos >= len(self._pcm):
                 self._pcm = None
                 if self._done is not None and not self._done.done():
                     self._done.set_result(now)
-        frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format="s16", layout="mono")
-        frame.sample_rate = SEND_RATE
-        frame.pts = self._pts
-        frame.time_base = fractions.Fraction(1, SEND_RATE)
-        self._pts += SEND_FRAME
-        return frame
+        return chunk
 
 
 class Speaker:
