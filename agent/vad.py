@@ -1,4 +1,4 @@
-"""End-of-turn detection on the session's audio clock.
+"""End-of-turn detection on the session's audio clock (the events it reports: agent/turn_events.py).
 
 A voice detector (agent/voice.py: Silero by default, or webrtcvad) classifies each 20 ms
 sub-frame of an 80 ms AudioChunk. A turn starts once
@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import numpy as np
 
 from .config import INPUT_RATE
 from .echo import threshold_gain
 from .ingest import CHUNK_SECONDS, AudioChunk
+from .turn_events import (BargeInCandidate, BargeInDropped, SpeechAudio, SpeechPaused, SpeechResumed, SpeechStarted,
+                          SpeechStopped, TurnEvent)
 from .voice import VoiceDetector, make_detector
 
 SUBFRAME_MS = 20
@@ -48,66 +49,6 @@ WARMUP_SUBFRAMES = 5
 # Speech has stops and short pauses between syllables; a barge-in over the agent's voice may
 # have those, but not a longer hole (echo bursts are separated by the agent's own pauses).
 BARGE_IN_GAP_MS = 100
-
-
-@dataclass(frozen=True)
-class SpeechStarted:
-    """A turn began. ``at``: start of its audio (pre-roll included), ``onset``: first voiced sub-frame."""
-
-    at: float
-    onset: float
-
-
-@dataclass(frozen=True)
-class SpeechAudio:
-    """One chunk of the current turn: the pre-roll first, then every chunk until the turn ends."""
-
-    chunk: AudioChunk
-
-
-@dataclass(frozen=True)
-class SpeechStopped:
-    """End of turn. ``at``: when the silence reached silence_ms (or the forced cut),
-    ``end_of_speech``: end of the last voiced sub-frame."""
-
-    at: float
-    end_of_speech: float
-    forced: bool = False  # max_turn_s reached while still speaking
-
-
-@dataclass(frozen=True)
-class SpeechPaused:
-    """Inside a turn, ``pause_ms`` of unvoiced audio since ``end_of_speech``: the turn may be
-    over (it is, if the silence reaches ``silence_ms`` before any voice)."""
-
-    at: float
-    end_of_speech: float
-
-
-@dataclass(frozen=True)
-class SpeechResumed:
-    """Voice again after a SpeechPaused, before the turn ended: the pause was mid-sentence."""
-
-    at: float
-
-
-@dataclass(frozen=True)
-class BargeInCandidate:
-    """While the agent plays: voice above its echo level that may become a barge-in.
-    ``onset``: the start of the candidate's first counted voiced sub-frame."""
-
-    onset: float
-
-
-@dataclass(frozen=True)
-class BargeInDropped:
-    """The last BargeInCandidate ended without a turn; ``at``: when that was decided (audio clock)."""
-
-    at: float
-
-
-TurnEvent = Union[SpeechStarted, SpeechAudio, SpeechStopped, SpeechPaused, SpeechResumed, BargeInCandidate,
-                  BargeInDropped]
 
 
 class Endpointer:

@@ -322,7 +322,8 @@ def endpointer_alone(pcm48: np.ndarray, barge_in_ms: int, agent_dbfs: Optional[f
     once a chunk is complete)."""
     from agent.config import INPUT_RATE
     from agent.ingest import AudioChunk, CHUNK_SECONDS
-    from agent.vad import BargeInCandidate, Endpointer, SpeechStarted
+    from agent.turn_events import BargeInCandidate, SpeechStarted
+    from agent.vad import Endpointer
 
     level = None if agent_dbfs is None else 10 ** (agent_dbfs / 20)
     pcm16 = pcm48[: len(pcm48) // 3 * 3].astype(np.float32).reshape(-1, 3).mean(axis=1) / 32768.0

@@ -40,7 +40,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.ingest import AudioChunk  # noqa: E402
-from agent.vad import Endpointer, SpeechStarted  # noqa: E402
+from agent.turn_events import SpeechStarted  # noqa: E402
+from agent.vad import Endpointer  # noqa: E402
 from agent.voice import VAD_KINDS, make_detector  # noqa: E402
 
 RATE = 16_000

@@ -11,7 +11,8 @@ import numpy as np
 
 from ..config import Config
 from ..ingest import CHUNK_SECONDS, AudioIn
-from ..vad import Endpointer, TurnEvent
+from ..turn_events import TurnEvent
+from ..vad import Endpointer
 from .session_config import TurnDetection
 
 

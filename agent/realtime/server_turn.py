@@ -21,8 +21,8 @@ import numpy as np
 
 from .. import metrics
 from ..engine import EngineBusy
-from ..vad import (BargeInCandidate, BargeInDropped, SpeechAudio, SpeechPaused, SpeechResumed, SpeechStarted,
-                   SpeechStopped)
+from ..turn_events import (BargeInCandidate, BargeInDropped, SpeechAudio, SpeechPaused, SpeechResumed,
+                           SpeechStarted, SpeechStopped)
 from .events import new_id
 
 if TYPE_CHECKING:

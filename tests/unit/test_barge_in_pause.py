@@ -27,7 +27,8 @@ from agent.config import Config
 from agent.ingest import AudioChunk
 from agent.metrics import REGISTRY
 from agent.playout import AgentAudioTrack
-from agent.vad import BargeInCandidate, BargeInDropped, Endpointer, SpeechStarted, TurnEvent
+from agent.turn_events import BargeInCandidate, BargeInDropped, SpeechStarted, TurnEvent
+from agent.vad import Endpointer
 from test_echo_guard import FakeClock, LoudIsVoiced, gap, speakerphone, tone, voices  # noqa: F401 (voices: a fixture)
 
 N = 480  # samples per outbound frame

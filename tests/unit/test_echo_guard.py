@@ -31,7 +31,8 @@ from agent.ingest import AudioChunk
 from agent.playout import AgentAudioTrack
 from agent.realtime import session_config
 from agent.realtime.input_buffer import InputBuffer
-from agent.vad import Endpointer, SpeechStarted, TurnEvent
+from agent.turn_events import SpeechStarted, TurnEvent
+from agent.vad import Endpointer
 from agent.voice import SileroDetector, WebrtcDetector, make_detector
 
 DELAY_FRAMES = 6  # 120 ms from the track's send to the microphone

@@ -21,7 +21,7 @@ from agent.config import Config
 from agent.ingest import VideoSampler
 from agent.realtime.input_buffer import InputBuffer
 from agent.realtime.session_config import TurnDetection
-from agent.vad import SpeechStarted, SpeechStopped
+from agent.turn_events import SpeechStarted, SpeechStopped
 
 
 def _audio(rate: int, layout: str, fmt: str, samples: int, pts: int | None, tone: float = 0.0) -> av.AudioFrame:

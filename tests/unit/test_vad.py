@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from agent.ingest import AudioChunk
-from agent.vad import Endpointer, SpeechAudio, SpeechStarted, SpeechStopped, TurnEvent
+from agent.turn_events import SpeechAudio, SpeechStarted, SpeechStopped, TurnEvent
+from agent.vad import Endpointer
 
 RATE = 16000
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from agent.ingest import AudioChunk
-from agent.vad import Endpointer, SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
+from agent.turn_events import SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
+from agent.vad import Endpointer
 
 RATE = 16000
 
