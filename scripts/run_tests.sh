@@ -4,7 +4,7 @@
 # since the namespace has no route to the package registries either.
 set -u
 VENV=${VENV:-.venv}
-PYTEST="$VENV/bin/python -m pytest -ra -p no:cacheprovider $*"
+PYTEST="$VENV/bin/python -m pytest -ra --durations=25 -p no:cacheprovider $*"
 if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
   echo "running tests in a loopback-only network namespace"
   exec unshare -n sh -c "ip link set lo up && $PYTEST"
