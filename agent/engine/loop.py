@@ -324,11 +324,19 @@ class Engine:
                 for runner in runners:  # only the one with a reply in flight answers
                     runner.cancel_reply(sid)
             elif cmd.op == "close":
-                for runner in runners:
-                    runner.close_session(sid)
-                del self._sinks[sid]
+                # The session is forgotten here whatever a runner's close does: a sink left in
+                # _sinks would hold the Session (and its call) for the life of the process.
+                self._sinks.pop(sid, None)
                 self._replying.pop(sid, None)
                 self._frames.drop(sid)
+                failed = None
+                for runner in runners:  # every runner frees its slot, even after another failed
+                    try:
+                        runner.close_session(sid)
+                    except Exception as exc:  # noqa: BLE001 (re-raised below, after the others)
+                        failed = failed or exc
+                if failed is not None:
+                    raise failed
         except Exception as exc:
             # Bad input from one session (e.g. an image the processor rejects) is that
             # session's error only.

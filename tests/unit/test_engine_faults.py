@@ -7,6 +7,8 @@ Pins, with the real engine thread driving the real streaming runner (tiny model,
   turn is answered normally; the engine thread lives on;
 - the same fault in a stage that batches sessions together ends the replies of that tick
   with an error; each session's next turn is answered; the engine thread lives on;
+- a runner whose close of a session fails still leaves the engine without that session: its
+  sink (the Session, in the agent) is no longer held, and the next session is served;
 - an error that escapes the engine loop itself (not a model error) is reported: the
   thread ends, `Engine.failed` says why, `alive` is False, and replies in flight get their
   error instead of waiting for ever.
@@ -15,6 +17,7 @@ Pins, with the real engine thread driving the real streaming runner (tiny model,
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 import numpy as np
@@ -146,6 +149,23 @@ async def test_a_fault_in_a_batched_stage_ends_that_tick_and_turns_go_on(engine:
     for sink in (a, b):
         again = await sink.wait_done(2)
         assert again.reason in ("stop", "length") and again.stats["audio_frames"] > 0, again
+    assert engine.alive and engine.failed is None
+
+
+async def test_a_failing_close_still_forgets_the_session(engine: Engine) -> None:
+    runner: StreamingRunner = engine.runner  # type: ignore[attr-defined]
+    a, b = Sink(), Sink()
+    engine.open_session("a", a)
+    runner.close_session = _once(runner.close_session, RuntimeError("injected close fault"),  # type: ignore[method-assign]
+                                 lambda args: args[0] == "a")
+    held = weakref.ref(a)
+    engine.close_session("a")
+    del a
+    engine.open_session("b", b)  # commands run in order: b's reply comes after a's close
+    say(engine, "b")
+    done = await b.wait_done(1)
+    assert done.reason in ("stop", "length") and done.stats["audio_frames"] > 0, done
+    assert held() is None, "the engine still holds the closed session's sink"
     assert engine.alive and engine.failed is None
 
 
