@@ -5,8 +5,9 @@ model), for each way a call can end (the client vanishes mid-reply, the client c
 the offer is answered but ICE never runs so the server ends it at its connect timeout),
 the process's native thread count is back within 2 of where it was after the first
 round of calls, no peer connection, transceiver, transport, track or Session object is
-still alive, no asyncio task is left, agent_sessions_active is 0, and resident memory grew
-by less than 10 MB (plus 40 KB a call past 56). Abrupt drops mid-reply run 200 times, the
+still alive, no asyncio task is left, agent_sessions_active is 0, and resident memory stays
+within 25 MB of the first round with no trend after its warm-up: over the second half of the
+rounds it grows less than 3 MB plus 40 KB a call. Abrupt drops mid-reply run 200 times, the
 other endings 56.
 
 The calls run in rounds with the cycle collector switched off, and each round's objects
@@ -231,7 +232,16 @@ async def test_calls_leave_no_threads_objects_or_memory(agent, short_wav: Path, 
     assert tasks_after <= tasks_first, f"asyncio tasks {tasks_first} -> {tasks_after}"
     assert not alive, f"objects of finished calls still alive: {dict(alive)}"
     assert threads_after <= threads_first + 2, f"threads {threads_first} -> {threads_after}"
-    # 10 MB, and 40 KB a call beyond 56 calls: 200 abrupt calls were measured at +9.6 and
-    # +13.9 MB (allocator noise of ±3 MB between rounds, drifting up ~0.3 MB a round).
-    bound = 10.0 + 0.04 * max(0, CALLS[ending] - 56)
-    assert rss_after - rss_first < bound, f"resident memory grew {rss_after - rss_first:.1f} MB (bound {bound:.1f})"
+    # Memory: resident memory climbs for the first rounds and then holds (glibc's arenas fill:
+    # measured under a CPU hog, 736, 740, 743, 744, 748, 748, 750, ... then 740-751 MB for 17
+    # rounds). A leak is a trend that goes on, so the second half of the rounds is judged on
+    # its own: it may grow 3 MB (noise between rounds) plus 40 KB a call. The whole run stays
+    # within 25 MB of the first round.
+    half = len(rss_rounds) // 2
+    if half:
+        calls_late = (len(rss_rounds) - half) * CONCURRENCY
+        late_bound = 3.0 + 0.04 * calls_late
+        late = rss_after - max(rss_rounds[:half])
+        assert late < late_bound, (f"resident memory still grows: +{late:.1f} MB over the last {calls_late} calls "
+                                   f"(bound {late_bound:.1f}); per round {[round(r, 1) for r in rss_rounds]}")
+    assert rss_after - rss_first < 25.0, f"resident memory grew {rss_after - rss_first:.1f} MB (bound 25)"
