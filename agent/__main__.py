@@ -53,6 +53,12 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="stream: streaming engine; reference: transformers' generate() (whole reply at once)")
     p.add_argument("--no-video", dest="video", action="store_false",
                    help="ignore the camera: frames are dropped unread and the client is asked to pause it")
+    p.add_argument("--video-fps", type=float, default=d.video_fps, dest="video_fps",
+                   help="camera frames sampled per second; 2 make one video grid (default %(default)s)")
+    p.add_argument("--video-window", type=float, default=d.video_window_s, dest="video_window_s",
+                   help="seconds of a turn that get every grid at full rate (default %(default)s)")
+    p.add_argument("--video-turn-tokens", type=int, default=d.video_turn_tokens, dest="video_turn_tokens",
+                   help="visual tokens per turn at most: resolution is scaled down first, then the grid rate (default %(default)s)")
     p.add_argument("--system-prompt", default=d.system_prompt)
     p.add_argument("--max-reply-tokens", type=int, default=d.max_reply_tokens, help="text tokens per reply")
     p.add_argument("--max-reply-seconds", type=float, default=d.max_reply_seconds, help="audio seconds per reply")
