@@ -251,6 +251,15 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         elif state.reply.phase in (ReplyPhase.PREFILLING, ReplyPhase.STREAMING):
             state.reply.move(ReplyPhase.CANCELLING)
 
+    def set_video(self, session_id: str, on: bool) -> bool:
+        """The session's camera switch (Realtime `omni.video`): off, its frames are not looked at
+        from the next turn on (a turn whose video block is open keeps it). Returns the setting."""
+        state = self._sessions[session_id]
+        state.video = bool(on)
+        if not on and not state.turn.audio_open:
+            state.turn.video = None
+        return state.video
+
     def set_priority(self, session_id: str, priority: int) -> int:
         """The session's scheduling priority (agent/priority.py RANK: higher first), from now on."""
         if session_id not in self._sessions:

@@ -9,10 +9,13 @@ audio is half a grid past its end (the camera stalled), or at the end of the tur
 encoded as soon as it is closed and the engine is free (agent/engine/turns.py prefills it, in
 time order among the audio tokens, while the user speaks).
 
+A frame belongs to the nearest slot (frames come near the 1/fps marks, a little early or late).
+
 Budget (docs/video.md): all grids of a turn have one size, chosen at its first frame so that one
-grid makes at most cap / (2 * window grids) tokens (resolution scaled down first). The first
-half of the cap takes every grid (at least `window_s` of video at the full rate); then the grid
-rate halves each time half of what is left is used, so a turn of any length stays under the cap.
+grid makes at most cap / (2 * window grids) tokens (resolution scaled down first). One grid of
+the cap is kept for the end of the turn (the latest view); of the rest, the first half takes
+every grid (at least `window_s` of video at the full rate), then the grid rate halves each time
+half of what is left is used, so a turn of any length stays under the cap and ends with a view.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class GridBudget:
     until half of the rest is, then every 4th, ...; never more than `max_grids`."""
 
     def __init__(self, max_grids: int) -> None:
-        self.max_grids = max(1, max_grids)
+        self.max_grids = max(0, max_grids)
         self.count = 0
         self.stride = 1
         self._mark = self.max_grids - self.max_grids // 2
@@ -90,6 +93,7 @@ class TurnVideo:
     size: tuple[int, int] | None = None  # (height, width) of every grid of the turn
     grids: list[Grid] = field(default_factory=list)
     budget: GridBudget | None = None
+    tail: Grid | None = None  # the newest grid the budget left out: the turn's last view if it ends there
     stats: TurnVideoStats = field(default_factory=TurnVideoStats)
 
     @property
@@ -107,8 +111,9 @@ class TurnVideo:
         if self.size is None:
             per_grid = max(1, self.policy.max_tokens // (2 * self.policy.window_grids))
             self.size = grid_size(frame.shape[0], frame.shape[1], per_grid, self.spec)
-            self.budget = GridBudget(self.policy.max_tokens // self.tokens)
-        slot = int(math.floor(max(0.0, at_s) * self.policy.fps + 1e-9))
+            # One grid of the cap is the reserve for the turn's last view (close_all).
+            self.budget = GridBudget(self.policy.max_tokens // self.tokens - 1)
+        slot = int(math.floor(max(0.0, at_s) * self.policy.fps + 0.5))
         index, part = divmod(slot, self.spec.temporal)
         last = self.grids[-1] if self.grids else None
         if last is not None and index <= last.index:
@@ -119,13 +124,19 @@ class TurnVideo:
             return
         if last is not None and not last.closed:
             self._close(last)
-        if not self.budget.admit(index):
-            self.stats.frames_thinned += 1
-            return
         start = index * self.grid_s
+        if self.tail is not None and self.tail.index == index:
+            self.tail.frames[part] = resize(frame, self.size)
+            return
         grid = Grid(index, start, grid_threshold(start, self.position_id_per_seconds), [None] * self.spec.temporal)
         grid.frames[part] = resize(frame, self.size)
-        self.grids.append(grid)
+        if self.budget.max_grids > 0 and self.budget.admit(index):
+            self.grids.append(grid)
+            self.tail = None
+        else:
+            if self.tail is not None:
+                self.stats.frames_thinned += sum(f is not None for f in self.tail.frames)
+            self.tail = grid
 
     def close_stale(self, now_s: float) -> None:
         """The turn's audio is half a grid past the open grid's end: no more frames are waited for."""
@@ -134,6 +145,10 @@ class TurnVideo:
             self._close(last)
 
     def close_all(self) -> None:
+        """The end of the turn: the last view (a grid the budget left out) takes the reserve."""
+        if self.tail is not None:
+            self.grids.append(self.tail)
+            self.tail = None
         for grid in self.grids:
             if not grid.closed:
                 self._close(grid)
@@ -173,7 +188,8 @@ class TurnVideo:
             budget = GridBudget(self.budget.max_grids)
             budget.count, budget.stride, budget._mark = self.budget.count, self.budget.stride, self.budget._mark
         grids = [replace(g, frames=list(g.frames)) for g in self.grids]
-        return replace(self, grids=grids, budget=budget, stats=replace(self.stats))
+        tail = replace(self.tail, frames=list(self.tail.frames)) if self.tail is not None else None
+        return replace(self, grids=grids, budget=budget, tail=tail, stats=replace(self.stats))
 
     def place(self, grid: Grid) -> GridPlace:
         grid.state = "placed"
