@@ -10,7 +10,8 @@ Pins:
 - the visual-token cap holds over a 20 s turn at 4 fps: the resolution is scaled down so the
   first window fits half of the cap, the first window gets every grid, later grids are thinned,
   and the turn still ends with its last view;
-- a session with video off, or a runner without the video policy, gets no video tokens.
+- a session with video off (omni.video false, validated as a bool), or a runner without the
+  video policy, gets no video tokens.
 """
 
 from __future__ import annotations
@@ -174,3 +175,16 @@ def test_video_off_means_no_video_tokens(loaded, how):
         done = runner.step()[-1]
     assert done.stats["input_video_tokens"] == 0 and done.stats["video_grids"] == 0
     assert done.stats["input_audio_tokens"] > 0
+
+
+def test_the_session_switch_is_a_validated_omni_extra():
+    from agent.config import Config
+    from agent.realtime import session_config as sc
+
+    base = sc.default_session(Config())
+    assert sc.video_on(base)
+    off = sc.merge(base, {"omni": {"video": False}})
+    assert not sc.video_on(off) and sc.video_on(sc.merge(off, {"omni": {"video": True}}))
+    with pytest.raises(sc.ConfigError) as err:
+        sc.merge(base, {"omni": {"video": "off"}})
+    assert err.value.param == "session.omni.video"

@@ -10,6 +10,8 @@ Pins:
   80 ms pieces, a 1 s audio window so both are prefilled while the user speaks) gives the same
   text ids and the same 16 codec codes per frame as `generate(use_audio_in_video=True)` on the
   processor's layout of the same frames and audio;
+- so does a turn whose reply was speculated on a pause and committed, or speculated and
+  dropped because the user went on (the speculation works on its own copy of the turn's grids);
 - the end of that turn encodes at most one grid (the last half second) and prefills only the
   grids whose time came after the last audio flush.
 """
@@ -175,21 +177,31 @@ def reference(loaded, audio, grid_frames, n_grids):
     return text, captured["codes"][0].numpy(), n_audio, thw[1] * thw[2] // 4
 
 
-def stream_with_camera(runner, sid, audio, frames, fps=4.0):
-    """Audio in 80 ms pieces; frame i handed over once the turn's audio reaches i / fps seconds."""
+def stream_with_camera(runner, sid, audio, frames, fps=4.0, speculation=""):
+    """Audio in 80 ms pieces; frame i handed over once the turn's audio reaches i / fps seconds.
+    speculation "discard": a reply speculated at 1.6 s and dropped (the user went on);
+    "commit": one speculated on the last piece and committed by the end of the turn."""
     fed = 0
     for start in range(0, len(audio), 1280):
         while fed < len(frames) and fed / fps <= start / 16000:
             runner.append_video(sid, frames[fed], 0.0)
             fed += 1
         runner.append_audio(sid, audio[start : start + 1280])
+        if speculation == "discard" and start == 20 * 1280:
+            assert runner.speculate(sid, [])
+            runner.step()
+            assert runner.drop_speculation(sid)
+    if speculation == "commit":
+        assert runner.speculate(sid, [])
+        runner.step()
     runner.begin_reply(sid, [])
     while runner.has_work():
         done = runner.step()
     return done[-1]
 
 
-def test_streaming_with_camera_equals_generate_and_leaves_only_the_last_grid(loaded):
+@pytest.mark.parametrize("speculation", ["", "commit", "discard"])
+def test_streaming_with_camera_equals_generate_and_leaves_only_the_last_grid(loaded, speculation):
     seconds = 2.4
     audio = make_audio(seconds, 1)
     frames = [marker_frame(i) for i in range(int(seconds * 4))]
@@ -197,7 +209,8 @@ def test_streaming_with_camera_equals_generate_and_leaves_only_the_last_grid(loa
     runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=FRAMES * 0.08,
                              audio_window_s=1.0, record=True, video=policy)
     runner.open_session("s")
-    done = stream_with_camera(runner, "s", audio, frames)
+    done = stream_with_camera(runner, "s", audio, frames, speculation=speculation)
+    assert done.stats["speculative"] == (speculation == "commit")
     stats = done.stats
     spec = PatchSpec.from_processor(loaded.image_processor)
     size = (96, 128)  # 12 tokens a grid: far under the cap, so not scaled down
