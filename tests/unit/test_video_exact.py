@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
-from agent.engine.model import assistant_start_ids, encode_audio, audio_token_count, system_turn_ids
+from agent.engine.model import assistant_start_ids, audio_token_count, closing_ids, encode_audio, system_turn_ids
 from agent.engine.stream import StreamingRunner
 from agent.engine.video_grid import (
     GridPlace, PatchSpec, TokenKinds, av_positions, grid_threshold, interleave, patch_frames, resize,
@@ -143,18 +143,26 @@ def test_positions_equal_get_rope_index(loaded):
     torch.testing.assert_close(torch.cat(parts, dim=1), expected[:, 0].float())
 
 
-def reference(loaded, audio, grid_frames, n_grids):
-    """generate(use_audio_in_video=True) on the processor's layout of the same frames and audio."""
+def reference(loaded, turns):
+    """generate(use_audio_in_video=True) on the processor's layout of the same frames and audio.
+    turns: (audio, frame pairs, grids used, the reply ids of an earlier turn or None for the last)."""
     spec = PatchSpec.from_processor(loaded.image_processor)
-    pixels, thw = patch_frames([f for pair in grid_frames[:n_grids] for f in pair], spec)
-    feats = encode_audio(loaded, [audio])
+    feats = encode_audio(loaded, [audio for audio, _, _, _ in turns])
     n_window = loaded.model.config.thinker_config.audio_config.n_window
-    n_audio = audio_token_count(int(feats["feature_attention_mask"].sum()), n_window)
     pps = loaded.model.config.thinker_config.position_id_per_seconds
-    block = loaded.tokenizer.encode(processor_block(n_audio, thw, pps), add_special_tokens=False)
     ids = loaded.ids
-    prompt = [*system_turn_ids(ids, loaded.tokenizer, SYSTEM), ids.im_start, *ids.user, *ids.newline,
-              ids.vision_start, *block, ids.vision_end, ids.im_end, *ids.newline, *assistant_start_ids(ids)]
+    prompt = system_turn_ids(ids, loaded.tokenizer, SYSTEM)
+    pixels, grids, n_audios = [], [], []
+    for (_, pairs, n_grids, reply), frames in zip(turns, feats["feature_attention_mask"].sum(-1).tolist()):
+        pv, thw = patch_frames([f for pair in pairs[:n_grids] for f in pair], spec)
+        pixels.append(pv)
+        grids.append(list(thw))
+        n_audios.append(audio_token_count(int(frames), n_window))
+        block = loaded.tokenizer.encode(processor_block(n_audios[-1], thw, pps), add_special_tokens=False)
+        prompt += [ids.im_start, *ids.user, *ids.newline, ids.vision_start, *block, ids.vision_end,
+                   ids.im_end, *ids.newline, *assistant_start_ids(ids)]
+        if reply is not None:
+            prompt += closing_ids(ids, reply)
     input_ids = torch.tensor([prompt])
     captured = {}
     hook = loaded.model.code2wav.register_forward_pre_hook(lambda m, args: captured.setdefault("codes", args[0]))
@@ -163,8 +171,8 @@ def reference(loaded, audio, grid_frames, n_grids):
     try:
         sequences, _ = loaded.model.generate(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **feats,
-            pixel_values_videos=pixels, video_grid_thw=torch.tensor([thw]),
-            video_second_per_grid=torch.tensor([0.5]), use_audio_in_video=True,
+            pixel_values_videos=torch.cat(pixels), video_grid_thw=torch.tensor(grids),
+            video_second_per_grid=torch.tensor([0.5] * len(turns)), use_audio_in_video=True,
             speaker=loaded.speaker, return_audio=True, thinker_do_sample=False, talker_do_sample=False,
             thinker_max_new_tokens=TOKENS, thinker_eos_token_id=loaded.thinker_eos_ids, thinker_min_new_tokens=1,
             talker_max_new_tokens=FRAMES + 1,
@@ -174,7 +182,7 @@ def reference(loaded, audio, grid_frames, n_grids):
         tower.n_window_infer = saved
     generated = sequences[0, len(prompt):].tolist()
     text = [t for t in generated if t not in loaded.thinker_eos_ids]
-    return text, captured["codes"][0].numpy(), n_audio, thw[1] * thw[2] // 4
+    return text, captured["codes"][0].numpy(), n_audios[-1], grids[-1][1] * grids[-1][2] // 4
 
 
 def stream_with_camera(runner, sid, audio, frames, fps=4.0, speculation=""):
@@ -216,7 +224,7 @@ def test_streaming_with_camera_equals_generate_and_leaves_only_the_last_grid(loa
     size = (96, 128)  # 12 tokens a grid: far under the cap, so not scaled down
     pairs = [(resize(frames[2 * j], size), resize(frames[2 * j + 1], size)) for j in range(len(frames) // 2)]
     pps = loaded.model.config.thinker_config.position_id_per_seconds
-    text, codes, n_audio, per_grid = reference(loaded, audio, pairs, stats["video_grids"])
+    text, codes, n_audio, per_grid = reference(loaded, [(audio, pairs, stats["video_grids"], None)])
     # Every grid whose time falls before the turn's last audio token is in (the tiny checkpoint's
     # 25 positions/s run ahead of its 13 audio tokens/s, so the later grids fall past it).
     assert stats["video_grids"] == sum(grid_threshold(0.5 * j, pps) < n_audio for j in range(len(pairs)))
@@ -231,3 +239,25 @@ def test_streaming_with_camera_equals_generate_and_leaves_only_the_last_grid(loa
     assert stats["frames_encoded_at_end_of_turn"] <= 2
     assert stats["video_grids_prefilled_at_end_of_turn"] <= 1
     assert spec.temporal == 2
+
+
+def test_a_second_camera_turn_reuses_the_cache_and_equals_generate(loaded):
+    """Two turns with the camera: the second prefills only its own tokens and still equals
+    generate() on the two-turn prompt (two audio-in-video blocks, the first reply between)."""
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=FRAMES * 0.08,
+                             audio_window_s=1.0, record=True, video=VideoPolicy())
+    runner.open_session("s")
+    size = (96, 128)
+    turns = []
+    for n, (seconds, shift) in enumerate([(2.4, 0), (1.6, 20)]):
+        audio = make_audio(seconds, 5 + n)
+        frames = [marker_frame(shift + i) for i in range(int(seconds * 4))]
+        done = stream_with_camera(runner, "s", audio, frames)
+        pairs = [(resize(frames[2 * j], size), resize(frames[2 * j + 1], size)) for j in range(len(frames) // 2)]
+        turns.append((audio, pairs, done.stats["video_grids"], list(runner.records["s"].text_ids)))
+    assert all(t[2] >= 1 for t in turns)
+    text, codes, _, _ = reference(loaded, [*turns[:-1], (*turns[-1][:3], None)])
+    record = runner.records["s"]
+    assert list(record.text_ids) == text
+    np.testing.assert_array_equal(record.codes, codes)
+    assert done.stats["prefill_tokens"] < done.stats["context_tokens"] / 2  # the first turn stayed cached
