@@ -191,10 +191,13 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
     @torch.inference_mode()
     def append_video(self, session_id: str, image: np.ndarray, at: float) -> None:
         """A camera frame as it arrives, placed on the turn's audio clock; its grid is encoded as
-        soon as it closes when no reply is running (agent/engine/video_prefill.py)."""
+        soon as it closes when no reply exists (agent/engine/video_prefill.py). The vision
+        encoder has the lowest priority: not even a held speculation waits for it (its commit
+        would), and the frames of a pause it answered are not needed if it is committed."""
         state = self._sessions.get(session_id)
         if state is not None:
-            self.turns.video.add_frame(state, image, self.clock(), encode_now=not self._busy())
+            idle = all(s.reply is None for s in self._sessions.values())
+            self.turns.video.add_frame(state, image, self.clock(), encode_now=idle)
 
     @torch.inference_mode()
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
