@@ -118,7 +118,7 @@ class TurnVideo:
         last = self.grids[-1] if self.grids else None
         if last is not None and index <= last.index:
             if index == last.index and not last.closed:
-                last.frames[part] = resize(frame, self.size)  # the newest frame of the slot wins
+                last.frames[part] = frame  # the newest frame of the slot wins
             else:
                 self.stats.frames_late += 1
             return
@@ -126,10 +126,10 @@ class TurnVideo:
             self._close(last)
         start = index * self.grid_s
         if self.tail is not None and self.tail.index == index:
-            self.tail.frames[part] = resize(frame, self.size)
+            self.tail.frames[part] = frame
             return
         grid = Grid(index, start, grid_threshold(start, self.position_id_per_seconds), [None] * self.spec.temporal)
-        grid.frames[part] = resize(frame, self.size)
+        grid.frames[part] = frame
         if self.budget.max_grids > 0 and self.budget.admit(index):
             self.grids.append(grid)
             self.tail = None
@@ -173,7 +173,8 @@ class TurnVideo:
         as part of the whole clip."""
         todo = self.pending(before)
         for grid in todo:
-            pixels, thw = patch_frames(grid.frames, self.spec)
+            # Resized only now (idle time): taking a frame stays cheap on the engine thread.
+            pixels, thw = patch_frames([resize(f, self.size) for f in grid.frames], self.spec)
             grid.features = encoder(pixels, thw)
             grid.frames = []  # the pixels are not needed any more
         self.stats.grids_encoded += len(todo)
