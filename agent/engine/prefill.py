@@ -18,7 +18,8 @@ to the scratch row (`pad_slot`), their tokens at its indices 0..T-1. The attenti
 input for the sdpa backend (its key window bucketed like decode's); flex and flash-attn read
 each row's length from the cache index, so their graphs do not depend on the context length
 and every (batch, T) bucket is captured at start-up. A chunk with image tokens (DeepStack adds
-features at data-dependent positions) runs eagerly.
+features at data-dependent positions) runs eagerly, as does one with fractional positions (video
+frames at their time: agent/engine/video_grid.py).
 """
 
 from __future__ import annotations

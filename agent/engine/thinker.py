@@ -4,9 +4,9 @@ The thinker's language model is driven layer by layer on a static slot cache (ag
 slots.py) instead of through `thinker.forward`, so that the audio tokens can come from the
 incremental encoder, each prefill chunk continues a session's cache with explicit positions,
 and the decode step of every session that needs a token is one batched forward. What goes in
-is what generate() builds: token embeddings with the audio features and image features
-scattered over their placeholders, DeepStack image features added at the early layers,
-multimodal RoPE positions.
+is what generate() builds: token embeddings with the audio, image and video features
+scattered over their placeholders, DeepStack visual features added at the early layers,
+multimodal RoPE positions (for the camera's audio-in-video block, agent/engine/video_grid.py's).
 
 A prefill is a `PrefillJob`: its input embeddings and positions are made once, then it runs in
 chunks of at most `max_tokens` so that the scheduler can put decode steps of other sessions

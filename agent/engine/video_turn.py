@@ -53,6 +53,11 @@ class GridBudget:
         self.stride = 1
         self._mark = self.max_grids - self.max_grids // 2
 
+    def copy(self) -> "GridBudget":
+        twin = GridBudget(self.max_grids)
+        twin.count, twin.stride, twin._mark = self.count, self.stride, self._mark
+        return twin
+
     def admit(self, index: int) -> bool:
         if self.count >= self.max_grids or index % self.stride:
             return False
@@ -184,10 +189,7 @@ class TurnVideo:
 
     def fork(self) -> "TurnVideo":
         """An independent copy (a speculative reply closes and places grids on its own copy)."""
-        budget = None
-        if self.budget is not None:
-            budget = GridBudget(self.budget.max_grids)
-            budget.count, budget.stride, budget._mark = self.budget.count, self.budget.stride, self.budget._mark
+        budget = self.budget.copy() if self.budget is not None else None
         grids = [replace(g, frames=list(g.frames)) for g in self.grids]
         tail = replace(self.tail, frames=list(self.tail.frames)) if self.tail is not None else None
         return replace(self, grids=grids, budget=budget, tail=tail, stats=replace(self.stats))
