@@ -11,7 +11,7 @@ Pins:
   first window fits half of the cap, the first window gets every grid, later grids are thinned,
   and the turn still ends with its last view;
 - a session with video off (omni.video false, validated as a bool), or a runner without the
-  video policy, gets no video tokens.
+  video policy, gets no video tokens; the --video-* flags reach the Config, a value <= 0 refused.
 """
 
 from __future__ import annotations
@@ -188,3 +188,17 @@ def test_the_session_switch_is_a_validated_omni_extra():
     with pytest.raises(sc.ConfigError) as err:
         sc.merge(base, {"omni": {"video": "off"}})
     assert err.value.param == "session.omni.video"
+
+
+def test_flags_reach_the_config_and_refuse_non_positive_values():
+    import argparse
+
+    from agent.__main__ import _serve_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser)
+    config = config_from_args(parser.parse_args(["--video-fps", "2", "--video-window", "3", "--video-turn-tokens", "500"]))
+    assert (config.video_fps, config.video_window_s, config.video_turn_tokens) == (2.0, 3.0, 500)
+    for flag in ("--video-fps", "--video-window", "--video-turn-tokens"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "0"])
