@@ -53,6 +53,12 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="stream: streaming engine; reference: transformers' generate() (whole reply at once)")
     p.add_argument("--no-video", dest="video", action="store_false",
                    help="ignore the camera: frames are dropped unread and the client is asked to pause it")
+    p.add_argument("--video-fps", type=_positive(float), default=d.video_fps, dest="video_fps",
+                   help="camera frames sampled per second; 2 make one video grid (default %(default)s)")
+    p.add_argument("--video-window", type=_positive(float), default=d.video_window_s, dest="video_window_s",
+                   help="seconds of a turn that get every grid at full rate (default %(default)s)")
+    p.add_argument("--video-turn-tokens", type=_positive(int), default=d.video_turn_tokens, dest="video_turn_tokens",
+                   help="visual tokens per turn at most: resolution is scaled down first, then the grid rate (default %(default)s)")
     p.add_argument("--system-prompt", default=d.system_prompt)
     p.add_argument("--max-reply-tokens", type=int, default=d.max_reply_tokens, help="text tokens per reply")
     p.add_argument("--max-reply-seconds", type=float, default=d.max_reply_seconds, help="audio seconds per reply")
@@ -104,6 +110,17 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     from .serve.options import add_serve_flags  # no Ray import: only the flags
 
     add_serve_flags(p)
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
 
 
 def _ice_server(text: str):

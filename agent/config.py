@@ -96,7 +96,9 @@ class Config:
     video: bool = True  # --no-video: camera frames are dropped unread and the sender is asked to pause
     video_fps: float = 4.0
     video_max_side: int = 448  # frames are resized so the longer side is at most this
-    video_frames_per_turn: int = 2  # latest sampled frames sent with a turn
+    video_frames_per_turn: int = 2  # latest sampled frames flushed at a turn's end (still images for the reference/fallback runners)
+    video_window_s: float = 2.0  # --video-window: this much of a turn gets every grid at video_fps (docs/video.md)
+    video_turn_tokens: int = 768  # --video-turn-tokens: visual tokens per turn at most (resolution first, then rate)
     ingest_buffer_frames: int = 8  # bounded ring between ingest and the engine (5-10)
     # Back-pressure on the camera (agent/backpressure.py): frames the engine has not taken.
     video_high_water: int = 6  # backlog at which the sender is asked for 1 fps at half size

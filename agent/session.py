@@ -88,6 +88,8 @@ class Session:
             self.engine_call("set_instructions", self.settings["instructions"])
         if session_config.interpret_to(self.settings):  # interpreter mode: a bounded context
             self.engine_call("set_context_turns", session_config.INTERPRET_TURNS)
+        if not session_config.video_on(self.settings):
+            self.engine_call("set_video", False, param="session.omni.video")
         if self.priority != priority.NORMAL:
             # A runner without a scheduler (--runner reference) has nothing to order: not an error
             # the client could act on, so the future's failure is only retrieved, never reported.
@@ -223,6 +225,8 @@ class Session:
         if session_config.interpret_to(merged) != session_config.interpret_to(old):
             on = bool(session_config.interpret_to(merged))
             self.engine_call("set_context_turns", session_config.INTERPRET_TURNS if on else 0)
+        if not self.transcription_only and session_config.video_on(merged) != session_config.video_on(old):
+            self.engine_call("set_video", session_config.video_on(merged), param="session.omni.video")
         voice = None if self.transcription_only else merged["audio"]["output"].get("voice")
         if not self.transcription_only and voice != old["audio"]["output"].get("voice"):
             self._set_voice(voice)

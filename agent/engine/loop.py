@@ -116,6 +116,11 @@ class Engine:
         self._thread = None
 
     # ---- commands (asyncio side) -----------------------------------------------------
+    def _stills(self, runner: Runner, sid: str) -> list[np.ndarray]:
+        """The newest frames as still images, for a runner that does not take the camera as
+        video itself (one with append_video puts the frames in the turn as video)."""
+        return [] if hasattr(runner, "append_video") else self._frames.latest(sid)
+
     def _put(self, cmd: _Cmd) -> None:
         try:
             self._inbox.put_nowait(cmd)
@@ -306,7 +311,7 @@ class Engine:
             elif cmd.op == "speculate":
                 speculate = getattr(primary, "speculate", None)
                 if speculate is not None and cmd.mode in ("audio", "text"):
-                    speculate(sid, list(cmd.images) or self._frames.latest(sid), cmd.mode == "text")
+                    speculate(sid, list(cmd.images) or self._stills(primary, sid), cmd.mode == "text")
             elif cmd.op == "unspeculate":
                 drop = getattr(primary, "drop_speculation", None)
                 if drop is not None:
@@ -314,7 +319,7 @@ class Engine:
             elif cmd.op == "reply":
                 for runner in runners[1:]:
                     runner.discard_turn(sid)
-                primary.begin_reply(sid, list(cmd.images) or self._frames.latest(sid), cmd.mode == "text")
+                primary.begin_reply(sid, list(cmd.images) or self._stills(primary, sid), cmd.mode == "text")
                 self._replying[sid] = primary
                 # A committed speculation's held output (its first frame) goes out now.
                 take_ready = getattr(primary, "take_ready", None)

@@ -18,7 +18,8 @@ to the scratch row (`pad_slot`), their tokens at its indices 0..T-1. The attenti
 input for the sdpa backend (its key window bucketed like decode's); flex and flash-attn read
 each row's length from the cache index, so their graphs do not depend on the context length
 and every (batch, T) bucket is captured at start-up. A chunk with image tokens (DeepStack adds
-features at data-dependent positions) runs eagerly.
+features at data-dependent positions) runs eagerly, as does one with fractional positions (video
+frames at their time: agent/engine/video_grid.py).
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ class BucketedPrefill:
         batch = len(rows)
         hidden = rows[0].embeds.shape[-1]
         embeds = torch.zeros(batch, n_tokens, hidden, device=device, dtype=rows[0].embeds.dtype)
-        positions = torch.zeros(batch, 3, n_tokens, dtype=torch.long, device=device)
+        # Video frames sit at fractional times (agent/engine/video_grid.py): float positions then.
+        fractional = any(r.rope.is_floating_point() for r in rows)
+        positions = torch.zeros(batch, 3, n_tokens, dtype=torch.float32 if fractional else torch.long, device=device)
         ahead = torch.arange(1, n_tokens + 1, device=device)
         for b, r in enumerate(rows):
             embeds[b, : r.n] = r.embeds
@@ -176,7 +179,7 @@ class BucketedPrefill:
         meta = torch.tensor([[r.slot for r in rows], [r.start for r in rows], [r.n - 1 for r in rows]])
         slots, start, last = meta.to(device)
         images = any(r.deepstack is not None for r in rows)
-        graphed = self.pool is not None and not images and n_tokens in self.buckets
+        graphed = self.pool is not None and not images and not fractional and n_tokens in self.buckets
         if graphed:
             key_len = self._key_len(max(r.start for r in rows) + n_tokens)
             index = start.view(-1, 1) + torch.arange(n_tokens, device=device).view(1, -1)

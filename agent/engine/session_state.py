@@ -23,6 +23,8 @@ from agent.engine.audio_stream import AudioStream
 from agent.engine.kv import KVState
 from agent.engine.phase import ReplyPhase
 from agent.engine.scheduler import PlayoutClock
+from agent.engine.video_grid import AVBlock, GridPlace
+from agent.engine.video_turn import TurnVideo
 
 if TYPE_CHECKING:  # the stages' own modules build on this one: annotations only
     from agent.engine.frames import TextStage, VoiceStage
@@ -64,6 +66,17 @@ class TurnState:
     # and a per-response system message put right before the assistant header.
     text_ids: list[int] = field(default_factory=list)
     reply_system_ids: list[int] = field(default_factory=list)
+    # The camera as video (agent/engine/video_turn.py): the turn's grids, the audio-in-video
+    # block while it is open, and the grids prefilled so far (features and places, for a replay).
+    video: TurnVideo | None = None
+    av_block: AVBlock | None = None
+    video_feats: list = field(default_factory=list)  # ImageFeatures per placed grid
+    video_places: list[GridPlace] = field(default_factory=list)
+
+    @property
+    def queued_seconds(self) -> float:
+        """The turn's audio the engine has so far (encoded or queued): the clock frames are put on."""
+        return (self.samples + sum(len(p) for p in self.pcm)) / 16000
 
     def fork(self) -> TurnState:
         """A copy to answer speculatively: the speculation may prefill, finish the encoder and
@@ -71,7 +84,10 @@ class TurnState:
         talker = TalkerTurn(list(self.talker.ids), list(self.talker.embeds), list(self.talker.image_grids))
         return replace(self, audio=self.audio.fork(), pcm=list(self.pcm), pending_audio=list(self.pending_audio),
                        ids=list(self.ids), audio_feats=list(self.audio_feats), talker=talker,
-                       text_ids=list(self.text_ids), reply_system_ids=list(self.reply_system_ids))
+                       text_ids=list(self.text_ids), reply_system_ids=list(self.reply_system_ids),
+                       video=self.video.fork() if self.video is not None else None,
+                       av_block=replace(self.av_block) if self.av_block is not None else None,
+                       video_feats=list(self.video_feats), video_places=list(self.video_places))
 
 
 @dataclass
@@ -177,6 +193,8 @@ class SessionState:
     max_turns: int = 0  # a bounded context (interpreter mode): answered turns kept at most; 0: no bound
     context_turns: int = 0  # answered turns in the thinker cache since its last history reset
     captions_only: bool = False  # a transcription-only session: no replies, its turns never prefilled
+    video: bool = True  # the camera enters its turns as video (the session's switch; --no-video: off for all)
+    last_frame: tuple[float, np.ndarray] | None = None  # (engine clock, frame): seeds the next turn's first grid
 
 
 @contextmanager

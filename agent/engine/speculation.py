@@ -76,6 +76,7 @@ class Speculation:
         # The audio that came after the pause (the end-of-turn silence) is not part of the
         # answered turn: the next turn starts fresh, as after any begin_reply.
         state.turn = self.turns.new_turn()
+        self.turns.video.seed(state, self.clock())
         state.last_reply = None
         reply.rollback = None
         reply.from_speculation = True

@@ -75,6 +75,7 @@ from agent.engine.talker import TalkerOps
 from agent.engine.thinker import PrefillOut, ThinkerOps
 from agent.engine.transcribe import Transcriber, Transcription
 from agent.engine.turns import PrefillStage, SpeculationRefused, TurnPrefill
+from agent.engine.video_turn import VideoPolicy
 
 
 class StreamingRunner(Speculation, ConversationEdits, Transcription):
@@ -92,6 +93,7 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         schedule: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
         graphs: GraphConfig | GraphMode = "auto",
+        video: VideoPolicy | None = VideoPolicy(),
     ) -> None:
         """audio_window_s: the audio encoder's attention window (n_window_infer) for the
         incremental prefill; None keeps the checkpoint's (8 s), which is what generate() uses.
@@ -100,7 +102,8 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         clock: the scheduler's time source (seconds), injectable for tests.
         graphs: CUDA graph mode or settings ("auto": graphs on a CUDA device, eager elsewhere;
         "off"; "cuda"; a GraphConfig, e.g. fake_graphs.fake_graph_config(): the graph wiring on
-        CPU). With graphs on, this fuses the MoE
+        CPU). video: the camera as video on the audio clock (agent/engine/video_turn.py); None:
+        frames are not looked at. With graphs on, this fuses the MoE
         experts of `loaded.model` in place and captures here."""
         if max_reply_tokens < 2:
             raise ValueError("max_reply_tokens must be >= 2 (a reply is one text token plus its end)")
@@ -128,7 +131,7 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         talker_limit = context_limit + self.talker_max_tokens + 16
         self.talker = TalkerOps(loaded, max_sessions, talker_limit, graphing=self.graphing)
         self.turns = TurnPrefill(
-            loaded, self.thinker, self.talker, system_prompt, max_reply_tokens, context_limit, n_window_infer
+            loaded, self.thinker, self.talker, system_prompt, max_reply_tokens, context_limit, n_window_infer, video
         )
         self.frames = FrameBatcher(
             loaded, self.thinker, self.talker, max_sessions, max_reply_tokens, record, self.graphing
@@ -163,6 +166,7 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
             max_sessions=config.max_sessions,
             context_limit=config.context_limit,
             graphs=graphs,
+            video=VideoPolicy(config.video_fps, config.video_window_s, config.video_turn_tokens) if config.video else None,
         )
 
     # ---- Runner protocol -------------------------------------------------------------------
@@ -183,13 +187,17 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
             self._slots.give(slot)
         self.records.pop(session_id, None)
         self._priority.pop(session_id, None)
-        self.turns.vision.drop(session_id)
 
     @torch.inference_mode()
     def append_video(self, session_id: str, image: np.ndarray, at: float) -> None:
-        """A camera frame as it arrives: encoded now when no reply is running (off the end-of-turn
-        path), else left pending for a quieter moment or the end of the turn."""
-        self.turns.vision.add(session_id, image, encode_now=not self._busy())
+        """A camera frame as it arrives, placed on the turn's audio clock; its grid is encoded as
+        soon as it closes when no reply exists (agent/engine/video_prefill.py). The vision
+        encoder has the lowest priority: not even a held speculation waits for it (its commit
+        would), and the frames of a pause it answered are not needed if it is committed."""
+        state = self._sessions.get(session_id)
+        if state is not None:
+            idle = all(s.reply is None for s in self._sessions.values())
+            self.turns.video.add_frame(state, image, self.clock(), encode_now=idle)
 
     @torch.inference_mode()
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
@@ -211,6 +219,7 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         if turn.header_done:  # only ever prefilled while no reply runs, so nothing came after it
             state.thinker.crop(turn.start_length, turn.start_pos)
         state.turn = self.turns.new_turn()
+        self.turns.video.seed(state, self.clock())
 
     @torch.inference_mode()
     def begin_reply(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> None:
@@ -231,6 +240,7 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         # The turn is answered from now on: audio that comes later belongs to the next one.
         state.reply = self._new_reply(ReplyPhase.PREFILLING, state.turn, images, text_only)
         state.turn = self.turns.new_turn()
+        self.turns.video.seed(state, self.clock())
         state.last_reply = None  # the previous reply can no longer be truncated
         if not text_only:
             self.frames.start_reply(state)
@@ -243,6 +253,15 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
             self._discard(state)  # nothing of it was seen: nothing to end
         elif state.reply.phase in (ReplyPhase.PREFILLING, ReplyPhase.STREAMING):
             state.reply.move(ReplyPhase.CANCELLING)
+
+    def set_video(self, session_id: str, on: bool) -> bool:
+        """The session's camera switch (Realtime `omni.video`): off, its frames are not looked at
+        from the next turn on (a turn whose video block is open keeps it). Returns the setting."""
+        state = self._sessions[session_id]
+        state.video = bool(on)
+        if not on and not state.turn.audio_open:
+            state.turn.video = None
+        return state.video
 
     def set_priority(self, session_id: str, priority: int) -> int:
         """The session's scheduling priority (agent/priority.py RANK: higher first), from now on."""
@@ -439,7 +458,8 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
             "prefill_tokens": turn.prefill_tokens if reply.prefill.done else 0,
             "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefill.done else 0,
             "input_image_tokens": turn.ids.count(self.loaded.ids.image_pad) if reply.prefill.done else 0,
-            "frames_encoded_at_end_of_turn": reply.frames_encoded_at_end,
+            "input_video_tokens": turn.ids.count(self.turns.video.kinds.video_pad) if reply.prefill.done else 0,
+            **self.turns.video.stats(turn, reply.frames_encoded_at_end),
             "history_reset": turn.history_reset if reply.prefill.done else False,
             "text_tokens": len(text_ids),
             "audio_frames": len(reply.voice.frame_codes),

@@ -4,9 +4,9 @@ The thinker's language model is driven layer by layer on a static slot cache (ag
 slots.py) instead of through `thinker.forward`, so that the audio tokens can come from the
 incremental encoder, each prefill chunk continues a session's cache with explicit positions,
 and the decode step of every session that needs a token is one batched forward. What goes in
-is what generate() builds: token embeddings with the audio features and image features
-scattered over their placeholders, DeepStack image features added at the early layers,
-multimodal RoPE positions.
+is what generate() builds: token embeddings with the audio, image and video features
+scattered over their placeholders, DeepStack visual features added at the early layers,
+multimodal RoPE positions (for the camera's audio-in-video block, agent/engine/video_grid.py's).
 
 A prefill is a `PrefillJob`: its input embeddings and positions are made once, then it runs in
 chunks of at most `max_tokens` so that the scheduler can put decode steps of other sessions
@@ -125,16 +125,31 @@ class ThinkerOps:
             grids=[tuple(int(x) for x in g) for g in image_grid_thw.tolist()],
         )
 
+    def encode_video(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> ImageFeatures:
+        """One video grid (or clip) through the vision tower, as generate() encodes videos."""
+        grid = torch.tensor([list(grid_thw)], device=self.loaded.device)
+        out = self.thinker.model.get_video_features(pixel_values.to(self.loaded.device, self.loaded.dtype), grid,
+                                                    return_dict=True)
+        return ImageFeatures(
+            embeds=torch.cat(out.pooler_output, dim=0),
+            deepstack=[torch.cat(feat, dim=0) for feat in out.deepstack_features],
+            grids=[tuple(int(x) for x in grid_thw)],
+        )
+
     def start_prefill(
         self,
         state: KVState,
         ids: Sequence[int],
         audio: torch.Tensor | None = None,
         images: ImageFeatures | None = None,
+        videos: ImageFeatures | None = None,
+        rope: tuple[torch.Tensor, int] | None = None,
     ) -> PrefillJob:
         """A job appending `ids` to the session's cache. `audio` fills its <|audio_pad|> tokens
-        in order, `images` its <|image_pad|> tokens. Positions continue from `state`; no other
-        prefill may run on this session until the job is finished."""
+        in order, `images` its <|image_pad|> tokens, `videos` its <|video_pad|> tokens.
+        Positions continue from `state` (kv.mrope_positions), or are `rope` ([3, n] and the next
+        position: an audio-in-video block, agent/engine/video_grid.py); no other prefill may run
+        on this session until the job is finished."""
         device, dtype = self.loaded.device, self.loaded.dtype
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
         embeds = self.embed(input_ids)
@@ -143,18 +158,35 @@ class ThinkerOps:
             if int(mask.sum()) != audio.shape[0]:
                 raise ValueError(f"{int(mask.sum())} audio placeholders for {audio.shape[0]} audio tokens")
             embeds = embeds.masked_scatter(mask, audio.to(device, dtype))
+        image_mask, video_mask = input_ids[0] == self.media_ids[1], input_ids[0] == self.media_ids[2]
         visual = deepstack = None
-        if images is not None:
-            visual = input_ids[0] == self.media_ids[1]
-            if int(visual.sum()) != images.embeds.shape[0]:
-                raise ValueError("image placeholders do not match the image features")
-            embeds = embeds.masked_scatter(visual.view(1, -1, 1), images.embeds.to(device, dtype))
-            deepstack = [d.to(device, dtype) for d in images.deepstack]
-        grids = iter(images.grids if images is not None else ())
-        rope, next_pos = mrope_positions(
-            ids, state.next_pos, grids, self.media_ids[1], self.merge, self.position_id_per_seconds
-        )
-        return PrefillJob(list(ids), embeds, rope.to(device), next_pos, visual, deepstack)
+        parts = []  # (mask, features) of each visual kind present
+        for mask, feats, kind in ((image_mask, images, "image"), (video_mask, videos, "video")):
+            if feats is None:
+                continue
+            if int(mask.sum()) != feats.embeds.shape[0]:
+                raise ValueError(f"{kind} placeholders do not match the {kind} features")
+            embeds = embeds.masked_scatter(mask.view(1, -1, 1), feats.embeds.to(device, dtype))
+            parts.append((mask, feats))
+        if parts:
+            # DeepStack rows in token order, images and video frames interleaved as they come
+            # (transformers' joint image/video mask).
+            visual = image_mask | video_mask if len(parts) > 1 else parts[0][0]
+            n_visual, hidden = int(visual.sum()), parts[0][1].embeds.shape[-1]
+            deepstack = []
+            for layer in range(len(parts[0][1].deepstack)):
+                joint = torch.zeros(n_visual, hidden, device=device, dtype=dtype)
+                for mask, feats in parts:
+                    joint[mask[visual]] = feats.deepstack[layer].to(device, dtype)
+                deepstack.append(joint)
+        if rope is not None:
+            positions, next_pos = rope
+        else:
+            grids = iter(images.grids if images is not None else ())
+            positions, next_pos = mrope_positions(
+                ids, state.next_pos, grids, self.media_ids[1], self.merge, self.position_id_per_seconds
+            )
+        return PrefillJob(list(ids), embeds, positions.to(device), next_pos, visual, deepstack)
 
     def run_prefills(self, items: Sequence[tuple[KVState, PrefillJob, int | None]]) -> list[int]:
         """The next chunk of several sessions' jobs (each at most its max_tokens) in one batched

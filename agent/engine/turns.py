@@ -19,11 +19,13 @@ import numpy as np
 import torch
 
 from agent.engine.audio_stream import AudioStream
-from agent.engine.model import LoadedModel, assistant_start_ids, system_turn_ids
+from agent.engine.model import LoadedModel, assistant_start_ids, encode_images, system_turn_ids
 from agent.engine.session_state import KVState, SessionState, TalkerTurn, TurnState, timed
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import ImageFeatures, PrefillJob, PrefillOut, ThinkerOps
-from agent.engine.vision import FrameEncoder
+from agent.engine.video_grid import GridPlace
+from agent.engine.video_prefill import VideoPrefill, join_features
+from agent.engine.video_turn import VideoPolicy
 
 # Room kept free in the context for the reply and its closing tokens.
 CLOSING_MARGIN = 8
@@ -38,6 +40,7 @@ class TurnJob:
     n_closing: int
     assistant_tail: int
     images: ImageFeatures | None
+    videos: ImageFeatures | None = None
     history_reset: bool = False  # the context was full: the history went, this replays the turn
 
 
@@ -51,6 +54,7 @@ class ReplyPrefill:
     header_done: bool
     audio_open: bool
     audio: torch.Tensor | None  # the audio tokens this prefill took from the turn
+    video_mark: tuple = (0, None)  # the turn's video before it (VideoPrefill.mark)
 
 
 class SpeculationRefused(RuntimeError):
@@ -76,6 +80,7 @@ class TurnPrefill:
         max_reply_tokens: int,
         context_limit: int,
         n_window_infer: int | None,
+        video: VideoPolicy | None = None,
     ) -> None:
         self.loaded, self.thinker, self.talker = loaded, thinker, talker
         self.ids = loaded.ids
@@ -83,7 +88,7 @@ class TurnPrefill:
         self.max_reply_tokens = max_reply_tokens
         self.context_limit = context_limit
         self.n_window_infer = n_window_infer
-        self.vision = FrameEncoder.for_model(loaded, thinker)  # frames encoded as they arrive
+        self.video = VideoPrefill(loaded, thinker, video)  # the camera as video, prefilled as it comes
 
     def new_turn(self) -> TurnState:
         tower = self.loaded.model.thinker.model.audio_tower
@@ -142,6 +147,15 @@ class TurnPrefill:
         turn.pending_audio = [audio[take:]] if take < audio.shape[0] else []
         audio = audio[:take]
         ids = self._open_turn_ids(state, turn)
+        if turn.video is not None:  # audio and the grids before it, in time order
+            part = self.video.part(state, turn, audio, final=False)
+            if part.left is not None:  # audio after a grid still open waits for it
+                turn.pending_audio = [part.left, *turn.pending_audio]
+            taken = 0 if part.audio is None else part.audio.shape[0]
+            if not ids and not part.ids:
+                return None, 0
+            return self._start(state, turn, ids + part.ids, audio=part.audio, videos=join_features(part.feats),
+                               places=part.places), taken
         if not turn.audio_open:
             ids.append(self.ids.audio_start)
             turn.audio_open = True
@@ -168,6 +182,8 @@ class TurnPrefill:
         images: ImageFeatures | None = None,
         assistant_tail: int = 0,
         may_reset: bool = True,
+        videos: ImageFeatures | None = None,
+        places: Sequence[GridPlace] = (),
     ) -> TurnJob:
         n_closing = len(state.closing) if not turn.ids else 0
         full = state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit
@@ -178,8 +194,11 @@ class TurnPrefill:
             if not may_reset:
                 raise SpeculationRefused("the context is full: the history would be dropped")
             return self._reset_history(state, turn, ids[n_closing:], images, assistant_tail)
-        job = self.thinker.start_prefill(state.thinker, ids, audio=audio, images=images)
-        return TurnJob(job, n_closing, assistant_tail, images)
+        rope = None
+        if turn.video is not None:  # an audio-in-video block: positions by time
+            rope = self.video.positions(turn, ids, state.thinker.next_pos, images, places)
+        job = self.thinker.start_prefill(state.thinker, ids, audio=audio, images=images, videos=videos, rope=rope)
+        return TurnJob(job, n_closing, assistant_tail, images, videos)
 
     def _run_parts(
         self, parts: Sequence[tuple[SessionState, TurnState, TurnJob]], max_tokens: Sequence[int | None]
@@ -224,7 +243,9 @@ class TurnPrefill:
             raise RuntimeError("one turn is longer than the context limit")
         turn.ids, turn.talker, turn.prefill_tokens, turn.history_reset = [], TalkerTurn(), 0, True
         turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
-        part = self._start(state, turn, replay, audio=audio, images=images, assistant_tail=assistant_tail)
+        turn.av_block = None  # the replay opens the turn's block again
+        part = self._start(state, turn, replay, audio=audio, images=images, assistant_tail=assistant_tail,
+                           videos=join_features(turn.video_feats), places=list(turn.video_places))
         part.history_reset = True
         return part
 
@@ -242,19 +263,28 @@ class TurnPrefill:
         audio = torch.cat(turn.pending_audio, dim=0) if turn.pending_audio else None
         turn.pending_audio = []
         before = (state.thinker.length, state.thinker.next_pos, turn.header_done, turn.audio_open)
-        images = None
-        if reply.images:
-            with timed(state, "vision_encoder"):  # only frames not encoded on arrival
-                images, reply.frames_encoded_at_end = self.vision.features(reply.images)
+        mark = self.video.mark(turn)
+        images = videos = None
+        places: list[GridPlace] = []
+        if reply.images:  # still images handed to the reply (the camera comes as video, below)
+            with timed(state, "vision_encoder"):
+                pixels = encode_images(self.loaded, reply.images)
+                images = self.thinker.encode_images(pixels["pixel_values"], pixels["image_grid_thw"])
+            reply.frames_encoded_at_end = len(reply.images)
         ids = self._open_turn_ids(state, turn)
-        if audio is not None:
-            if not turn.audio_open:
-                ids.append(self.ids.audio_start)
-                turn.audio_open = True
-            ids += [self.ids.audio_pad] * audio.shape[0]
-            turn.audio_feats.append(audio)
-        if turn.audio_open:
-            ids.append(self.ids.audio_end)
+        if turn.video is not None:  # the audio tail and the last grids, then the block's end
+            part = self.video.part(state, turn, audio, final=True)
+            ids += part.ids + [self.ids.audio_end, self.ids.vision_end]
+            audio, videos, places = part.audio, join_features(part.feats), part.places
+        else:
+            if audio is not None:
+                if not turn.audio_open:
+                    ids.append(self.ids.audio_start)
+                    turn.audio_open = True
+                ids += [self.ids.audio_pad] * audio.shape[0]
+                turn.audio_feats.append(audio)
+            if turn.audio_open:
+                ids.append(self.ids.audio_end)
         for t, h, w in images.grids if images is not None else ():
             n_tokens = t * h * w // self.thinker.merge**2
             ids += [self.ids.vision_start, *([self.ids.image_pad] * n_tokens), self.ids.vision_end]
@@ -262,8 +292,8 @@ class TurnPrefill:
         header = assistant_start_ids(self.ids)
         ids += [self.ids.im_end, *self.ids.newline, *turn.reply_system_ids, *header]
         part = self._start(state, turn, ids, audio=audio, images=images, assistant_tail=len(header),
-                           may_reset=not reply.phase.speculative)
-        return ReplyPrefill(part, *before, audio=audio)
+                           may_reset=not reply.phase.speculative, videos=videos, places=places)
+        return ReplyPrefill(part, *before, audio=audio, video_mark=mark)
 
     def reply_chunk(self, state: SessionState, budget: int) -> int:
         """Tokens the end-of-turn prefill of `state` takes next within `budget` (starting it
@@ -304,6 +334,7 @@ class TurnPrefill:
                 if prefill.audio is not None:
                     turn.audio_feats.pop()
                     turn.pending_audio = [prefill.audio]
+                self.video.restore(turn, prefill.video_mark)
                 # Its encoder was finished: later audio is encoded from a fresh stream.
                 turn.audio = self.new_turn().audio
         turn.pcm += state.turn.pcm
@@ -358,6 +389,7 @@ class TurnPrefill:
         turn.pending_audio = [*turn.audio_feats, *turn.pending_audio]
         turn.audio_feats, turn.ids, turn.talker, turn.prefill_tokens = [], [], TalkerTurn(), 0
         turn.header_done = turn.audio_open = False
+        self.video.restore(turn, (0, None))
 
     def pcm_queued(self, state: SessionState) -> bool:
         prefills = state.reply is None and not state.captions_only  # captions: transcribe.py reads them

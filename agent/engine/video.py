@@ -2,8 +2,10 @@
 
 Frames reach the engine as they are sampled (Engine.append_video), not all at once at the end
 of the turn: taking them is what tells the session's VideoFeed that the engine keeps up, and
-its backlog is what the sender is throttled by (agent/backpressure.py). A reply is given the
-newest `keep` of them, the still images the model sees with the turn.
+its backlog is what the sender is throttled by (agent/backpressure.py). A runner that takes the
+camera as video itself (StreamingRunner.append_video: agent/engine/video_prefill.py) puts every
+frame in the turn; one that does not (the reference and fallback runners) is given the newest
+`keep` of them with the reply, as still images.
 """
 
 from __future__ import annotations

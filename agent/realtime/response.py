@@ -125,7 +125,9 @@ class Response:
 def usage(stats: dict[str, Any]) -> dict[str, Any]:
     """Token counts of one reply: the turn's prefill in, text tokens and codec frames out."""
     n_in = int(stats.get("prefill_tokens", 0))
-    audio_in, image_in = int(stats.get("input_audio_tokens", 0)), int(stats.get("input_image_tokens", 0))
+    audio_in = int(stats.get("input_audio_tokens", 0))
+    # The camera's video tokens count as image tokens: the API has no video field.
+    image_in = int(stats.get("input_image_tokens", 0)) + int(stats.get("input_video_tokens", 0))
     text_out, audio_out = int(stats.get("text_tokens", 0)), int(stats.get("audio_frames", 0))
     return {
         "total_tokens": n_in + text_out + audio_out,

@@ -229,10 +229,16 @@ def _validate_omni(s: dict[str, Any]) -> None:
     _check(isinstance(omni, dict), "omni must be an object", "session.omni")
     _check(omni.get("priority", priority.NORMAL) in priority.PRIORITIES,
            f"omni.priority must be one of {', '.join(priority.PRIORITIES)}", "session.omni.priority")
+    _check(isinstance(omni.get("video", True), bool), "omni.video must be true or false", "session.omni.video")
     lang = omni.get("interpret_to")
     _check(lang is None or (isinstance(lang, str) and 0 < len(lang.strip()) <= 64 and s["type"] == "realtime"),
            "omni.interpret_to is a language name (1-64 characters), in realtime sessions only",
            "session.omni.interpret_to")
+
+
+def video_on(session: dict[str, Any]) -> bool:
+    """Whether the camera enters the session's turns as video (omni.video, default true)."""
+    return bool((session.get("omni") or {}).get("video", True))
 
 
 def priority_of(session: dict[str, Any]) -> str:

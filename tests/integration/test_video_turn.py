@@ -1,10 +1,12 @@
 """A turn with the camera on, over a real call: what the model is shown and what it cost.
 
 Pins, with the aiortc client sending speech and a 640x480 camera at 4 fps to the agent (tiny
-model, streaming engine) on loopback: `response.done` reports the image tokens the turn used
+model, streaming engine) on loopback: the camera enters the turn as video grids
+(`omni.stats.video_grids` > 0), `response.done` reports their tokens as image tokens
 (usage.input_token_details.image_tokens > 0, and 0 for a call without a camera), and the vision
-encoder's work left for the end of the turn is at most the last half second's frames (two at
-4 fps), counted in frames (`omni.stats.frames_encoded_at_end_of_turn`), not in milliseconds.
+encoder's work left for the end of the turn is at most the last half second (one grid, two
+frames at 4 fps), counted in grids and frames (`omni.stats.video_grids_encoded_at_end_of_turn`,
+`frames_encoded_at_end_of_turn`), not in milliseconds.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ async def _one_turn(url: str, speech_wav: Path, camera: bool) -> dict:
         await client.close()
 
 
-async def test_camera_turn_reports_image_tokens_and_encodes_little_at_the_end(tiny_model_dir: Path,
-                                                                              speech_wav: Path) -> None:
+async def test_camera_turn_is_video_reports_its_tokens_and_encodes_little_at_the_end(
+        tiny_model_dir: Path, speech_wav: Path) -> None:
     agent = await start_agent(tiny_model_dir, max_reply_seconds=1.0)
     try:
         with_camera = await _one_turn(agent.url, speech_wav, camera=True)
@@ -36,5 +38,8 @@ async def test_camera_turn_reports_image_tokens_and_encodes_little_at_the_end(ti
     usage = with_camera["response"]["usage"]
     assert usage["input_token_details"]["image_tokens"] > 0
     assert usage["input_tokens"] > usage["input_token_details"]["image_tokens"]
-    assert with_camera["response"]["omni"]["stats"]["frames_encoded_at_end_of_turn"] <= 2
+    stats = with_camera["response"]["omni"]["stats"]
+    assert stats["video_grids"] > 0 and stats["input_video_tokens"] == usage["input_token_details"]["image_tokens"]
+    assert stats["video_grids_encoded_at_end_of_turn"] <= 1
+    assert stats["frames_encoded_at_end_of_turn"] <= 2
     assert without["response"]["usage"]["input_token_details"]["image_tokens"] == 0

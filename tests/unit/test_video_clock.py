@@ -1,0 +1,204 @@
+"""The camera on the audio clock: which frames the model receives, where, and how many.
+
+Pins:
+- a synthetic 30 fps 1280x720 video with a moving marker, through the session's VideoSampler
+  (4 fps) into StreamingRunner while the audio arrives in 80 ms pieces: the model receives one
+  grid per 0.5 s made of the 4 fps samples 2j and 2j+1 (checked by their pixels: the marker
+  moves), its tokens at temporal position block start + 0.5 j * position_id_per_seconds and
+  each before the audio token of its time, and all of them prefilled while the user speaks but
+  those of the last audio window; the end of the turn encodes at most one grid (the last 0.5 s);
+- the visual-token cap holds over a 20 s turn at 4 fps: the resolution is scaled down so the
+  first window fits half of the cap, the first window gets every grid, later grids are thinned,
+  and the turn still ends with its last view;
+- a session with video off (omni.video false, validated as a bool), or a runner without the
+  video policy, gets no video tokens; the --video-* flags reach the Config, a value <= 0 refused.
+"""
+
+from __future__ import annotations
+
+import fractions
+
+import av
+import numpy as np
+import pytest
+
+from agent.engine.stream import StreamingRunner
+from agent.engine.video_grid import PatchSpec, grid_threshold, patch_frames, resize
+from agent.engine.video_turn import TurnVideo, VideoPolicy
+from agent.ingest import VideoSampler
+from test_video_exact import SYSTEM, make_audio
+
+REAL_PPS = 13  # the real checkpoint's positions per second (the tiny one's 25 outrun its audio)
+
+
+def marker_video(seconds: float, fps: int = 30, width: int = 1280, height: int = 720) -> list[av.VideoFrame]:
+    frames = []
+    for i in range(int(seconds * fps)):
+        rgb = np.full((height, width, 3), 20, dtype=np.uint8)
+        x = int((i / fps) * 400) % (width - 80)  # 400 px/s to the right
+        rgb[300:380, x : x + 80] = (255, 255, 255)
+        f = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+        f.pts, f.time_base = i, fractions.Fraction(1, fps)
+        frames.append(f)
+    return frames
+
+
+def marker_x(image: np.ndarray) -> float:
+    """Where the marker is, as a fraction of the width (its columns' mean)."""
+    cols = np.nonzero(image[..., 0].max(axis=0) > 128)[0]
+    return float(cols.mean()) / image.shape[1]
+
+
+class Recorder:
+    """Wraps the thinker: every prefill job's ids and positions, every grid the tower encodes."""
+
+    def __init__(self, thinker) -> None:
+        self.jobs, self.pixels = [], []
+        start, encode = thinker.start_prefill, thinker.encode_video
+
+        def start_prefill(state, ids, *args, **kwargs):
+            job = start(state, ids, *args, **kwargs)
+            self.jobs.append((list(ids), job.rope.float().cpu()))
+            return job
+
+        def encode_video(pixels, thw):
+            self.pixels.append(pixels.clone())
+            return encode(pixels, thw)
+
+        thinker.start_prefill, thinker.encode_video = start_prefill, encode_video
+
+
+def test_30fps_720p_reaches_the_model_as_4fps_grids_at_their_times(loaded):
+    seconds = 3.0
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=4, max_reply_seconds=0.4, audio_window_s=1.0,
+                             video=VideoPolicy(fps=4.0, window_s=2.0, max_tokens=768))
+    runner.turns.video.pps = REAL_PPS
+    rec = Recorder(runner.thinker)
+    runner.open_session("s")
+    sampler = VideoSampler(fps=4.0, max_side=448)
+    audio, video = make_audio(seconds, 3), marker_video(seconds)
+    samples, v = [], 0
+    for start in range(0, len(audio), 1280):
+        now = start / 16000
+        while v < len(video) and video[v].time < now + 0.08:
+            sample = sampler.push(video[v], now)
+            if sample is not None:
+                samples.append(sample)
+                runner.append_video("s", sample.image, sample.audio_clock)
+            v += 1
+        runner.append_audio("s", audio[start : start + 1280])
+    during = len(rec.pixels)
+    prefilled_during = sum(ids.count(runner.turns.video.kinds.video_pad) for ids, _ in rec.jobs)
+    runner.begin_reply("s", [])
+    while runner.has_work():
+        done = runner.step()[-1]
+
+    # 4 fps kept from 30 fps, evenly: 12 samples in 3 s, the marker 100 px further each time.
+    assert len(samples) == 12
+    assert np.allclose(np.diff([s.pts_s for s in samples]), 0.25, atol=0.02)
+    assert samples[0].image.shape == (252, 448, 3)
+    # One grid per 0.5 s, each made of samples 2j, 2j+1 at the turn's one grid size.
+    stats = done.stats
+    kinds, pps = runner.turns.video.kinds, REAL_PPS
+    spec = PatchSpec.from_processor(loaded.image_processor)
+    per_grid = stats["input_video_tokens"] // stats["video_grids"]
+    size = next((h, w) for h in range(32, 253, 32) for w in range(32, 449, 32)
+                if (h // 32) * (w // 32) == per_grid and abs(w / h - 448 / 252) < 0.15)
+    assert stats["video_grids"] == 6 and stats["video_grids_dropped"] == 0
+    assert len(rec.pixels) == 6
+    for j, pixels in enumerate(rec.pixels):
+        expected, _ = patch_frames([resize(samples[2 * j].image, size), resize(samples[2 * j + 1].image, size)], spec)
+        assert pixels.shape == expected.shape
+        assert np.allclose(pixels.numpy(), expected.numpy(), atol=1e-5), f"grid {j} is not samples {2*j}, {2*j+1}"
+    assert marker_x(samples[0].image) < marker_x(samples[2].image) < marker_x(samples[4].image)
+    # Positions: the block's tokens in order, each grid at its time, before the audio token of its time.
+    ids = [t for job_ids, _ in rec.jobs for t in job_ids]
+    rope = np.concatenate([r.numpy() for _, r in rec.jobs], axis=1)
+    first = ids.index(kinds.audio_start)
+    block_start = rope[0, first] + 1
+    audio_seen, grid = 0, 0
+    i = first + 1
+    while ids[i] != kinds.audio_end:
+        if ids[i] == kinds.audio_pad:
+            assert rope[0, i] == block_start + audio_seen
+            audio_seen += 1
+            i += 1
+            continue
+        assert ids[i] == kinds.video_pad
+        assert audio_seen == grid_threshold(0.5 * grid, pps), "a grid is not before the audio token of its time"
+        assert np.all(rope[0, i : i + per_grid] == block_start + 0.5 * grid * pps)
+        i += per_grid
+        grid += 1
+    assert grid == 6
+    # While the user spoke: every grid but the open one encoded, every grid before the last
+    # audio window prefilled; the end of the turn encodes at most the last 0.5 s.
+    assert during >= 5
+    assert stats["video_grids_encoded_at_end_of_turn"] <= 1
+    assert prefilled_during >= 3 * per_grid
+    assert stats["video_grids_prefilled_at_end_of_turn"] <= 1.0 / 0.5 + 1
+
+
+def test_the_cap_holds_over_a_20s_turn(loaded):
+    spec = PatchSpec.from_processor(loaded.image_processor)
+    policy = VideoPolicy(fps=4.0, window_s=2.0, max_tokens=768)
+    video = TurnVideo(policy, spec, REAL_PPS)
+    frame = np.zeros((252, 448, 3), dtype=np.uint8)
+    for i in range(20 * 4):
+        video.add(frame, i * 0.25)
+    video.close_all()
+    per_grid = video.tokens
+    assert per_grid <= policy.max_tokens // (2 * policy.window_grids)  # scaled down first
+    assert video.size[0] < 252 and video.size[1] < 448
+    assert len(video.grids) * per_grid <= policy.max_tokens
+    starts = [g.start_s for g in video.grids]
+    assert starts[: policy.window_grids] == [0.5 * j for j in range(policy.window_grids)]  # the window: every grid
+    gaps = np.diff(starts)
+    assert gaps[-2] > 0.5 and all(b >= a for a, b in zip(gaps[:-2], gaps[1:-1]))  # then thinned
+    assert starts[-1] == 19.5  # and the turn ends with its last view
+    assert video.stats.frames_thinned > 0
+
+
+@pytest.mark.parametrize("how", ["session", "runner"])
+def test_video_off_means_no_video_tokens(loaded, how):
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=4, max_reply_seconds=0.4, audio_window_s=1.0,
+                             video=None if how == "runner" else VideoPolicy())
+    runner.open_session("s")
+    if how == "session":
+        runner.set_video("s", False)
+    audio = make_audio(1.5, 4)
+    frame = np.zeros((96, 128, 3), dtype=np.uint8)
+    for start in range(0, len(audio), 1280):
+        runner.append_video("s", frame, start / 16000)
+        runner.append_audio("s", audio[start : start + 1280])
+    runner.begin_reply("s", [])
+    while runner.has_work():
+        done = runner.step()[-1]
+    assert done.stats["input_video_tokens"] == 0 and done.stats["video_grids"] == 0
+    assert done.stats["input_audio_tokens"] > 0
+
+
+def test_the_session_switch_is_a_validated_omni_extra():
+    from agent.config import Config
+    from agent.realtime import session_config as sc
+
+    base = sc.default_session(Config())
+    assert sc.video_on(base)
+    off = sc.merge(base, {"omni": {"video": False}})
+    assert not sc.video_on(off) and sc.video_on(sc.merge(off, {"omni": {"video": True}}))
+    with pytest.raises(sc.ConfigError) as err:
+        sc.merge(base, {"omni": {"video": "off"}})
+    assert err.value.param == "session.omni.video"
+
+
+def test_flags_reach_the_config_and_refuse_non_positive_values():
+    import argparse
+
+    from agent.__main__ import _serve_parser, config_from_args
+
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser)
+    config = config_from_args(parser.parse_args(["--video-fps", "2", "--video-window", "3", "--video-turn-tokens", "500"]))
+    assert (config.video_fps, config.video_window_s, config.video_turn_tokens) == (2.0, 3.0, 500)
+    for flag in ("--video-fps", "--video-window", "--video-turn-tokens"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "0"])
