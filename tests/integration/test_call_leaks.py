@@ -234,7 +234,7 @@ async def test_calls_leave_no_threads_objects_or_memory(agent, short_wav: Path, 
     # Memory: what a call leaves behind in Python is caught above, object by object; this bounds
     # the rest (native buffers, allocator arenas). Resident memory moves in steps of a few MB as
     # glibc's arenas grow and are trimmed, at different rounds in different runs (200 abrupt calls:
-    # +0.1, +9.6, +10, +13.9, +18.4 MB in five runs, two of them under a CPU hog, with a plateau
+    # +0.1, +9.6, +10, +13.9, +18.4 MB in five runs, two of them on a loaded machine, with a plateau
     # after the step each time; tracemalloc over 96 calls: +20 KB of Python heap). 30 MB is the
     # stated bound: 150 KB a call at 200 calls, twice the worst step seen.
     assert rss_after - rss_first < 30.0, (f"resident memory grew {rss_after - rss_first:.1f} MB (bound 30); "
