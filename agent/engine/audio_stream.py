@@ -183,16 +183,41 @@ class AudioBlockEncoder:
         if self._finished:
             raise RuntimeError("finish() called twice: call reset() for the next utterance")
         self._finished = True
-        tail = self.pending.shape[1]
-        if tail:
-            # One-shot pads every chunk to the longest one: 100 frames once a full chunk exists.
-            width = self.chunk_frames if self.frames_in >= self.chunk_frames else tail
-            padded = F.pad(self.pending, (0, width - tail)).unsqueeze(0)
-            n_tokens = int(_get_feat_extract_output_lengths(torch.tensor(tail), self.tower.n_window))
-            self.open_chunks.append(self._conv_front(padded)[0, :n_tokens])
+        if self.pending.shape[1]:
+            self.open_chunks.append(self._conv_tail())
         if not self.open_chunks:
             return self._concat([])
         return self._encode_open_block()
+
+    @property
+    def open_frames(self) -> int:
+        """Mel frames pushed whose tokens are not final yet (the open block's)."""
+        return len(self.open_chunks) * self.chunk_frames + self.pending.shape[1]
+
+    @torch.no_grad()
+    def provisional(self) -> torch.Tensor:
+        """The open block's tokens as finish() would give them if the utterance ended now,
+        without changing the stream: [n_tokens, output_dim]. They are provisional: once the
+        block is full its final tokens differ (the partial chunk was zero-padded, and the
+        block's attention sees more). Live captions read them to show the not-yet-final audio
+        (agent/engine/transcribe.py); the cost is one pass over the open block only."""
+        if self._finished:
+            return self._concat([])
+        chunks = list(self.open_chunks)
+        if self.pending.shape[1]:
+            chunks.append(self._conv_tail())
+        if not chunks:
+            return self._concat([])
+        return self._transform(torch.cat(chunks, dim=0))
+
+    def _conv_tail(self) -> torch.Tensor:
+        """The convolved tokens of the incomplete chunk (`pending`), as one-shot makes them."""
+        tail = self.pending.shape[1]
+        # One-shot pads every chunk to the longest one: 100 frames once a full chunk exists.
+        width = self.chunk_frames if self.frames_in >= self.chunk_frames else tail
+        padded = F.pad(self.pending, (0, width - tail)).unsqueeze(0)
+        n_tokens = int(_get_feat_extract_output_lengths(torch.tensor(tail), self.tower.n_window))
+        return self._conv_front(padded)[0, :n_tokens]
 
     def _conv_front(self, chunks: torch.Tensor) -> torch.Tensor:
         # Mirrors Qwen3OmniMoeAudioEncoder.forward up to the positional embedding.
@@ -208,16 +233,19 @@ class AudioBlockEncoder:
 
     def _encode_open_block(self) -> torch.Tensor:
         # Mirrors the forward's transformer part for one attention block.
-        tower = self.tower
-        hidden = torch.cat(self.open_chunks, dim=0)
+        hidden = self._transform(torch.cat(self.open_chunks, dim=0))
         self.open_chunks = []
+        self.tokens_out += hidden.shape[0]
+        return hidden
+
+    def _transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The encoder's transformer part over one attention block's convolved tokens."""
+        tower = self.tower
         cu_seqlens = torch.tensor([0, hidden.shape[0]], dtype=torch.int32, device=hidden.device)
         max_seqlen = get_max_seqlen(cu_seqlens, tower.config)
         for layer in tower.layers:
             hidden = layer(hidden, cu_seqlens, max_seqlen=max_seqlen)[0]
-        hidden = tower.proj2(tower.act(tower.proj1(tower.ln_post(hidden))))
-        self.tokens_out += hidden.shape[0]
-        return hidden
+        return tower.proj2(tower.act(tower.proj1(tower.ln_post(hidden))))
 
     def _concat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         if parts:
@@ -249,6 +277,10 @@ class AudioStream:
     def finish(self) -> torch.Tensor:
         final = self.encoder.push(self.mel.finish())
         return torch.cat([final, self.encoder.finish()], dim=0)
+
+    def provisional(self) -> torch.Tensor:
+        """Tokens of the audio pushed so far that are not final yet (AudioBlockEncoder.provisional)."""
+        return self.encoder.provisional()
 
     def fork(self) -> AudioStream:
         """An independent copy of the stream so far (a speculative reply finishes the copy while

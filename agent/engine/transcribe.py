@@ -9,6 +9,14 @@ the default 1 s audio window). A partial is then one short run on top of it: the
 (`<|audio_end|>` + the instruction + the assistant header + the text already stable), a few
 greedy decode steps, and a crop back to the audio, so the audio is prefilled once per turn.
 
+Cadence: final tokens come once per 1 s chunk, so partials on them alone come once a second.
+A partial also runs every `PARTIAL_EVERY_FRAMES` (0.5 s) of speech in between, on the
+*provisional* tokens of the open chunk (`AudioStream.provisional()`: the encoder's pass over the
+not-yet-final frames, zero-padded as the end of a turn would pad them). That is the one extra
+encode: at most one pass over the open chunk per 0.5 s (half a chunk of frames), never over
+audio whose tokens are final, and its tokens stay in the row only for that run (cropped with the
+decode). They are not kept: the chunk's final tokens replace them once it is full.
+
 Stable prefix (LocalAgreement-2): the tokens a run adds after the stable text are compared
 with the previous run's; their common prefix becomes stable, and every later run is forced to
 start with the stable tokens (they are prefilled, not decoded). So a stable prefix never
@@ -39,6 +47,7 @@ log = logging.getLogger(__name__)
 TRANSCRIBE_SYSTEM = "You are a speech recognizer. Write down exactly what the user says, nothing else."
 TRANSCRIBE_ASK = "Transcribe the audio."
 PARTIAL_TOKENS = 8  # new tokens a partial decodes past the stable text
+PARTIAL_EVERY_FRAMES = 50  # mel frames (10 ms each) of speech between partials: 0.5 s
 FINAL_TOKENS = 48  # new tokens the end-of-turn run may decode
 
 
@@ -53,12 +62,14 @@ class Transcript:
     turn: TurnState | None = None  # the turn being transcribed
     turn_item: str | None = None  # its item id
     finishing: TurnState | None = None  # the turn has ended; its last run waits for its audio tail
-    fed: int = 0  # audio tokens of `turn` in the kv
+    opened: bool = False  # the user header and <|audio_start|> are in the kv
+    fed: int = 0  # final audio tokens of `turn` in the kv
     audio_end: tuple[int, int] = (0, 0)  # the kv after the audio fed so far
     stable: list[int] = field(default_factory=list)  # stable tokens
     tail: list[int] = field(default_factory=list)  # the previous run's tokens after them
     stable_text: str = ""
-    runs_at: int = -1  # audio tokens at the last partial
+    runs_at: int = -1  # final audio tokens at the last partial
+    frames_at: int = 0  # mel frames of the turn at the last partial
 
 
 def _audio(turn: TurnState) -> torch.Tensor | None:
@@ -122,7 +133,7 @@ class Transcriber:
         tr.kv.crop(*tr.system_end)
         tr.audio_end = tr.system_end
         tr.turn = tr.finishing = None
-        tr.turn_item, tr.fed, tr.runs_at = None, 0, -1
+        tr.turn_item, tr.fed, tr.runs_at, tr.frames_at, tr.opened = None, 0, -1, 0, False
         tr.stable, tr.tail, tr.stable_text = [], [], ""
 
     # ---- work ----------------------------------------------------------------------------------
@@ -137,13 +148,17 @@ class Transcriber:
             else:
                 return "final"
         if tr.turn is None:
-            if not _tokens(state.turn):
-                return None
+            if not _tokens(state.turn) and state.turn.audio.encoder.open_frames < PARTIAL_EVERY_FRAMES:
+                return None  # no speech to show yet
             tr.turn, tr.turn_item = state.turn, tr.item_id
         if tr.turn is not state.turn:
             return None
-        n = _tokens(state.turn)
-        return "partial" if n > max(tr.runs_at, 0) else None
+        if _tokens(state.turn) > max(tr.runs_at, 0):
+            return "partial"  # new final tokens
+        encoder = state.turn.audio.encoder
+        if encoder.open_frames >= PARTIAL_EVERY_FRAMES and encoder.frames_in >= tr.frames_at + PARTIAL_EVERY_FRAMES:
+            return "partial"  # half a second more of the open chunk: its provisional tokens
+        return None
 
     def has_work(self, states: dict[str, SessionState]) -> bool:
         return any(sid in states and self._due(states[sid], tr) for sid, tr in self.sessions.items())
@@ -159,25 +174,31 @@ class Transcriber:
                 work.append((sid, tr, tr.finishing if due == "final" else tr.turn, due == "final"))
         if not work:
             return []
-        # Append the new audio tokens to each transcript row, all in one forward.
+        # Append the new final audio tokens to each transcript row, all in one forward.
         feeds = []
         for _, tr, turn, _ in work:
             audio = _audio(turn)
             n = 0 if audio is None else int(audio.shape[0])
             tr.kv.crop(*tr.audio_end)
-            ids = [] if tr.fed else [self.ids.im_start, *self.ids.user, *self.ids.newline, self.ids.audio_start]
+            ids = [] if tr.opened else [self.ids.im_start, *self.ids.user, *self.ids.newline, self.ids.audio_start]
+            tr.opened = True
             if n > tr.fed:
                 ids += [self.ids.audio_pad] * (n - tr.fed)
             if ids:
                 new = audio[tr.fed :] if n > tr.fed else None
                 feeds.append((tr.kv, self.thinker.start_prefill(tr.kv, ids, audio=new), None))
-            tr.fed, tr.runs_at = n, n
+            tr.fed, tr.runs_at, tr.frames_at = n, n, turn.audio.encoder.frames_in
         if feeds:
             self.thinker.run_prefills(feeds)
         for _, tr, _, _ in work:
             tr.audio_end = (tr.kv.length, tr.kv.next_pos)
-        # The prompt's end and the stable text, then greedy decoding past it.
-        jobs = [(tr.kv, self.thinker.start_prefill(tr.kv, self.suffix_ids + tr.stable), None) for _, tr, _, _ in work]
+        # A partial's provisional tokens (the open chunk), the prompt's end and the stable text,
+        # then greedy decoding past it; all of it is cropped off after the run.
+        jobs = []
+        for _, tr, turn, final in work:
+            tail = None if final else turn.audio.provisional()
+            pads = [self.ids.audio_pad] * (0 if tail is None else int(tail.shape[0]))
+            jobs.append((tr.kv, self.thinker.start_prefill(tr.kv, pads + self.suffix_ids + tr.stable, audio=tail), None))
         self.thinker.run_prefills(jobs)
         logits = torch.stack([job.result().last_logits for _, job, _ in jobs])
         limits = [FINAL_TOKENS if final else PARTIAL_TOKENS for *_, final in work]

@@ -12,6 +12,8 @@ Pins:
   Qwen3OmniMoeAudioEncoder tokens (1e-5) for 0.5, 1, 2.3 and 9 s with n_window_infer 100 and
   800; tokens arrive as soon as their block is complete (13 per second with 100, 104 per 8 s
   with 800) and finish() returns only the open block.
+- provisional() gives the open block's tokens as one-shot would for the mel pushed so far
+  (1e-5), without changing the stream: the final tokens and finish() are the same as without it.
 - num_audio_tokens agrees with the processor's feature_attention_mask lengths and the encoder's
   output; a full second is 13 tokens.
 """
@@ -206,6 +208,35 @@ def test_audio_stream_end_to_end(extractor, encoder, n_window_infer) -> None:
     stream.reset()
     again = torch.cat([stream.push(pcm[:PIECE * 20]), stream.finish()])
     assert again.shape[0] == num_audio_tokens(PIECE * 20)
+
+
+@pytest.mark.parametrize("n_window_infer", [100, 800])
+def test_provisional_tokens_are_the_open_block_as_if_it_ended(extractor, encoder, n_window_infer) -> None:
+    mel, _ = one_shot_mel(extractor, speech_like(int(2.6 * RATE), seed=5))
+    expected = one_shot_tokens(encoder, mel, n_window_infer)
+    plain, peeked = AudioBlockEncoder(encoder, n_window_infer), AudioBlockEncoder(encoder, n_window_infer)
+    finals, peeked_finals, checked = [], [], 0
+    for start in range(0, mel.shape[1], 8):
+        piece = mel[:, start : start + 8]
+        finals.append(plain.push(piece))
+        peeked_finals.append(peeked.push(piece))
+        seen = min(start + 8, mel.shape[1])
+        prov = peeked.provisional()
+        assert peeked.open_frames == seen - n_window_infer * (seen // n_window_infer)
+        if peeked.open_frames == 0:
+            assert prov.shape[0] == 0
+            continue
+        # What one-shot makes of exactly the frames seen so far, its open block's part.
+        upto = one_shot_tokens(encoder, mel[:, :seen], n_window_infer)
+        torch.testing.assert_close(prov, upto[peeked.tokens_out :], rtol=0, atol=TOL)
+        checked += 1
+    assert checked > 10
+    # Peeking changed nothing: the same final tokens, the same tail.
+    torch.testing.assert_close(torch.cat(peeked_finals + [peeked.finish()]), torch.cat(finals + [plain.finish()]),
+                               rtol=0, atol=0)
+    n_final = sum(f.shape[0] for f in finals)
+    torch.testing.assert_close(torch.cat(finals), expected[:n_final], rtol=0, atol=TOL)
+    assert peeked.provisional().shape[0] == 0  # a finished stream has nothing open
 
 
 def test_token_counts(extractor, encoder) -> None:

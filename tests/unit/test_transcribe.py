@@ -1,7 +1,8 @@
 """Live input transcription in the streaming runner (agent/engine/transcribe.py), tiny model.
 
 Pins (the tiny model's words are random: the protocol and the prefix property, not words):
-- while the user speaks, a partial comes for every new second of final audio tokens; each
+- while the user speaks, a partial comes for every half second of speech (new final tokens, or
+  the open chunk's provisional ones, which never stay in the transcript row); each
   partial's text starts with the previous one's stable prefix, and the stable prefix only grows;
 - the end of the turn gives one final transcript that starts with the last stable prefix;
 - a transcription-only session ('only') never prefills its turn into a conversation, answers
@@ -70,7 +71,10 @@ def test_transcription_only_session(runner):
     for turn in range(3):
         runner.set_transcript_item("c", f"item{turn}")
         partials = speak(runner, "c", audio(3.2, turn))
-        assert len(partials) >= 3  # one per second of final audio tokens
+        assert len(partials) >= 6  # one per half second of speech, not only per final chunk
+        tr = runner.transcriber.sessions["c"]
+        # Only final tokens stay in the row (3 full chunks); the provisional ones were cropped.
+        assert tr.fed == 39 and tr.kv.length == tr.audio_end[0]
         assert all(not p.final and p.item_id == f"item{turn}" for p in partials)
         runner.end_turn("c")
         finals = [o for o in run(runner) if isinstance(o, TranscriptOut)]
