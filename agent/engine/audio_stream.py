@@ -278,6 +278,11 @@ class AudioStream:
         final = self.encoder.push(self.mel.finish())
         return torch.cat([final, self.encoder.finish()], dim=0)
 
+    @property
+    def finished(self) -> bool:
+        """finish() was called: the utterance's tokens are all out."""
+        return self.encoder._finished
+
     def provisional(self) -> torch.Tensor:
         """Tokens of the audio pushed so far that are not final yet (AudioBlockEncoder.provisional)."""
         return self.encoder.provisional()

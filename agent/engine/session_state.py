@@ -177,6 +177,9 @@ class SessionState:
     max_turns: int = 0  # a bounded context (interpreter mode): answered turns kept at most; 0: no bound
     context_turns: int = 0  # answered turns in the thinker cache since its last history reset
     captions_only: bool = False  # a transcription-only session: no replies, its turns never prefilled
+    # Turns that ended while a reply was in flight (interpreter mode), oldest first: each is
+    # answered by the next begin_reply, in order; none is prefilled before its reply starts.
+    held_turns: list[TurnState] = field(default_factory=list)
 
 
 @contextmanager

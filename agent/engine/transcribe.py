@@ -61,7 +61,9 @@ class Transcript:
     item_id: str | None = None  # the user item of the turn being spoken (set by the session)
     turn: TurnState | None = None  # the turn being transcribed
     turn_item: str | None = None  # its item id
-    finishing: TurnState | None = None  # the turn has ended; its last run waits for its audio tail
+    # Ended turns (and their items) waiting for their final run, oldest first: a turn held behind
+    # a reply (interpreter pipelining) may end before the previous one's final has run.
+    finishing: list[tuple[TurnState, str | None]] = field(default_factory=list)
     opened: bool = False  # the user header and <|audio_start|> are in the kv
     fed: int = 0  # final audio tokens of `turn` in the kv
     audio_end: tuple[int, int] = (0, 0)  # the kv after the audio fed so far
@@ -121,18 +123,19 @@ class Transcriber:
             return
         if tr.turn is None:  # no partial yet (a short turn, or a busy engine)
             tr.turn, tr.turn_item = turn, tr.item_id
-        tr.finishing = turn
+        tr.finishing.append((turn, tr.turn_item if tr.turn is turn else tr.item_id))
 
     def discard(self, session_id: str) -> None:
         """The turn was dropped (a false start, input_audio_buffer.clear): no transcript."""
         tr = self.sessions.get(session_id)
-        if tr is not None:
-            self._reset(tr)
+        if tr is not None and not any(tr.turn is turn for turn, _ in tr.finishing):
+            self._reset(tr)  # (an ended turn in the row is not the one dropped: it stays)
 
     def _reset(self, tr: Transcript) -> None:
+        """The row back to the system prompt, for the next turn (ended turns stay queued)."""
         tr.kv.crop(*tr.system_end)
         tr.audio_end = tr.system_end
-        tr.turn = tr.finishing = None
+        tr.turn = None
         tr.turn_item, tr.fed, tr.runs_at, tr.frames_at, tr.opened = None, 0, -1, 0, False
         tr.stable, tr.tail, tr.stable_text = [], [], ""
 
@@ -140,13 +143,17 @@ class Transcriber:
 
     def _due(self, state: SessionState, tr: Transcript) -> str | None:
         """'final', 'partial' or None: what this session's transcript needs now."""
-        if tr.finishing is not None:
-            if tr.finishing is state.turn:  # its reply was abandoned: the turn goes on
-                tr.finishing = None
-            elif state.reply is not None and state.reply.turn is tr.finishing and not state.reply.prefill.done:
+        while tr.finishing:
+            turn, item = tr.finishing[0]
+            if turn is state.turn:  # its reply was abandoned: the turn goes on
+                tr.finishing.pop(0)
+                continue
+            if state.reply is not None and state.reply.turn is turn and not state.reply.prefill.done:
                 return None  # the audio tail is encoded by the reply's prefill
-            else:
-                return "final"
+            if tr.turn is not turn:  # the row holds no partial of it: start it over
+                self._reset(tr)
+                tr.turn, tr.turn_item = turn, item
+            return "final"
         if tr.turn is None:
             if not _tokens(state.turn) and state.turn.audio.encoder.open_frames < PARTIAL_EVERY_FRAMES:
                 return None  # no speech to show yet
@@ -171,7 +178,7 @@ class Transcriber:
             state = states.get(sid)
             due = self._due(state, tr) if state is not None else None
             if due is not None:
-                work.append((sid, tr, tr.finishing if due == "final" else tr.turn, due == "final"))
+                work.append((sid, tr, tr.turn, due == "final"))
         if not work:
             return []
         # Append the new final audio tokens to each transcript row, all in one forward.
@@ -220,6 +227,7 @@ class Transcriber:
         for (sid, tr, _, final), tail in zip(work, new):
             outputs.append(self._publish(sid, tr, tail, final))
             if final:
+                tr.finishing.pop(0)
                 self._reset(tr)
             else:
                 tr.kv.crop(*tr.audio_end)
@@ -300,11 +308,5 @@ class Transcription:
     @torch.inference_mode()
     def end_turn(self, session_id: str) -> None:
         """End of a turn in a transcription-only session: its audio tail, then the final run."""
-        state = self._sessions[session_id]
-        turn = state.turn
-        self.turns.encode_audio(state)
-        tail = turn.audio.finish()
-        if tail.shape[0]:
-            turn.pending_audio.append(tail)
-        state.turn = self.turns.new_turn()
+        turn = self.turns.close_turn(self._sessions[session_id])
         self.transcriber.ended(session_id, turn)

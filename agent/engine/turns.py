@@ -98,6 +98,18 @@ class TurnPrefill:
 
     # ---- audio while the user speaks ---------------------------------------------------------
 
+    def close_turn(self, state: SessionState) -> TurnState:
+        """The turn being spoken ends without a reply starting now: its audio is encoded to the
+        end (the tail waits in pending_audio) and a new turn begins. Returns the ended turn."""
+        turn = state.turn
+        self._encode(state, turn)
+        with timed(state, "audio_encoder"):
+            tail = turn.audio.finish()
+        if tail.shape[0]:
+            turn.pending_audio.append(tail)
+        state.turn = self.new_turn()
+        return turn
+
     def encode_audio(self, state: SessionState) -> None:
         """Run the queued microphone audio of the turn being spoken through the incremental encoder."""
         self._encode(state, state.turn)
@@ -135,8 +147,8 @@ class TurnPrefill:
 
     def _flush_part(self, state: SessionState, max_tokens: int | None) -> tuple[TurnJob | None, int]:
         turn = state.turn
-        if not turn.pending_audio or state.reply is not None or state.captions_only:
-            return None, 0
+        if not turn.pending_audio or state.reply is not None or state.captions_only or state.held_turns:
+            return None, 0  # (a held turn goes into the cache before this one, with its reply)
         audio = torch.cat(turn.pending_audio, dim=0)
         take = audio.shape[0] if max_tokens is None else min(max_tokens, audio.shape[0])
         turn.pending_audio = [audio[take:]] if take < audio.shape[0] else []
@@ -235,10 +247,11 @@ class TurnPrefill:
         The answered turn is reply.turn (begin_reply moved it out of state.turn)."""
         reply, turn = state.reply, state.reply.turn
         self._encode(state, turn)
-        with timed(state, "audio_encoder"):
-            tail = turn.audio.finish()
-        if tail.shape[0]:
-            turn.pending_audio.append(tail)
+        if not turn.audio.finished:  # a held turn's tail was encoded when it ended (close_turn)
+            with timed(state, "audio_encoder"):
+                tail = turn.audio.finish()
+            if tail.shape[0]:
+                turn.pending_audio.append(tail)
         audio = torch.cat(turn.pending_audio, dim=0) if turn.pending_audio else None
         turn.pending_audio = []
         before = (state.thinker.length, state.thinker.next_pos, turn.header_done, turn.audio_open)
@@ -295,6 +308,12 @@ class TurnPrefill:
         turn being spoken again (with the audio that came since), as if the reply never began."""
         reply, turn = state.reply, state.reply.turn
         prefill: ReplyPrefill | None = reply.prefill.job
+        if state.held_turns:
+            # Turns wait behind this one (interpreter mode): it cannot go back to being spoken
+            # without reordering them, so the cancelled turn is dropped from the cache.
+            if prefill is not None and not prefill.part.history_reset:
+                state.thinker.crop(prefill.start_length, prefill.start_pos)
+            return
         if prefill is not None:
             if prefill.part.history_reset:
                 turn = self.new_turn()  # the history went with the context reset: so did the turn
@@ -360,7 +379,8 @@ class TurnPrefill:
         turn.header_done = turn.audio_open = False
 
     def pcm_queued(self, state: SessionState) -> bool:
-        prefills = state.reply is None and not state.captions_only  # captions: transcribe.py reads them
+        # Captions: transcribe.py reads them; held turns: this turn's audio waits behind theirs.
+        prefills = state.reply is None and not state.captions_only and not state.held_turns
         return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio))
 
     @staticmethod
