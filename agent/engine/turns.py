@@ -27,6 +27,10 @@ from agent.engine.vision import FrameEncoder
 
 # Room kept free in the context for the reply and its closing tokens.
 CLOSING_MARGIN = 8
+# A transcription-only session's microphone audio is encoded once this much is queued (80 ms at
+# 16 kHz), not per 20 ms frame: the encoder gives the same tokens for any piece sizes, a
+# quarter of the calls costs a quarter of their overhead, and partials come per 0.5 s anyway.
+CAPTION_ENCODE_SAMPLES = 1280
 
 
 @dataclass
@@ -112,18 +116,20 @@ class TurnPrefill:
 
     def encode_audio(self, state: SessionState) -> None:
         """Run the queued microphone audio of the turn being spoken through the incremental encoder."""
+        if state.captions_only and sum(len(p) for p in state.turn.pcm) < CAPTION_ENCODE_SAMPLES:
+            return  # (the end of the turn encodes what is left: close_turn)
         self._encode(state, state.turn)
 
     @staticmethod
     def _encode(state: SessionState, turn: TurnState) -> None:
         if not turn.pcm:
             return
-        with timed(state, "audio_encoder"):
-            for pcm in turn.pcm:
-                tokens = turn.audio.push(pcm)
-                turn.samples += len(pcm)
-                if tokens.shape[0]:
-                    turn.pending_audio.append(tokens)
+        pcm = np.concatenate(turn.pcm) if len(turn.pcm) > 1 else turn.pcm[0]
+        with timed(state, "audio_encoder"):  # one push: the same tokens as piece by piece
+            tokens = turn.audio.push(pcm)
+        turn.samples += len(pcm)
+        if tokens.shape[0]:
+            turn.pending_audio.append(tokens)
         turn.pcm.clear()
 
     def flush_audio(self, state: SessionState, max_tokens: int | None = None) -> int:
@@ -381,6 +387,8 @@ class TurnPrefill:
     def pcm_queued(self, state: SessionState) -> bool:
         # Captions: transcribe.py reads them; held turns: this turn's audio waits behind theirs.
         prefills = state.reply is None and not state.captions_only and not state.held_turns
+        if state.captions_only:
+            return sum(len(p) for p in state.turn.pcm) >= CAPTION_ENCODE_SAMPLES
         return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio))
 
     @staticmethod
