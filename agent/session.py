@@ -249,8 +249,8 @@ class Session:
                 self.emit_error("too many turns on this engine right now; please repeat", "rate_limited",
                                 kind="server_error")
                 return
+            self.engine_call("hold_turn")  # (EngineBusy: the turn is dropped, nothing is held)
             self._held.append(item_id)
-            self.engine_call("hold_turn")
             return
         self.create_response({}, None)
 

@@ -94,6 +94,10 @@ class StreamingLogMel:
             self._started = True
         return self._frames(limit=None)
 
+    def frames_for(self, n_samples: int) -> int:
+        """Frames push() has emitted once the utterance has n_samples (finish() adds the rest)."""
+        return (n_samples + self.pad - self.n_fft) // self.hop + 1 if n_samples > self.pad else 0
+
     def finish(self) -> torch.Tensor:
         """The last frames, which read the right reflect padding: [n_mels, n_left]."""
         if self._finished:

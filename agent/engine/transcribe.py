@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 TRANSCRIBE_SYSTEM = "You are a speech recognizer. Write down exactly what the user says, nothing else."
 TRANSCRIBE_ASK = "Transcribe the audio."
 PARTIAL_TOKENS = 8  # new tokens a partial decodes past the stable text
-PARTIAL_EVERY_FRAMES = 50  # mel frames (10 ms each) of speech between partials: 0.5 s
+PARTIAL_EVERY_FRAMES = 50  # mel frames (10 ms each) of speech between partials: 0.5 s (a divisor of a chunk)
 FINAL_TOKENS = 48  # new tokens the end-of-turn run may decode
 
 
@@ -163,8 +163,11 @@ class Transcriber:
         if _tokens(state.turn) > max(tr.runs_at, 0):
             return "partial"  # new final tokens
         encoder = state.turn.audio.encoder
-        if encoder.open_frames >= PARTIAL_EVERY_FRAMES and encoder.frames_in >= tr.frames_at + PARTIAL_EVERY_FRAMES:
-            return "partial"  # half a second more of the open chunk: its provisional tokens
+        # The speech crossed a half-second mark since the last run (marks, not "0.5 s after the
+        # last run": a run that came late does not push the next one later): the open chunk's
+        # provisional tokens.
+        if encoder.open_frames and encoder.frames_in // PARTIAL_EVERY_FRAMES > tr.frames_at // PARTIAL_EVERY_FRAMES:
+            return "partial"
         return None
 
     def has_work(self, states: dict[str, SessionState]) -> bool:

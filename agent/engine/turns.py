@@ -23,14 +23,26 @@ from agent.engine.model import LoadedModel, assistant_start_ids, system_turn_ids
 from agent.engine.session_state import KVState, SessionState, TalkerTurn, TurnState, timed
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import ImageFeatures, PrefillJob, PrefillOut, ThinkerOps
+from agent.engine.transcribe import PARTIAL_EVERY_FRAMES
 from agent.engine.vision import FrameEncoder
 
 # Room kept free in the context for the reply and its closing tokens.
 CLOSING_MARGIN = 8
 # A transcription-only session's microphone audio is encoded once this much is queued (80 ms at
-# 16 kHz), not per 20 ms frame: the encoder gives the same tokens for any piece sizes, a
-# quarter of the calls costs a quarter of their overhead, and partials come per 0.5 s anyway.
+# 16 kHz), not per 20 ms frame: the encoder gives the same tokens for any piece sizes and a
+# quarter of the calls costs a quarter of their overhead. It is encoded at once, though, when
+# the audio crosses a partial's half-second mark, so partials come on time.
 CAPTION_ENCODE_SAMPLES = 1280
+
+
+def caption_audio_due(turn: TurnState) -> bool:
+    """A transcription-only turn's queued audio is to be encoded now (CAPTION_ENCODE_SAMPLES)."""
+    queued = sum(len(p) for p in turn.pcm)
+    if queued >= CAPTION_ENCODE_SAMPLES:
+        return True
+    mel = turn.audio.mel
+    now, then = mel.frames_for(mel.n_samples), mel.frames_for(mel.n_samples + queued)
+    return then // PARTIAL_EVERY_FRAMES > now // PARTIAL_EVERY_FRAMES
 
 
 @dataclass
@@ -116,7 +128,7 @@ class TurnPrefill:
 
     def encode_audio(self, state: SessionState) -> None:
         """Run the queued microphone audio of the turn being spoken through the incremental encoder."""
-        if state.captions_only and sum(len(p) for p in state.turn.pcm) < CAPTION_ENCODE_SAMPLES:
+        if state.captions_only and not caption_audio_due(state.turn):
             return  # (the end of the turn encodes what is left: close_turn)
         self._encode(state, state.turn)
 
@@ -388,7 +400,7 @@ class TurnPrefill:
         # Captions: transcribe.py reads them; held turns: this turn's audio waits behind theirs.
         prefills = state.reply is None and not state.captions_only and not state.held_turns
         if state.captions_only:
-            return sum(len(p) for p in state.turn.pcm) >= CAPTION_ENCODE_SAMPLES
+            return caption_audio_due(state.turn)
         return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio))
 
     @staticmethod

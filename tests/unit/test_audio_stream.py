@@ -3,8 +3,8 @@
 Pins:
 - StreamingLogMel equals WhisperFeatureExtractor(128 mels, hop 160) as the Qwen3-Omni processor
   calls it (padding="longest"), frame for frame, for any piece sizes, emitting a frame as soon as
-  40 samples past its hop exist, and n // 160 frames in all. The extractor's clamp at
-  utterance_max - 8 is replaced by a clamp at the running max (optionally floored): equal
+  40 samples past its hop exist (frames_for says how many), and n // 160 frames in all. The
+  extractor's clamp at utterance_max - 8 is replaced by a clamp at the running max (optionally floored): equal
   wherever the running max already is the utterance max; before that, streamed values are lower
   by at most (utterance_max - running_max_then) / 4 and only in near-silent bins; with the floor
   at the utterance max everything is equal, so the clamp is the only difference.
@@ -125,7 +125,7 @@ def test_mel_frame_is_emitted_40_samples_past_its_hop(extractor) -> None:
         mel.push(np.zeros(n, dtype=np.float32) + 0.01)
         total += n
         expected = max(0, (total - 200) // 160 + 1) if total > 200 else 0
-        assert mel.frames_out == expected
+        assert mel.frames_out == expected == mel.frames_for(total)
 
 
 def test_mel_running_max_clamp_consequence(extractor) -> None:

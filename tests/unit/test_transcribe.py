@@ -5,6 +5,8 @@ Pins (the tiny model's words are random: the protocol and the prefix property, n
   the open chunk's provisional ones, which never stay in the transcript row); each
   partial's text starts with the previous one's stable prefix, and the stable prefix only grows;
 - the end of the turn gives one final transcript that starts with the last stable prefix;
+- partials come in the 20 ms frame that crosses each half-second mark, though a transcription-only
+  session encodes its audio in 80 ms pieces;
 - a transcription-only session ('only') never prefills its turn into a conversation, answers
   no reply, takes no second slot, and its transcript row stays bounded over many turns;
 - a conversation session ('on') transcribes in a slot of its own, gives it back when turned
@@ -175,3 +177,21 @@ def test_a_new_session_takes_back_a_transcription_slot(runner):
         runner.set_transcription("s2", "on")
     runner.open_session("s3")
     assert "s1" not in runner.transcriber.sessions and set(runner._sessions) == {"s1", "s2", "s3"}
+
+
+def test_partials_come_at_each_half_second_mark(runner):
+    """A transcription-only session encodes its audio in 80 ms pieces, yet its partials come in
+    the 20 ms frame whose audio crosses each half-second mark (chunk ends included), not later."""
+    runner.open_session("c")
+    runner.set_transcription("c", "only")
+    runner.set_transcript_item("c", "i")
+    wav, frame = audio(2.3, 21), 320
+    mel = runner._sessions["c"].turn.audio.mel
+    at = []
+    for i in range(0, len(wav), frame):
+        runner.append_audio("c", wav[i : i + frame])
+        if any(isinstance(o, TranscriptOut) for o in run(runner)):
+            at.append(i + frame)
+    marks = [next(n for n in range(frame, len(wav) + frame, frame) if mel.frames_for(n) >= 50 * k)
+             for k in range(1, 5)]
+    assert at == marks
