@@ -208,7 +208,8 @@ class Transcriber:
         for _, tr, turn, final in work:
             tail = None if final else turn.audio.provisional()
             pads = [self.ids.audio_pad] * (0 if tail is None else int(tail.shape[0]))
-            jobs.append((tr.kv, self.thinker.start_prefill(tr.kv, pads + self.suffix_ids + tr.stable, audio=tail), None))
+            job = self.thinker.start_prefill(tr.kv, pads + self.suffix_ids + tr.stable, audio=tail)
+            jobs.append((tr.kv, job, None))
         self.thinker.run_prefills(jobs)
         logits = torch.stack([job.result().last_logits for _, job, _ in jobs])
         limits = [FINAL_TOKENS if final else PARTIAL_TOKENS for *_, final in work]

@@ -112,6 +112,7 @@ def _items_order(events: list[dict[str, Any]]) -> list[str]:
         if item_id in order:
             continue
         previous = e.get("previous_item_id")
-        order.insert(order.index(previous) + 1 if previous in order else (0 if previous is None else len(order)), item_id)
+        at = order.index(previous) + 1 if previous in order else (0 if previous is None else len(order))
+        order.insert(at, item_id)
     return order
 
