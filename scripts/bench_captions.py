@@ -76,6 +76,8 @@ async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[d
                     items.setdefault(ev["item_id"], {"since": []})["final_ms"] = ev["omni"]["after_end_ms"]
                     if sum("final_ms" in i for i in items.values()) >= rounds:
                         done.set()
+                elif kind_ == "error":  # e.g. engine_busy: counted, and the round's final may not come
+                    items.setdefault(f"error-{len(items)}", {"since": [], "error": ev["error"].get("code")})
 
         reader = asyncio.ensure_future(read())
         silence = np.zeros(int(1.5 * 24000), np.int16)
@@ -89,6 +91,8 @@ async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[d
                 await asyncio.sleep(wait)
         try:
             await asyncio.wait_for(done.wait(), 60)
+        except asyncio.TimeoutError:
+            pass  # a missing final is reported (finals < items), not a crash
         finally:
             reader.cancel()
         out += list(items.values())
@@ -108,18 +112,20 @@ async def clients(url: str, kind: str, sessions: int, rounds: int) -> list[dict]
 
 def figures(items: list[dict]) -> dict[str, list[float]]:
     return {
-        "first": [i["since"][0] for i in items if i["since"]],
-        "cadence": [b - a for i in items for a, b in zip(i["since"], i["since"][1:])],
+        "first": [i["since"][0] for i in items if i["since"] and i["since"][0] is not None],
+        "cadence": [b - a for i in items for a, b in zip(i["since"], i["since"][1:]) if None not in (a, b)],
         "final": [i["final_ms"] for i in items if i.get("final_ms") is not None],
-        "partials": [len(i["since"]) for i in items],
+        "partials": [len(i["since"]) for i in items if "error" not in i],
     }
 
 
 def report(kind: str, sessions: int, rounds: int, items: list[dict]) -> dict[str, list[float]]:
     f = figures(items)
     first, gaps, final, partials = f["first"], f["cadence"], f["final"], f["partials"]
-    print(f"{sessions} {kind} session(s) x {rounds} rounds, {len(items)} items, "
-          f"partials per item {min(partials, default=0)}-{max(partials, default=0)}")
+    errors = [i["error"] for i in items if "error" in i]
+    print(f"{sessions} {kind} session(s) x {rounds} rounds, {len(partials)} items, {len(final)} finals, "
+          f"partials per item {min(partials, default=0)}-{max(partials, default=0)}, errors {len(errors)} "
+          f"{sorted(set(errors))}")
     print(f"first partial after onset ms: p50 {pct(first, 50):.0f}  p95 {pct(first, 95):.0f}")
     print(f"partial cadence ms:           p50 {pct(gaps, 50):.0f}  p95 {pct(gaps, 95):.0f}  max {max(gaps, default=0):.0f}")
     print(f"final after end of speech ms: p50 {pct(final, 50):.0f}  p95 {pct(final, 95):.0f}")
