@@ -27,6 +27,7 @@ Two stages, each matching its one-shot counterpart in transformers:
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -204,24 +205,52 @@ class AudioBlockEncoder:
         without changing the stream: [n_tokens, output_dim]. They are provisional: once the
         block is full its final tokens differ (the partial chunk was zero-padded, and the
         block's attention sees more). Live captions read them to show the not-yet-final audio
-        (agent/engine/transcribe.py); the cost is one pass over the open block only."""
-        if self._finished:
-            return self._concat([])
-        chunks = list(self.open_chunks)
-        if self.pending.shape[1]:
-            chunks.append(self._conv_tail())
-        if not chunks:
-            return self._concat([])
-        return self._transform(torch.cat(chunks, dim=0))
+        (agent/engine/transcribe.py, for many sessions at once: provisional_batch); the cost is
+        one pass over the open block only."""
+        return self.provisional_batch([self])[0]
+
+    @staticmethod
+    @torch.no_grad()
+    def provisional_batch(encoders: Sequence[AudioBlockEncoder]) -> list[torch.Tensor]:
+        """provisional() of several encoders of one audio tower in one pass (many captioned
+        sessions at once): tails of the same width convolved together, every open block in one
+        transformer call, which cu_seqlens keeps apart as the encoder's own forward keeps its
+        windows apart. The same tokens as one by one, to float rounding."""
+        chunks = [[] if e._finished else list(e.open_chunks) for e in encoders]
+        by_width: dict[int, list[int]] = {}
+        for i, e in enumerate(encoders):
+            if not e._finished and e.pending.shape[1]:
+                by_width.setdefault(e._tail_width(), []).append(i)
+        for width, rows in by_width.items():
+            first = encoders[rows[0]]
+            padded = torch.stack([F.pad(encoders[i].pending, (0, width - encoders[i].pending.shape[1])) for i in rows])
+            convolved = first._conv_front(padded)
+            for row, i in enumerate(rows):
+                chunks[i].append(convolved[row, : encoders[i]._tail_tokens()])
+        out = [e._concat([]) for e in encoders]
+        live = [i for i, c in enumerate(chunks) if c]
+        if not live:
+            return out
+        parts = [torch.cat(chunks[i], dim=0) for i in live]
+        bounds = [0]
+        for part in parts:
+            bounds.append(bounds[-1] + part.shape[0])
+        hidden = encoders[live[0]]._transform(torch.cat(parts, dim=0), bounds)
+        for n, i in enumerate(live):
+            out[i] = hidden[bounds[n] : bounds[n + 1]]
+        return out
+
+    def _tail_width(self) -> int:
+        # One-shot pads every chunk to the longest one: 100 frames once a full chunk exists.
+        return self.chunk_frames if self.frames_in >= self.chunk_frames else self.pending.shape[1]
+
+    def _tail_tokens(self) -> int:
+        return int(_get_feat_extract_output_lengths(torch.tensor(self.pending.shape[1]), self.tower.n_window))
 
     def _conv_tail(self) -> torch.Tensor:
         """The convolved tokens of the incomplete chunk (`pending`), as one-shot makes them."""
-        tail = self.pending.shape[1]
-        # One-shot pads every chunk to the longest one: 100 frames once a full chunk exists.
-        width = self.chunk_frames if self.frames_in >= self.chunk_frames else tail
-        padded = F.pad(self.pending, (0, width - tail)).unsqueeze(0)
-        n_tokens = int(_get_feat_extract_output_lengths(torch.tensor(tail), self.tower.n_window))
-        return self._conv_front(padded)[0, :n_tokens]
+        padded = F.pad(self.pending, (0, self._tail_width() - self.pending.shape[1])).unsqueeze(0)
+        return self._conv_front(padded)[0, : self._tail_tokens()]
 
     def _conv_front(self, chunks: torch.Tensor) -> torch.Tensor:
         # Mirrors Qwen3OmniMoeAudioEncoder.forward up to the positional embedding.
@@ -242,10 +271,12 @@ class AudioBlockEncoder:
         self.tokens_out += hidden.shape[0]
         return hidden
 
-    def _transform(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The encoder's transformer part over one attention block's convolved tokens."""
+    def _transform(self, hidden: torch.Tensor, bounds: Sequence[int] | None = None) -> torch.Tensor:
+        """The encoder's transformer part over attention blocks' convolved tokens (one block, or
+        several concatenated, `bounds` their offsets: attention stays within each)."""
         tower = self.tower
-        cu_seqlens = torch.tensor([0, hidden.shape[0]], dtype=torch.int32, device=hidden.device)
+        bounds = [0, hidden.shape[0]] if bounds is None else bounds
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=hidden.device)
         max_seqlen = get_max_seqlen(cu_seqlens, tower.config)
         for layer in tower.layers:
             hidden = layer(hidden, cu_seqlens, max_seqlen=max_seqlen)[0]
@@ -286,10 +317,6 @@ class AudioStream:
     def finished(self) -> bool:
         """finish() was called: the utterance's tokens are all out."""
         return self.encoder._finished
-
-    def provisional(self) -> torch.Tensor:
-        """Tokens of the audio pushed so far that are not final yet (AudioBlockEncoder.provisional)."""
-        return self.encoder.provisional()
 
     def fork(self) -> AudioStream:
         """An independent copy of the stream so far (a speculative reply finishes the copy while

@@ -11,8 +11,9 @@ greedy decode steps, and a crop back to the audio, so the audio is prefilled onc
 
 Cadence: final tokens come once per 1 s chunk, so partials on them alone come once a second.
 A partial also runs every `PARTIAL_EVERY_FRAMES` (0.5 s) of speech in between, on the
-*provisional* tokens of the open chunk (`AudioStream.provisional()`: the encoder's pass over the
-not-yet-final frames, zero-padded as the end of a turn would pad them). That is the one extra
+*provisional* tokens of the open chunk (`AudioBlockEncoder.provisional_batch`: the encoder's pass
+over the not-yet-final frames, zero-padded as the end of a turn would pad them, for every
+partial of the tick in one call). That is the one extra
 encode: at most one pass over the open chunk per 0.5 s (half a chunk of frames), never over
 audio whose tokens are final, and its tokens stay in the row only for that run (cropped with the
 decode). They are not kept: the chunk's final tokens replace them once it is full.
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agent.engine.api import Output, TranscriptOut
+from agent.engine.audio_stream import AudioBlockEncoder
 from agent.engine.kv import KVState
 from agent.engine.model import LoadedModel, assistant_start_ids, system_turn_ids
 from agent.engine.session_state import SessionState, TurnState
@@ -204,9 +206,12 @@ class Transcriber:
             tr.audio_end = (tr.kv.length, tr.kv.next_pos)
         # A partial's provisional tokens (the open chunk), the prompt's end and the stable text,
         # then greedy decoding past it; all of it is cropped off after the run.
+        partial = [(i, turn.audio.encoder) for i, (_, _, turn, final) in enumerate(work) if not final]
+        tails: list[torch.Tensor | None] = [None] * len(work)
+        for (i, _), tail in zip(partial, AudioBlockEncoder.provisional_batch([e for _, e in partial])):
+            tails[i] = tail  # (all sessions' open chunks in one encoder pass)
         jobs = []
-        for _, tr, turn, final in work:
-            tail = None if final else turn.audio.provisional()
+        for (_, tr, turn, final), tail in zip(work, tails):
             pads = [self.ids.audio_pad] * (0 if tail is None else int(tail.shape[0]))
             job = self.thinker.start_prefill(tr.kv, pads + self.suffix_ids + tr.stable, audio=tail)
             jobs.append((tr.kv, job, None))

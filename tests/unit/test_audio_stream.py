@@ -13,7 +13,8 @@ Pins:
   800; tokens arrive as soon as their block is complete (13 per second with 100, 104 per 8 s
   with 800) and finish() returns only the open block.
 - provisional() gives the open block's tokens as one-shot would for the mel pushed so far
-  (1e-5), without changing the stream: the final tokens and finish() are the same as without it.
+  (1e-5), without changing the stream: the final tokens and finish() are the same as without it;
+  provisional_batch gives several streams' in one pass, each stream's own.
 - num_audio_tokens agrees with the processor's feature_attention_mask lengths and the encoder's
   output; a full second is 13 tokens.
 """
@@ -247,3 +248,23 @@ def test_token_counts(extractor, encoder) -> None:
         assert num_audio_tokens(n) == int(_get_feat_extract_output_lengths(torch.tensor(mask_frames), 50))
     mel, _ = one_shot_mel(extractor, speech_like(20480, seed=1))
     assert one_shot_tokens(encoder, mel, 800).shape[0] == num_audio_tokens(20480) == 13 + 4
+
+
+def test_provisional_batch_equals_one_by_one(extractor, encoder) -> None:
+    """Several streams' provisional tokens in one pass (tails of different widths, a finished
+    stream, one with nothing open) are each stream's own."""
+    streams = []
+    for seconds, seed in [(0.37, 1), (0.62, 2), (1.45, 3), (2.0, 4), (1.3, 5)]:
+        mel, _ = one_shot_mel(extractor, speech_like(int(seconds * RATE), seed=seed))
+        blocks = AudioBlockEncoder(encoder, 100)
+        blocks.push(mel)
+        streams.append(blocks)
+    streams[-1].finish()
+    batch = AudioBlockEncoder.provisional_batch(streams)
+    assert batch[-1].shape[0] == 0  # finished: nothing open
+    assert sum(t.shape[0] > 0 for t in batch) >= 3
+    for blocks, tokens in zip(streams, batch):
+        torch.testing.assert_close(tokens, blocks.provisional(), rtol=0, atol=TOL)
+        if blocks.open_frames and not blocks._finished:
+            alone = blocks._transform(torch.cat([*blocks.open_chunks, blocks._conv_tail()]))
+            torch.testing.assert_close(tokens, alone, rtol=0, atol=TOL)
