@@ -6,7 +6,8 @@ process (`--client`, its own event loop and interpreter), so the server's loop s
 sessions, as it would in production. They open --sessions WebSocket sessions at once
 (`--kind transcription`: GET /v1/realtime?intent=transcription; `--kind conversation`: realtime
 sessions with audio.input.transcription set, so replies run too) and stream an espeak-ng
-utterance (about 5 s, then 1.5 s of silence) into each, in real time, --rounds times. Figures
+utterance (about 5 s, then 1.5 s of silence) into each, in real time, --rounds times, after
+a second of silence. Figures
 are the server's clock: `omni.since_speech_ms` of an item's first delta (first partial), the
 gaps between its deltas' since_speech_ms (cadence), `omni.after_end_ms` of completed (final).
 
@@ -81,7 +82,9 @@ async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[d
 
         reader = asyncio.ensure_future(read())
         silence = np.zeros(int(1.5 * 24000), np.int16)
-        audio = np.concatenate([np.concatenate([pcm, silence])] * rounds)
+        # A second of silence first: nobody speaks at the instant they connect (the session's
+        # setup is not what a caption's latency measures).
+        audio = np.concatenate([np.zeros(24000, np.int16)] + [np.concatenate([pcm, silence])] * rounds)
         start = time.monotonic()
         for i, at in enumerate(range(0, len(audio), 480)):  # 20 ms appends on the wall clock
             chunk = base64.b64encode(audio[at : at + 480].astype("<i2").tobytes()).decode()
