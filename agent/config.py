@@ -118,7 +118,11 @@ class Config:
     speculation_p95_ms: float = 200.0  # the ladder's first rung: above this, no speculative starts
     ladder_margin_ms: float = 50.0  # step back only under threshold - margin ...
     ladder_recover_s: float = 10.0  # ... held this long
-    engine_inbox: int = 64  # bounded queue into the engine thread
+    engine_inbox: int = 64  # bounded queue into the engine thread ...
+    # ... plus this many per session slot: every session sends a command per 20 ms of audio, so
+    # a fixed bound would tolerate a shorter engine stall the more sessions there are (12
+    # captioned sessions filled 64 in ~100 ms and had their audio dropped): 25 is 0.5 s each.
+    engine_inbox_per_session: int = 25
 
     # Text-only model for degradation level 2: "" = a tiny Qwen3 built on first use,
     # "none" = no fallback (level 2 then stays text-only on the Omni model).

@@ -68,6 +68,8 @@ class Session:
         self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
         self._last: Optional[Response] = None  # the latest response (what a truncation may cut)
         self._stale_done = 0  # ReplyDone events still owed by cancelled replies
+        # Interpreter mode: the user items of ended turns the engine holds, answered in order after _reply.
+        self._held: deque[str] = deque()
         self._when_engine_idle: list[Callable[[], None]] = []
         self._history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
         self._unlisten: Optional[Callable[[], None]] = None
@@ -107,7 +109,7 @@ class Session:
     @property
     def reply_in_flight(self) -> bool:
         """A response is being made, or a cancelled one's engine work is still winding down."""
-        return self._reply is not None or bool(self._stale_done)
+        return self._reply is not None or bool(self._stale_done) or bool(self._held)
 
     @property
     def replying(self) -> bool:
@@ -239,7 +241,37 @@ class Session:
         self.emit({"type": "session.updated", "session": merged})
 
     # ---- responses -------------------------------------------------------------------
-    def create_response(self, params: dict[str, Any], event_id: Optional[str]) -> None:
+    def respond_to_turn(self, item_id: str) -> None:
+        """Server VAD ended a turn that asks for a response. In interpreter mode a turn that ends
+        while the previous translation is still being made does not wait for an error: the engine
+        holds it apart (the next utterance's audio does not join it) and it is answered as soon
+        as that translation ends, in order; its audio plays after the previous one's."""
+        if (self._reply is not None or self._held) and session_config.interpret_to(self.settings):
+            if not self.admission.turns.allow():
+                metrics.TURNS_REJECTED.inc()
+                self.engine.discard_turn(self.id)
+                self.emit_error("too many turns on this engine right now; please repeat", "rate_limited",
+                                kind="server_error")
+                return
+            self.engine_call("hold_turn")  # (EngineBusy: the turn is dropped, nothing is held)
+            self._held.append(item_id)
+            return
+        self.create_response({}, None)
+
+    def _answer_held(self) -> None:
+        """The reply before a held turn has ended: answer the held turn now."""
+        if self._closed or not self._held or self._reply is not None:
+            return
+        item_id = self._held.popleft()
+        try:
+            self.create_response({}, None, held=item_id)
+        except EngineBusy:
+            metrics.ERRORS.labels(where="engine_busy").inc()
+            self.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
+
+    def create_response(self, params: dict[str, Any], event_id: Optional[str], held: Optional[str] = None) -> None:
+        """held: the user item of a turn the engine held (respond_to_turn), already admitted:
+        its answer follows that item, and its audio queues behind the previous reply's."""
         if self.transcription_only:
             self.emit_error("a transcription session does not respond", "unsupported", param="type", event_id=event_id)
             return
@@ -247,15 +279,17 @@ class Session:
             self.emit_error(f"a response is in progress ({self._reply.id})", "conversation_already_has_active_response",
                             event_id=event_id)
             return
-        if not self.admission.turns.allow():
+        if not held and not self.admission.turns.allow():
             metrics.TURNS_REJECTED.inc()
             self.engine.discard_turn(self.id)
             self.emit_error("too many turns on this engine right now; please repeat", "rate_limited",
                             kind="server_error", event_id=event_id)
             return
-        if self._playing is not None:
+        if self._playing is not None and not held:
             self.clear_output()  # a new reply does not queue behind the old one's audio
         mode = self.reply_mode(params.get("output_modalities") or self.settings["output_modalities"])
+        if held and mode == "fallback":
+            mode = "text"  # the held turn is in the Omni model's hands (the fallback would drop it)
         limit = session_config.max_output_tokens(params.get("max_output_tokens", self.settings["max_output_tokens"]))
         if limit is not None and limit >= self.config.max_reply_tokens:
             limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
@@ -273,7 +307,7 @@ class Session:
         if self.track is not None and reply.audio:
             self.track.begin_reply()
             self._playing = reply
-        previous = self.conversation.add(reply.item("in_progress", ""))
+        previous = self.conversation.add(reply.item("in_progress", ""), after=held)
         for event in reply.started(previous):
             self.emit(event)
 
@@ -392,6 +426,8 @@ class Session:
         self.conversation.update(reply.item_id, events[-2]["item"])
         for event in events:
             self.emit(event)
+        if self._held:  # once the engine has ended this reply (a cancelled one's done comes later)
+            self.after_engine_idle(self._answer_held)
 
     # ---- conversation items ------------------------------------------------------------
     def add_user_text(self, item_id: str, text: str, event_id: Optional[str]) -> None:

@@ -1,14 +1,23 @@
-"""Live-caption latency: first partial after speech onset, partial cadence, final after end of speech.
+"""Live-caption latency as a viewer sees it: first partial after speech onset, partial cadence,
+final after end of speech (p50/p95 of each), and transcription capacity against conversations.
 
-Starts the agent in-process (the tiny model unless --model), opens --sessions WebSocket sessions
-at once (`--kind transcription`: GET /v1/realtime?intent=transcription; `--kind conversation`:
-realtime sessions with audio.input.transcription set, so replies run too) and streams an
-espeak-ng utterance (about 4 s) into each, in real time, --rounds times. Figures are the
-server's (`omni.since_speech_ms` of an item's first delta; the gaps between its deltas'
-since_speech_ms; `omni.after_end_ms` of completed). The last line is the summary.
+Starts the agent in-process (the tiny model unless --model); the simulated users run in a child
+process (`--client`, its own event loop and interpreter), so the server's loop serves only the
+sessions, as it would in production. They open --sessions WebSocket sessions at once
+(`--kind transcription`: GET /v1/realtime?intent=transcription; `--kind conversation`: realtime
+sessions with audio.input.transcription set, so replies run too) and stream an espeak-ng
+utterance (about 5 s, then 1.5 s of silence) into each, in real time, --rounds times, after
+a second of silence. Figures
+are the server's clock: `omni.since_speech_ms` of an item's first delta (first partial), the
+gaps between its deltas' since_speech_ms (cadence), `omni.after_end_ms` of completed (final).
+
+`--compare M`: one run, one engine: M conversation sessions, then 3*M (--ratio) transcription
+sessions; the last line says, for each of the three p95s, whether the transcription sessions
+are at or under the conversation sessions' (capacity >= ratio x at the same caption latency).
 
     python scripts/bench_captions.py --sessions 1 --rounds 3
     python scripts/bench_captions.py --sessions 3 --kind conversation
+    python scripts/bench_captions.py --compare 4 --rounds 2
 """
 
 from __future__ import annotations
@@ -68,10 +77,14 @@ async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[d
                     items.setdefault(ev["item_id"], {"since": []})["final_ms"] = ev["omni"]["after_end_ms"]
                     if sum("final_ms" in i for i in items.values()) >= rounds:
                         done.set()
+                elif kind_ == "error":  # e.g. engine_busy: counted, and the round's final may not come
+                    items.setdefault(f"error-{len(items)}", {"since": [], "error": ev["error"].get("code")})
 
         reader = asyncio.ensure_future(read())
         silence = np.zeros(int(1.5 * 24000), np.int16)
-        audio = np.concatenate([np.concatenate([pcm, silence])] * rounds)
+        # A second of silence first: nobody speaks at the instant they connect (the session's
+        # setup is not what a caption's latency measures).
+        audio = np.concatenate([np.zeros(24000, np.int16)] + [np.concatenate([pcm, silence])] * rounds)
         start = time.monotonic()
         for i, at in enumerate(range(0, len(audio), 480)):  # 20 ms appends on the wall clock
             chunk = base64.b64encode(audio[at : at + 480].astype("<i2").tobytes()).decode()
@@ -81,6 +94,8 @@ async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[d
                 await asyncio.sleep(wait)
         try:
             await asyncio.wait_for(done.wait(), 60)
+        except asyncio.TimeoutError:
+            pass  # a missing final is reported (finals < items), not a crash
         finally:
             reader.cancel()
         out += list(items.values())
@@ -90,16 +105,68 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+async def clients(url: str, kind: str, sessions: int, rounds: int) -> list[dict]:
+    """The simulated users (the child process's work): every item's figures."""
+    pcm = utterance()
+    items: list[dict] = []
+    await asyncio.gather(*(session(url, kind, pcm, rounds, items) for _ in range(sessions)))
+    return items
+
+
+def figures(items: list[dict]) -> dict[str, list[float]]:
+    return {
+        "first": [i["since"][0] for i in items if i["since"] and i["since"][0] is not None],
+        "cadence": [b - a for i in items for a, b in zip(i["since"], i["since"][1:]) if None not in (a, b)],
+        "final": [i["final_ms"] for i in items if i.get("final_ms") is not None],
+        "partials": [len(i["since"]) for i in items if "error" not in i],
+    }
+
+
+def report(kind: str, sessions: int, rounds: int, items: list[dict]) -> dict[str, list[float]]:
+    f = figures(items)
+    first, gaps, final, partials = f["first"], f["cadence"], f["final"], f["partials"]
+    errors = [i["error"] for i in items if "error" in i]
+    print(f"{sessions} {kind} session(s) x {rounds} rounds, {len(partials)} items, {len(final)} finals, "
+          f"partials per item {min(partials, default=0)}-{max(partials, default=0)}, errors {len(errors)} "
+          f"{sorted(set(errors))}")
+    print(f"first partial after onset ms: p50 {pct(first, 50):.0f}  p95 {pct(first, 95):.0f}")
+    print(f"partial cadence ms:           p50 {pct(gaps, 50):.0f}  p95 {pct(gaps, 95):.0f}  max {max(gaps, default=0):.0f}")
+    print(f"final after end of speech ms: p50 {pct(final, 50):.0f}  p95 {pct(final, 95):.0f}")
+    print(f"SUMMARY kind={kind} sessions={sessions} first_partial_p50_ms={pct(first, 50):.0f} "
+          f"first_partial_p95_ms={pct(first, 95):.0f} cadence_p50_ms={pct(gaps, 50):.0f} "
+          f"cadence_p95_ms={pct(gaps, 95):.0f} final_p95_ms={pct(final, 95):.0f}", flush=True)
+    return f
+
+
+async def run_clients(url: str, kind: str, sessions: int, rounds: int) -> list[dict]:
+    """The users in a child process; its stdout is the items as JSON."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--client", url, "--kind", kind, "--sessions", str(sessions),
+        "--rounds", str(rounds), stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"the client process failed ({proc.returncode})")
+    return json.loads(out)
+
+
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kind", choices=("transcription", "conversation"), default="transcription")
+    p.add_argument("--compare", type=int, default=0, metavar="M",
+                   help="M conversation sessions, then ratio*M transcription sessions, one engine")
+    p.add_argument("--ratio", type=int, default=3)
     p.add_argument("--model", default="", help="model path (default: the tiny checkpoint)")
     p.add_argument("--port", type=int, default=18089)
+    p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # the child process
     args = p.parse_args()
+    if args.client:
+        print(json.dumps(await clients(args.client, args.kind, args.sessions, args.rounds)))
+        return
+    most = max(args.sessions, args.compare * (args.ratio + 1))
     config = Config(host="127.0.0.1", port=args.port, model=args.model, fallback_model="none",
-                    max_sessions=max(8, 2 * args.sessions))
+                    max_sessions=max(8, 2 * most))
     runner = web.AppRunner(create_app(config, build_engine(config)))
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
@@ -110,23 +177,22 @@ async def main() -> None:
                 if resp.status == 200:
                     break
             await asyncio.sleep(0.1)
-    pcm = utterance()
-    items: list[dict] = []
+    print(f"utterance {len(utterance()) / 24000:.1f} s, then 1.5 s of silence")
     try:
-        await asyncio.gather(*(session(url, args.kind, pcm, args.rounds, items) for _ in range(args.sessions)))
+        if not args.compare:
+            report(args.kind, args.sessions, args.rounds, await run_clients(url, args.kind, args.sessions, args.rounds))
+            return
+        m, n = args.compare, args.compare * args.ratio
+        conv = report("conversation", m, args.rounds, await run_clients(url, "conversation", m, args.rounds))
+        tx = report("transcription", n, args.rounds, await run_clients(url, "transcription", n, args.rounds))
     finally:
         await runner.cleanup()
-    first = [i["since"][0] for i in items if i["since"]]
-    gaps = [b - a for i in items for a, b in zip(i["since"], i["since"][1:])]
-    final = [i["final_ms"] for i in items if i.get("final_ms") is not None]
-    partials = [len(i["since"]) for i in items]
-    print(f"utterance {len(pcm) / 24000:.1f} s, {args.sessions} {args.kind} session(s) x {args.rounds} rounds, "
-          f"{len(items)} items, partials per item {min(partials, default=0)}-{max(partials, default=0)}")
-    print(f"first partial after onset ms: p50 {pct(first, 50):.0f}  p95 {pct(first, 95):.0f}")
-    print(f"partial cadence ms:           p50 {pct(gaps, 50):.0f}  p95 {pct(gaps, 95):.0f}  max {max(gaps, default=0):.0f}")
-    print(f"final after end of speech ms: p50 {pct(final, 50):.0f}  p95 {pct(final, 95):.0f}")
-    print(f"SUMMARY kind={args.kind} sessions={args.sessions} first_partial_p50_ms={pct(first, 50):.0f} "
-          f"cadence_p50_ms={pct(gaps, 50):.0f} cadence_p95_ms={pct(gaps, 95):.0f} final_p95_ms={pct(final, 95):.0f}")
+    verdicts = []
+    for name, key in (("first_partial", "first"), ("cadence", "cadence"), ("final", "final")):
+        a, b = pct(tx[key], 95), pct(conv[key], 95)
+        verdicts.append(f"{name}_p95_ms={a:.0f}/{b:.0f}:{'holds' if a <= b else 'misses'}")
+    print(f"CAPACITY transcription={n} conversation={m} ratio={n / m:.1f} (transcription/conversation p95) "
+          + " ".join(verdicts))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,11 @@ def fallback_factory(config: Config) -> Optional[Callable[[], Runner]]:
     return build
 
 
+def inbox_size(config: Config) -> int:
+    """The engine inbox's bound: config.engine_inbox, and room for every session's audio."""
+    return config.engine_inbox + config.engine_inbox_per_session * config.max_sessions
+
+
 def build_engine(config: Config) -> Engine:
-    return Engine(runner_factory(config), inbox_size=config.engine_inbox, fallback_factory=fallback_factory(config),
+    return Engine(runner_factory(config), inbox_size=inbox_size(config), fallback_factory=fallback_factory(config),
                   frames_per_turn=config.video_frames_per_turn)

@@ -27,6 +27,7 @@ Two stages, each matching its one-shot counterpart in transformers:
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -93,6 +94,10 @@ class StreamingLogMel:
             self.samples = torch.cat([self.samples[1 : self.pad + 1].flip(0), self.samples])
             self._started = True
         return self._frames(limit=None)
+
+    def frames_for(self, n_samples: int) -> int:
+        """Frames push() has emitted once the utterance has n_samples (finish() adds the rest)."""
+        return (n_samples + self.pad - self.n_fft) // self.hop + 1 if n_samples > self.pad else 0
 
     def finish(self) -> torch.Tensor:
         """The last frames, which read the right reflect padding: [n_mels, n_left]."""
@@ -183,16 +188,69 @@ class AudioBlockEncoder:
         if self._finished:
             raise RuntimeError("finish() called twice: call reset() for the next utterance")
         self._finished = True
-        tail = self.pending.shape[1]
-        if tail:
-            # One-shot pads every chunk to the longest one: 100 frames once a full chunk exists.
-            width = self.chunk_frames if self.frames_in >= self.chunk_frames else tail
-            padded = F.pad(self.pending, (0, width - tail)).unsqueeze(0)
-            n_tokens = int(_get_feat_extract_output_lengths(torch.tensor(tail), self.tower.n_window))
-            self.open_chunks.append(self._conv_front(padded)[0, :n_tokens])
+        if self.pending.shape[1]:
+            self.open_chunks.append(self._conv_tail())
         if not self.open_chunks:
             return self._concat([])
         return self._encode_open_block()
+
+    @property
+    def open_frames(self) -> int:
+        """Mel frames pushed whose tokens are not final yet (the open block's)."""
+        return len(self.open_chunks) * self.chunk_frames + self.pending.shape[1]
+
+    @torch.no_grad()
+    def provisional(self) -> torch.Tensor:
+        """The open block's tokens as finish() would give them if the utterance ended now,
+        without changing the stream: [n_tokens, output_dim]. They are provisional: once the
+        block is full its final tokens differ (the partial chunk was zero-padded, and the
+        block's attention sees more). Live captions read them to show the not-yet-final audio
+        (agent/engine/transcribe.py, for many sessions at once: provisional_batch); the cost is
+        one pass over the open block only."""
+        return self.provisional_batch([self])[0]
+
+    @staticmethod
+    @torch.no_grad()
+    def provisional_batch(encoders: Sequence[AudioBlockEncoder]) -> list[torch.Tensor]:
+        """provisional() of several encoders of one audio tower in one pass (many captioned
+        sessions at once): tails of the same width convolved together, every open block in one
+        transformer call, which cu_seqlens keeps apart as the encoder's own forward keeps its
+        windows apart. The same tokens as one by one, to float rounding."""
+        chunks = [[] if e._finished else list(e.open_chunks) for e in encoders]
+        by_width: dict[int, list[int]] = {}
+        for i, e in enumerate(encoders):
+            if not e._finished and e.pending.shape[1]:
+                by_width.setdefault(e._tail_width(), []).append(i)
+        for width, rows in by_width.items():
+            first = encoders[rows[0]]
+            padded = torch.stack([F.pad(encoders[i].pending, (0, width - encoders[i].pending.shape[1])) for i in rows])
+            convolved = first._conv_front(padded)
+            for row, i in enumerate(rows):
+                chunks[i].append(convolved[row, : encoders[i]._tail_tokens()])
+        out = [e._concat([]) for e in encoders]
+        live = [i for i, c in enumerate(chunks) if c]
+        if not live:
+            return out
+        parts = [torch.cat(chunks[i], dim=0) for i in live]
+        bounds = [0]
+        for part in parts:
+            bounds.append(bounds[-1] + part.shape[0])
+        hidden = encoders[live[0]]._transform(torch.cat(parts, dim=0), bounds)
+        for n, i in enumerate(live):
+            out[i] = hidden[bounds[n] : bounds[n + 1]]
+        return out
+
+    def _tail_width(self) -> int:
+        # One-shot pads every chunk to the longest one: 100 frames once a full chunk exists.
+        return self.chunk_frames if self.frames_in >= self.chunk_frames else self.pending.shape[1]
+
+    def _tail_tokens(self) -> int:
+        return int(_get_feat_extract_output_lengths(torch.tensor(self.pending.shape[1]), self.tower.n_window))
+
+    def _conv_tail(self) -> torch.Tensor:
+        """The convolved tokens of the incomplete chunk (`pending`), as one-shot makes them."""
+        padded = F.pad(self.pending, (0, self._tail_width() - self.pending.shape[1])).unsqueeze(0)
+        return self._conv_front(padded)[0, : self._tail_tokens()]
 
     def _conv_front(self, chunks: torch.Tensor) -> torch.Tensor:
         # Mirrors Qwen3OmniMoeAudioEncoder.forward up to the positional embedding.
@@ -208,16 +266,21 @@ class AudioBlockEncoder:
 
     def _encode_open_block(self) -> torch.Tensor:
         # Mirrors the forward's transformer part for one attention block.
-        tower = self.tower
-        hidden = torch.cat(self.open_chunks, dim=0)
+        hidden = self._transform(torch.cat(self.open_chunks, dim=0))
         self.open_chunks = []
-        cu_seqlens = torch.tensor([0, hidden.shape[0]], dtype=torch.int32, device=hidden.device)
+        self.tokens_out += hidden.shape[0]
+        return hidden
+
+    def _transform(self, hidden: torch.Tensor, bounds: Sequence[int] | None = None) -> torch.Tensor:
+        """The encoder's transformer part over attention blocks' convolved tokens (one block, or
+        several concatenated, `bounds` their offsets: attention stays within each)."""
+        tower = self.tower
+        bounds = [0, hidden.shape[0]] if bounds is None else bounds
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=hidden.device)
         max_seqlen = get_max_seqlen(cu_seqlens, tower.config)
         for layer in tower.layers:
             hidden = layer(hidden, cu_seqlens, max_seqlen=max_seqlen)[0]
-        hidden = tower.proj2(tower.act(tower.proj1(tower.ln_post(hidden))))
-        self.tokens_out += hidden.shape[0]
-        return hidden
+        return tower.proj2(tower.act(tower.proj1(tower.ln_post(hidden))))
 
     def _concat(self, parts: list[torch.Tensor]) -> torch.Tensor:
         if parts:
@@ -249,6 +312,11 @@ class AudioStream:
     def finish(self) -> torch.Tensor:
         final = self.encoder.push(self.mel.finish())
         return torch.cat([final, self.encoder.finish()], dim=0)
+
+    @property
+    def finished(self) -> bool:
+        """finish() was called: the utterance's tokens are all out."""
+        return self.encoder._finished
 
     def fork(self) -> AudioStream:
         """An independent copy of the stream so far (a speculative reply finishes the copy while

@@ -195,6 +195,9 @@ class SessionState:
     captions_only: bool = False  # a transcription-only session: no replies, its turns never prefilled
     video: bool = True  # the camera enters its turns as video (the session's switch; --no-video: off for all)
     last_frame: tuple[float, np.ndarray] | None = None  # (engine clock, frame): seeds the next turn's first grid
+    # Turns that ended while a reply was in flight (interpreter mode), oldest first: each is
+    # answered by the next begin_reply, in order; none is prefilled before its reply starts.
+    held_turns: list[TurnState] = field(default_factory=list)
 
 
 @contextmanager

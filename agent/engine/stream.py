@@ -226,9 +226,27 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         state = self._sessions[session_id]
         if state.captions_only:
             raise RuntimeError("a transcription-only session has no replies")
+        held = bool(state.held_turns)
         self._begin_reply(state, images, text_only)
-        # The turn is answered: its transcript ends once the reply's prefill has its audio tail.
-        self.transcriber.ended(session_id, state.reply.turn)
+        if not held:  # (a held turn's transcript ended when it was held)
+            # The turn is answered: its transcript ends once the reply's prefill has its audio tail.
+            self.transcriber.ended(session_id, state.reply.turn)
+
+    @torch.inference_mode()
+    def hold_turn(self, session_id: str) -> int:
+        """Interpreter pipelining: the user's utterance ended while a reply is still being made.
+        The turn is closed now (its audio encoded to the end, its transcript finished) and held;
+        the next begin_reply answers it, before the turn being spoken now (the session sends
+        that once the reply in flight is done; it may be done already). Returns the turns held."""
+        state = self._sessions[session_id]
+        if state.captions_only:
+            raise RuntimeError("a transcription-only session has no replies")
+        self.drop_speculation(session_id)  # (none runs while a reply does; the turn ends here)
+        turn = self.turns.close_turn(state)
+        self.turns.video.seed(state, self.clock())  # the next utterance's turn: the camera's newest frame
+        state.held_turns.append(turn)
+        self.transcriber.ended(session_id, turn)
+        return len(state.held_turns)
 
     def _begin_reply(self, state: SessionState, images: list[np.ndarray], text_only: bool) -> None:
         held = state.reply
@@ -237,10 +255,12 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
                 self._commit(state)
                 return
             self._discard(state)
-        # The turn is answered from now on: audio that comes later belongs to the next one.
-        state.reply = self._new_reply(ReplyPhase.PREFILLING, state.turn, images, text_only)
-        state.turn = self.turns.new_turn()
-        self.turns.video.seed(state, self.clock())
+        if state.held_turns:  # an utterance that ended during the last reply comes first
+            turn = state.held_turns.pop(0)
+        else:  # the turn is answered from now on: audio that comes later belongs to the next one
+            turn, state.turn = state.turn, self.turns.new_turn()
+            self.turns.video.seed(state, self.clock())
+        state.reply = self._new_reply(ReplyPhase.PREFILLING, turn, images, text_only)
         state.last_reply = None  # the previous reply can no longer be truncated
         if not text_only:
             self.frames.start_reply(state)

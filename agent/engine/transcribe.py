@@ -9,6 +9,15 @@ the default 1 s audio window). A partial is then one short run on top of it: the
 (`<|audio_end|>` + the instruction + the assistant header + the text already stable), a few
 greedy decode steps, and a crop back to the audio, so the audio is prefilled once per turn.
 
+Cadence: final tokens come once per 1 s chunk, so partials on them alone come once a second.
+A partial also runs every `PARTIAL_EVERY_FRAMES` (0.5 s) of speech in between, on the
+*provisional* tokens of the open chunk (`AudioBlockEncoder.provisional_batch`: the encoder's pass
+over the not-yet-final frames, zero-padded as the end of a turn would pad them, for every
+partial of the tick in one call). That is the one extra
+encode: at most one pass over the open chunk per 0.5 s (half a chunk of frames), never over
+audio whose tokens are final, and its tokens stay in the row only for that run (cropped with the
+decode). They are not kept: the chunk's final tokens replace them once it is full.
+
 Stable prefix (LocalAgreement-2): the tokens a run adds after the stable text are compared
 with the previous run's; their common prefix becomes stable, and every later run is forced to
 start with the stable tokens (they are prefilled, not decoded). So a stable prefix never
@@ -29,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from agent.engine.api import Output, TranscriptOut
+from agent.engine.audio_stream import AudioBlockEncoder
 from agent.engine.kv import KVState
 from agent.engine.model import LoadedModel, assistant_start_ids, system_turn_ids
 from agent.engine.session_state import SessionState, TurnState
@@ -39,6 +49,7 @@ log = logging.getLogger(__name__)
 TRANSCRIBE_SYSTEM = "You are a speech recognizer. Write down exactly what the user says, nothing else."
 TRANSCRIBE_ASK = "Transcribe the audio."
 PARTIAL_TOKENS = 8  # new tokens a partial decodes past the stable text
+PARTIAL_EVERY_FRAMES = 50  # mel frames (10 ms each) of speech between partials: 0.5 s (a divisor of a chunk)
 FINAL_TOKENS = 48  # new tokens the end-of-turn run may decode
 
 
@@ -52,13 +63,17 @@ class Transcript:
     item_id: str | None = None  # the user item of the turn being spoken (set by the session)
     turn: TurnState | None = None  # the turn being transcribed
     turn_item: str | None = None  # its item id
-    finishing: TurnState | None = None  # the turn has ended; its last run waits for its audio tail
-    fed: int = 0  # audio tokens of `turn` in the kv
+    # Ended turns (and their items) waiting for their final run, oldest first: a turn held behind
+    # a reply (interpreter pipelining) may end before the previous one's final has run.
+    finishing: list[tuple[TurnState, str | None]] = field(default_factory=list)
+    opened: bool = False  # the user header and <|audio_start|> are in the kv
+    fed: int = 0  # final audio tokens of `turn` in the kv
     audio_end: tuple[int, int] = (0, 0)  # the kv after the audio fed so far
     stable: list[int] = field(default_factory=list)  # stable tokens
     tail: list[int] = field(default_factory=list)  # the previous run's tokens after them
     stable_text: str = ""
-    runs_at: int = -1  # audio tokens at the last partial
+    runs_at: int = -1  # final audio tokens at the last partial
+    frames_at: int = 0  # mel frames of the turn at the last partial
 
 
 def _audio(turn: TurnState) -> torch.Tensor | None:
@@ -110,40 +125,52 @@ class Transcriber:
             return
         if tr.turn is None:  # no partial yet (a short turn, or a busy engine)
             tr.turn, tr.turn_item = turn, tr.item_id
-        tr.finishing = turn
+        tr.finishing.append((turn, tr.turn_item if tr.turn is turn else tr.item_id))
 
     def discard(self, session_id: str) -> None:
         """The turn was dropped (a false start, input_audio_buffer.clear): no transcript."""
         tr = self.sessions.get(session_id)
-        if tr is not None:
-            self._reset(tr)
+        if tr is not None and not any(tr.turn is turn for turn, _ in tr.finishing):
+            self._reset(tr)  # (an ended turn in the row is not the one dropped: it stays)
 
     def _reset(self, tr: Transcript) -> None:
+        """The row back to the system prompt, for the next turn (ended turns stay queued)."""
         tr.kv.crop(*tr.system_end)
         tr.audio_end = tr.system_end
-        tr.turn = tr.finishing = None
-        tr.turn_item, tr.fed, tr.runs_at = None, 0, -1
+        tr.turn = None
+        tr.turn_item, tr.fed, tr.runs_at, tr.frames_at, tr.opened = None, 0, -1, 0, False
         tr.stable, tr.tail, tr.stable_text = [], [], ""
 
     # ---- work ----------------------------------------------------------------------------------
 
     def _due(self, state: SessionState, tr: Transcript) -> str | None:
         """'final', 'partial' or None: what this session's transcript needs now."""
-        if tr.finishing is not None:
-            if tr.finishing is state.turn:  # its reply was abandoned: the turn goes on
-                tr.finishing = None
-            elif state.reply is not None and state.reply.turn is tr.finishing and not state.reply.prefill.done:
+        while tr.finishing:
+            turn, item = tr.finishing[0]
+            if turn is state.turn:  # its reply was abandoned: the turn goes on
+                tr.finishing.pop(0)
+                continue
+            if state.reply is not None and state.reply.turn is turn and not state.reply.prefill.done:
                 return None  # the audio tail is encoded by the reply's prefill
-            else:
-                return "final"
+            if tr.turn is not turn:  # the row holds no partial of it: start it over
+                self._reset(tr)
+                tr.turn, tr.turn_item = turn, item
+            return "final"
         if tr.turn is None:
-            if not _tokens(state.turn):
-                return None
+            if not _tokens(state.turn) and state.turn.audio.encoder.open_frames < PARTIAL_EVERY_FRAMES:
+                return None  # no speech to show yet
             tr.turn, tr.turn_item = state.turn, tr.item_id
         if tr.turn is not state.turn:
             return None
-        n = _tokens(state.turn)
-        return "partial" if n > max(tr.runs_at, 0) else None
+        if _tokens(state.turn) > max(tr.runs_at, 0):
+            return "partial"  # new final tokens
+        encoder = state.turn.audio.encoder
+        # The speech crossed a half-second mark since the last run (marks, not "0.5 s after the
+        # last run": a run that came late does not push the next one later): the open chunk's
+        # provisional tokens.
+        if encoder.open_frames and encoder.frames_in // PARTIAL_EVERY_FRAMES > tr.frames_at // PARTIAL_EVERY_FRAMES:
+            return "partial"
+        return None
 
     def has_work(self, states: dict[str, SessionState]) -> bool:
         return any(sid in states and self._due(states[sid], tr) for sid, tr in self.sessions.items())
@@ -156,28 +183,38 @@ class Transcriber:
             state = states.get(sid)
             due = self._due(state, tr) if state is not None else None
             if due is not None:
-                work.append((sid, tr, tr.finishing if due == "final" else tr.turn, due == "final"))
+                work.append((sid, tr, tr.turn, due == "final"))
         if not work:
             return []
-        # Append the new audio tokens to each transcript row, all in one forward.
+        # Append the new final audio tokens to each transcript row, all in one forward.
         feeds = []
         for _, tr, turn, _ in work:
             audio = _audio(turn)
             n = 0 if audio is None else int(audio.shape[0])
             tr.kv.crop(*tr.audio_end)
-            ids = [] if tr.fed else [self.ids.im_start, *self.ids.user, *self.ids.newline, self.ids.audio_start]
+            ids = [] if tr.opened else [self.ids.im_start, *self.ids.user, *self.ids.newline, self.ids.audio_start]
+            tr.opened = True
             if n > tr.fed:
                 ids += [self.ids.audio_pad] * (n - tr.fed)
             if ids:
                 new = audio[tr.fed :] if n > tr.fed else None
                 feeds.append((tr.kv, self.thinker.start_prefill(tr.kv, ids, audio=new), None))
-            tr.fed, tr.runs_at = n, n
+            tr.fed, tr.runs_at, tr.frames_at = n, n, turn.audio.encoder.frames_in
         if feeds:
             self.thinker.run_prefills(feeds)
         for _, tr, _, _ in work:
             tr.audio_end = (tr.kv.length, tr.kv.next_pos)
-        # The prompt's end and the stable text, then greedy decoding past it.
-        jobs = [(tr.kv, self.thinker.start_prefill(tr.kv, self.suffix_ids + tr.stable), None) for _, tr, _, _ in work]
+        # A partial's provisional tokens (the open chunk), the prompt's end and the stable text,
+        # then greedy decoding past it; all of it is cropped off after the run.
+        partial = [(i, turn.audio.encoder) for i, (_, _, turn, final) in enumerate(work) if not final]
+        tails: list[torch.Tensor | None] = [None] * len(work)
+        for (i, _), tail in zip(partial, AudioBlockEncoder.provisional_batch([e for _, e in partial])):
+            tails[i] = tail  # (all sessions' open chunks in one encoder pass)
+        jobs = []
+        for (_, tr, turn, final), tail in zip(work, tails):
+            pads = [self.ids.audio_pad] * (0 if tail is None else int(tail.shape[0]))
+            job = self.thinker.start_prefill(tr.kv, pads + self.suffix_ids + tr.stable, audio=tail)
+            jobs.append((tr.kv, job, None))
         self.thinker.run_prefills(jobs)
         logits = torch.stack([job.result().last_logits for _, job, _ in jobs])
         limits = [FINAL_TOKENS if final else PARTIAL_TOKENS for *_, final in work]
@@ -199,6 +236,7 @@ class Transcriber:
         for (sid, tr, _, final), tail in zip(work, new):
             outputs.append(self._publish(sid, tr, tail, final))
             if final:
+                tr.finishing.pop(0)
                 self._reset(tr)
             else:
                 tr.kv.crop(*tr.audio_end)
@@ -279,11 +317,5 @@ class Transcription:
     @torch.inference_mode()
     def end_turn(self, session_id: str) -> None:
         """End of a turn in a transcription-only session: its audio tail, then the final run."""
-        state = self._sessions[session_id]
-        turn = state.turn
-        self.turns.encode_audio(state)
-        tail = turn.audio.finish()
-        if tail.shape[0]:
-            turn.pending_audio.append(tail)
-        state.turn = self.turns.new_turn()
+        turn = self.turns.close_turn(self._sessions[session_id])
         self.transcriber.ended(session_id, turn)

@@ -23,12 +23,28 @@ from agent.engine.model import LoadedModel, assistant_start_ids, encode_images, 
 from agent.engine.session_state import KVState, SessionState, TalkerTurn, TurnState, timed
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import ImageFeatures, PrefillJob, PrefillOut, ThinkerOps
+from agent.engine.transcribe import PARTIAL_EVERY_FRAMES
 from agent.engine.video_grid import GridPlace
 from agent.engine.video_prefill import VideoPrefill, join_features
 from agent.engine.video_turn import VideoPolicy
 
 # Room kept free in the context for the reply and its closing tokens.
 CLOSING_MARGIN = 8
+# A transcription-only session's microphone audio is encoded once this much is queued (80 ms at
+# 16 kHz), not per 20 ms frame: the encoder gives the same tokens for any piece sizes and a
+# quarter of the calls costs a quarter of their overhead. It is encoded at once, though, when
+# the audio crosses a partial's half-second mark, so partials come on time.
+CAPTION_ENCODE_SAMPLES = 1280
+
+
+def caption_audio_due(turn: TurnState) -> bool:
+    """A transcription-only turn's queued audio is to be encoded now (CAPTION_ENCODE_SAMPLES)."""
+    queued = sum(len(p) for p in turn.pcm)
+    if queued >= CAPTION_ENCODE_SAMPLES:
+        return True
+    mel = turn.audio.mel
+    now, then = mel.frames_for(mel.n_samples), mel.frames_for(mel.n_samples + queued)
+    return then // PARTIAL_EVERY_FRAMES > now // PARTIAL_EVERY_FRAMES
 
 
 @dataclass
@@ -103,20 +119,34 @@ class TurnPrefill:
 
     # ---- audio while the user speaks ---------------------------------------------------------
 
+    def close_turn(self, state: SessionState) -> TurnState:
+        """The turn being spoken ends without a reply starting now: its audio is encoded to the
+        end (the tail waits in pending_audio) and a new turn begins. Returns the ended turn."""
+        turn = state.turn
+        self._encode(state, turn)
+        with timed(state, "audio_encoder"):
+            tail = turn.audio.finish()
+        if tail.shape[0]:
+            turn.pending_audio.append(tail)
+        state.turn = self.new_turn()
+        return turn
+
     def encode_audio(self, state: SessionState) -> None:
         """Run the queued microphone audio of the turn being spoken through the incremental encoder."""
+        if state.captions_only and not caption_audio_due(state.turn):
+            return  # (the end of the turn encodes what is left: close_turn)
         self._encode(state, state.turn)
 
     @staticmethod
     def _encode(state: SessionState, turn: TurnState) -> None:
         if not turn.pcm:
             return
-        with timed(state, "audio_encoder"):
-            for pcm in turn.pcm:
-                tokens = turn.audio.push(pcm)
-                turn.samples += len(pcm)
-                if tokens.shape[0]:
-                    turn.pending_audio.append(tokens)
+        pcm = np.concatenate(turn.pcm) if len(turn.pcm) > 1 else turn.pcm[0]
+        with timed(state, "audio_encoder"):  # one push: the same tokens as piece by piece
+            tokens = turn.audio.push(pcm)
+        turn.samples += len(pcm)
+        if tokens.shape[0]:
+            turn.pending_audio.append(tokens)
         turn.pcm.clear()
 
     def flush_audio(self, state: SessionState, max_tokens: int | None = None) -> int:
@@ -140,8 +170,8 @@ class TurnPrefill:
 
     def _flush_part(self, state: SessionState, max_tokens: int | None) -> tuple[TurnJob | None, int]:
         turn = state.turn
-        if not turn.pending_audio or state.reply is not None or state.captions_only:
-            return None, 0
+        if not turn.pending_audio or state.reply is not None or state.captions_only or state.held_turns:
+            return None, 0  # (a held turn goes into the cache before this one, with its reply)
         audio = torch.cat(turn.pending_audio, dim=0)
         take = audio.shape[0] if max_tokens is None else min(max_tokens, audio.shape[0])
         turn.pending_audio = [audio[take:]] if take < audio.shape[0] else []
@@ -256,10 +286,11 @@ class TurnPrefill:
         The answered turn is reply.turn (begin_reply moved it out of state.turn)."""
         reply, turn = state.reply, state.reply.turn
         self._encode(state, turn)
-        with timed(state, "audio_encoder"):
-            tail = turn.audio.finish()
-        if tail.shape[0]:
-            turn.pending_audio.append(tail)
+        if not turn.audio.finished:  # a held turn's tail was encoded when it ended (close_turn)
+            with timed(state, "audio_encoder"):
+                tail = turn.audio.finish()
+            if tail.shape[0]:
+                turn.pending_audio.append(tail)
         audio = torch.cat(turn.pending_audio, dim=0) if turn.pending_audio else None
         turn.pending_audio = []
         before = (state.thinker.length, state.thinker.next_pos, turn.header_done, turn.audio_open)
@@ -325,6 +356,12 @@ class TurnPrefill:
         turn being spoken again (with the audio that came since), as if the reply never began."""
         reply, turn = state.reply, state.reply.turn
         prefill: ReplyPrefill | None = reply.prefill.job
+        if state.held_turns:
+            # Turns wait behind this one (interpreter mode): it cannot go back to being spoken
+            # without reordering them, so the cancelled turn is dropped from the cache.
+            if prefill is not None and not prefill.part.history_reset:
+                state.thinker.crop(prefill.start_length, prefill.start_pos)
+            return
         if prefill is not None:
             if prefill.part.history_reset:
                 turn = self.new_turn()  # the history went with the context reset: so did the turn
@@ -392,7 +429,10 @@ class TurnPrefill:
         self.video.restore(turn, (0, None))
 
     def pcm_queued(self, state: SessionState) -> bool:
-        prefills = state.reply is None and not state.captions_only  # captions: transcribe.py reads them
+        # Captions: transcribe.py reads them; held turns: this turn's audio waits behind theirs.
+        prefills = state.reply is None and not state.captions_only and not state.held_turns
+        if state.captions_only:
+            return caption_audio_due(state.turn)
         return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio))
 
     @staticmethod

@@ -17,8 +17,15 @@ class Conversation:
     def __init__(self) -> None:
         self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
-    def add(self, item: dict[str, Any]) -> Optional[str]:
-        """Append an item; returns the id of the item before it (previous_item_id)."""
+    def add(self, item: dict[str, Any], after: Optional[str] = None) -> Optional[str]:
+        """Append an item, or insert it right after item `after` (a held turn's answer goes
+        after its user item, before the turns spoken since); returns the id of the item before
+        it (previous_item_id)."""
+        if after is not None and after in self._items and after != self.last_id():
+            items = list(self._items.items())
+            at = next(i for i, (key, _) in enumerate(items) if key == after) + 1
+            self._items = OrderedDict([*items[:at], (item["id"], item), *items[at:]])
+            return after
         previous = next(reversed(self._items), None) if self._items else None
         self._items[item["id"]] = item
         while len(self._items) > _MAX_ITEMS:

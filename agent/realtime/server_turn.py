@@ -107,7 +107,7 @@ class ServerTurn:
                 if s.transcription_only:
                     s.engine_call("end_turn")
                 elif td is None or td.create_response:
-                    s.create_response({}, None)
+                    s.respond_to_turn(item_id)
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
             s.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")

@@ -4,7 +4,7 @@ Owned by the Session. It tells the engine whether to transcribe (StreamingRunner
 set_transcription) and which user item the turn being spoken is, and turns the engine's
 transcripts (agent/engine/transcribe.py) into events:
 
-- `…delta` while the user speaks (one per second of speech at most): `delta` is only text that
+- `…delta` while the user speaks (about one per half second of speech): `delta` is only text that
   has become stable, so a client that appends deltas (as the GA API's do) never shows words
   that are later taken back; the project extra `omni` carries the whole hypothesis,
   `{"text", "stable_chars", "since_speech_ms"}` (server time since the speech onset): its first `stable_chars` characters are final,

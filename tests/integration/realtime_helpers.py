@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from agent.config import Config
-from agent.engine import Engine, build_engine, fallback_factory, runner_factory
+from agent.engine import Engine, build_engine, fallback_factory, inbox_size, runner_factory
 from agent.server import create_app
 
 
@@ -87,7 +87,7 @@ def talker_never_ends(runner: Any) -> Any:
 def long_replies_engine(config: Config) -> Engine:
     """build_engine, with replies that always run to max_reply_seconds (talker_never_ends)."""
     build = runner_factory(config)
-    return Engine(lambda: talker_never_ends(build()), inbox_size=config.engine_inbox,
+    return Engine(lambda: talker_never_ends(build()), inbox_size=inbox_size(config),
                   fallback_factory=fallback_factory(config), frames_per_turn=config.video_frames_per_turn)
 
 

@@ -3,8 +3,8 @@
 Pins:
 - StreamingLogMel equals WhisperFeatureExtractor(128 mels, hop 160) as the Qwen3-Omni processor
   calls it (padding="longest"), frame for frame, for any piece sizes, emitting a frame as soon as
-  40 samples past its hop exist, and n // 160 frames in all. The extractor's clamp at
-  utterance_max - 8 is replaced by a clamp at the running max (optionally floored): equal
+  40 samples past its hop exist (frames_for says how many), and n // 160 frames in all. The
+  extractor's clamp at utterance_max - 8 is replaced by a clamp at the running max (optionally floored): equal
   wherever the running max already is the utterance max; before that, streamed values are lower
   by at most (utterance_max - running_max_then) / 4 and only in near-silent bins; with the floor
   at the utterance max everything is equal, so the clamp is the only difference.
@@ -12,6 +12,9 @@ Pins:
   Qwen3OmniMoeAudioEncoder tokens (1e-5) for 0.5, 1, 2.3 and 9 s with n_window_infer 100 and
   800; tokens arrive as soon as their block is complete (13 per second with 100, 104 per 8 s
   with 800) and finish() returns only the open block.
+- provisional() gives the open block's tokens as one-shot would for the mel pushed so far
+  (1e-5), without changing the stream: the final tokens and finish() are the same as without it;
+  provisional_batch gives several streams' in one pass, each stream's own.
 - num_audio_tokens agrees with the processor's feature_attention_mask lengths and the encoder's
   output; a full second is 13 tokens.
 """
@@ -123,7 +126,7 @@ def test_mel_frame_is_emitted_40_samples_past_its_hop(extractor) -> None:
         mel.push(np.zeros(n, dtype=np.float32) + 0.01)
         total += n
         expected = max(0, (total - 200) // 160 + 1) if total > 200 else 0
-        assert mel.frames_out == expected
+        assert mel.frames_out == expected == mel.frames_for(total)
 
 
 def test_mel_running_max_clamp_consequence(extractor) -> None:
@@ -208,6 +211,35 @@ def test_audio_stream_end_to_end(extractor, encoder, n_window_infer) -> None:
     assert again.shape[0] == num_audio_tokens(PIECE * 20)
 
 
+@pytest.mark.parametrize("n_window_infer", [100, 800])
+def test_provisional_tokens_are_the_open_block_as_if_it_ended(extractor, encoder, n_window_infer) -> None:
+    mel, _ = one_shot_mel(extractor, speech_like(int(2.6 * RATE), seed=5))
+    expected = one_shot_tokens(encoder, mel, n_window_infer)
+    plain, peeked = AudioBlockEncoder(encoder, n_window_infer), AudioBlockEncoder(encoder, n_window_infer)
+    finals, peeked_finals, checked = [], [], 0
+    for start in range(0, mel.shape[1], 8):
+        piece = mel[:, start : start + 8]
+        finals.append(plain.push(piece))
+        peeked_finals.append(peeked.push(piece))
+        seen = min(start + 8, mel.shape[1])
+        prov = peeked.provisional()
+        assert peeked.open_frames == seen - n_window_infer * (seen // n_window_infer)
+        if peeked.open_frames == 0:
+            assert prov.shape[0] == 0
+            continue
+        # What one-shot makes of exactly the frames seen so far, its open block's part.
+        upto = one_shot_tokens(encoder, mel[:, :seen], n_window_infer)
+        torch.testing.assert_close(prov, upto[peeked.tokens_out :], rtol=0, atol=TOL)
+        checked += 1
+    assert checked > 10
+    # Peeking changed nothing: the same final tokens, the same tail.
+    torch.testing.assert_close(torch.cat(peeked_finals + [peeked.finish()]), torch.cat(finals + [plain.finish()]),
+                               rtol=0, atol=0)
+    n_final = sum(f.shape[0] for f in finals)
+    torch.testing.assert_close(torch.cat(finals), expected[:n_final], rtol=0, atol=TOL)
+    assert peeked.provisional().shape[0] == 0  # a finished stream has nothing open
+
+
 def test_token_counts(extractor, encoder) -> None:
     for k in range(1, 11):
         assert num_audio_tokens(k * RATE) == 13 * k
@@ -216,3 +248,23 @@ def test_token_counts(extractor, encoder) -> None:
         assert num_audio_tokens(n) == int(_get_feat_extract_output_lengths(torch.tensor(mask_frames), 50))
     mel, _ = one_shot_mel(extractor, speech_like(20480, seed=1))
     assert one_shot_tokens(encoder, mel, 800).shape[0] == num_audio_tokens(20480) == 13 + 4
+
+
+def test_provisional_batch_equals_one_by_one(extractor, encoder) -> None:
+    """Several streams' provisional tokens in one pass (tails of different widths, a finished
+    stream, one with nothing open) are each stream's own."""
+    streams = []
+    for seconds, seed in [(0.37, 1), (0.62, 2), (1.45, 3), (2.0, 4), (1.3, 5)]:
+        mel, _ = one_shot_mel(extractor, speech_like(int(seconds * RATE), seed=seed))
+        blocks = AudioBlockEncoder(encoder, 100)
+        blocks.push(mel)
+        streams.append(blocks)
+    streams[-1].finish()
+    batch = AudioBlockEncoder.provisional_batch(streams)
+    assert batch[-1].shape[0] == 0  # finished: nothing open
+    assert sum(t.shape[0] > 0 for t in batch) >= 3
+    for blocks, tokens in zip(streams, batch):
+        torch.testing.assert_close(tokens, blocks.provisional(), rtol=0, atol=TOL)
+        if blocks.open_frames and not blocks._finished:
+            alone = blocks._transform(torch.cat([*blocks.open_chunks, blocks._conv_tail()]))
+            torch.testing.assert_close(tokens, alone, rtol=0, atol=TOL)

@@ -1,9 +1,12 @@
 """Live input transcription in the streaming runner (agent/engine/transcribe.py), tiny model.
 
 Pins (the tiny model's words are random: the protocol and the prefix property, not words):
-- while the user speaks, a partial comes for every new second of final audio tokens; each
+- while the user speaks, a partial comes for every half second of speech (new final tokens, or
+  the open chunk's provisional ones, which never stay in the transcript row); each
   partial's text starts with the previous one's stable prefix, and the stable prefix only grows;
 - the end of the turn gives one final transcript that starts with the last stable prefix;
+- partials come in the 20 ms frame that crosses each half-second mark, though a transcription-only
+  session encodes its audio in 80 ms pieces;
 - a transcription-only session ('only') never prefills its turn into a conversation, answers
   no reply, takes no second slot, and its transcript row stays bounded over many turns;
 - a conversation session ('on') transcribes in a slot of its own, gives it back when turned
@@ -70,7 +73,10 @@ def test_transcription_only_session(runner):
     for turn in range(3):
         runner.set_transcript_item("c", f"item{turn}")
         partials = speak(runner, "c", audio(3.2, turn))
-        assert len(partials) >= 3  # one per second of final audio tokens
+        assert len(partials) >= 6  # one per half second of speech, not only per final chunk
+        tr = runner.transcriber.sessions["c"]
+        # Only final tokens stay in the row (3 full chunks); the provisional ones were cropped.
+        assert tr.fed == 39 and tr.kv.length == tr.audio_end[0]
         assert all(not p.final and p.item_id == f"item{turn}" for p in partials)
         runner.end_turn("c")
         finals = [o for o in run(runner) if isinstance(o, TranscriptOut)]
@@ -171,3 +177,21 @@ def test_a_new_session_takes_back_a_transcription_slot(runner):
         runner.set_transcription("s2", "on")
     runner.open_session("s3")
     assert "s1" not in runner.transcriber.sessions and set(runner._sessions) == {"s1", "s2", "s3"}
+
+
+def test_partials_come_at_each_half_second_mark(runner):
+    """A transcription-only session encodes its audio in 80 ms pieces, yet its partials come in
+    the 20 ms frame whose audio crosses each half-second mark (chunk ends included), not later."""
+    runner.open_session("c")
+    runner.set_transcription("c", "only")
+    runner.set_transcript_item("c", "i")
+    wav, frame = audio(2.3, 21), 320
+    mel = runner._sessions["c"].turn.audio.mel
+    at = []
+    for i in range(0, len(wav), frame):
+        runner.append_audio("c", wav[i : i + frame])
+        if any(isinstance(o, TranscriptOut) for o in run(runner)):
+            at.append(i + frame)
+    marks = [next(n for n in range(frame, len(wav) + frame, frame) if mel.frames_for(n) >= 50 * k)
+             for k in range(1, 5)]
+    assert at == marks
