@@ -9,7 +9,7 @@ Barge-in pause: ``pause()`` sends silence while holding the queue (nothing is dr
 ``resume()`` plays on from the same sample, ``flush()`` drops it (the barge-in was confirmed), or
 the bound passes and it resumes by itself: a likely interruption silences the agent at once, a
 false alarm costs only the pause. Frames held are not sent, so they are not "heard"
-(Session.interrupt counts heard audio as pushed minus flushed).
+(Replies.interrupt, agent/realtime/replies.py, counts heard audio as pushed minus flushed).
 
 All methods run on the asyncio thread; the engine thread hands PCM over with
 ``loop.call_soon_threadsafe(track.push, pcm)``.

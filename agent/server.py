@@ -137,7 +137,7 @@ async def drain(app: web.Application, deadline_s: float) -> int:
     deadline = loop.time() + deadline_s
 
     def replying() -> int:
-        return sum(1 for c in app[SESSIONS].values() if c.session is not None and c.session.replying)
+        return sum(1 for c in app[SESSIONS].values() if c.session is not None and c.session.replies.active)
 
     busy = replying()
     log.info("shutting down: no new calls; %d session(s) finishing their reply (at most %.0f s)", busy, deadline_s)

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import weakref
-from collections import deque
 from typing import Any, Awaitable, Callable, Optional
 
 import av
 import numpy as np
 
-from . import metrics, priority
-from .config import INPUT_FRAME_SAMPLES, OUTPUT_RATE, Config
+from . import priority
+from .config import INPUT_FRAME_SAMPLES, Config
 from .engine import Engine, EngineBusy
 from .engine.api import AudioOut, ReplyDone, TextDelta, TranscriptOut
 from .ladder import LEVEL_NAMES, Admission
@@ -30,7 +28,7 @@ from .realtime.conversation import Conversation
 from .realtime.input_buffer import InputBuffer
 from .realtime.events import new_id, user_audio_item, user_text_item
 from .realtime.outbox import Outbox
-from .realtime.response import STATUS_BY_REASON, Response
+from .realtime.replies import Replies
 from .realtime.server_turn import ServerTurn
 from .video_feed import VideoFeed
 from .realtime.transcription import InputTranscription
@@ -56,22 +54,16 @@ class Session:
         self.transcription = InputTranscription(self)
         self.conversation = Conversation()
         self.conversation_id = new_id("conv")
+        self.replies = Replies(self)  # responses, from response.create to response.done
         # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
         self.track: Optional[AgentAudioTrack] = (
-            AgentAudioTrack(upsample_to_48k=True, on_first_audio=self._on_first_audio, on_drained=self._on_drained)
+            AgentAudioTrack(upsample_to_48k=True, on_first_audio=self.replies.on_first_audio,
+                           on_drained=self.replies.on_drained)
             if webrtc and not self.transcription_only else None)
         self.video = VideoFeed(config, engine, self.id, self.emit)  # camera → engine, throttle → sender
         self.input = InputBuffer(config, session_config.turn_detection(self.settings, config.vad_silence_ms),
                                  echo=_weakly(self._playing_level))
         self.turn = ServerTurn(self)  # the turn server VAD follows (agent/realtime/server_turn.py)
-        self._reply: Optional[Response] = None  # the response in progress
-        self._playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
-        self._last: Optional[Response] = None  # the latest response (what a truncation may cut)
-        self._stale_done = 0  # ReplyDone events still owed by cancelled replies
-        # Interpreter mode: the user items of ended turns the engine holds, answered in order after _reply.
-        self._held: deque[str] = deque()
-        self._when_engine_idle: list[Callable[[], None]] = []
-        self._history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
         self._unlisten: Optional[Callable[[], None]] = None
         self._closed = False
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
@@ -106,16 +98,6 @@ class Session:
     def closed(self) -> bool:
         return self._closed
 
-    @property
-    def reply_in_flight(self) -> bool:
-        """A response is being made, or a cancelled one's engine work is still winding down."""
-        return self._reply is not None or bool(self._stale_done) or bool(self._held)
-
-    @property
-    def replying(self) -> bool:
-        """A reply is being made or its audio is still playing out (what a shutdown waits for)."""
-        return self._reply is not None or self._playing is not None
-
     async def close(self) -> None:
         if self._closed:
             return
@@ -141,7 +123,7 @@ class Session:
         # the transport's teardown, pending engine-idle work): with no cycle left, reference
         # counting frees the call now instead of at a rare full GC (issue 14).
         self.on_close.clear()
-        self._when_engine_idle.clear()
+        self.replies.close()
         self._on_closed = _closed_already
         if self.track is not None:
             self.track.on_first_audio = self.track.on_drained = None
@@ -158,7 +140,7 @@ class Session:
             return self.track.level.level()
         # WebSocket: the client plays the deltas at its own pace; all we know is that a spoken
         # reply is under way (level 0: the duration rule applies, the threshold is not raised).
-        return 0.0 if self._reply is not None and self._reply.audio else None
+        return 0.0 if self.replies.current is not None and self.replies.current.audio else None
 
     def push_video(self, frame: av.VideoFrame) -> None:
         self.video.push(frame, self.input.audio_in.clock)
@@ -240,200 +222,24 @@ class Session:
             self.turn.reset()
         self.emit({"type": "session.updated", "session": merged})
 
-    # ---- responses -------------------------------------------------------------------
-    def respond_to_turn(self, item_id: str) -> None:
-        """Server VAD ended a turn that asks for a response. In interpreter mode a turn that ends
-        while the previous translation is still being made does not wait for an error: the engine
-        holds it apart (the next utterance's audio does not join it) and it is answered as soon
-        as that translation ends, in order; its audio plays after the previous one's."""
-        if (self._reply is not None or self._held) and session_config.interpret_to(self.settings):
-            if not self.admission.turns.allow():
-                metrics.TURNS_REJECTED.inc()
-                self.engine.discard_turn(self.id)
-                self.emit_error("too many turns on this engine right now; please repeat", "rate_limited",
-                                kind="server_error")
-                return
-            self.engine_call("hold_turn")  # (EngineBusy: the turn is dropped, nothing is held)
-            self._held.append(item_id)
-            return
-        self.create_response({}, None)
-
-    def _answer_held(self) -> None:
-        """The reply before a held turn has ended: answer the held turn now."""
-        if self._closed or not self._held or self._reply is not None:
-            return
-        item_id = self._held.popleft()
-        try:
-            self.create_response({}, None, held=item_id)
-        except EngineBusy:
-            metrics.ERRORS.labels(where="engine_busy").inc()
-            self.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
-
-    def create_response(self, params: dict[str, Any], event_id: Optional[str], held: Optional[str] = None) -> None:
-        """held: the user item of a turn the engine held (respond_to_turn), already admitted:
-        its answer follows that item, and its audio queues behind the previous reply's."""
-        if self.transcription_only:
-            self.emit_error("a transcription session does not respond", "unsupported", param="type", event_id=event_id)
-            return
-        if self._reply is not None:
-            self.emit_error(f"a response is in progress ({self._reply.id})", "conversation_already_has_active_response",
-                            event_id=event_id)
-            return
-        if not held and not self.admission.turns.allow():
-            metrics.TURNS_REJECTED.inc()
-            self.engine.discard_turn(self.id)
-            self.emit_error("too many turns on this engine right now; please repeat", "rate_limited",
-                            kind="server_error", event_id=event_id)
-            return
-        if self._playing is not None and not held:
-            self.clear_output()  # a new reply does not queue behind the old one's audio
-        mode = self.reply_mode(params.get("output_modalities") or self.settings["output_modalities"])
-        if held and mode == "fallback":
-            mode = "text"  # the held turn is in the Omni model's hands (the fallback would drop it)
-        limit = session_config.max_output_tokens(params.get("max_output_tokens", self.settings["max_output_tokens"]))
-        if limit is not None and limit >= self.config.max_reply_tokens:
-            limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
-        if params.get("instructions"):
-            self.engine_call("set_reply_instructions", params["instructions"])
-        self.video.flush_for_turn()  # the newest frames reach the engine ahead of the reply
-        self.engine.begin_reply(self.id, [], mode=mode, history=tuple(self._history))
-        self.turns += 1
-        metrics.TURNS.inc()
-        voice = self.settings["audio"]["output"].get("voice") or "default"
-        reply = Response(audio=mode == "audio", mode=mode, end_of_turn=time.monotonic(),
-                         conversation_id=self.conversation_id, voice=voice if isinstance(voice, str) else "default",
-                         max_tokens=limit, metadata=params.get("metadata"))
-        self._reply = self._last = reply
-        if self.track is not None and reply.audio:
-            self.track.begin_reply()
-            self._playing = reply
-        previous = self.conversation.add(reply.item("in_progress", ""), after=held)
-        for event in reply.started(previous):
-            self.emit(event)
-
-    def cancel_response(self, event_id: Optional[str]) -> None:
-        if self._reply is None:
-            self.emit_error("there is no response to cancel", "response_cancel_not_active", event_id=event_id)
-            return
-        self.interrupt("client_cancelled")
-
-    def interrupt(self, reason: str) -> None:
-        """Barge-in or response.cancel: stop generating and drop queued audio at once. A barge-in
-        also cuts the reply in the model's context to the words the user heard (WebRTC: the
-        agent knows what was played)."""
-        playing, heard = self._playing, 0
-        if playing is not None:
-            heard = playing.samples - round(self.clear_output() * OUTPUT_RATE)
-        reply = self._reply
-        if reply is not None and reply.engine_open:
-            self.engine.cancel_reply(self.id)
-            self._stale_done += 1
-            self._finish(reply, "cancelled", reason, {})
-        if reason == "turn_detected" and playing is not None and playing is self._last:
-            edits.truncate_to_heard(self, playing, max(0, heard))
-
-    def clear_output(self) -> float:
-        """output_audio_buffer.clear (WebRTC): the track drops what it has not played; returns
-        the seconds dropped."""
-        playing, self._playing = self._playing, None
-        if self.track is None:
-            return 0.0
-        dropped = self.track.flush()
-        response_id = playing.id if playing is not None else (self._last.id if self._last else None)
-        if response_id is not None:
-            self.emit({"type": "output_audio_buffer.cleared", "response_id": response_id})
-        return dropped
-
-    def _on_first_audio(self, _wall: float) -> None:
-        if self._playing is not None:
-            self.emit({"type": "output_audio_buffer.started", "response_id": self._playing.id,
-                       "omni": {"ttfa_ms": None if self._playing.ttfa is None else round(self._playing.ttfa * 1000, 1)}})
-
-    def _on_drained(self, _wall: float) -> None:
-        playing, self._playing = self._playing, None
-        if playing is not None:
-            self.emit({"type": "output_audio_buffer.stopped", "response_id": playing.id})
-
     # ---- engine output (ReplySink) -----------------------------------------------------
-    def _live(self) -> Optional[Response]:
-        if self._stale_done or self._reply is None or not self._reply.engine_open:
-            return None
-        return self._reply
-
     def on_text(self, delta: TextDelta) -> None:
-        reply = self._live()
-        if reply is None:
-            return
-        if reply.ttft is None:
-            reply.ttft = time.monotonic() - reply.end_of_turn
-            metrics.TTFT.labels(priority=self.priority).observe(reply.ttft)
-        self.emit(reply.text_delta(delta.text, len(delta.token_ids)))
-        if reply.max_tokens is not None and reply.tokens >= reply.max_tokens:
-            # The client's max_output_tokens, under the server's own cap: end the reply here.
-            self.engine.cancel_reply(self.id)
-            self._stale_done += 1
-            self._finish(reply, "incomplete", "max_output_tokens", {"text_tokens": reply.tokens})
+        self.replies.on_text(delta)
 
     def on_audio(self, audio: AudioOut) -> None:
-        reply = self._live()
-        if reply is None:
-            return
-        if reply.ttfa is None:
-            # TTFA: end of turn -> first audio handed to the transport.
-            reply.ttfa = time.monotonic() - reply.end_of_turn
-            metrics.TTFA.labels(priority=self.priority).observe(reply.ttfa)
-        if self.track is not None:
-            reply.samples += len(audio.pcm)
-            self.track.push(audio.pcm)
-        else:
-            self.emit(reply.audio_delta(audio.pcm))
+        self.replies.on_audio(audio)
 
     def on_transcript(self, out: TranscriptOut) -> None:
         self.transcription.on_transcript(out)
 
     def on_done(self, done: ReplyDone) -> None:
-        if self._stale_done:
-            self._stale_done -= 1
-            if not self._stale_done:
-                waiting, self._when_engine_idle = self._when_engine_idle, []
-                for fn in waiting:
-                    fn()
-            return
-        reply = self._reply
-        if reply is None or not reply.engine_open:
-            return
-        error = None
-        if done.reason == "error":
-            metrics.ERRORS.labels(where="engine").inc()
-            error = f"reply failed: {done.stats.get('error', 'engine error')}"
-            self.emit_error(error, "engine_error", kind="server_error")
-        if self.track is not None and self._playing is reply:
-            self.track.end_reply()
-        first_response = reply.ttfa if reply.audio else reply.ttft
-        if first_response is not None:
-            self.admission.observe(first_response)
-        reason = {"length": "max_output_tokens"}.get(done.reason)
-        self._finish(reply, STATUS_BY_REASON.get(done.reason, "failed"), reason, done.stats, error)
-
-    def _finish(self, reply: Response, status: str, reason: Optional[str], stats: dict,
-                error: Optional[str] = None) -> None:
-        reply.engine_open = False
-        if self._reply is reply:
-            self._reply = None
-        if reply.text:
-            self._history.append(("assistant", reply.text))
-        events = reply.finished(status, reason, stats, error)
-        self.conversation.update(reply.item_id, events[-2]["item"])
-        for event in events:
-            self.emit(event)
-        if self._held:  # once the engine has ended this reply (a cancelled one's done comes later)
-            self.after_engine_idle(self._answer_held)
+        self.replies.on_done(done)
 
     # ---- conversation items ------------------------------------------------------------
     def add_user_text(self, item_id: str, text: str, event_id: Optional[str]) -> None:
         """A user text message: it joins the user turn being spoken, after its audio."""
         self.engine_call("add_user_text", text, event_id=event_id)
-        self._history.append(("user", text))
+        self.replies.remember("user", text)
         self._add_item(user_text_item(item_id, text))
 
     def add_user_audio(self, item_id: str, pcm16k: np.ndarray) -> None:
@@ -449,13 +255,6 @@ class Session:
     def delete_item(self, item_id: str, event_id: Optional[str]) -> None:
         """conversation.item.delete (agent/realtime/edits.py)."""
         edits.delete_item(self, item_id, event_id)
-
-    def after_engine_idle(self, fn: Callable[[], None]) -> None:
-        """Run fn once the engine has ended every cancelled reply (a truncation needs that)."""
-        if self._stale_done:
-            self._when_engine_idle.append(fn)
-        else:
-            fn()
 
     def _on_level(self, level: int) -> None:
         p95 = self.admission.ladder.current_p95()

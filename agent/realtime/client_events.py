@@ -248,18 +248,18 @@ def _response_create(session: "Session", event: dict[str, Any]) -> None:
         raise BadEvent("max_output_tokens must be 1..4096 or \"inf\"", param="response.max_output_tokens")
     if params.get("metadata") is not None and not isinstance(params["metadata"], dict):
         raise BadEvent("metadata must be an object", param="response.metadata")
-    session.create_response(params, _event_id(event))
+    session.replies.create_response(params, _event_id(event))
 
 
 def _response_cancel(session: "Session", event: dict[str, Any]) -> None:
-    session.cancel_response(_event_id(event))
+    session.replies.cancel_response(_event_id(event))
 
 
 def _output_clear(session: "Session", event: dict[str, Any]) -> None:
     if not session.webrtc:
         raise BadEvent("output_audio_buffer.clear is for WebRTC calls (WebSocket audio is the client's)",
                        "unsupported", "type")
-    session.clear_output()
+    session.replies.clear_output()
 
 
 _HANDLERS: dict[str, Callable[["Session", dict[str, Any]], None]] = {

@@ -5,7 +5,7 @@ Both go through one mechanism, `cut_latest_reply`: the engine keeps the reply's 
 talker had consumed by the last heard codec frame (frame i is made after reading reply token i),
 closes the assistant turn there and drops the rest from the session's KV slot
 (StreamingRunner.truncate_reply), once every cancelled reply has ended in the engine.
-These are the Session's own helpers, split out of agent/session.py; they run on the asyncio loop.
+These are the Session's own helpers (with agent/realtime/replies.py); they run on the asyncio loop.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ FRAME_MS = 80  # one codec frame: the unit a truncation is counted in
 
 def truncate(session: Session, item_id: str, audio_end_ms: int, event_id: Optional[str]) -> None:
     """Cut the latest spoken reply to what the listener heard, in the item and in the model's context."""
-    last = session._last
+    last = session.replies.last
     if item_id not in session.conversation:
         session.emit_error(f"no item {item_id!r}", "item_not_found", param="item_id", event_id=event_id)
         return
@@ -52,7 +52,7 @@ def delete_item(session: Session, item_id: str, event_id: Optional[str]) -> None
     """Delete the latest assistant item: its words leave the list and the model's context (an
     empty assistant turn stays, so the turns keep their order). Earlier items are refused:
     the KV cache holds the conversation in order and cannot drop a turn from its middle."""
-    last = session._last
+    last = session.replies.last
     if last is None or last.item_id != item_id:
         session.emit_error("only the latest assistant item can be deleted: the model's context keeps "
                            "the conversation in order", "unsupported", param="item_id", event_id=event_id)
@@ -60,7 +60,7 @@ def delete_item(session: Session, item_id: str, event_id: Optional[str]) -> None
 
     def deleted(_kept_tokens: int) -> None:
         session.conversation.remove(item_id)
-        session._last = None
+        session.replies.forget_last()
         session.emit({"type": "conversation.item.deleted", "item_id": item_id})
 
     cut_latest_reply(session, 0, event_id, deleted)
@@ -70,8 +70,8 @@ def cut_latest_reply(session: Session, audio_frames: int, event_id: Optional[str
                      then: Callable[[int], None]) -> None:
     """Keep the latest reply's first `audio_frames` frames' text in the model's context (a reply
     still running is cancelled first), then call `then(kept_tokens)`."""
-    if session._last is session._reply:
-        session.interrupt("client_cancelled")
+    if session.replies.last is session.replies.current:
+        session.replies.interrupt("client_cancelled")
 
     def cut() -> None:
         future = session.engine_call("truncate_reply", audio_frames, event_id=event_id)
@@ -83,7 +83,7 @@ def cut_latest_reply(session: Session, audio_frames: int, event_id: Optional[str
 
         future.add_done_callback(done)
 
-    session.after_engine_idle(cut)
+    session.replies.after_engine_idle(cut)
 
 
 def _announce_truncation(session: Session, reply: Response, audio_end_ms: int) -> Callable[[int], None]:

@@ -66,7 +66,7 @@ class ServerTurn:
                     s.track.resume()  # a false alarm: play on from where it paused
             elif isinstance(event, SpeechStarted):
                 if td is not None and td.interrupt_response:
-                    s.interrupt("turn_detected")
+                    s.replies.interrupt("turn_detected")
                 if s.track is not None:
                     s.track.resume()  # after interrupt()'s flush: nothing; without one: play on
                 self.item_id, self.speculating, self.after_pause = new_id("item"), False, None
@@ -107,7 +107,7 @@ class ServerTurn:
                 if s.transcription_only:
                     s.engine_call("end_turn")
                 elif td is None or td.create_response:
-                    s.respond_to_turn(item_id)
+                    s.replies.respond_to_turn(item_id)
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
             s.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
@@ -131,7 +131,7 @@ class ServerTurn:
         td = s.input.turn_detection
         if (self.speculating or s.transcription_only or not s.config.speculative_start or td is None
                 or not td.create_response
-                or s.reply_in_flight or not s.admission.ladder.speculate):
+                or s.replies.in_flight or not s.admission.ladder.speculate):
             return
         mode = s.reply_mode(s.settings["output_modalities"])
         if mode == "fallback":

@@ -4,7 +4,7 @@ Pins, over the real objects (AgentAudioTrack on a fake clock, Endpointer / Input
 real detectors, or a detector that calls anything not silent voiced for the policy):
 - track: pause() sends silence and keeps the queue; resume() plays on with the same samples in
   order; flush() while paused drops the held audio, so pushed - flushed counts only the frames
-  really sent (what Session.interrupt calls heard); a pause past its bound resumes by itself; no
+  really sent (what Replies.interrupt calls heard); a pause past its bound resumes by itself; no
   underrun is counted while paused.
 - endpointer: while the agent plays, BargeInCandidate comes with the first voiced sub-frame above
   the echo level, from peek(), before its 80 ms chunk is complete; a confirmed candidate goes on to
@@ -87,7 +87,7 @@ async def test_flush_while_paused_drops_the_held_audio_and_heard_counts_sent_fra
     dropped = track.flush()
     assert pauses("flushed") == flushed_before + 1
     assert not track.paused
-    # Session.interrupt: heard = samples pushed - seconds flushed
+    # Replies.interrupt: heard = samples pushed - seconds flushed
     assert pushed - round(dropped * 24000) == 4 * N
     assert not pcm_of(await track.recv()).any()
 
