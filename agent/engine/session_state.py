@@ -211,6 +211,18 @@ def timed(state: SessionState, stage: str) -> Iterator[None]:
         state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed
 
 
+@contextmanager
+def timed_all(states: Sequence[SessionState], stage: str) -> Iterator[None]:
+    """`timed` for a batched call: every session in it waited for all of it."""
+    started = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - started
+    for state in states:
+        state.pending_stages.append((stage, elapsed))
+        if state.reply is not None:
+            state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed
+
+
 def add_batch_time(states: Sequence[SessionState], stage: str, elapsed: float) -> None:
     """A batched stage's wall time counts in full for every reply in the batch (each waited for it)."""
     for state in states:

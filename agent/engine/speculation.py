@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from agent import metrics
-from agent.engine.api import Output
+from agent.engine.api import Output, StageTime
 from agent.engine.phase import ReplyPhase
 from agent.engine.scheduler import PlayoutClock
 from agent.engine.session_state import Rollback, SessionState
@@ -96,3 +96,14 @@ class Speculation:
             self._ready += reply.held
         reply.held = []
         metrics.SPECULATIONS.labels(outcome=outcome).inc()
+
+    def _hold(self: StreamingRunner, outputs: list[Output]) -> list[Output]:
+        """Keep a speculative reply's output in its hold: until its commit, nothing of it goes out."""
+        out: list[Output] = []
+        for item in outputs:
+            state = self._sessions.get(item.session_id) if not isinstance(item, StageTime) else None
+            if state is not None and state.reply is not None and state.reply.phase.speculative:
+                state.reply.held.append(item)
+            else:
+                out.append(item)
+        return out

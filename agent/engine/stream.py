@@ -28,6 +28,10 @@ Scheduling, each tick (policy in agent/engine/scheduler.py, estimates from `play
    held until the turn ends) are prefilled in those same ticks, last; once their first frame is
    made they are parked and take no ticks until their commit.
 
+The runner's other parts are mixins, each a module of its own: intake.py (what sessions send
+between replies: frames, audio, held or discarded turns, switches), estimates.py (what the
+scheduler sees), speculation.py, edits.py (truncate, delete, instructions) and transcribe.py.
+
 A reply's phase (agent/engine/phase.py) is moved only here and in speculation.py, through
 ReplyState.move(); what each stage has made is kept by the stage's module (turns.PrefillStage,
 frames.TextStage / VoiceStage).
@@ -59,15 +63,17 @@ import torch
 from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
 from agent.engine.detok import IncrementalDecoder
 from agent.engine.edits import ConversationEdits
+from agent.engine.estimates import Estimates
 from agent.engine.frames import FrameBatcher, Row, TextStage, VoiceStage
 from agent.engine.fusion import fuse_decoder
 from agent.engine.graphing import GraphConfig, GraphMode, Graphing
+from agent.engine.intake import Intake
 from agent.engine.kv import KVState
 from agent.engine.model import LoadedModel
 from agent.engine.moe import fuse_moe
 from agent.engine.output_audio import talker_tokens_for
 from agent.engine.phase import ReplyPhase
-from agent.engine.scheduler import PlayoutEstimate, ReplyView, SchedulerConfig, plan_tick
+from agent.engine.scheduler import SchedulerConfig, plan_tick
 from agent.engine.session_state import LastReply, ReplyRecord, ReplyState, SessionState
 from agent.engine.slots import SlotPool
 from agent.engine.speculation import Speculation
@@ -78,7 +84,7 @@ from agent.engine.turns import PrefillStage, SpeculationRefused, TurnPrefill
 from agent.engine.video_turn import VideoPolicy
 
 
-class StreamingRunner(Speculation, ConversationEdits, Transcription):
+class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcription):
     @torch.inference_mode()
     def __init__(
         self,
@@ -189,39 +195,6 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         self._priority.pop(session_id, None)
 
     @torch.inference_mode()
-    def append_video(self, session_id: str, image: np.ndarray, at: float) -> None:
-        """A camera frame as it arrives, placed on the turn's audio clock; its grid is encoded as
-        soon as it closes when no reply exists (agent/engine/video_prefill.py). The vision
-        encoder has the lowest priority: not even a held speculation waits for it (its commit
-        would), and the frames of a pause it answered are not needed if it is committed."""
-        state = self._sessions.get(session_id)
-        if state is not None:
-            idle = all(s.reply is None for s in self._sessions.values())
-            self.turns.video.add_frame(state, image, self.clock(), encode_now=idle)
-
-    @torch.inference_mode()
-    def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
-        # More of the turn: the user went on, so a speculation on the pause goes (the session
-        # keeps the pause's own audio back until it knows; drop_speculation says so earlier).
-        self.drop_speculation(session_id)
-        state = self._sessions[session_id]
-        self.turns.queue_pcm(state, pcm)
-        if not self._busy():  # idle engine: encode and prefill now, nothing waits for it
-            self.turns.encode_audio(state)
-            self.turns.flush_audio(state)
-
-    @torch.inference_mode()
-    def discard_turn(self, session_id: str) -> None:
-        self.drop_speculation(session_id)
-        state = self._sessions[session_id]
-        turn = state.turn
-        self.transcriber.discard(session_id)
-        if turn.header_done:  # only ever prefilled while no reply runs, so nothing came after it
-            state.thinker.crop(turn.start_length, turn.start_pos)
-        state.turn = self.turns.new_turn()
-        self.turns.video.seed(state, self.clock())
-
-    @torch.inference_mode()
     def begin_reply(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> None:
         state = self._sessions[session_id]
         if state.captions_only:
@@ -231,22 +204,6 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         if not held:  # (a held turn's transcript ended when it was held)
             # The turn is answered: its transcript ends once the reply's prefill has its audio tail.
             self.transcriber.ended(session_id, state.reply.turn)
-
-    @torch.inference_mode()
-    def hold_turn(self, session_id: str) -> int:
-        """Interpreter pipelining: the user's utterance ended while a reply is still being made.
-        The turn is closed now (its audio encoded to the end, its transcript finished) and held;
-        the next begin_reply answers it, before the turn being spoken now (the session sends
-        that once the reply in flight is done; it may be done already). Returns the turns held."""
-        state = self._sessions[session_id]
-        if state.captions_only:
-            raise RuntimeError("a transcription-only session has no replies")
-        self.drop_speculation(session_id)  # (none runs while a reply does; the turn ends here)
-        turn = self.turns.close_turn(state)
-        self.turns.video.seed(state, self.clock())  # the next utterance's turn: the camera's newest frame
-        state.held_turns.append(turn)
-        self.transcriber.ended(session_id, turn)
-        return len(state.held_turns)
 
     def _begin_reply(self, state: SessionState, images: list[np.ndarray], text_only: bool) -> None:
         held = state.reply
@@ -273,22 +230,6 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
             self._discard(state)  # nothing of it was seen: nothing to end
         elif state.reply.phase in (ReplyPhase.PREFILLING, ReplyPhase.STREAMING):
             state.reply.move(ReplyPhase.CANCELLING)
-
-    def set_video(self, session_id: str, on: bool) -> bool:
-        """The session's camera switch (Realtime `omni.video`): off, its frames are not looked at
-        from the next turn on (a turn whose video block is open keeps it). Returns the setting."""
-        state = self._sessions[session_id]
-        state.video = bool(on)
-        if not on and not state.turn.audio_open:
-            state.turn.video = None
-        return state.video
-
-    def set_priority(self, session_id: str, priority: int) -> int:
-        """The session's scheduling priority (agent/priority.py RANK: higher first), from now on."""
-        if session_id not in self._sessions:
-            raise KeyError(session_id)
-        self._priority[session_id] = priority
-        return priority
 
     def _new_reply(self, phase: ReplyPhase, turn, images: list[np.ndarray], text_only: bool) -> ReplyState:
         return ReplyState(
@@ -364,43 +305,6 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         # Stage times first: callers (and tests) read a reply's ReplyDone as the last output.
         return self._stage_times() + self._hold(outputs)
 
-    def _hold(self, outputs: list[Output]) -> list[Output]:
-        """Keep a speculative reply's output in its hold: until its commit, nothing of it goes out."""
-        out: list[Output] = []
-        for item in outputs:
-            state = self._sessions.get(item.session_id) if not isinstance(item, StageTime) else None
-            if state is not None and state.reply is not None and state.reply.phase.speculative:
-                state.reply.held.append(item)
-            else:
-                out.append(item)
-        return out
-
-    # ---- estimates ---------------------------------------------------------------------------
-
-    def playout(self) -> list[PlayoutEstimate]:
-        """Every reply in flight as the scheduler sees it (for metrics: buffer per session)."""
-        now = self.clock()
-        estimates = []
-        for session_id, state in self._sessions.items():
-            reply = state.reply
-            if reply is None or reply.phase.speculative:
-                continue
-            clock = reply.playout
-            phase = "first_audio" if reply.phase.prefilling else ("text" if reply.text_only else "speaking")
-            since = reply.started if clock.first_audio_at is None else clock.first_audio_at
-            estimates.append(PlayoutEstimate(session_id, phase, clock.buffer_s(now), clock.produced_s, now - since))
-        return estimates
-
-    def _view(self, session_id: str, state: SessionState, now: float) -> ReplyView:
-        reply = state.reply
-        if reply.text_only or reply.voice.done:
-            buffer = None  # only text left to make: no playout deadline
-        else:
-            buffer = reply.playout.buffer_s(now)
-            buffer = 0.0 if buffer is None else buffer  # no audio out yet: nothing buffered
-        return ReplyView(session_id, reply.started, reply.phase.prefilling, buffer, self._priority.get(session_id, 0),
-                         speculative=reply.phase.speculative)
-
     # ---- internals ---------------------------------------------------------------------------
 
     def _busy(self) -> bool:
@@ -420,15 +324,6 @@ class StreamingRunner(Speculation, ConversationEdits, Transcription):
         if spoken:
             self.frames.take_code0(spoken, self.turns.talker_prefills(spoken))
         return outputs
-
-    def _prefill_speaking(self, budget: int) -> None:
-        """Encode microphone audio of users speaking, and prefill it (bounded, one batched
-        forward) where no reply of theirs holds the thinker cache (a barge-in's audio waits for
-        its reply to end)."""
-        states = list(self._sessions.values())
-        for state in states:
-            self.turns.encode_audio(state)
-        self.turns.flush_audios(states, budget)
 
     def _stage_times(self) -> list[Output]:
         outputs: list[Output] = []
