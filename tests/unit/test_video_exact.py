@@ -208,6 +208,13 @@ def stream_with_camera(runner, sid, audio, frames, fps=4.0, speculation=""):
     return done[-1]
 
 
+def frame_pairs(frames: list[np.ndarray], size: tuple[int, int]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The turn's frames as the grids' pairs: an odd last frame pairs with itself (the engine
+    pads a grid that has one frame by repeating it, agent/engine/video_turn.py)."""
+    sized = [resize(f, size) for f in frames]
+    return [(sized[i], sized[min(i + 1, len(sized) - 1)]) for i in range(0, len(sized), 2)]
+
+
 @pytest.mark.parametrize("speculation", ["", "commit", "discard"])
 def test_streaming_with_camera_equals_generate_and_leaves_only_the_last_grid(loaded, speculation):
     seconds = 2.4
@@ -222,11 +229,11 @@ def test_streaming_with_camera_equals_generate_and_leaves_only_the_last_grid(loa
     stats = done.stats
     spec = PatchSpec.from_processor(loaded.image_processor)
     size = (96, 128)  # 12 tokens a grid: far under the cap, so not scaled down
-    pairs = [(resize(frames[2 * j], size), resize(frames[2 * j + 1], size)) for j in range(len(frames) // 2)]
+    pairs = frame_pairs(frames, size)
     pps = loaded.model.config.thinker_config.position_id_per_seconds
     text, codes, n_audio, per_grid = reference(loaded, [(audio, pairs, stats["video_grids"], None)])
-    # Every grid whose time falls before the turn's last audio token is in (the tiny checkpoint's
-    # 25 positions/s run ahead of its 13 audio tokens/s, so the later grids fall past it).
+    # Every grid whose time falls before the turn's last audio token is in (the odd last frame's
+    # too, padded into a grid of its own).
     assert stats["video_grids"] == sum(grid_threshold(0.5 * j, pps) < n_audio for j in range(len(pairs)))
     assert stats["video_grids"] >= 2
     assert stats["input_video_tokens"] == stats["video_grids"] * per_grid
@@ -253,7 +260,7 @@ def test_a_second_camera_turn_reuses_the_cache_and_equals_generate(loaded):
         audio = make_audio(seconds, 5 + n)
         frames = [marker_frame(shift + i) for i in range(int(seconds * 4))]
         done = stream_with_camera(runner, "s", audio, frames)
-        pairs = [(resize(frames[2 * j], size), resize(frames[2 * j + 1], size)) for j in range(len(frames) // 2)]
+        pairs = frame_pairs(frames, size)
         turns.append((audio, pairs, done.stats["video_grids"], list(runner.records["s"].text_ids)))
     assert all(t[2] >= 1 for t in turns)
     text, codes, _, _ = reference(loaded, [*turns[:-1], (*turns[-1][:3], None)])
