@@ -76,6 +76,7 @@ class Session:
         self._unlisten = self.admission.listen(self._on_level)
         self.transcription.apply(self.settings)
         if self.transcription_only:
+            self.video.set_enabled(False)  # captions look at no camera: its sender may stop
             self.emit({"type": "session.created", "session": self.settings})
             return
         if self.settings["instructions"] != self.config.system_prompt:
@@ -84,6 +85,7 @@ class Session:
             self.engine_call("set_context_turns", session_config.INTERPRET_TURNS)
         if not session_config.video_on(self.settings):
             self.engine_call("set_video", False, param="session.omni.video")
+            self.video.set_enabled(False)
         if self.priority != priority.NORMAL:
             # A runner without a scheduler (--runner reference) has nothing to order: not an error
             # the client could act on, so the future's failure is only retrieved, never reported.
@@ -211,6 +213,7 @@ class Session:
             self.engine_call("set_context_turns", session_config.INTERPRET_TURNS if on else 0)
         if not self.transcription_only and session_config.video_on(merged) != session_config.video_on(old):
             self.engine_call("set_video", session_config.video_on(merged), param="session.omni.video")
+            self.video.set_enabled(session_config.video_on(merged))  # and the sender stops or resumes
         voice = None if self.transcription_only else merged["audio"]["output"].get("voice")
         if not self.transcription_only and voice != old["audio"]["output"].get("voice"):
             self._set_voice(voice)

@@ -46,8 +46,9 @@ class VideoFeed:
                                        config.video_throttle_hold_s, config.video_pause_after_s)
         self.in_flight = 0
         self.sent = 0  # frames handed to the engine
-        self.enabled = config.video  # --no-video: the camera is not looked at
-        self._told_off = False
+        self._allowed = config.video  # --no-video: the camera is never looked at
+        self.enabled = config.video  # ... and the session's own switch (omni.video, set_enabled)
+        self._told_off = False  # the sender was asked to pause because the camera is off
         self._timer: Optional[asyncio.TimerHandle] = None
         self._closed = False
 
@@ -56,11 +57,13 @@ class VideoFeed:
         if self._closed:
             return
         if not self.enabled:
-            # The agent does not look at the camera: ask the sender, once, to stop sending it.
+            # The agent does not look at the camera: ask the sender, once, to stop sending it
+            # (a frame that still comes is dropped unconverted).
             INGEST_DROPPED.labels(kind="video", reason="disabled").inc()
             if not self._told_off:
                 self._told_off = True
-                self._emit(self.throttle.states["paused"].event("video_disabled"))
+                reason = "video_off" if self._allowed else "video_disabled"
+                self._emit(self.throttle.states["paused"].event(reason))
             return
         if self.throttle.state.paused:
             # The sender was asked to stop; one that goes on costs no conversion here.
@@ -71,6 +74,24 @@ class VideoFeed:
                 self.ring.put(sample)  # full: the oldest goes (reason="full")
                 self._pump()
         self._check()
+
+    def set_enabled(self, on: bool) -> None:
+        """The session's camera switch. Off: the frames not yet handed over are dropped and the
+        sender is asked to pause at its next frame (a session without a camera hears nothing).
+        On again: a sender that was asked to pause is told the rate the throttle allows now.
+        Under --no-video it stays off."""
+        on = on and self._allowed
+        if on == self.enabled or self._closed:
+            return
+        self.enabled = on
+        if not on:
+            dropped = len(self.ring.drain())
+            if dropped:
+                INGEST_DROPPED.labels(kind="video", reason="disabled").inc(dropped)
+            return
+        if self._told_off:
+            self._told_off = False
+            self._emit(self.throttle.state.event("video_on"))
 
     def flush_for_turn(self) -> None:
         """End of turn: the newest frames go to the engine now, ahead of the reply, whatever is

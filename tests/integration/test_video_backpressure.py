@@ -8,6 +8,8 @@ its sent frame rate drops (1 fps, then paused); once the engine is released and 
 stayed low for the hold time, a `recovered` throttle event restores the rate and the client
 sends at its full rate again. The metrics count the throttle events and the time throttled,
 at most a few frames wait in the stalled engine's inbox, and audio is never throttled (the reply still comes).
+The session's camera switch reaches the sender too: `omni.video: false` pauses the client's camera
+and the engine is handed no frame; `true` resumes it.
 """
 
 from __future__ import annotations
@@ -85,5 +87,40 @@ async def test_python_client_obeys_throttle_from_a_stalled_engine(tiny_model_dir
         assert await _until(lambda: bool(client.result.of_type("response.done")), 60)
     finally:
         held.release()
+        await client.close()
+        await agent.stop()
+
+
+async def test_omni_video_off_pauses_the_python_client_and_on_resumes_it(tiny_model_dir: Path,
+                                                                          speech_wav: Path) -> None:
+    """The session's camera switch reaches the sender: `omni.video: false` in a session.update
+    pauses the client's camera (it sends no frames, the engine is handed none), `true` restores it."""
+    agent = await start_agent(tiny_model_dir)
+    client = AgentClient(agent.url, speech_wav, video=True, video_fps=10)
+    try:
+        await client.connect()
+        await client.wait_event("session.created", 20)
+        await client.wait_open()
+        video = client.video
+        assert video is not None
+        assert await _until(lambda: video.fps(1.0) >= 6, 20), f"the client should send ~10 fps, sends {video.fps()}"
+        session = next(iter(agent.app[SESSIONS].values())).session
+
+        client.send({"type": "session.update", "session": {"type": "realtime", "omni": {"video": False}}})
+        assert await _until(lambda: video.paused, 10), client.result.of_type("input_video.throttle")
+        off = client.result.of_type("input_video.throttle")
+        assert [(e["paused"], e["reason"]) for e in off] == [(True, "video_off")]
+        handed = session.video.sent
+        await asyncio.sleep(1.5)
+        assert video.fps(1.0) == 0, "a paused client sends no frames"
+        assert session.video.sent == handed, "the engine is handed no frame while the camera is off"
+
+        client.send({"type": "session.update", "session": {"type": "realtime", "omni": {"video": True}}})
+        assert await _until(lambda: not video.paused and video.fps(2.0) >= 2.4, 10), "the client's camera must resume"
+        on = client.result.of_type("input_video.throttle")[1:]
+        assert [(e["paused"], e["reason"]) for e in on] == [(False, "video_on")]
+        assert await _until(lambda: session.video.sent > handed, 10), "frames reach the engine again"
+        assert not client.result.of_type("error"), client.result.of_type("error")
+    finally:
         await client.close()
         await agent.stop()

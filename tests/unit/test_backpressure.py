@@ -12,7 +12,9 @@ Pins:
   frames sent while paused are dropped unconverted (reason="paused"); releasing the engine drains
   the backlog and, after the hold, restores the sender. The engine shows a reply the newest
   frames it took when the session passes none. With --no-video (Config.video False) the engine
-  gets no frame and the sender is asked once to pause.
+  gets no frame and the sender is asked once to pause; the session's own switch (omni.video) does
+  the same (reason "video_off", the backlog dropped) and, turned on again, tells the sender the
+  rate it may use ("video_on"); it cannot turn on a camera --no-video turned off.
 """
 
 from __future__ import annotations
@@ -49,6 +51,35 @@ async def test_no_video_asks_the_sender_to_pause_once_and_sends_the_engine_nothi
         assert [(e["paused"], e["reason"]) for e in events] == [(True, "video_disabled")]
     finally:
         feed.close()
+        await engine.stop()
+
+
+async def test_the_session_switch_pauses_and_resumes_the_sender() -> None:
+    """omni.video off: the backlog is dropped, the sender is asked once to pause, the engine gets
+    no frame; on again: the sender is told the throttle's rate and frames flow. --no-video wins."""
+    runner = HoldingRunner()
+    engine = Engine(lambda: runner)
+    await engine.start()
+    events: list[dict] = []
+    feed = VideoFeed(Config(), engine, "s1", events.append)
+    denied = VideoFeed(Config(video=False), engine, "s2", [].append)
+    try:
+        feed.set_enabled(False)
+        for t, frame in _frames(0.0, 1.0):
+            feed.push(frame, t)
+        assert feed.sent == 0 and len(feed.ring) == 0
+        assert [(e["paused"], e["reason"]) for e in events] == [(True, "video_off")]
+        feed.set_enabled(False)  # no change: nothing said
+        feed.set_enabled(True)
+        assert [(e["paused"], e["reason"], e["max_fps"]) for e in events[1:]] == [(False, "video_on", 4.0)]
+        for t, frame in _frames(1.0, 2.0):
+            feed.push(frame, t)
+        assert feed.sent > 0
+        denied.set_enabled(True)
+        assert not denied.enabled
+    finally:
+        feed.close()
+        denied.close()
         await engine.stop()
 
 
