@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -343,3 +344,33 @@ def latencies(speech_ends: list[float], onsets: list[float]) -> list[Optional[fl
         onset = next((t for t in onsets if end < t < nxt), None)
         out.append(None if onset is None else onset - end)
     return out
+
+
+class NotReady(RuntimeError):
+    """The agent did not become ready: its last /healthz answer, or how its process ended."""
+
+
+async def wait_ready(url: str, timeout_s: float = 180.0, proc: Optional[subprocess.Popen] = None,
+                     step_s: float = 0.1) -> None:
+    """Until GET url/healthz answers 200 (the agent loads its model first). Raises NotReady
+    once timeout_s has passed, at once when the engine reports "failed", or when `proc` (the
+    agent's process, when it is a child) has exited: a caller never goes on against an agent
+    that is not there."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with aiohttp.ClientSession() as http:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise NotReady(f"the agent exited with status {proc.returncode}")
+            try:
+                async with http.get(f"{url}/healthz") as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"{resp.status} {await resp.text()}"
+                    if '"failed"' in last:
+                        raise NotReady(f"the agent's engine failed: /healthz said {last}")
+            except aiohttp.ClientError as exc:
+                last = f"no answer ({exc.__class__.__name__})"
+            if time.monotonic() >= deadline:
+                raise NotReady(f"the agent was not ready in {timeout_s:.0f} s: /healthz said {last}")
+            await asyncio.sleep(step_s)

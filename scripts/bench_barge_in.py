@@ -70,7 +70,8 @@ from agent.client_media import SEND_FRAME, SEND_RATE, PacedAudioTrack  # noqa: E
 from agent.ice import restrict_ice_hosts  # noqa: E402
 from agent.jitter import lower_audio_jitter_hold  # noqa: E402
 from agent.peer import close_peer  # noqa: E402
-from bench_rtc import free_port, wait_ready  # noqa: E402  (scripts/ is on sys.path when run)
+from agent.client import wait_ready  # noqa: E402
+from bench_rtc import free_port  # noqa: E402  (scripts/ is on sys.path when run)
 
 VOICED_DBFS = -40.0  # a sent frame above this is speech (the onset)
 AUDIBLE_DBFS = -50.0  # a received frame above this is the agent's voice

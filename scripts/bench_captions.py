@@ -39,6 +39,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agent.client import wait_ready  # noqa: E402
 from agent.config import Config  # noqa: E402
 from agent.engine import build_engine  # noqa: E402
 from agent.server import create_app  # noqa: E402
@@ -171,12 +172,7 @@ async def main() -> None:
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     url = f"http://{config.host}:{config.port}"
-    async with aiohttp.ClientSession() as http:
-        for _ in range(1200):
-            async with http.get(f"{url}/healthz") as resp:
-                if resp.status == 200:
-                    break
-            await asyncio.sleep(0.1)
+    await wait_ready(url, timeout_s=120)
     print(f"utterance {len(utterance()) / 24000:.1f} s, then 1.5 s of silence")
     try:
         if not args.compare:

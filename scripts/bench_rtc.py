@@ -62,7 +62,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.client import AgentClient, PatternVideoTrack, WsAgentClient  # noqa: E402
+from agent.client import AgentClient, PatternVideoTrack, WsAgentClient, wait_ready  # noqa: E402
 from agent.ice import restrict_ice_hosts  # noqa: E402
 
 
@@ -214,20 +214,6 @@ def start_server(
     return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
 
 
-async def wait_ready(url: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            try:
-                async with http.get(f"{url}/healthz") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise TimeoutError("agent did not become ready")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -265,7 +251,7 @@ async def measure_deployment(args: argparse.Namespace, wav: Path, ray_replicas: 
     url = f"http://127.0.0.1:{port}"
     server = start_server(port, args, ray_replicas)
     try:
-        await wait_ready(url, timeout=300.0)
+        await wait_ready(url, timeout_s=300.0)
         offers = await offer_times(url, wav, args.offers)
         r = await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
                                                      video_fps=args.video_fps),

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from agent.config import Config
-from agent.engine import Engine, runner_factory
+from agent.engine import Engine, build_engine
 
 
 class _Holdable:
@@ -31,13 +31,11 @@ class _Holdable:
 class HeldEngine:
     """An engine builder (start_agent's `engine=`) that remembers how to release its hold."""
 
-    def __init__(self, inbox_size: int = 512) -> None:
+    def __init__(self) -> None:
         self._released = threading.Event()
-        self._inbox_size = inbox_size
 
     def __call__(self, config: Config) -> Engine:
-        build = runner_factory(config)
-        return Engine(lambda: _Holdable(build(), self._released), inbox_size=self._inbox_size)
+        return build_engine(config, wrap=lambda runner: _Holdable(runner, self._released))
 
     def release(self) -> None:
         self._released.set()

@@ -92,6 +92,11 @@ def inbox_size(config: Config) -> int:
     return config.engine_inbox + config.engine_inbox_per_session * config.max_sessions
 
 
-def build_engine(config: Config) -> Engine:
-    return Engine(runner_factory(config), inbox_size=inbox_size(config), fallback_factory=fallback_factory(config),
+def build_engine(config: Config, wrap: Optional[Callable[[Runner], Runner]] = None) -> Engine:
+    """The engine `config` describes. `wrap`, when given, receives the primary runner once the
+    engine thread has built it and returns the runner to use (a test's fault or stall around the
+    real one), so that a wrapped engine is configured like the served one in everything else."""
+    build = runner_factory(config)
+    factory = build if wrap is None else lambda: wrap(build())
+    return Engine(factory, inbox_size=inbox_size(config), fallback_factory=fallback_factory(config),
                   frames_per_turn=config.video_frames_per_turn)

@@ -190,14 +190,20 @@ class Replies:
             return None
         return self.current
 
+    def _since_end_of_turn(self, reply: Response, histogram: Any) -> float:
+        """TTFT / TTFA: the reply's end of turn -> its first text / audio handed to the transport
+        (recorded once per reply, by the caller), observed in `histogram` by priority."""
+        elapsed = time.monotonic() - reply.end_of_turn
+        histogram.labels(priority=self._session.priority).observe(elapsed)
+        return elapsed
+
     def on_text(self, delta: TextDelta) -> None:
         s = self._session
         reply = self._live()
         if reply is None:
             return
         if reply.ttft is None:
-            reply.ttft = time.monotonic() - reply.end_of_turn
-            metrics.TTFT.labels(priority=s.priority).observe(reply.ttft)
+            reply.ttft = self._since_end_of_turn(reply, metrics.TTFT)
         s.emit(reply.text_delta(delta.text, len(delta.token_ids)))
         if reply.max_tokens is not None and reply.tokens >= reply.max_tokens:
             # The client's max_output_tokens, under the server's own cap: end the reply here.
@@ -211,9 +217,7 @@ class Replies:
         if reply is None:
             return
         if reply.ttfa is None:
-            # TTFA: end of turn -> first audio handed to the transport.
-            reply.ttfa = time.monotonic() - reply.end_of_turn
-            metrics.TTFA.labels(priority=s.priority).observe(reply.ttfa)
+            reply.ttfa = self._since_end_of_turn(reply, metrics.TTFA)
         if s.track is not None:
             reply.samples += len(audio.pcm)
             s.track.push(audio.pcm)

@@ -47,8 +47,8 @@ class ThreadedAgent:
         self.url = f"http://127.0.0.1:{self.port}/"
         self.config = Config(port=self.port, ice_hosts=("127.0.0.1",), model=str(tiny_model_dir),
                              fallback_model="none", threads=1, max_reply_seconds=1.0,
-                             video_throttle_hold_s=1.0, video_pause_after_s=2.0)
-        self.held = HeldEngine(inbox_size=1024)
+                             video_throttle_hold_s=1.0, video_pause_after_s=2.0, engine_inbox=1024)
+        self.held = HeldEngine()
         self.engine = self.held(self.config)
         self.app = create_app(self.config, self.engine)
         self.loop = asyncio.new_event_loop()

@@ -12,8 +12,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from agent.client import NotReady, wait_ready
 from agent.config import Config
-from agent.engine import Engine, build_engine, fallback_factory, inbox_size, runner_factory
+from agent.engine import Engine, build_engine
 from agent.server import create_app
 
 
@@ -56,18 +57,12 @@ async def start_agent(tiny_model_dir: Path, engine: Optional[Callable[[Config], 
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     url = f"http://{config.host}:{config.port}"
-    last = "no answer"
-    async with aiohttp.ClientSession() as http:
-        for _ in range(600):  # model load, bounded: 60 s
-            async with http.get(f"{url}/healthz") as resp:
-                if resp.status == 200:
-                    return RunningAgent(url, config, engine_, runner, app)
-                last = await resp.text()
-                if '"failed"' in last:
-                    break
-            await asyncio.sleep(0.1)
-    await runner.cleanup()
-    pytest.fail(f"the agent's engine did not become ready: /healthz said {last}")
+    try:
+        await wait_ready(url, timeout_s=60)  # model load, bounded
+    except NotReady as exc:
+        await runner.cleanup()
+        pytest.fail(str(exc))
+    return RunningAgent(url, config, engine_, runner, app)
 
 
 def talker_never_ends(runner: Any) -> Any:
@@ -86,9 +81,7 @@ def talker_never_ends(runner: Any) -> Any:
 
 def long_replies_engine(config: Config) -> Engine:
     """build_engine, with replies that always run to max_reply_seconds (talker_never_ends)."""
-    build = runner_factory(config)
-    return Engine(lambda: talker_never_ends(build()), inbox_size=inbox_size(config),
-                  fallback_factory=fallback_factory(config), frames_per_turn=config.video_frames_per_turn)
+    return build_engine(config, wrap=talker_never_ends)
 
 
 async def wait_no_sessions(url: str, message: str) -> None:

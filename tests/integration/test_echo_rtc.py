@@ -30,7 +30,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from agent.client import AgentClient
 from agent.client_media import SEND_FRAME
 from agent.config import Config
-from agent.engine import Engine, runner_factory
+from agent.engine import build_engine
 from agent.engine.api import AudioOut
 from agent.server import create_app
 from realtime_helpers import free_port, talker_never_ends
@@ -140,8 +140,7 @@ async def speakerphone_call(folder: Path, tiny_model_dir: Path, wav: Path, *, ec
                     threads=1, max_reply_tokens=48, max_reply_seconds=4.0, echo_guard=echo_guard)
     speech = espeak_24k(folder, "Sure. Tomorrow will be sunny in the morning, then rain comes in from the west "
                                 "later in the afternoon.")
-    primary = runner_factory(config)
-    engine = Engine(lambda: SpeaksSpeech(primary(), speech))
+    engine = build_engine(config, wrap=lambda runner: SpeaksSpeech(runner, speech))
     app_runner = web.AppRunner(create_app(config, engine))
     await app_runner.setup()
     await web.TCPSite(app_runner, "127.0.0.1", port).start()

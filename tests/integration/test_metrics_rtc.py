@@ -18,7 +18,7 @@ import aiohttp
 
 from agent.client import AgentClient
 from agent.config import Config
-from agent.engine import Engine, runner_factory
+from agent.engine import Engine, build_engine
 from agent.engine.api import AudioOut
 from realtime_helpers import start_agent
 
@@ -71,8 +71,7 @@ async def _wait_sessions_gauge_zero(http: aiohttp.ClientSession, url: str) -> di
 
 
 def _stalling_engine(config: Config) -> Engine:
-    primary = runner_factory(config)
-    return Engine(lambda: StallAfterFirstAudio(primary()))
+    return build_engine(config, wrap=StallAfterFirstAudio)
 
 
 async def test_metrics_exist_and_move(tiny_model_dir: Path, speech_wav: Path) -> None:

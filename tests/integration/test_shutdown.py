@@ -13,12 +13,14 @@ Pins:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -26,6 +28,7 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 from aiortc.mediastreams import AudioStreamTrack
 
+from agent.client import NotReady, wait_ready
 from realtime_helpers import free_port, start_agent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,19 +83,27 @@ def _spawn(tiny_model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@contextlib.asynccontextmanager
+async def _agent_process(tiny_model_dir: Path, *flags: str) -> AsyncIterator[tuple[subprocess.Popen, str]]:
+    """A ready agent in a child process (its own signal handlers): (process, url); killed on the
+    way out if the test left it running."""
+    port = free_port()
+    proc = _spawn(tiny_model_dir, port, *flags)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await _wait_ready(proc, url)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 async def _wait_ready(proc: subprocess.Popen, url: str) -> None:
-    async with aiohttp.ClientSession() as http:
-        for _ in range(900):  # model load in a fresh process, bounded: 90 s
-            assert proc.poll() is None, f"the agent exited: {proc.communicate()[0][-3000:]}"
-            try:
-                async with http.get(f"{url}/healthz") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.1)
-    proc.kill()
-    pytest.fail(f"the agent never became ready: {proc.communicate()[0][-3000:]}")
+    try:
+        await wait_ready(url, timeout_s=90, proc=proc)  # model load in a fresh process, bounded
+    except NotReady as exc:
+        proc.kill()
+        pytest.fail(f"{exc}: {proc.communicate()[0][-3000:]}")
 
 
 async def _exit_status(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
@@ -125,35 +136,28 @@ async def _read_until_closed(ws: aiohttp.ClientWebSocketResponse, events: list) 
 
 
 async def test_sigterm_refuses_new_calls_lets_the_reply_finish_and_exits_0(tiny_model_dir: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     # An 8 s reply (made faster than real time, but not at once): SIGTERM lands in its middle.
-    proc = _spawn(tiny_model_dir, port, "--max-reply-seconds", "8", "--max-reply-tokens", "80", "--drain-s", "60")
-    try:
-        await _wait_ready(proc, url)
-        async with aiohttp.ClientSession() as http:
-            ws, events = await _start_reply(http, url)
-            reader = asyncio.ensure_future(_read_until_closed(ws, events))
-            proc.send_signal(signal.SIGTERM)
-            refused = None
-            for _ in range(100):  # until the signal is handled (bounded: 10 s)
-                async with http.post(f"{url}/v1/realtime/calls", data=await _offer(),
-                                     headers={"Content-Type": "application/sdp"}) as resp:
-                    if resp.status == 503:
-                        refused, refused_at = await resp.json(), time.monotonic()
-                        break
-                    if resp.status == 201:
-                        async with http.delete(url + resp.headers["Location"]):
-                            pass
-                await asyncio.sleep(0.1)
-            assert refused is not None and refused["error"]["code"] == "shutting_down", refused
-            async with http.get(f"{url}/healthz") as resp:
-                assert resp.status == 503 and (await resp.json())["status"] == "draining"
-            await asyncio.wait_for(reader, 60)  # the agent closes the socket once the reply is done
+    flags = ("--max-reply-seconds", "8", "--max-reply-tokens", "80", "--drain-s", "60")
+    async with _agent_process(tiny_model_dir, *flags) as (proc, url), aiohttp.ClientSession() as http:
+        ws, events = await _start_reply(http, url)
+        reader = asyncio.ensure_future(_read_until_closed(ws, events))
+        proc.send_signal(signal.SIGTERM)
+        refused = None
+        for _ in range(100):  # until the signal is handled (bounded: 10 s)
+            async with http.post(f"{url}/v1/realtime/calls", data=await _offer(),
+                                 headers={"Content-Type": "application/sdp"}) as resp:
+                if resp.status == 503:
+                    refused, refused_at = await resp.json(), time.monotonic()
+                    break
+                if resp.status == 201:
+                    async with http.delete(url + resp.headers["Location"]):
+                        pass
+            await asyncio.sleep(0.1)
+        assert refused is not None and refused["error"]["code"] == "shutting_down", refused
+        async with http.get(f"{url}/healthz") as resp:
+            assert resp.status == 503 and (await resp.json())["status"] == "draining"
+        await asyncio.wait_for(reader, 60)  # the agent closes the socket once the reply is done
         status, output = await _exit_status(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     types = [e["type"] for e in events]
     done = [e for e in events if e["type"] == "response.done"]
     assert done, f"the reply in progress was not finished: {types[-10:]}"
@@ -167,34 +171,21 @@ async def test_sigterm_refuses_new_calls_lets_the_reply_finish_and_exits_0(tiny_
 
 
 async def test_sigint_on_an_idle_agent_exits_0(tiny_model_dir: Path) -> None:
-    port = free_port()
-    proc = _spawn(tiny_model_dir, port)
-    try:
-        await _wait_ready(proc, f"http://127.0.0.1:{port}")
+    async with _agent_process(tiny_model_dir) as (proc, _url):
         proc.send_signal(signal.SIGINT)
         status, output = await _exit_status(proc, timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert status == 0 and "Traceback" not in output and "omni-agent: stopped" in output, output[-3000:]
 
 
 async def test_a_reply_longer_than_the_drain_deadline_is_cut(tiny_model_dir: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = _spawn(tiny_model_dir, port, "--max-reply-seconds", "30", "--max-reply-tokens", "400", "--drain-s", "1")
-    try:
-        await _wait_ready(proc, url)
-        async with aiohttp.ClientSession() as http:
-            ws, events = await _start_reply(http, url)
-            reader = asyncio.ensure_future(_read_until_closed(ws, events))
-            signalled = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(reader, 60)
+    flags = ("--max-reply-seconds", "30", "--max-reply-tokens", "400", "--drain-s", "1")
+    async with _agent_process(tiny_model_dir, *flags) as (proc, url), aiohttp.ClientSession() as http:
+        ws, events = await _start_reply(http, url)
+        reader = asyncio.ensure_future(_read_until_closed(ws, events))
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(reader, 60)
         status, output = await _exit_status(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert status == 0 and "Traceback" not in output, output[-3000:]
     assert "cut off at the 1 s deadline" in output, output[-3000:]
     print(f"\ndrain deadline: a 30 s reply cut, exit 0 after {time.monotonic() - signalled:.1f} s")
