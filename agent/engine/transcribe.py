@@ -186,34 +186,31 @@ class Transcriber:
                 work.append((sid, tr, tr.turn, due == "final"))
         if not work:
             return []
-        # Append the new final audio tokens to each transcript row, all in one forward.
-        feeds = []
-        for _, tr, turn, _ in work:
-            audio = _audio(turn)
-            n = 0 if audio is None else int(audio.shape[0])
-            tr.kv.crop(*tr.audio_end)
-            ids = [] if tr.opened else [self.ids.im_start, *self.ids.user, *self.ids.newline, self.ids.audio_start]
-            tr.opened = True
-            if n > tr.fed:
-                ids += [self.ids.audio_pad] * (n - tr.fed)
-            if ids:
-                new = audio[tr.fed :] if n > tr.fed else None
-                feeds.append((tr.kv, self.thinker.start_prefill(tr.kv, ids, audio=new), None))
-            tr.fed, tr.runs_at, tr.frames_at = n, n, turn.audio.encoder.frames_in
-        if feeds:
-            self.thinker.run_prefills(feeds)
-        for _, tr, _, _ in work:
-            tr.audio_end = (tr.kv.length, tr.kv.next_pos)
-        # A partial's provisional tokens (the open chunk), the prompt's end and the stable text,
-        # then greedy decoding past it; all of it is cropped off after the run.
+        # A partial's provisional tokens: the open chunks of all partials in one encoder pass.
         partial = [(i, turn.audio.encoder) for i, (_, _, turn, final) in enumerate(work) if not final]
         tails: list[torch.Tensor | None] = [None] * len(work)
         for (i, _), tail in zip(partial, AudioBlockEncoder.provisional_batch([e for _, e in partial])):
-            tails[i] = tail  # (all sessions' open chunks in one encoder pass)
+            tails[i] = tail
+        # One prefill per row, all rows in one forward: the new final audio tokens (they stay in
+        # the row), then the provisional tokens, the prompt's end and the stable text (cropped
+        # off after the run), then greedy decoding past it.
         jobs = []
-        for (_, tr, turn, final), tail in zip(work, tails):
-            pads = [self.ids.audio_pad] * (0 if tail is None else int(tail.shape[0]))
-            job = self.thinker.start_prefill(tr.kv, pads + self.suffix_ids + tr.stable, audio=tail)
+        for (_, tr, turn, _), tail in zip(work, tails):
+            audio = _audio(turn)
+            n = 0 if audio is None else int(audio.shape[0])
+            tr.kv.crop(*tr.audio_end)
+            kept = [] if tr.opened else [self.ids.im_start, *self.ids.user, *self.ids.newline, self.ids.audio_start]
+            tr.opened = True
+            feats = [audio[tr.fed :]] if n > tr.fed else []
+            kept += [self.ids.audio_pad] * (n - tr.fed if n > tr.fed else 0)
+            pads = [] if tail is None else [self.ids.audio_pad] * int(tail.shape[0])
+            feats += [] if tail is None else [tail]
+            job = self.thinker.start_prefill(tr.kv, kept + pads + self.suffix_ids + tr.stable,
+                                             audio=torch.cat(feats) if feats else None)
+            # Where the kept part ends: the row is cropped back to here after the run (text and
+            # plain audio tokens take one position each).
+            tr.audio_end = (tr.kv.length + len(kept), tr.kv.next_pos + len(kept))
+            tr.fed, tr.runs_at, tr.frames_at = n, n, turn.audio.encoder.frames_in
             jobs.append((tr.kv, job, None))
         self.thinker.run_prefills(jobs)
         logits = torch.stack([job.result().last_logits for _, job, _ in jobs])
