@@ -139,6 +139,7 @@ async def create_call(request: web.Request) -> web.Response:
     except Exception as exc:  # e.g. a media section without a direction aiortc can intersect
         await call.close()
         return _bad(400, f"cannot answer this offer: {type(exc).__name__}: {exc}", "bad_sdp", param="sdp")
+    call.answered = True
     return web.Response(status=201, text=pc.localDescription.sdp, content_type="application/sdp",
                         headers={"Location": f"/v1/realtime/calls/{call.id}"})
 

@@ -35,6 +35,9 @@ class RtcCall:
     def __init__(self, config: Config, engine: Engine, admission: Admission, pc: RTCPeerConnection,
                  settings: dict[str, Any], on_closed: Callable[["RtcCall"], None]) -> None:
         self.id = f"{config.call_id_prefix}.{new_id('rtc')}" if config.call_id_prefix else new_id("rtc")
+        # Set when the offer's answer is returned: until then a replica counts the call as an
+        # offer in flight (agent/serve/replica.py), so that it is never counted twice or not at all.
+        self.answered = False
         self.config = config
         self.pc = pc
         self._channel: Optional[RTCDataChannel] = None

@@ -47,6 +47,7 @@ class AsgiBridge:
     def __init__(self, socket_path: str, replica_id: str, gate: Callable[[], Optional[Refusal]]) -> None:
         self.replica_id = replica_id
         self._gate = gate
+        self.offers_in_flight = 0  # offers past the gate whose answer has not come back yet
         self._socket_path = socket_path
         self._http: Optional[aiohttp.ClientSession] = None
 
@@ -97,6 +98,27 @@ class AsgiBridge:
         if refusal is not None:
             await self._send_refusal(refusal, send)
             return
+        if not is_offer(scope.get("method", ""), scope.get("path", "")):
+            await self._relay(scope, receive, send, on_answer=None)
+            return
+        # An offer counts as a call from here until its answer comes back (the call's session
+        # counts from its answer on): the router's view of this replica is never short of it.
+        self.offers_in_flight += 1
+        pending = True
+
+        def answered() -> None:
+            nonlocal pending
+            if pending:
+                pending = False
+                self.offers_in_flight -= 1
+
+        try:
+            await self._relay(scope, receive, send, on_answer=answered)
+        finally:
+            answered()
+
+    async def _relay(self, scope: Scope, receive: Receive, send: Send,
+                     on_answer: Optional[Callable[[], None]]) -> None:
         body = bytearray()
         while True:  # bodies are small (an SDP offer, a JSON object): read whole
             message = await receive()
@@ -107,6 +129,8 @@ class AsgiBridge:
                 break
         async with self._session().request(scope["method"], self._target(scope), headers=self._headers(scope),
                                            data=bytes(body) if body else None, allow_redirects=False) as resp:
+            if on_answer is not None:
+                on_answer()
             headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()
                        if k.lower() not in _HOP_BY_HOP]
             headers.append((REPLICA_HEADER.encode(), self.replica_id.encode()))

@@ -11,7 +11,8 @@ Pins:
 - OfferGate: draining and the offer rate refuse with 503 + Retry-After;
 - AsgiBridge against a real aiohttp app on a Unix socket: status, headers and a streamed
   body relayed chunk by chunk; a foreign call answered 410 without reaching the app; a
-  refused offer never reaches the handler.
+  refused offer never reaches the handler; an offer counts as in flight (part of the replica's
+  call count) from the gate until its answer is back, a refused one never.
 """
 
 from __future__ import annotations
@@ -206,8 +207,11 @@ async def _asgi(bridge: AsgiBridge, method: str, path: str, body: bytes = b"", q
 async def test_bridge_relays_streams_and_refuses(tmp_path) -> None:
     seen: list[str] = []
 
+    in_flight: list[int] = []
+
     async def offer(request: web.Request) -> web.Response:
         seen.append(await request.text())
+        in_flight.append(bridge.offers_in_flight)  # while it is being answered, it counts
         return web.Response(status=201, text="answer", content_type="application/sdp",
                             headers={"Location": "/v1/realtime/calls/me.rtc_1"})
 
@@ -232,6 +236,7 @@ async def test_bridge_relays_streams_and_refuses(tmp_path) -> None:
         status, headers, body = await _asgi(bridge, "POST", "/v1/realtime/calls", b"v=0 offer")
         assert (status, b"".join(body), seen) == (201, b"answer", ["v=0 offer"])
         assert headers["location"] == "/v1/realtime/calls/me.rtc_1" and headers["x-omni-replica"] == "me"
+        assert in_flight == [1] and bridge.offers_in_flight == 0, "an offer counts until its answer is back"
 
         status, headers, body = await _asgi(bridge, "GET", "/v1/realtime/calls/me.rtc_1/events")
         assert status == 200 and headers["content-type"] == "text/event-stream"
@@ -243,6 +248,7 @@ async def test_bridge_relays_streams_and_refuses(tmp_path) -> None:
         refuse.append(Refusal(503, "draining", "draining", retry_after_s=1))
         status, headers, _ = await _asgi(bridge, "POST", "/v1/realtime/calls", b"v=0 second")
         assert status == 503 and headers["retry-after"] == "1" and seen == ["v=0 offer"]
+        assert bridge.offers_in_flight == 0, "a refused offer never counts"
     finally:
         await bridge.close()
         await runner.cleanup()
