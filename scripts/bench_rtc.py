@@ -19,17 +19,22 @@ with --no-speculative-start; server TTFA (end of turn → first audio frame sent
 response.done's omni field) P50 on over off, and the share of turns whose reply was committed
 from a speculation (omni.stats.speculative).
 
-Then the camera comparison, same agent: one WebRTC session without video, then one sending a
-640x480 camera at 4 fps, each for --camera-turns turns; the server's end-of-turn → first audio
-(TTFA, from response.done) compared, and the image tokens response.done's usage reports.
+Then the camera comparison, same agent: one WebRTC session without video and one sending a
+640x480 camera at 4 fps, each for --camera-turns turns, alternated in --camera-blocks blocks
+(off, on, off, on, ...); the server's end-of-turn → first audio (TTFA, from response.done) and
+the client's voice-to-voice compared, and the image tokens response.done's usage reports.
 
 Prints a table per concurrency level, one per transport, one for speculation and one for the
 camera; last line:
-`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D speculative_ttfa_ratio=S speculative_share=F camera_ttfa_ratio=C image_tokens=I`
+`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D speculative_ttfa_ratio=S speculative_share=F camera_ttfa_ratio=C camera_ttfa_delta_ms=T camera_v2v_ratio=V image_tokens=I`
 (voice-to-voice P95 at 4 sessions over 1 session; overhead P50 at 1 session; WebSocket P50
 minus WebRTC P50 end of speech → first audio, target ≤ 30 ms; server TTFA P50 with speculation
 over without, target ≤ 0.2; share of turns committed from a speculation; TTFA P50 camera on
-over camera off, target ≤ 1.1; image tokens per camera-on turn, median).
+over camera off, target ≤ 1.1, and the same as a difference in ms; voice-to-voice P50 (the
+user's end of speech → first audible reply, as the client hears it) camera on over off; image
+tokens per camera-on turn, median). With speculative start both TTFAs are a few ms (the reply
+was made in the pause), so their ratio swings with ms-level scheduling noise: read it with the
+difference and the voice-to-voice ratio beside it.
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
 
 With --ray --replicas N (the `serve` extra): the single-process agent and then the agent as N
@@ -193,6 +198,24 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
     }
 
 
+def merge_levels(runs: list[dict]) -> dict:
+    """Several run_level results of one setting as one: samples pooled, counts summed, the
+    stage means averaged (the /metrics quantiles of a block are dropped: they do not pool)."""
+    out = dict(runs[0])
+    for r in runs[1:]:
+        for key, value in r.items():
+            if isinstance(value, list):
+                out[key] = out[key] + value
+            elif key == "stages":
+                out[key] = {k: v + value[k] for k, v in out[key].items()}
+            elif key not in ("n", "server_ttfa_p50", "server_ttfa_p95"):
+                out[key] += value
+    out["stages"] = {k: v / len(runs) for k, v in out["stages"].items()}
+    if len(runs) > 1:
+        out["server_ttfa_p50"] = out["server_ttfa_p95"] = float("nan")
+    return out
+
+
 def start_server(
     port: int, args: argparse.Namespace, ray_replicas: int = 0, extra: tuple[str, ...] = ()
 ) -> subprocess.Popen:
@@ -318,14 +341,20 @@ async def main_async(args: argparse.Namespace) -> None:
             speculation["on"] = await run_level(url, rtc(url), 1, args.spec_turns, limit_s, silence_s)
         camera = {}
         if args.camera_turns:
-            # Same agent, same speech, one session at a time: only the camera differs.
-            camera["off"] = await run_level(
-                url, lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s),
-                1, args.camera_turns, limit_s, silence_s)
-            camera["on"] = await run_level(
-                url, lambda: AgentClient(url, wav, repeat_after_s=args.gap_s,
-                                         video_source=PatternVideoTrack(640, 480, fps=4)),
-                1, args.camera_turns, limit_s, silence_s)
+            # Same agent, same speech, one session at a time: only the camera differs. Off and on
+            # alternate in blocks, so that a drift in the machine's load hits both alike.
+            make = {
+                "off": lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s),
+                "on": lambda: AgentClient(url, wav, repeat_after_s=args.gap_s,
+                                          video_source=PatternVideoTrack(640, 480, fps=4)),
+            }
+            blocks = max(1, min(args.camera_blocks, args.camera_turns))
+            parts: dict[str, list[dict]] = {"off": [], "on": []}
+            for b in range(blocks):
+                turns = args.camera_turns // blocks + (b < args.camera_turns % blocks)
+                for name in ("off", "on"):
+                    parts[name].append(await run_level(url, make[name], 1, turns, limit_s, silence_s))
+            camera = {name: merge_levels(runs) for name, runs in parts.items()}
             for name, r in camera.items():
                 print(f"  camera {name}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
     finally:
@@ -380,7 +409,7 @@ async def main_async(args: argparse.Namespace) -> None:
                   f"{ms(pct(r['v2v'], 50)):>8} {r['speculative']:>9} {r['glitches']:>6} {r['underruns']:>8.0f}")
         spec_ratio = pct(speculation["on"]["ttfa"], 50) / pct(speculation["off"]["ttfa"], 50)
         spec_share = speculation["on"]["speculative"] / max(1, speculation["on"]["dones"])
-    camera_ratio, image_tokens = float("nan"), float("nan")
+    camera_ratio = camera_v2v_ratio = camera_ttfa_delta = image_tokens = float("nan")
     if camera:
         print("\ncamera (1 session; 640x480 at 4 fps vs none; TTFA from the server, image tokens from usage)")
         print(f"{'camera':>6} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'v2v p50':>8} {'img tok':>7} "
@@ -390,10 +419,14 @@ async def main_async(args: argparse.Namespace) -> None:
                   f"{ms(pct(r['v2v'], 50)):>8} {pct(r['image_tokens'], 50):>7.0f} "
                   f"{ms(r['stages']['vision_encoder']):>8} {ms(r['stages']['thinker_prefill']):>8} {r['late_frames']:>11}")
         camera_ratio = pct(camera["on"]["ttfa"], 50) / pct(camera["off"]["ttfa"], 50)
+        camera_v2v_ratio = pct(camera["on"]["v2v"], 50) / pct(camera["off"]["v2v"], 50)
+        camera_ttfa_delta = pct(camera["on"]["ttfa"], 50) - pct(camera["off"]["ttfa"], 50)
         image_tokens = pct(camera["on"]["image_tokens"], 50)
     print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "
           f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f} speculative_ttfa_ratio={spec_ratio:.2f} "
-          f"speculative_share={spec_share:.2f} camera_ttfa_ratio={camera_ratio:.2f} image_tokens={image_tokens:.0f}")
+          f"speculative_share={spec_share:.2f} camera_ttfa_ratio={camera_ratio:.2f} "
+          f"camera_ttfa_delta_ms={camera_ttfa_delta * 1000:.1f} camera_v2v_ratio={camera_v2v_ratio:.2f} "
+          f"image_tokens={image_tokens:.0f}")
 
 
 def main() -> None:
@@ -413,6 +446,8 @@ def main() -> None:
                    help="turns each with speculative start on and off (0: skip the comparison)")
     p.add_argument("--camera-turns", type=int, default=5,
                    help="turns each for the camera on vs off comparison (0: skip it)")
+    p.add_argument("--camera-blocks", type=int, default=2,
+                   help="off/on blocks the camera turns are split into, alternated")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
     p.add_argument("--ray", action="store_true", help="compare single process with Ray Serve replicas")
     p.add_argument("--replicas", type=int, default=2, help="with --ray: Serve replicas")
