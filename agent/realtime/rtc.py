@@ -36,7 +36,7 @@ class RtcCall:
                  settings: dict[str, Any], on_closed: Callable[["RtcCall"], None]) -> None:
         self.id = f"{config.call_id_prefix}.{new_id('rtc')}" if config.call_id_prefix else new_id("rtc")
         # Set when the offer's answer is returned: until then a replica counts the call as an
-        # offer in flight (agent/serve/replica.py), so that it is never counted twice or not at all.
+        # offer in flight (agent/serve/replica.py), not as a session as well.
         self.answered = False
         self.config = config
         self.pc = pc

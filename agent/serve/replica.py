@@ -79,7 +79,7 @@ class AgentReplica:
         """Calls carried or being set up: every session whose offer was answered (WebSocket
         sessions have no offer), and every offer past the gate whose answer has not come back.
         So a call counts from the gate on, and a routing report taken while its offer is being
-        answered is not short of it (the router then placed a 5th call on a 2-slot replica);
+        answered is not short of it (it was, and the router put a third call on a 2-slot replica);
         it counts twice only while the answer crosses the replica's own socket."""
         sessions = tuple(self.web[SESSIONS].values())  # one step: Serve may ask from another thread
         settled = sum(1 for s in sessions if getattr(s, "answered", True))
