@@ -14,6 +14,9 @@ gaps between its deltas' since_speech_ms (cadence), `omni.after_end_ms` of compl
 `--compare M`: one run, one engine: M conversation sessions, then 3*M (--ratio) transcription
 sessions; the last line says, for each of the three p95s, whether the transcription sessions
 are at or under the conversation sessions' (capacity >= ratio x at the same caption latency).
+By default every user starts speaking at the same instant (lockstep: all sessions' half-second
+partials fall in one engine tick, the worst case); `--stagger-s S` spreads the onsets evenly
+over S seconds, as independent speakers would be.
 
     python scripts/bench_captions.py --sessions 1 --rounds 3
     python scripts/bench_captions.py --sessions 3 --kind conversation
@@ -59,7 +62,7 @@ def utterance() -> np.ndarray:
     return np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.int16)
 
 
-async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[dict]) -> None:
+async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[dict], lead_s: float = 1.0) -> None:
     query = "?intent=transcription" if kind == "transcription" else ""
     async with aiohttp.ClientSession() as http, http.ws_connect(f"{url}/v1/realtime{query}") as ws:
         if kind == "conversation":
@@ -83,9 +86,10 @@ async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[d
 
         reader = asyncio.ensure_future(read())
         silence = np.zeros(int(1.5 * 24000), np.int16)
-        # A second of silence first: nobody speaks at the instant they connect (the session's
-        # setup is not what a caption's latency measures).
-        audio = np.concatenate([np.zeros(24000, np.int16)] + [np.concatenate([pcm, silence])] * rounds)
+        # A second of silence first (plus the user's stagger): nobody speaks at the instant they
+        # connect (the session's setup is not what a caption's latency measures).
+        lead = np.zeros(int(lead_s * 24000), np.int16)
+        audio = np.concatenate([lead] + [np.concatenate([pcm, silence])] * rounds)
         start = time.monotonic()
         for i, at in enumerate(range(0, len(audio), 480)):  # 20 ms appends on the wall clock
             chunk = base64.b64encode(audio[at : at + 480].astype("<i2").tobytes()).decode()
@@ -106,11 +110,13 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def clients(url: str, kind: str, sessions: int, rounds: int) -> list[dict]:
-    """The simulated users (the child process's work): every item's figures."""
+async def clients(url: str, kind: str, sessions: int, rounds: int, stagger_s: float = 0.0) -> list[dict]:
+    """The simulated users (the child process's work): every item's figures. With stagger_s,
+    user k starts speaking k * stagger_s / sessions later than user 0 (0: all in lockstep)."""
     pcm = utterance()
     items: list[dict] = []
-    await asyncio.gather(*(session(url, kind, pcm, rounds, items) for _ in range(sessions)))
+    await asyncio.gather(*(session(url, kind, pcm, rounds, items, 1.0 + k * stagger_s / sessions)
+                           for k in range(sessions)))
     return items
 
 
@@ -139,11 +145,11 @@ def report(kind: str, sessions: int, rounds: int, items: list[dict]) -> dict[str
     return f
 
 
-async def run_clients(url: str, kind: str, sessions: int, rounds: int) -> list[dict]:
+async def run_clients(url: str, kind: str, sessions: int, rounds: int, stagger_s: float = 0.0) -> list[dict]:
     """The users in a child process; its stdout is the items as JSON."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--client", url, "--kind", kind, "--sessions", str(sessions),
-        "--rounds", str(rounds), stdout=asyncio.subprocess.PIPE)
+        "--rounds", str(rounds), "--stagger-s", str(stagger_s), stdout=asyncio.subprocess.PIPE)
     out, _ = await proc.communicate()
     if proc.returncode:
         raise SystemExit(f"the client process failed ({proc.returncode})")
@@ -158,12 +164,14 @@ async def main() -> None:
     p.add_argument("--compare", type=int, default=0, metavar="M",
                    help="M conversation sessions, then ratio*M transcription sessions, one engine")
     p.add_argument("--ratio", type=int, default=3)
+    p.add_argument("--stagger-s", type=float, default=0.0,
+                   help="spread the users' speech onsets evenly over this many seconds (0: lockstep, the worst case)")
     p.add_argument("--model", default="", help="model path (default: the tiny checkpoint)")
     p.add_argument("--port", type=int, default=18089)
     p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # the child process
     args = p.parse_args()
     if args.client:
-        print(json.dumps(await clients(args.client, args.kind, args.sessions, args.rounds)))
+        print(json.dumps(await clients(args.client, args.kind, args.sessions, args.rounds, args.stagger_s)))
         return
     most = max(args.sessions, args.compare * (args.ratio + 1))
     config = Config(host="127.0.0.1", port=args.port, model=args.model, fallback_model="none",
@@ -176,11 +184,12 @@ async def main() -> None:
     print(f"utterance {len(utterance()) / 24000:.1f} s, then 1.5 s of silence")
     try:
         if not args.compare:
-            report(args.kind, args.sessions, args.rounds, await run_clients(url, args.kind, args.sessions, args.rounds))
+            report(args.kind, args.sessions, args.rounds,
+                   await run_clients(url, args.kind, args.sessions, args.rounds, args.stagger_s))
             return
         m, n = args.compare, args.compare * args.ratio
-        conv = report("conversation", m, args.rounds, await run_clients(url, "conversation", m, args.rounds))
-        tx = report("transcription", n, args.rounds, await run_clients(url, "transcription", n, args.rounds))
+        conv = report("conversation", m, args.rounds, await run_clients(url, "conversation", m, args.rounds, args.stagger_s))
+        tx = report("transcription", n, args.rounds, await run_clients(url, "transcription", n, args.rounds, args.stagger_s))
     finally:
         await runner.cleanup()
     verdicts = []
