@@ -92,6 +92,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="offers beyond this get 503")
     p.add_argument("--high-priority-slots", type=int, default=d.high_priority_slots,
                    help="of --max-sessions, slots kept for priority=high sessions (default %(default)s)")
+    p.add_argument("--max-transcription-sessions", type=_at_least_zero, default=d.max_transcription_sessions,
+                   help="transcription (captions-only) sessions admitted on their own limit, beyond --max-sessions "
+                        "(default %(default)s: they count against --max-sessions)")
     p.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s,
                    help="close a session whose peer has not connected by then (frees its slot)")
     p.add_argument("--max-turns-per-s", type=float, default=d.max_turns_per_s, help="turn rate limit per engine")
@@ -121,6 +124,13 @@ def _positive(kind):
 
     parse.__name__ = kind.__name__  # argparse names the type in its error message
     return parse
+
+
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 def _ice_server(text: str):

@@ -111,6 +111,11 @@ class Config:
     max_sessions: int = 8
     # Of max_sessions, slots only high-priority sessions may take (priority classes: high, normal).
     high_priority_slots: int = 0
+    # Transcription sessions (captions only: no replies) admitted on a limit of their own, on
+    # top of max_sessions; 0: they count against max_sessions like any session. They cost the
+    # engine a fraction of a conversation (scripts/bench_captions.py --capacity), so a limit
+    # sized for conversations would turn most of the caption viewers an engine can serve away.
+    max_transcription_sessions: int = 0
     connect_timeout_s: float = 15.0  # an answered offer that never connects frees its slot
     max_turns_per_s: float = 20.0  # per engine
     text_only_p95_ms: float = 300.0  # P95 first-response latency above this: text-only replies
@@ -129,6 +134,11 @@ class Config:
     fallback_model: str = ""
     ladder_min_samples: int = 5  # replies needed before the ladder judges
     ladder_window: int = 50  # latest replies the P95 is taken over
+
+    @property
+    def engine_slots(self) -> int:
+        """Session slots in the engine's static caches: every session the admission can let in."""
+        return self.max_sessions + self.max_transcription_sessions
 
     @property
     def model_path(self) -> str:

@@ -18,9 +18,16 @@ By default every user starts speaking at the same instant (lockstep: all session
 partials fall in one engine tick, the worst case); `--stagger-s S` spreads the onsets evenly
 over S seconds, as independent speakers would be.
 
+`--capacity`: the capacity of each kind, the figure the transcription target is stated in. Each
+kind runs at the session counts of --levels in turn, one engine, until a level misses the
+budget: every p95 at or under --budget-ms (first partial, cadence, final) and every item's final
+arrived with no error. A kind's capacity is its last level in budget, so both kinds are held to
+the same p95 caption latency; the last line gives both and their ratio (target >= 3).
+
     python scripts/bench_captions.py --sessions 1 --rounds 3
     python scripts/bench_captions.py --sessions 3 --kind conversation
     python scripts/bench_captions.py --compare 4 --rounds 2
+    python scripts/bench_captions.py --capacity --rounds 2 --stagger-s 1
 """
 
 from __future__ import annotations
@@ -156,6 +163,39 @@ async def run_clients(url: str, kind: str, sessions: int, rounds: int, stagger_s
     return json.loads(out)
 
 
+BUDGET_KEYS = ("first", "cadence", "final")
+
+
+def in_budget(f: dict[str, list[float]], items: list[dict], sessions: int, rounds: int,
+              budget_ms: list[float]) -> tuple[bool, str]:
+    """Whether a level held: every final of sessions x rounds items arrived, no error, and each
+    p95 at or under its budget. The reason when it did not."""
+    errors = sum("error" in i for i in items)
+    if errors or len(f["final"]) < sessions * rounds:
+        return False, f"{len(f['final'])}/{sessions * rounds} finals, {errors} errors"
+    over = [f"{key} p95 {pct(f[key], 95):.0f} > {limit:.0f}" for key, limit in zip(BUDGET_KEYS, budget_ms)
+            if not pct(f[key], 95) <= limit]
+    return not over, ", ".join(over)
+
+
+async def capacity(url: str, kind: str, levels: list[int], rounds: int, stagger_s: float,
+                   budget_ms: list[float]) -> int:
+    """The kind's last level in budget (0: not even the first)."""
+    held = 0
+    for n in levels:
+        items = await run_clients(url, kind, n, rounds, stagger_s)
+        ok, why = in_budget(report(kind, n, rounds, items), items, n, rounds, budget_ms)
+        print(f"LEVEL kind={kind} sessions={n} {'in budget' if ok else 'over budget: ' + why}", flush=True)
+        if not ok:
+            break
+        held = n
+    return held
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=1)
@@ -164,6 +204,11 @@ async def main() -> None:
     p.add_argument("--compare", type=int, default=0, metavar="M",
                    help="M conversation sessions, then ratio*M transcription sessions, one engine")
     p.add_argument("--ratio", type=int, default=3)
+    p.add_argument("--capacity", action="store_true",
+                   help="each kind's most sessions in budget, over --levels; the last line gives the ratio")
+    p.add_argument("--levels", type=ints, default=[2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+    p.add_argument("--budget-ms", type=lambda t: [float(x) for x in t.split(",")], default=[1200.0, 1000.0, 1000.0],
+                   metavar="FIRST,CADENCE,FINAL", help="p95 budgets of the capacity run (default 1200,1000,1000)")
     p.add_argument("--stagger-s", type=float, default=0.0,
                    help="spread the users' speech onsets evenly over this many seconds (0: lockstep, the worst case)")
     p.add_argument("--model", default="", help="model path (default: the tiny checkpoint)")
@@ -173,9 +218,12 @@ async def main() -> None:
     if args.client:
         print(json.dumps(await clients(args.client, args.kind, args.sessions, args.rounds, args.stagger_s)))
         return
-    most = max(args.sessions, args.compare * (args.ratio + 1))
+    if len(args.budget_ms) != 3:
+        p.error("--budget-ms takes three numbers: first partial, cadence, final")
+    most = max(args.sessions, args.compare * (args.ratio + 1), max(args.levels) if args.capacity else 0)
+    # All the users come from one loopback address, standing for many: no per-address call rate.
     config = Config(host="127.0.0.1", port=args.port, model=args.model, fallback_model="none",
-                    max_sessions=max(8, 2 * most))
+                    max_sessions=max(8, 2 * most), max_calls_per_minute=0)
     runner = web.AppRunner(create_app(config, build_engine(config)))
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
@@ -183,6 +231,18 @@ async def main() -> None:
     await wait_ready(url, timeout_s=120)
     print(f"utterance {len(utterance()) / 24000:.1f} s, then 1.5 s of silence")
     try:
+        if args.capacity:
+            # A warm-up call of each kind first, not counted: the first turns pay one-off costs.
+            for kind in ("conversation", "transcription"):
+                await run_clients(url, kind, 1, 1, 0.0)
+            caps = {kind: await capacity(url, kind, args.levels, args.rounds, args.stagger_s, args.budget_ms)
+                    for kind in ("conversation", "transcription")}
+            tx, conv = caps["transcription"], caps["conversation"]
+            budget = ",".join(f"{k}:{v:.0f}" for k, v in zip(BUDGET_KEYS, args.budget_ms))
+            print(f"CAPACITY transcription={tx} conversation={conv} "
+                  f"ratio={tx / conv if conv else float('nan'):.1f} budget_p95_ms={budget} "
+                  f"stagger_s={args.stagger_s:g} rounds={args.rounds}")
+            return
         if not args.compare:
             report(args.kind, args.sessions, args.rounds,
                    await run_clients(url, args.kind, args.sessions, args.rounds, args.stagger_s))

@@ -89,7 +89,7 @@ def fallback_factory(config: Config) -> Optional[Callable[[], Runner]]:
 
 def inbox_size(config: Config) -> int:
     """The engine inbox's bound: config.engine_inbox, and room for every session's audio."""
-    return config.engine_inbox + config.engine_inbox_per_session * config.max_sessions
+    return config.engine_inbox + config.engine_inbox_per_session * config.engine_slots
 
 
 def build_engine(config: Config, wrap: Optional[Callable[[Runner], Runner]] = None) -> Engine:

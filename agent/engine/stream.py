@@ -155,7 +155,7 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
     @classmethod
     def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
         """From agent.config.Config (system_prompt, max_reply_tokens, max_reply_seconds,
-        audio_window_s, max_sessions, context_limit, cuda_graphs, compile, cache_dir). `graphs`: graph
+        audio_window_s, engine_slots, context_limit, cuda_graphs, compile, cache_dir). `graphs`: graph
         settings (default "auto": graphs on a CUDA device); `config.cuda_graphs=False`
         (--no-cuda-graphs) turns them off whatever they say; `config.compile` decides compilation."""
         graphs = graphs or GraphConfig()
@@ -169,7 +169,7 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
             max_reply_tokens=config.max_reply_tokens,
             max_reply_seconds=config.max_reply_seconds,
             audio_window_s=config.audio_window_s,
-            max_sessions=config.max_sessions,
+            max_sessions=config.engine_slots,  # transcription sessions' slots included
             context_limit=config.context_limit,
             graphs=graphs,
             video=VideoPolicy(config.video_fps, config.video_window_s, config.video_turn_tokens) if config.video else None,

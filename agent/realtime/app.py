@@ -33,9 +33,11 @@ def json_error(status: int, message: str, code: str, *, kind: str = "invalid_req
     return web.json_response(body, status=status, headers=headers)
 
 
-def refuse_new_session(request: web.Request, priority_class: str = priority.NORMAL) -> Optional[web.Response]:
+def refuse_new_session(request: web.Request, priority_class: str = priority.NORMAL,
+                       transcription: bool = False) -> Optional[web.Response]:
     """503 (with Retry-After) while the engine loads, after it died, while shutting down or at
-    the session limit (for a normal session: the limit less the slots kept for high priority);
+    the session limit (for a normal session: the limit less the slots kept for high priority;
+    for a transcription session, its own limit when --max-transcription-sessions sets one);
     429 when this client address opens calls too fast."""
     app = request.app
     config, engine = app[CONFIG], app[ENGINE]
@@ -50,7 +52,17 @@ def refuse_new_session(request: web.Request, priority_class: str = priority.NORM
     if not engine.ready:
         metrics.OFFERS_REJECTED.labels(reason="not_ready").inc()
         return json_error(503, "engine is still loading", "not_ready", kind="server_error", **{"Retry-After": "5"})
-    reason = priority.refusal(active_by_priority(app), priority_class, config.max_sessions, config.high_priority_slots)
+    own_limit = config.max_transcription_sessions
+    if transcription and own_limit:
+        if sum(active_by_priority(app, transcription=True).values()) >= own_limit:
+            metrics.OFFERS_REJECTED.labels(reason="capacity").inc()
+            return json_error(503, f"transcription session limit reached ({own_limit})", "capacity",
+                              kind="server_error", **{"Retry-After": "10"})
+        reason = None
+    else:
+        # With a limit of their own, transcription sessions take nothing from max_sessions.
+        active = active_by_priority(app, transcription=False if own_limit else None)
+        reason = priority.refusal(active, priority_class, config.max_sessions, config.high_priority_slots)
     if reason == "capacity":
         metrics.OFFERS_REJECTED.labels(reason="capacity").inc()
         return json_error(503, f"session limit reached ({config.max_sessions})", "capacity", kind="server_error",
@@ -68,11 +80,14 @@ def refuse_new_session(request: web.Request, priority_class: str = priority.NORM
     return None
 
 
-def active_by_priority(app: web.Application) -> dict[str, int]:
-    """Sessions per priority class (a connection whose session is not made yet counts as normal)."""
+def active_by_priority(app: web.Application, transcription: Optional[bool] = None) -> dict[str, int]:
+    """Sessions per priority class (a connection whose session is not made yet counts as a
+    normal conversation); `transcription` True or False: only transcription sessions, or none."""
     counts = {p: 0 for p in priority.PRIORITIES}
     for connection in app[SESSIONS].values():
         session = getattr(connection, "session", None)
+        if transcription is not None and getattr(session, "transcription_only", False) != transcription:
+            continue
         counts[getattr(session, "priority", priority.NORMAL)] += 1
     return counts
 

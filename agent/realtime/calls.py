@@ -111,7 +111,8 @@ async def create_call(request: web.Request) -> web.Response:
         check_offer(sdp)
     except OfferError as exc:
         return _bad(400, f"invalid SDP offer: {exc}", "bad_sdp", param="sdp")
-    refused = refuse_new_session(request, session_config.priority_of(settings))
+    refused = refuse_new_session(request, session_config.priority_of(settings),
+                                 transcription=settings.get("type") == "transcription")
     if refused is not None:
         return refused
 

@@ -72,7 +72,8 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         settings = session_config.offer_priority(settings, request.query.get("priority"), fixed)
     except session_config.ConfigError as exc:
         return json_error(400, str(exc), "invalid_value", param=exc.param)
-    refused = refuse_new_session(request, session_config.priority_of(settings))
+    refused = refuse_new_session(request, session_config.priority_of(settings),
+                                 transcription=settings.get("type") == "transcription")
     if refused is not None:
         return refused
     ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=None)

@@ -1,0 +1,136 @@
+"""Transcription sessions on a limit of their own (--max-transcription-sessions), over the real
+app and engine (tiny model).
+
+Pins, with max_sessions=1 and max_transcription_sessions=2:
+- one conversation is admitted, a second gets 503 `capacity` naming the session limit, though
+  no transcription session is open yet: transcription sessions do not share max_sessions;
+- with the conversation open, two transcription sessions are admitted on the WebSocket, and a
+  third gets 503 `capacity` naming the transcription limit (Retry-After); so does a WebRTC
+  offer whose session part has type transcription;
+- the engine has a slot for each (max_sessions + max_transcription_sessions): both
+  transcription sessions, speaking at once beside the open conversation, get their
+  `…input_audio_transcription.completed`, and no `error` comes;
+- with the limit unset (0, the default) a transcription session counts against max_sessions:
+  the same agent config without it refuses it while a conversation holds the only slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+import pytest_asyncio
+from openai import APIStatusError, AsyncOpenAI
+from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
+from test_realtime_ws import pcm24
+
+from agent.client import AgentClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def agent(tiny_model_dir: Path):
+    running = await start_agent(tiny_model_dir, max_sessions=1, max_transcription_sessions=2,
+                                max_reply_seconds=1.0, max_reply_tokens=8)
+    yield running
+    await running.stop()
+
+
+def ws_url(agent: RunningAgent, query: str = "") -> str:
+    return agent.url.replace("http", "ws") + "/v1/realtime?model=x" + query
+
+
+async def refused(http: aiohttp.ClientSession, url: str) -> dict:
+    async with http.get(url) as resp:  # a plain GET is refused before the upgrade
+        assert resp.status == 503 and resp.headers.get("Retry-After"), resp.status
+        return (await resp.json())["error"]
+
+
+async def events_until(ws: aiohttp.ClientWebSocketResponse, kind: str, timeout_s: float) -> list[dict]:
+    seen: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while not seen or seen[-1]["type"] != kind:
+        msg = await ws.receive(timeout=max(0.1, deadline - time.monotonic()))
+        assert msg.type == aiohttp.WSMsgType.TEXT, msg
+        seen.append(json.loads(msg.data))
+    return seen
+
+
+async def speak(ws: aiohttp.ClientWebSocketResponse, pcm: np.ndarray) -> None:
+    """20 ms appends on the wall clock, then a second of silence (server VAD ends the turn)."""
+    audio = np.concatenate([pcm, np.zeros(24_000, np.int16)])
+    start = time.monotonic()
+    for i, at in enumerate(range(0, len(audio), 480)):
+        chunk = base64.b64encode(audio[at : at + 480].astype("<i2").tobytes()).decode()
+        await ws.send_str(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+        await asyncio.sleep(max(0.0, start + (i + 1) * 0.02 - time.monotonic()))
+
+
+async def test_transcription_sessions_have_their_own_limit(agent: RunningAgent, speech_wav: Path) -> None:
+    async with aiohttp.ClientSession() as http:
+        conversation = await http.ws_connect(ws_url(agent))
+        try:
+            assert (await events_until(conversation, "session.created", 15))[-1]["type"] == "session.created"
+            error = await refused(http, ws_url(agent))
+            assert error["code"] == "capacity" and "session limit reached (1)" in error["message"]
+
+            captions = [await http.ws_connect(ws_url(agent, "&intent=transcription")) for _ in range(2)]
+            try:
+                for ws in captions:
+                    created = (await events_until(ws, "session.created", 15))[-1]
+                    assert created["session"]["type"] == "transcription"
+                error = await refused(http, ws_url(agent, "&intent=transcription"))
+                assert error["code"] == "capacity" and "transcription session limit reached (2)" in error["message"]
+
+                # WebRTC asks the same question: its offer is refused before any peer is made.
+                sdk = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
+
+                async def signal(offer: str) -> tuple[str, str]:
+                    raw = await sdk.realtime.calls.with_raw_response.create(sdp=offer, session={"type": "transcription"})
+                    return raw.text, raw.headers["location"]
+
+                client = AgentClient(agent.url, speech_wav, video=False)
+                try:
+                    with pytest.raises(APIStatusError) as exc:
+                        await client.connect(signal=signal)
+                    assert exc.value.status_code == 503
+                    assert "transcription session limit reached (2)" in exc.value.response.text
+                finally:
+                    await client.close()
+
+                # Both have an engine slot: both transcribe a turn, spoken at the same time.
+                pcm = pcm24(speech_wav)
+                seen = await asyncio.gather(*(asyncio.gather(speak(ws, pcm), events_until(ws, COMPLETED, 60))
+                                              for ws in captions))
+                for _, events in seen:
+                    assert not [e for e in events if e["type"] == "error"], events
+                    assert events[-1]["transcript"] is not None
+            finally:
+                for ws in captions:
+                    await ws.close()
+        finally:
+            await conversation.close()
+    await wait_no_sessions(agent.url, "closed sessions stayed open")
+
+
+async def test_without_a_limit_transcription_sessions_share_max_sessions(tiny_model_dir: Path) -> None:
+    shared = await start_agent(tiny_model_dir, max_sessions=1)
+    try:
+        async with aiohttp.ClientSession() as http:
+            conversation = await http.ws_connect(ws_url(shared))
+            try:
+                await events_until(conversation, "session.created", 15)
+                error = await refused(http, ws_url(shared, "&intent=transcription"))
+                assert error["code"] == "capacity" and "session limit reached (1)" in error["message"]
+            finally:
+                await conversation.close()
+    finally:
+        await shared.stop()
