@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, Optional
 import av
 import numpy as np
 
-from . import priority
+from . import metrics, priority
 from .config import INPUT_FRAME_SAMPLES, Config
 from .engine import Engine, EngineBusy
 from .engine.api import AudioOut, ReplyDone, TextDelta, TranscriptOut
@@ -237,6 +237,15 @@ class Session:
 
     def on_done(self, done: ReplyDone) -> None:
         self.replies.on_done(done)
+
+    def on_open_failed(self, message: str) -> None:
+        """The engine could not open this session (no slot left: two offers passed admission
+        at once): say so, then end it, rather than live on with nothing behind it."""
+        if self._closed:
+            return
+        metrics.ERRORS.labels(where="engine").inc()
+        self.emit_error(f"the engine could not open this session: {message}", "session_failed", kind="server_error")
+        asyncio.ensure_future(self.close())
 
     # ---- conversation items ------------------------------------------------------------
     def add_user_text(self, item_id: str, text: str, event_id: Optional[str]) -> None:

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class ReplySink(Protocol):
-    """Per-session receiver of engine output. Called on the asyncio loop only."""
+    """Per-session receiver of engine output. Called on the asyncio loop only. Optional, looked
+    up when needed: on_transcript(TranscriptOut), and on_open_failed(message) when the engine
+    could not open the session at all."""
 
     def on_text(self, delta: TextDelta) -> None: ...
 
@@ -269,19 +271,42 @@ class Engine:
             error = exc
         self._loop.call_soon_threadsafe(_settle, cmd.future, result, error)
 
+    def _open(self, runners: list[Runner], sid: str, sink: ReplySink) -> None:
+        """Open the session on every runner, or on none: a runner that cannot (no slot left,
+        e.g. when two offers passed admission at once) undoes the others, and the session is
+        told (`on_open_failed`), so that it ends with an error instead of living on with no
+        engine state behind it."""
+        opened: list[Runner] = []
+        try:
+            for runner in runners:
+                runner.open_session(sid)
+                opened.append(runner)
+        except Exception as exc:
+            log.exception("engine: open for %s failed", sid)
+            for runner in opened:
+                try:
+                    runner.close_session(sid)
+                except Exception:  # noqa: BLE001 (the open's failure is the one reported)
+                    log.exception("engine: undoing the open of %s failed", sid)
+            on_open_failed = getattr(sink, "on_open_failed", None)
+            if on_open_failed is not None:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(on_open_failed, str(exc))
+            return
+        self._sinks[sid] = sink
+
     def _apply(self, runners: list[Runner], cmd: _Cmd) -> None:
         sid = cmd.session_id
         primary = runners[0]
         if cmd.op == "call":
             self._call(primary, cmd)
             return
+        if cmd.op == "open":
+            assert cmd.sink is not None
+            self._open(runners, sid, cmd.sink)
+            return
         try:
-            if cmd.op == "open":
-                assert cmd.sink is not None
-                self._sinks[sid] = cmd.sink
-                for runner in runners:
-                    runner.open_session(sid)
-            elif cmd.op == "video":
+            if cmd.op == "video":
                 # Settled even for a closed session: the sender's feed only counts it.
                 if sid in self._sinks:
                     self._frames.add(sid, cmd.images[0], cmd.at)

@@ -33,6 +33,7 @@ class WsConnection:
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=_SEND_QUEUE)
         self.session: Session | None = None
         self.overflowed = False
+        self.writer_task: asyncio.Future | None = None
 
     def send(self, text: str) -> None:
         try:
@@ -50,6 +51,18 @@ class WsConnection:
         await self.ws.close(code=1013, message=b"client too slow")
 
     async def close(self) -> None:
+        await self.ws.close()
+
+    async def finish(self) -> None:
+        """The session's teardown hook: when the server ends the session (e.g. the engine could
+        not open it), its last events go out, then the socket closes, ending the read loop.
+        When the client ended it, all of this is already done or harmless."""
+        self.send(None)
+        try:
+            if self.writer_task is not None:
+                await asyncio.wait_for(self.writer_task, timeout=1.0)
+        except Exception:  # noqa: BLE001 (a reset or slow socket: it is being closed anyway)
+            pass
         await self.ws.close()
 
 
@@ -82,7 +95,8 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     session = Session(app[CONFIG], app[ENGINE], app[ADMISSION], send=conn.send, webrtc=False, settings=settings,
                       on_closed=lambda s: forget(app, s.id))
     conn.session = session
-    writer = asyncio.ensure_future(conn.writer())
+    session.on_close.append(conn.finish)
+    writer = conn.writer_task = asyncio.ensure_future(conn.writer())
     try:
         session.start()
     except EngineBusy:

@@ -11,7 +11,10 @@ Pins, with max_sessions=1 and max_transcription_sessions=2:
   transcription sessions, speaking at once beside the open conversation, get their
   `…input_audio_transcription.completed`, and no `error` comes;
 - with the limit unset (0, the default) a transcription session counts against max_sessions:
-  the same agent config without it refuses it while a conversation holds the only slot.
+  the same agent config without it refuses it while a conversation holds the only slot;
+- a session admitted but not opened by the engine (fewer slots than admission allows, as when
+  two offers pass admission at once) gets an `error` (code session_failed, naming the cause)
+  and its socket is closed, while the session before it goes on being served.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import asyncio
 import base64
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -31,6 +35,7 @@ from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
 from test_realtime_ws import pcm24
 
 from agent.client import AgentClient
+from agent.engine import build_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 COMPLETED = "conversation.item.input_audio_transcription.completed"
@@ -134,3 +139,30 @@ async def test_without_a_limit_transcription_sessions_share_max_sessions(tiny_mo
                 await conversation.close()
     finally:
         await shared.stop()
+
+
+async def test_a_session_the_engine_cannot_open_ends_with_an_error(tiny_model_dir: Path) -> None:
+    # Admission lets in 2, the engine has 1 slot: the second session is admitted, then refused.
+    short = await start_agent(tiny_model_dir, engine=lambda config: build_engine(replace(config, max_sessions=1)),
+                              max_sessions=2)
+    try:
+        async with aiohttp.ClientSession() as http:
+            first = await http.ws_connect(ws_url(short))
+            try:
+                await events_until(first, "session.created", 15)
+                second = await http.ws_connect(ws_url(short))
+                events = await events_until(second, "error", 15)
+                assert events[-1]["error"]["code"] == "session_failed", events
+                assert "slots are in use" in events[-1]["error"]["message"]
+                msg = await second.receive(timeout=5)  # then the server closes the socket
+                assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), msg
+                # The first session is untouched: it still answers a client event.
+                await first.send_str(json.dumps({"type": "session.update", "session": {"type": "realtime",
+                                                                                         "instructions": "Be brief."}}))
+                updated = (await events_until(first, "session.updated", 15))[-1]
+                assert updated["session"]["instructions"] == "Be brief."
+            finally:
+                await first.close()
+        await wait_no_sessions(short.url, "the failed session stayed open")
+    finally:
+        await short.stop()

@@ -9,6 +9,9 @@ Pins, with the real engine thread driving the real streaming runner (tiny model,
   with an error; each session's next turn is answered; the engine thread lives on;
 - a runner whose close of a session fails still leaves the engine without that session: its
   sink (the Session, in the agent) is no longer held, and the next session is served;
+- a session the engine cannot open (every slot taken) is told so through its sink's
+  on_open_failed, naming the cause, and is not held; its later commands are ignored; once a
+  slot is free the next session opens and is answered;
 - an error that escapes the engine loop itself (not a model error) is reported: the
   thread ends, `Engine.failed` says why, `alive` is False, and replies in flight get their
   error instead of waiting for ever.
@@ -33,6 +36,7 @@ SYSTEM = "You are a helpful assistant."
 
 class Sink:
     def __init__(self) -> None:
+        self.open_failed: list[str] = []
         self.audio = 0
         self.text: list[str] = []
         self.done: list[ReplyDone] = []
@@ -45,6 +49,9 @@ class Sink:
     def on_audio(self, audio: AudioOut) -> None:
         self.audio += 1
         self.first_audio.set()
+
+    def on_open_failed(self, message: str) -> None:
+        self.open_failed.append(message)
 
     def on_done(self, done: ReplyDone) -> None:
         self.done.append(done)
@@ -167,6 +174,33 @@ async def test_a_failing_close_still_forgets_the_session(engine: Engine) -> None
     assert done.reason in ("stop", "length") and done.stats["audio_frames"] > 0, done
     assert held() is None, "the engine still holds the closed session's sink"
     assert engine.alive and engine.failed is None
+
+
+async def test_a_session_without_a_slot_is_told_and_not_held(engine: Engine) -> None:
+    runner: StreamingRunner = engine.runner  # type: ignore[attr-defined]
+    slots = runner._slots.size
+    sinks = [Sink() for _ in range(slots)]
+    for i, sink in enumerate(sinks):
+        engine.open_session(f"s{i}", sink)
+    extra = Sink()
+    engine.open_session("extra", extra)
+    say(engine, "extra")  # ignored: the session was never opened
+    for _ in range(200):  # bounded: 10 s
+        if extra.open_failed:
+            break
+        await asyncio.sleep(0.05)
+    assert len(extra.open_failed) == 1 and "slots are in use" in extra.open_failed[0], extra.open_failed
+    assert not extra.done and extra.audio == 0
+    # (Not a weakref check: pytest's log capture keeps the logged traceback, whose frames hold it.)
+    assert "extra" not in engine._sinks, "the engine holds the sink of a session it could not open"
+
+    engine.close_session("s0")
+    late = Sink()
+    engine.open_session("late", late)
+    say(engine, "late")
+    done = await late.wait_done(1)
+    assert done.reason in ("stop", "length") and done.stats["audio_frames"] > 0, done
+    assert not late.open_failed and engine.alive and engine.failed is None
 
 
 class _Fatal(BaseException):
