@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import Config
-from .api import Runner
-from .loop import Engine, EngineBusy, ReplySink
+from .api import EngineBusy, ReplySink, Runner
+from .loop import Engine
 
 __all__ = ["Engine", "EngineBusy", "ReplySink", "runner_factory", "fallback_factory", "ensure_model", "build_engine"]
 

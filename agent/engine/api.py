@@ -93,3 +93,19 @@ class Runner(Protocol):
     def has_work(self) -> bool: ...
 
     def step(self) -> list[Output]: ...
+
+
+class ReplySink(Protocol):
+    """Per-session receiver of engine output. Called on the asyncio loop only. Optional, looked
+    up when needed: on_transcript(TranscriptOut), and on_open_failed(message) when the engine
+    could not open the session at all."""
+
+    def on_text(self, delta: TextDelta) -> None: ...
+
+    def on_audio(self, audio: AudioOut) -> None: ...
+
+    def on_done(self, done: ReplyDone) -> None: ...
+
+
+class EngineBusy(RuntimeError):
+    """The inbox is full: the engine is not keeping up with this many sessions."""

@@ -17,27 +17,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from .. import metrics
-from .api import AudioOut, Output, ReplyDone, Runner, StageTime, TextDelta, TranscriptOut
+from .api import AudioOut, EngineBusy, Output, ReplyDone, ReplySink, Runner, StageTime, TextDelta, TranscriptOut
 from .video import LatestFrames
 
 log = logging.getLogger(__name__)
-
-
-class ReplySink(Protocol):
-    """Per-session receiver of engine output. Called on the asyncio loop only. Optional, looked
-    up when needed: on_transcript(TranscriptOut), and on_open_failed(message) when the engine
-    could not open the session at all."""
-
-    def on_text(self, delta: TextDelta) -> None: ...
-
-    def on_audio(self, audio: AudioOut) -> None: ...
-
-    def on_done(self, done: ReplyDone) -> None: ...
 
 
 MODES = ("audio", "text", "fallback")
@@ -55,10 +43,6 @@ class _Cmd:
     sink: Optional[ReplySink] = None
     call: tuple = ()  # (method name, args) for op "call"
     future: Optional[asyncio.Future] = None  # settled with the call's result on the loop
-
-
-class EngineBusy(RuntimeError):
-    """The inbox is full: the engine is not keeping up with this many sessions."""
 
 
 @dataclass

@@ -41,6 +41,28 @@ class Refusal:
         return json.dumps({"error": {"message": self.message, "type": kind, "code": self.code, "param": None}}).encode()
 
 
+class _OfferInFlight:
+    """One offer in its bridge's `offers_in_flight`, from the `with` until answered() or the
+    block's end, whichever comes first (a refused or failed offer counts no longer either)."""
+
+    def __init__(self, bridge: "AsgiBridge") -> None:
+        self._bridge = bridge
+        self._pending = False
+
+    def __enter__(self) -> "_OfferInFlight":
+        self._bridge.offers_in_flight += 1
+        self._pending = True
+        return self
+
+    def answered(self) -> None:
+        if self._pending:
+            self._pending = False
+            self._bridge.offers_in_flight -= 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.answered()
+
+
 class AsgiBridge:
     """An ASGI app relaying to the aiohttp app listening on `socket_path`."""
 
@@ -103,19 +125,8 @@ class AsgiBridge:
             return
         # An offer counts as a call from here until its answer comes back (the call's session
         # counts from its answer on): the router's view of this replica is never short of it.
-        self.offers_in_flight += 1
-        pending = True
-
-        def answered() -> None:
-            nonlocal pending
-            if pending:
-                pending = False
-                self.offers_in_flight -= 1
-
-        try:
-            await self._relay(scope, receive, send, on_answer=answered)
-        finally:
-            answered()
+        with _OfferInFlight(self) as offer:
+            await self._relay(scope, receive, send, on_answer=offer.answered)
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send,
                      on_answer: Optional[Callable[[], None]]) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from loopback import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_START_TIMEOUT_S = 120
@@ -46,12 +47,6 @@ CHROMIUM_FLAGS = [
 
 def loopback_only() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_fake_mic(speech_wav: Path, out: Path, silence_s: float = 3.0) -> Path:

@@ -26,7 +26,7 @@ from agent.realtime.app import SESSIONS
 from agent.server import create_app
 from engine_hold import HeldEngine
 
-from .conftest import free_port
+from loopback import free_port
 
 pytestmark = pytest.mark.browser
 

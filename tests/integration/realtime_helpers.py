@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -12,16 +11,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from loopback import free_port
 from agent.client import NotReady, wait_ready
 from agent.config import Config
 from agent.engine import Engine, build_engine
 from agent.server import create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from realtime_helpers import free_port, start_agent, wait_no_sessions
+from loopback import free_port
+from realtime_helpers import start_agent, wait_no_sessions
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -33,7 +33,8 @@ from agent.config import Config
 from agent.engine import build_engine
 from agent.engine.api import AudioOut
 from agent.server import create_app
-from realtime_helpers import free_port, talker_never_ends
+from loopback import free_port
+from realtime_helpers import talker_never_ends
 
 ECHO_GAIN = 10 ** (-10 / 20)
 ECHO_DELAY_S = 0.1

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import aiohttp
 import pytest
-from realtime_helpers import free_port
+from loopback import free_port
 
 from agent.client import AgentClient
 from agent.config import Config

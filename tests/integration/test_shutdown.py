@@ -29,7 +29,8 @@ from aiortc import RTCConfiguration, RTCPeerConnection
 from aiortc.mediastreams import AudioStreamTrack
 
 from agent.client import NotReady, wait_ready
-from realtime_helpers import free_port, start_agent
+from loopback import free_port
+from realtime_helpers import start_agent
 
 ROOT = Path(__file__).resolve().parents[2]
 

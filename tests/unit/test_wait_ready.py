@@ -7,7 +7,6 @@ and a child process that exited each raise NotReady saying which.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,8 @@ import time
 import pytest
 from aiohttp import web
 
+from loopback import free_port
 from agent.client import NotReady, wait_ready
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _serve(status: int, body: dict) -> tuple[web.AppRunner, str]:
