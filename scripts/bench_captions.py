@@ -206,7 +206,7 @@ async def main() -> None:
     p.add_argument("--ratio", type=int, default=3)
     p.add_argument("--capacity", action="store_true",
                    help="each kind's most sessions in budget, over --levels; the last line gives the ratio")
-    p.add_argument("--levels", type=ints, default=[2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+    p.add_argument("--levels", type=ints, default=[2, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 64])
     p.add_argument("--budget-ms", type=lambda t: [float(x) for x in t.split(",")], default=[1200.0, 1000.0, 1000.0],
                    metavar="FIRST,CADENCE,FINAL", help="p95 budgets of the capacity run (default 1200,1000,1000)")
     p.add_argument("--stagger-s", type=float, default=0.0,
