@@ -69,10 +69,11 @@ class Session:
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
         self.turns = 0
         self.events_in = client_events.EventRate(config.max_events_per_s)  # client events' rate limit
+        self.opened: Optional[asyncio.Future] = None  # start(): the engine's open of this session
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
-        self.engine.open_session(self.id, self)
+        self.opened = self.engine.open_session(self.id, self)  # settled once the engine has it
         self._unlisten = self.admission.listen(self._on_level)
         self.transcription.apply(self.settings)
         if self.transcription_only:

@@ -114,8 +114,14 @@ class Engine:
             raise EngineBusy("engine inbox full") from None
         metrics.ENGINE_INBOX.set(self._inbox.qsize())
 
-    def open_session(self, session_id: str, sink: ReplySink) -> None:
-        self._put(_Cmd("open", session_id, sink=sink))
+    def open_session(self, session_id: str, sink: ReplySink) -> asyncio.Future:
+        """Queue the session's open. The future is settled once the engine thread has opened
+        it (None), or could not (the error: the sink's on_open_failed is told as well); a caller
+        that does not wait for it loses nothing."""
+        future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may await it
+        self._put(_Cmd("open", session_id, sink=sink, future=future))
+        return future
 
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
         self._put(_Cmd("audio", session_id, pcm=pcm))
@@ -255,11 +261,9 @@ class Engine:
             error = exc
         self._loop.call_soon_threadsafe(_settle, cmd.future, result, error)
 
-    def _open(self, runners: list[Runner], sid: str, sink: ReplySink) -> None:
-        """Open the session on every runner, or on none: a runner that cannot (no slot left,
-        e.g. when two offers passed admission at once) undoes the others, and the session is
-        told (`on_open_failed`), so that it ends with an error instead of living on with no
-        engine state behind it."""
+    def _open(self, runners: list[Runner], sid: str, sink: ReplySink, future: Optional[asyncio.Future]) -> None:
+        """On every runner, or on none (a runner that cannot, e.g. no slot left, undoes the
+        others); a failed open is told to the sink (`on_open_failed`) and to the future."""
         opened: list[Runner] = []
         try:
             for runner in runners:
@@ -272,12 +276,17 @@ class Engine:
                     runner.close_session(sid)
                 except Exception:  # noqa: BLE001 (the open's failure is the one reported)
                     log.exception("engine: undoing the open of %s failed", sid)
+            assert self._loop is not None
             on_open_failed = getattr(sink, "on_open_failed", None)
             if on_open_failed is not None:
-                assert self._loop is not None
                 self._loop.call_soon_threadsafe(on_open_failed, str(exc))
+            if future is not None:
+                self._loop.call_soon_threadsafe(_settle, future, None, exc)
             return
         self._sinks[sid] = sink
+        if future is not None:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(_settle, future, None, None)
 
     def _apply(self, runners: list[Runner], cmd: _Cmd) -> None:
         sid = cmd.session_id
@@ -287,7 +296,7 @@ class Engine:
             return
         if cmd.op == "open":
             assert cmd.sink is not None
-            self._open(runners, sid, cmd.sink)
+            self._open(runners, sid, cmd.sink, cmd.future)
             return
         try:
             if cmd.op == "video":

@@ -135,6 +135,18 @@ async def create_call(request: web.Request) -> web.Response:
         metrics.OFFERS_REJECTED.labels(reason="busy").inc()
         return json_error(503, "engine is overloaded", "busy", kind="server_error", **{"Retry-After": "5"})
     remember(app, call.id, call)
+    # No answer before the engine has the session: one it cannot open (no slot left, as when
+    # offers passed admission at the same instant) is a 503 now, not a call that connects and
+    # is then closed. A slow engine only delays the answer up to the connect timeout.
+    try:
+        await asyncio.wait_for(asyncio.shield(call.session.opened), timeout=config.connect_timeout_s)
+    except asyncio.TimeoutError:
+        pass  # answered anyway: a later failure still ends the session with an error
+    except Exception as exc:  # noqa: BLE001 (the engine's reason, passed on)
+        await call.close()
+        metrics.OFFERS_REJECTED.labels(reason="capacity").inc()
+        return json_error(503, f"the engine could not open this session: {exc}", "capacity", kind="server_error",
+                          **{"Retry-After": "10"})
     try:
         await pc.setLocalDescription(await pc.createAnswer())
     except Exception as exc:  # e.g. a media section without a direction aiortc can intersect

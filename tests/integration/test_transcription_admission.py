@@ -13,8 +13,9 @@ Pins, with max_sessions=1 and max_transcription_sessions=2:
 - with the limit unset (0, the default) a transcription session counts against max_sessions:
   the same agent config without it refuses it while a conversation holds the only slot;
 - a session admitted but not opened by the engine (fewer slots than admission allows, as when
-  two offers pass admission at once) gets an `error` (code session_failed, naming the cause)
-  and its socket is closed, while the session before it goes on being served.
+  two offers pass admission at once): on the WebSocket it gets an `error` (code
+  session_failed, naming the cause) and its socket is closed; a WebRTC offer is not answered
+  but refused, 503 `capacity` naming the cause; the session before them goes on being served.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ async def test_without_a_limit_transcription_sessions_share_max_sessions(tiny_mo
         await shared.stop()
 
 
-async def test_a_session_the_engine_cannot_open_ends_with_an_error(tiny_model_dir: Path) -> None:
+async def test_a_session_the_engine_cannot_open_ends_with_an_error(tiny_model_dir: Path, speech_wav: Path) -> None:
     # Admission lets in 2, the engine has 1 slot: the second session is admitted, then refused.
     short = await start_agent(tiny_model_dir, engine=lambda config: build_engine(replace(config, max_sessions=1)),
                               max_sessions=2)
@@ -156,6 +157,21 @@ async def test_a_session_the_engine_cannot_open_ends_with_an_error(tiny_model_di
                 assert "slots are in use" in events[-1]["error"]["message"]
                 msg = await second.receive(timeout=5)  # then the server closes the socket
                 assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), msg
+
+                sdk = AsyncOpenAI(base_url=f"{short.url}/v1", api_key="unused-on-an-open-agent")
+
+                async def signal(offer: str) -> tuple[str, str]:
+                    raw = await sdk.realtime.calls.with_raw_response.create(sdp=offer)
+                    return raw.text, raw.headers["location"]
+
+                client = AgentClient(short.url, speech_wav, video=False)
+                try:
+                    with pytest.raises(APIStatusError) as exc:
+                        await client.connect(signal=signal)
+                    assert exc.value.status_code == 503 and exc.value.response.headers.get("Retry-After")
+                    assert "could not open" in exc.value.response.text and "slots are in use" in exc.value.response.text
+                finally:
+                    await client.close()
                 # The first session is untouched: it still answers a client event.
                 await first.send_str(json.dumps({"type": "session.update", "session": {"type": "realtime",
                                                                                          "instructions": "Be brief."}}))
