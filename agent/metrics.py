@@ -36,6 +36,11 @@ STAGE = Histogram(
     registry=REGISTRY,
 )
 SESSIONS_ACTIVE = Gauge("agent_sessions_active", "Connected sessions", ["priority"], registry=REGISTRY)
+TRANSCRIPTION_SESSIONS_ACTIVE = Gauge(
+    "agent_transcription_sessions_active",
+    "Connected transcription (captions-only) sessions, also counted in agent_sessions_active",
+    registry=REGISTRY,
+)
 INGEST_BUFFER = Gauge(
     "agent_ingest_buffer_frames", "Frames waiting in the ingest ring", ["kind"], registry=REGISTRY
 )

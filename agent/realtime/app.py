@@ -95,6 +95,8 @@ def active_by_priority(app: web.Application, transcription: Optional[bool] = Non
 def _export_sessions(app: web.Application) -> None:
     for name, count in active_by_priority(app).items():
         metrics.SESSIONS_ACTIVE.labels(priority=name).set(count)
+    # Beside --max-transcription-sessions, what an operator sizes it by.
+    metrics.TRANSCRIPTION_SESSIONS_ACTIVE.set(sum(active_by_priority(app, transcription=True).values()))
 
 
 def grant(request: web.Request) -> Grant:

@@ -87,3 +87,10 @@ async def wait_no_sessions(url: str, message: str) -> None:
                     return
             await asyncio.sleep(0.1)
     pytest.fail(message)
+
+
+async def metric(http: aiohttp.ClientSession, url: str, line_prefix: str) -> float:
+    """The sum of the /metrics samples whose line starts with line_prefix."""
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_prefix))

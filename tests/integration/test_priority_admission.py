@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
+from realtime_helpers import RunningAgent, metric, start_agent, wait_no_sessions
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,12 +28,6 @@ async def agent(tiny_model_dir: Path):
     running = await start_agent(tiny_model_dir, max_sessions=2, high_priority_slots=1)
     yield running
     await running.stop()
-
-
-async def metric(http: aiohttp.ClientSession, url: str, line_prefix: str) -> float:
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_prefix))
 
 
 async def first_event(ws: aiohttp.ClientWebSocketResponse) -> dict:

@@ -7,6 +7,8 @@ Pins, with max_sessions=1 and max_transcription_sessions=2:
 - with the conversation open, two transcription sessions are admitted on the WebSocket, and a
   third gets 503 `capacity` naming the transcription limit (Retry-After); so does a WebRTC
   offer whose session part has type transcription;
+- /metrics counts them apart: agent_transcription_sessions_active is 2 while they are open
+  (agent_sessions_active counts all three), 0 once all are closed;
 - the engine has a slot for each (max_sessions + max_transcription_sessions): both
   transcription sessions, speaking at once beside the open conversation, get their
   `…input_audio_transcription.completed`, and no `error` comes;
@@ -32,7 +34,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from openai import APIStatusError, AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
+from realtime_helpers import RunningAgent, metric, start_agent, wait_no_sessions
 from test_realtime_ws import pcm24
 
 from agent.client import AgentClient
@@ -95,9 +97,11 @@ async def test_transcription_sessions_have_their_own_limit(agent: RunningAgent, 
                     assert created["session"]["type"] == "transcription"
                 error = await refused(http, ws_url(agent, "&intent=transcription"))
                 assert error["code"] == "capacity" and "transcription session limit reached (2)" in error["message"]
+                assert await metric(http, agent.url, "agent_transcription_sessions_active ") == 2
+                assert await metric(http, agent.url, "agent_sessions_active{") == 3
 
                 # WebRTC asks the same question: its offer is refused before any peer is made.
-                sdk = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
+                sdk = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent", max_retries=0)  # a 503 is the answer
 
                 async def signal(offer: str) -> tuple[str, str]:
                     raw = await sdk.realtime.calls.with_raw_response.create(sdp=offer, session={"type": "transcription"})
@@ -125,6 +129,8 @@ async def test_transcription_sessions_have_their_own_limit(agent: RunningAgent, 
         finally:
             await conversation.close()
     await wait_no_sessions(agent.url, "closed sessions stayed open")
+    async with aiohttp.ClientSession() as http:
+        assert await metric(http, agent.url, "agent_transcription_sessions_active ") == 0
 
 
 async def test_without_a_limit_transcription_sessions_share_max_sessions(tiny_model_dir: Path) -> None:
@@ -158,7 +164,7 @@ async def test_a_session_the_engine_cannot_open_ends_with_an_error(tiny_model_di
                 msg = await second.receive(timeout=5)  # then the server closes the socket
                 assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), msg
 
-                sdk = AsyncOpenAI(base_url=f"{short.url}/v1", api_key="unused-on-an-open-agent")
+                sdk = AsyncOpenAI(base_url=f"{short.url}/v1", api_key="unused-on-an-open-agent", max_retries=0)
 
                 async def signal(offer: str) -> tuple[str, str]:
                     raw = await sdk.realtime.calls.with_raw_response.create(sdp=offer)

@@ -108,15 +108,20 @@ def _once(fn: Any, exc: BaseException, when: Any) -> Any:
     return wrapped
 
 
+def open_two(engine: Engine) -> tuple[StreamingRunner, Sink, Sink]:
+    """The engine's runner (for injecting faults) and two open sessions, "a" and "b"."""
+    a, b = Sink(), Sink()
+    engine.open_session("a", a)
+    engine.open_session("b", b)
+    return engine.runner, a, b  # type: ignore[attr-defined]
+
+
 FAULTS = [RuntimeError("injected fault"), torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")]
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=["exception", "cuda_oom"])
 async def test_a_fault_in_one_sessions_work_ends_only_its_reply(engine: Engine, fault: Exception) -> None:
-    runner: StreamingRunner = engine.runner  # type: ignore[attr-defined]
-    a, b = Sink(), Sink()
-    engine.open_session("a", a)
-    engine.open_session("b", b)
+    runner, a, b = open_two(engine)
     say(engine, "b")
     await asyncio.wait_for(b.first_audio.wait(), 60)
     # A's end of turn (its audio tail, its frames) fails once, while B speaks.
@@ -141,10 +146,7 @@ async def test_a_fault_in_one_sessions_work_ends_only_its_reply(engine: Engine, 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=["exception", "cuda_oom"])
 async def test_a_fault_in_a_batched_stage_ends_that_tick_and_turns_go_on(engine: Engine, fault: Exception) -> None:
-    runner: StreamingRunner = engine.runner  # type: ignore[attr-defined]
-    a, b = Sink(), Sink()
-    engine.open_session("a", a)
-    engine.open_session("b", b)
+    runner, a, b = open_two(engine)
     say(engine, "a")
     say(engine, "b")
     await asyncio.wait_for(a.first_audio.wait(), 60)
