@@ -53,15 +53,16 @@ def refuse_new_session(request: web.Request, priority_class: str = priority.NORM
         metrics.OFFERS_REJECTED.labels(reason="not_ready").inc()
         return json_error(503, "engine is still loading", "not_ready", kind="server_error", **{"Retry-After": "5"})
     own_limit = config.max_transcription_sessions
+    conversations, transcriptions = active_sessions(app)
     if transcription and own_limit:
-        if sum(active_by_priority(app, transcription=True).values()) >= own_limit:
+        if sum(transcriptions.values()) >= own_limit:
             metrics.OFFERS_REJECTED.labels(reason="capacity").inc()
             return json_error(503, f"transcription session limit reached ({own_limit})", "capacity",
                               kind="server_error", **{"Retry-After": "10"})
         reason = None
     else:
         # With a limit of their own, transcription sessions take nothing from max_sessions.
-        active = active_by_priority(app, transcription=False if own_limit else None)
+        active = conversations if own_limit else {p: n + transcriptions[p] for p, n in conversations.items()}
         reason = priority.refusal(active, priority_class, config.max_sessions, config.high_priority_slots)
     if reason == "capacity":
         metrics.OFFERS_REJECTED.labels(reason="capacity").inc()
@@ -80,23 +81,24 @@ def refuse_new_session(request: web.Request, priority_class: str = priority.NORM
     return None
 
 
-def active_by_priority(app: web.Application, transcription: Optional[bool] = None) -> dict[str, int]:
-    """Sessions per priority class (a connection whose session is not made yet counts as a
-    normal conversation); `transcription` True or False: only transcription sessions, or none."""
-    counts = {p: 0 for p in priority.PRIORITIES}
+def active_sessions(app: web.Application) -> tuple[dict[str, int], dict[str, int]]:
+    """Conversation sessions and transcription sessions, each per priority class, in one walk
+    (a connection whose session is not made yet counts as a normal conversation)."""
+    conversations = {p: 0 for p in priority.PRIORITIES}
+    transcriptions = dict(conversations)
     for connection in app[SESSIONS].values():
         session = getattr(connection, "session", None)
-        if transcription is not None and getattr(session, "transcription_only", False) != transcription:
-            continue
-        counts[getattr(session, "priority", priority.NORMAL)] += 1
-    return counts
+        kind = transcriptions if getattr(session, "transcription_only", False) else conversations
+        kind[getattr(session, "priority", priority.NORMAL)] += 1
+    return conversations, transcriptions
 
 
 def _export_sessions(app: web.Application) -> None:
-    for name, count in active_by_priority(app).items():
-        metrics.SESSIONS_ACTIVE.labels(priority=name).set(count)
+    conversations, transcriptions = active_sessions(app)
+    for name, count in conversations.items():
+        metrics.SESSIONS_ACTIVE.labels(priority=name).set(count + transcriptions[name])
     # Beside --max-transcription-sessions, what an operator sizes it by.
-    metrics.TRANSCRIPTION_SESSIONS_ACTIVE.set(sum(active_by_priority(app, transcription=True).values()))
+    metrics.TRANSCRIPTION_SESSIONS_ACTIVE.set(sum(transcriptions.values()))
 
 
 def grant(request: web.Request) -> Grant:
