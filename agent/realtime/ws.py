@@ -116,13 +116,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
             if conn.overflowed:
                 break
     finally:
-        await session.close()
-        conn.send(None)
-        try:
-            await asyncio.wait_for(writer, timeout=1.0)
-        except (asyncio.TimeoutError, ConnectionResetError):
-            writer.cancel()
-        await ws.close()
+        await session.close()  # its teardown hook, conn.finish, flushes the events and closes the socket
     return ws
 
 
