@@ -94,3 +94,11 @@ async def metric(http: aiohttp.ClientSession, url: str, line_prefix: str) -> flo
     async with http.get(f"{url}/metrics") as resp:
         text = await resp.text()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_prefix))
+
+
+async def refused_upgrade(http: aiohttp.ClientSession, ws_url: str) -> dict:
+    """GET a WebSocket URL the agent must refuse before the upgrade: 503 with Retry-After.
+    Returns the JSON error object."""
+    async with http.get(ws_url) as resp:
+        assert resp.status == 503 and resp.headers.get("Retry-After"), resp.status
+        return (await resp.json())["error"]

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from realtime_helpers import RunningAgent, metric, start_agent, wait_no_sessions
+from realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -44,9 +44,7 @@ async def test_reserved_slot_and_per_class_metrics(agent: RunningAgent) -> None:
         created = await first_event(normal)
         assert created["type"] == "session.created" and created["session"]["omni"]["priority"] == "normal"
 
-        async with http.get(ws_url) as refused:  # a plain GET is enough to be refused before the upgrade
-            assert refused.status == 503 and refused.headers.get("Retry-After")
-            assert (await refused.json())["error"]["code"] == "capacity"
+        assert (await refused_upgrade(http, ws_url))["code"] == "capacity"  # a plain GET is refused before the upgrade
         assert await metric(http, url, 'agent_offers_rejected_total{reason="reserved"}') == reserved_before + 1
 
         high = await http.ws_connect(ws_url + "&priority=high")

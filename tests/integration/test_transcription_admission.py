@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from openai import APIStatusError, AsyncOpenAI
-from realtime_helpers import RunningAgent, metric, start_agent, wait_no_sessions
+from realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
 from test_realtime_ws import pcm24
 
 from agent.client import AgentClient
@@ -54,12 +54,6 @@ async def agent(tiny_model_dir: Path):
 
 def ws_url(agent: RunningAgent, query: str = "") -> str:
     return agent.url.replace("http", "ws") + "/v1/realtime?model=x" + query
-
-
-async def refused(http: aiohttp.ClientSession, url: str) -> dict:
-    async with http.get(url) as resp:  # a plain GET is refused before the upgrade
-        assert resp.status == 503 and resp.headers.get("Retry-After"), resp.status
-        return (await resp.json())["error"]
 
 
 async def events_until(ws: aiohttp.ClientWebSocketResponse, kind: str, timeout_s: float) -> list[dict]:
@@ -87,7 +81,7 @@ async def test_transcription_sessions_have_their_own_limit(agent: RunningAgent, 
         conversation = await http.ws_connect(ws_url(agent))
         try:
             assert (await events_until(conversation, "session.created", 15))[-1]["type"] == "session.created"
-            error = await refused(http, ws_url(agent))
+            error = await refused_upgrade(http, ws_url(agent))
             assert error["code"] == "capacity" and "session limit reached (1)" in error["message"]
 
             captions = [await http.ws_connect(ws_url(agent, "&intent=transcription")) for _ in range(2)]
@@ -95,7 +89,7 @@ async def test_transcription_sessions_have_their_own_limit(agent: RunningAgent, 
                 for ws in captions:
                     created = (await events_until(ws, "session.created", 15))[-1]
                     assert created["session"]["type"] == "transcription"
-                error = await refused(http, ws_url(agent, "&intent=transcription"))
+                error = await refused_upgrade(http, ws_url(agent, "&intent=transcription"))
                 assert error["code"] == "capacity" and "transcription session limit reached (2)" in error["message"]
                 assert await metric(http, agent.url, "agent_transcription_sessions_active ") == 2
                 assert await metric(http, agent.url, "agent_sessions_active{") == 3
@@ -140,7 +134,7 @@ async def test_without_a_limit_transcription_sessions_share_max_sessions(tiny_mo
             conversation = await http.ws_connect(ws_url(shared))
             try:
                 await events_until(conversation, "session.created", 15)
-                error = await refused(http, ws_url(shared, "&intent=transcription"))
+                error = await refused_upgrade(http, ws_url(shared, "&intent=transcription"))
                 assert error["code"] == "capacity" and "session limit reached (1)" in error["message"]
             finally:
                 await conversation.close()
