@@ -14,7 +14,10 @@ bucket, and with compilation on one compiled region (agent/engine/compiled.py).
 Launches are what the loop costs (15 steps x 5 layers at real size), so each layer's q/k/v
 projections are one matmul and its gate/up projections another, over weights concatenated once
 here (`FusedWeights`, owned by the engine: ~105 MB at real size in bf16; the transformers
-modules keep theirs, untouched). Results equal the separate projections up to float rounding
+modules keep theirs, untouched). Compiled, every projection is a reduction inductor generates
+(agent/engine/gemv.py) instead of a library matmul, so each layer's two RMSNorms, both residual
+adds and the final norm before each head are fused into the projections' own kernels
+(`GraphConfig.fused_gemv`). Results equal the separate projections up to float rounding
 (tests/unit/test_compiled.py, test_streaming_exact.py).
 """
 
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from agent.engine.gemv import check_norm, linear, normed_linear
 from agent.engine.graphing import Graphing
 from agent.engine.slots import SlotKV, apply_rope
 
@@ -41,8 +45,9 @@ class FusedWeights:
     @classmethod
     def of(cls, layer: nn.Module) -> "FusedWeights":
         attn, mlp = layer.self_attn, layer.mlp
-        if any(m.bias is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)):
-            raise ValueError("fused projections assume bias-free q/k/v and gate/up (Qwen3)")
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(m.bias is not None for m in projections):
+            raise ValueError("the loop's projections assume bias-free linears (Qwen3)")
         parts = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
         return cls(
             qkv=torch.cat(parts, dim=0),
@@ -64,6 +69,16 @@ class CodePredictorOps:
         self.device, self.dtype = device, dtype
         with torch.no_grad():
             self.fused = [FusedWeights.of(layer) for layer in self.body.layers]
+        # Compiled, the projections are reductions with the norms and residual adds fused in
+        # (agent/engine/gemv.py); eagerly, and with the option off, library matmuls.
+        self.fused_gemv = graphing is not None and graphing.compiler is not None and graphing.fused_gemv
+        if self.fused_gemv:
+            for layer, weights in zip(self.body.layers, self.fused):
+                check_norm(layer.input_layernorm, weights.qkv)
+                check_norm(layer.post_attention_layernorm, weights.gate_up)
+            check_norm(self.body.norm, self.heads[0].weight)
+            if any(head.bias is not None for head in self.heads):
+                raise ValueError("fused projections assume bias-free codebook heads")
         self._kv: SlotKV | None = None
         self._ropes: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Pad rows: a zero hidden state and code 0 (their cache rows are rewritten by every call).
@@ -117,28 +132,33 @@ class CodePredictorOps:
         c0_embed = self.talker_embed(code0.view(batch, 1))
         inputs = torch.cat([last_hidden, c0_embed], dim=1)
         codes, pieces = [code0], [c0_embed]
+        fused = self.fused_gemv and torch.compiler.is_compiling()
         for step in range(1, self.num_groups):
             start = 0 if step == 1 else step
-            hidden = self._forward(kv, inputs, start, ropes[step - 1])
-            # The head on every fed position, then the last: the shapes transformers uses.
-            code = self.heads[step - 1](hidden)[:, -1].argmax(-1)
+            hidden = self._forward(kv, inputs, start, ropes[step - 1], fused)
+            head = self.heads[step - 1]
+            if fused:  # the final norm inside the head's reduction, the last position only
+                code = normed_linear(hidden[:, -1], self.body.norm, head.weight, True).argmax(-1)
+            else:  # the head on every fed position, then the last: the shapes transformers uses
+                code = head(self.body.norm(hidden))[:, -1].argmax(-1)
             codes.append(code)
             inputs = self.tables[step - 1](code.view(batch, 1))
             pieces.append(inputs)
         return torch.stack(codes, dim=1), torch.cat(pieces, dim=1).sum(1, keepdim=True)
 
     def _forward(
-        self, kv: SlotKV, hidden: torch.Tensor, start: int, rope: tuple[torch.Tensor, torch.Tensor]
+        self, kv: SlotKV, hidden: torch.Tensor, start: int, rope: tuple[torch.Tensor, torch.Tensor], fused: bool
     ) -> torch.Tensor:
-        """The decoder on `hidden` [B, n, hidden], new tokens at cache index start.. for all rows."""
+        """The decoder on `hidden` [B, n, hidden], new tokens at cache index start.. for all rows;
+        the last layer's output, before the final norm. `fused`: projections as fused reductions."""
         batch, n_new, _ = hidden.shape
         cos, sin = rope
-        for i, (layer, fused) in enumerate(zip(self.body.layers, self.fused)):
+        for i, (layer, weights) in enumerate(zip(self.body.layers, self.fused)):
             attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = F.linear(layer.input_layernorm(hidden), fused.qkv).split(fused.splits, dim=-1)
+            q, k, v = normed_linear(hidden, layer.input_layernorm, weights.qkv, fused).split(weights.splits, dim=-1)
             d = attn.head_dim
             # Head counts from the weights (plain ints: the batch may be symbolic when compiled).
-            heads, kv_heads = fused.splits[0] // d, fused.splits[1] // d
+            heads, kv_heads = weights.splits[0] // d, weights.splits[1] // d
             q = apply_rope(attn.q_norm(q.view(batch, n_new, heads, d)).transpose(1, 2), cos, sin)
             k = apply_rope(attn.k_norm(k.view(batch, n_new, kv_heads, d)).transpose(1, 2), cos, sin)
             end = start + n_new
@@ -148,7 +168,7 @@ class CodePredictorOps:
             out = F.scaled_dot_product_attention(
                 q, keys, values, is_causal=n_new > 1, scale=attn.scaling, enable_gqa=heads != kv_heads
             )
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, -1))
-            gate, up = F.linear(layer.post_attention_layernorm(hidden), fused.gate_up).chunk(2, dim=-1)
-            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
-        return self.body.norm(hidden)
+            hidden = hidden + linear(out.transpose(1, 2).reshape(batch, n_new, -1), attn.o_proj.weight, fused)
+            gate, up = normed_linear(hidden, layer.post_attention_layernorm, weights.gate_up, fused).chunk(2, dim=-1)
+            hidden = hidden + linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, fused)
+        return hidden

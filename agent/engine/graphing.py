@@ -54,6 +54,11 @@ class GraphConfig:
     compile_cache: Path | None = None  # inductor's on-disk cache (None: the environment's)
     cudagraphs: CudaGraphImpl = "own"  # with compile on CUDA: our capture, or inductor's
     compile_dynamic_batch: bool | None = None  # one compile for all buckets (None: on CPU only)
+    # Compiled code-predictor projections as reductions with the norms and residual adds fused
+    # in (agent/engine/gemv.py), or library matmuls. None: on CUDA only (inductor's C++ backend
+    # makes slow loops of them: a loop 5x slower at batch 1, 100x at 4, measured with
+    # scripts/bench_code_predictor.py on this project's CPU).
+    fused_gemv: bool | None = None
     min_key_len: int = 256  # shortest attention read of a graphed decode step
     warmup_iters: int = 1  # eager calls per graph before its capture (lazy CUDA init)
     check_replays: bool = True  # fake mode: compare every replay's ops with the capture's
@@ -98,6 +103,7 @@ class Graphing:
         fits = [b for b in sizes if b >= max_sessions]
         self.batch_sizes = tuple(b for b in sizes if b < max_sessions) + tuple(fits[:1])
         self.compiler: StepCompiler | None = None
+        self.fused_gemv = device.type == "cuda" if config.fused_gemv is None else config.fused_gemv
         if resolve_compile(config.compile, device):
             if self.mode == "fake":
                 raise ValueError("fake graphs trace the eager ops: run them with compile off")
