@@ -164,6 +164,9 @@ def main() -> None:
     p.add_argument("--compile", choices=("auto", "on", "off"), default=None,
                    help="torch.compile of the per-frame path (passed to the engine's Config; default: its own)")
     p.add_argument("--no-compile", dest="compile", action="store_const", const="off")
+    p.add_argument("--fused-gemv", action=argparse.BooleanOptionalAction, default=None,
+                   help="compiled code-predictor projections as fused reductions (agent/engine/gemv.py) or "
+                        "library matmuls (default: the engine's, fused on CUDA; the kernel run counts fused)")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     k = p.add_argument_group("kernel run (--kernels)")
     k.add_argument("--kernels", action="store_true", help="count kernels and bytes at real structure, predict H200 time")
@@ -210,7 +213,9 @@ def main() -> None:
         if "compile" not in {f.name for f in fields(Config)}:
             p.error("--compile: this engine's Config has no compile option yet")
         cfg = replace(cfg, compile=args.compile)
-    stream = StreamingRunner.from_config(loaded, cfg)
+    from agent.engine.graphing import GraphConfig
+
+    stream = StreamingRunner.from_config(loaded, cfg, graphs=GraphConfig(fused_gemv=args.fused_gemv))
     image = camera_frame()
     short, long_ = utterance(1.0), utterance(8.0, seed=1)
 

@@ -45,7 +45,7 @@ TURN_STAGES = ("audio_tail", "thinker_prefill", "talker_prefill", "code_predicto
 class Phase:
     kernels: Counter[str]
     compiled: Counter[str]
-    inductor: Counter[str]
+    scheduled: Counter[str]  # compiled graphs by their fused nodes (kernel_count.py)
     calls: dict[str, list[int]]  # stage -> batch rows (or prefill tokens) per call
     ops: Counter[str] = field(default_factory=Counter)  # eager aten op -> count
 
@@ -81,7 +81,10 @@ class Probe:
             yield phase
         phase.kernels.update(self.counter.kernels)
         phase.compiled.update(self.counter.compiled)
-        phase.inductor.update(self.counter.inductor)
+        phase.scheduled.update(self.counter.scheduled)
+        if self.counter.unmarked_graphs:
+            raise RuntimeError(f"{self.counter.unmarked_graphs} compiled graph calls carry no scheduler marks "
+                               "(compiled before marking_scheduled_kernels was on)")
         phase.ops.update(self.counter.ops)
         phase.calls.update({k: list(v) for k, v in self.calls.items()})
 
@@ -202,6 +205,7 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
     from agent.engine import ensure_model
     from agent.engine.fake_graphs import fake_graph_config
     from agent.engine.graphing import GraphConfig
+    from agent.engine.kernel_count import marking_scheduled_kernels
     from agent.engine.presets import REAL, _build_meta, _merge, depth_overrides, load_random, preset_config
     from agent.engine.roofline import CODEC_FRAME_S, H200, ByteModel
     from agent.engine.stream import StreamingRunner
@@ -213,6 +217,8 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
     cfg = engine_config(args, batches)
     # "fake": the CPU capture backend is injected here (production never imports it).
     graphs = fake_graph_config(check_replays=False) if args.graphs == "fake" else GraphConfig(mode=args.graphs)
+    # What a CUDA run compiles (fused projections), unless --no-fused-gemv.
+    graphs = replace(graphs, fused_gemv=args.fused_gemv is not False)
     audio = utterance(args.kernel_utterance_s)
     counts: dict[int, dict[str, Phase]] = {}
     graph_mode = ""
@@ -221,37 +227,46 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
         overrides = _merge(depth_overrides(layers), {"thinker_config": {"text_config": {"vocab_size": args.count_vocab}}})
         loaded = load_random(REAL, "cpu", ensure_model(Config()), dtype=torch.bfloat16, overrides=overrides)
         log("built; starting the runner (graph captures)")
-        runner = StreamingRunner.from_config(loaded, cfg, graphs=graphs)
-        graph_mode = runner.graphing.mode
-        counts[layers] = measure(runner, probe_runner(runner), batches, audio)
+        # The runner compiles its steps as it starts, the prefills at their first buckets.
+        with marking_scheduled_kernels():
+            runner = StreamingRunner.from_config(loaded, cfg, graphs=graphs)
+            graph_mode = runner.graphing.mode
+            counts[layers] = measure(runner, probe_runner(runner), batches, audio)
         log(f"counted {layers} layer(s) per stack")
         del runner, loaded
         gc.collect()
 
     full = full_depths(preset_config(REAL))
     table: dict[str, Counter[str]] = {}
+    scheduled: dict[str, Counter[str]] = {}
     print(f"\nKERNELS (counted on CPU at {low} and {high} layers per stack, real widths, heads and experts, thinker "
           f"vocabulary {args.count_vocab} (a matmul is one kernel at any width; bytes use the real 152064); "
-          f"extrapolated per stack to {full}); graphs={graph_mode} compile={getattr(cfg, 'compile', 'n/a')}")
+          f"extrapolated per stack to {full}); graphs={graph_mode} compile={getattr(cfg, 'compile', 'n/a')} "
+          f"fused_gemv={graphs.fused_gemv}")
+    print("(launches: what runs here, the C++ backend's merged kernels; sched: compiled graphs counted by the fused "
+          "nodes inductor's scheduler formed, ~one Triton kernel each, an upper bound for CUDA; eager ops count 1 in both)")
     print(f"{'run':<12} {'stage':<16} {f'{low}L':>7} {f'{high}L':>7} {'/layer':>7} {'depth':>5} {'full':>7} "
-          f"{'compiled':>8} {'inductor':>8}  calls at {high}L")
+          f"{'compiled':>8} {f'sched {low}L':>8} {f'sched {high}L':>8} {'sched full':>10}  calls at {high}L")
     for name in counts[low]:
         a, b = counts[low][name], counts[high][name]
         stages = TURN_STAGES if name == "end_of_turn" else TICK_STAGES
         row: Counter[str] = Counter()
+        sched: Counter[str] = Counter()
         for stage in stages:
             depth = full.get(STACKS[stage] or "")
             row[stage] = extrapolate(low, high, a.kernels[stage], b.kernels[stage], depth)
+            sched[stage] = extrapolate(low, high, a.scheduled[stage], b.scheduled[stage], depth)
             per = (b.kernels[stage] - a.kernels[stage]) / (high - low)
             print(f"{name:<12} {stage:<16} {a.kernels[stage]:>7} {b.kernels[stage]:>7} {per:>7.0f} "
-                  f"{depth or '-':>5} {row[stage]:>7} {b.compiled[stage]:>8} {b.inductor[stage]:>8}  "
-                  f"{b.calls.get(stage, '')}")
+                  f"{depth or '-':>5} {row[stage]:>7} {b.compiled[stage]:>8} {a.scheduled[stage]:>8} "
+                  f"{b.scheduled[stage]:>8} {sched[stage]:>10}  {b.calls.get(stage, '')}")
         if a.kernels[UNSTAGED] != b.kernels[UNSTAGED]:
             # Depth-dependent work outside every label would be left out of the extrapolation.
             raise RuntimeError(f"{name}: unlabelled kernels change with depth ({a.kernels[UNSTAGED]} -> "
                                f"{b.kernels[UNSTAGED]}): a step function lacks a stage label in {__file__}")
-        print(f"{name:<12} {'total':<16} {a.kernels.total():>7} {b.kernels.total():>7} {'':>7} {'':>5} {row.total():>7}")
-        table[name] = row
+        print(f"{name:<12} {'total':<16} {a.kernels.total():>7} {b.kernels.total():>7} {'':>7} {'':>5} {row.total():>7} "
+              f"{'':>8} {a.scheduled.total():>8} {b.scheduled.total():>8} {sched.total():>10}")
+        table[name], scheduled[name] = row, sched
 
     if args.kernel_ops:
         for name in ("tick_b1", "end_of_turn"):
@@ -287,5 +302,7 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
         f"kernels_per_tick_b1={table['tick_b1'].total()} kernels_per_tick_b4={table['tick_b4'].total()} "
         f"kernels_code_predictor={table['tick_b1']['code_predictor']} kernels_end_of_turn={table['end_of_turn'].total()} "
         f"predicted_rtf_b4={predicted['tick b4'] / CODEC_FRAME_S:.2f} "
-        f"predicted_ttfa_b1_ms={predicted['end of turn b1 (TTFA)'] * 1000:.0f}"
+        f"predicted_ttfa_b1_ms={predicted['end of turn b1 (TTFA)'] * 1000:.0f} "
+        f"scheduled_per_tick_b1={scheduled['tick_b1'].total()} scheduled_code_predictor={scheduled['tick_b1']['code_predictor']} "
+        f"scheduled_end_of_turn={scheduled['end_of_turn'].total()}"
     )

@@ -8,7 +8,10 @@
 #   3. pytest -m gpu over the test files that hold GPU tests (real CUDA graphs of the engine,
 #      fused MoE, the full-size preset);
 #   4. scripts/bench_engine.py at full size with random weights: batch 1, 4, 10 with CUDA graphs and
-#      compile off, then on; batch 1 eager (its table prints peak memory and the graph counts).
+#      compile off; then scripts/bench_code_predictor.py: the compiled, graphed code-predictor loop
+#      with fused projections against library matmuls (time per loop, launches); then the engine
+#      with compile on; batch 1 eager only with EAGER=1 (measured on 2026-11-30; its table prints
+#      peak memory and the graph counts).
 # Every step has a time limit. A failed setup (install, imports, no CUDA) stops the script before
 # the GPU steps; a failing GPU step is recorded and the next one still runs; the exit status is
 # non-zero if any step failed. Output goes to the terminal and to files under $OUT
@@ -123,8 +126,12 @@ run pytest_gpu "${GPU_TEST_LIMIT:-240}" "$PY" -m pytest -m gpu -q -rs -p no:cach
 # inductor compiles at real depth: give it the rest), then eager, for the ratio.
 BENCH=("$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weights --device cuda --no-reference)
 run bench_graphs "${BENCH_LIMIT:-150}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile off
+# Fused projections vs library matmuls in the compiled loop: decides GraphConfig.fused_gemv's default.
+run bench_code_predictor "${CP_LIMIT:-150}" "$PY" scripts/bench_code_predictor.py --device cuda --batch 1,4,16 --iters 30
 run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on
-run bench_eager "${EAGER_LIMIT:-90}" "${BENCH[@]}" --batch 1 --repeats 1 --compile off --no-cuda-graphs
+if [ "${EAGER:-0}" = 1 ]; then
+  run bench_eager "${EAGER_LIMIT:-90}" "${BENCH[@]}" --batch 1 --repeats 1 --compile off --no-cuda-graphs
+fi
 
 section "done in $(($(date +%s) - START)) s"
 {

@@ -17,13 +17,20 @@ cache): every statement of its `call()` body that launches something, i.e. a cal
 kernel (`cpp_fused_*(...)` on CPU, `triton_*.run(...)` on CUDA), of an extern library kernel
 (`extern_kernels.mm(...)`) or of a fallback aten op (`torch.ops.aten.topk.default(...)`);
 buffer bookkeeping (`empty_strided_*`, `reinterpret_tensor`, asserts, `del`) launches nothing.
-Inductor's own counters (`generated_kernel_count` + `extern_calls`, `inductor_counters()`) are
-kept for comparison: on CPU they count each fused node group before the C++ backend merges
-groups into one function (one launch), about twice the launches. While the counter is active,
-every call of a compiled graph adds its launches, and the aten ops the graph dispatches at run
-time (its extern calls) are not counted a second time. The mode declares
-`ignore_compile_internals`, so that Dynamo still compiles and runs compiled code while it is on
-the stack (it refuses other dispatch modes).
+While the counter is active, every call of a compiled graph adds its launches, and the aten ops
+the graph dispatches at run time (its extern calls) are not counted a second time. The mode
+declares `ignore_compile_internals`, so that Dynamo still compiles and runs compiled code while
+it is on the stack (it refuses other dispatch modes).
+
+On CPU those launches undercount what the same graph would launch on CUDA: the C++ backend
+merges every run of generated kernels between two library calls into one C++ function (one
+launch), where Triton launches one kernel per node its scheduler fused. So a second count,
+`scheduled`, is kept beside it: with `marking_scheduled_kernels()` on while graphs compile, the
+C++ backend writes a marker into `call()` for each fused node it generates (each inner node of
+a CPU-only outer-loop fusion counted apart), and a graph's scheduled count is its markers plus
+its library and fallback calls. It overcounts Triton a little where the CPU scheduler leaves
+apart what Triton fuses (a norm's reduction and its pointwise tail, say): launches and
+scheduled bound a CUDA count from below and above. Eager ops count the same in both.
 
 Stages: `with counter.stage("thinker_decode"): ...` attributes the kernels issued inside to
 that label (the innermost label wins); kernels outside any stage go to `UNSTAGED`.
@@ -82,7 +89,9 @@ class KernelCounter(TorchDispatchMode):
         super().__init__()
         self.kernels: Counter[str] = Counter()  # stage -> kernels
         self.compiled: Counter[str] = Counter()  # stage -> of which from compiled graphs
-        self.inductor: Counter[str] = Counter()  # stage -> inductor's own counts for those graphs
+        self.scheduled: Counter[str] = Counter()  # stage -> kernels, compiled graphs by their fused nodes
+        self.graph_calls: Counter[str] = Counter()  # stage -> calls of compiled graphs
+        self.unmarked_graphs = 0  # calls of compiled CPU graphs without scheduler marks (scheduled unknown)
         self.ops: Counter[str] = Counter()  # aten op name -> count (eager only)
         self._stages: list[str] = []
         self._in_compiled = 0
@@ -109,7 +118,9 @@ class KernelCounter(TorchDispatchMode):
     def reset(self) -> None:
         self.kernels.clear()
         self.compiled.clear()
-        self.inductor.clear()
+        self.scheduled.clear()
+        self.graph_calls.clear()
+        self.unmarked_graphs = 0
         self.ops.clear()
 
     def __enter__(self) -> "KernelCounter":
@@ -129,6 +140,7 @@ class KernelCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._in_compiled and launches_kernel(func):
             self.kernels[self._label()] += 1
+            self.scheduled[self._label()] += 1
             self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -137,11 +149,15 @@ class KernelCounter(TorchDispatchMode):
 
     # ---- compiled code ---------------------------------------------------------------------
 
-    def add_compiled(self, kernels: int, inductor: int = 0) -> None:
+    def add_compiled(self, kernels: int, scheduled: int | None) -> None:
         label = self._label()
         self.kernels[label] += kernels
         self.compiled[label] += kernels
-        self.inductor[label] += inductor
+        self.graph_calls[label] += 1
+        if scheduled is None:
+            self.unmarked_graphs += 1
+            scheduled = kernels
+        self.scheduled[label] += scheduled
 
     def _patch_compiled_graphs(self) -> None:
         try:
@@ -153,7 +169,7 @@ class KernelCounter(TorchDispatchMode):
         counter = self
 
         def counted_call(graph, inputs):
-            counter.add_compiled(compiled_graph_kernels(graph), inductor_counters(graph))
+            counter.add_compiled(compiled_graph_kernels(graph), compiled_graph_scheduled(graph))
             counter._in_compiled += 1
             try:
                 return original(graph, inputs)
@@ -180,11 +196,40 @@ def compiled_graph_kernels(graph: Any) -> int:
     return cached
 
 
-def inductor_counters(graph: Any) -> int:
-    """Inductor's own per-graph numbers: generated kernels plus extern (library) calls."""
-    generated = graph.metrics_deltas.generated_kernel_count
-    extern = graph.counter_deltas.get("extern_calls", 0)
-    return int(generated) + int(extern)
+def compiled_graph_scheduled(graph: Any) -> int | None:
+    """The graph's fused nodes plus library calls (`scheduled_kernels`); None if unmarked."""
+    if not hasattr(graph, "_omni_scheduled"):
+        graph._omni_scheduled = scheduled_kernels(graph.source_code)
+    return graph._omni_scheduled
+
+
+SCHEDULED_MARK = "# omni-agent: scheduled kernel"
+
+
+@contextmanager
+def marking_scheduled_kernels() -> Iterator[None]:
+    """Mark each fused node in the `call()` of every graph compiled meanwhile (C++ backend; see
+    the module docstring). Inductor's FX graph cache is off meanwhile: a graph it returned would
+    have been generated without marks (and a marked one must not be served to a later run).
+    All of torch's compile caches are, not only that one: the engine turns the FX cache on as it
+    starts (agent/engine/compiled.py `use_cache_dir`), which this switch overrides."""
+    from torch._inductor.codegen.cpp import CppScheduling
+    from torch._inductor.virtualized import V
+
+    original = CppScheduling.codegen_node
+
+    def codegen_node(self, node):
+        outer = getattr(node, "get_outer_nodes", None)  # a CPU-only outer-loop fusion
+        for _ in range(len(outer()) if outer is not None else 1):
+            V.graph.wrapper_code.writeline(SCHEDULED_MARK)
+        return original(self, node)
+
+    CppScheduling.codegen_node = codegen_node
+    try:
+        with torch.compiler.config.patch(force_disable_caches=True):
+            yield
+    finally:
+        CppScheduling.codegen_node = original
 
 
 # Statements of a generated call() that launch nothing: allocation, views, checks, bookkeeping.
@@ -196,21 +241,29 @@ _NOT_LAUNCHES = re.compile(
 _CALL = re.compile(r"^(?:[\w, \[\]]+ = )?([A-Za-z_][\w\.]*)\(")
 
 
-def wrapper_launches(source: str) -> Counter[str]:
-    """Launching statements of the `call()` in inductor's generated wrapper `source`, by callee
-    (trailing kernel numbers dropped: `cpp_fused_add_3` -> `cpp_fused_add`)."""
+def _call_body(source: str) -> Iterator[str]:
+    """The stripped, non-empty lines of the `call()` in inductor's generated wrapper `source`."""
     lines = source.splitlines()
     start = next((i for i, line in enumerate(lines) if re.match(r"\s*def call\(", line)), None)
     if start is None:
         raise ValueError("no call() in the generated code")
     indent = len(lines[start]) - len(lines[start].lstrip())
-    launches: Counter[str] = Counter()
     for line in lines[start + 1 :]:
         stripped = line.strip()
-        if not stripped or stripped.startswith("#"):
+        if not stripped:
             continue
         if len(line) - len(line.lstrip()) <= indent:
-            break  # the end of call()'s body
+            return  # the end of call()'s body
+        yield stripped
+
+
+def wrapper_launches(source: str) -> Counter[str]:
+    """Launching statements of the `call()` in inductor's generated wrapper `source`, by callee
+    (trailing kernel numbers dropped: `cpp_fused_add_3` -> `cpp_fused_add`)."""
+    launches: Counter[str] = Counter()
+    for stripped in _call_body(source):
+        if stripped.startswith("#"):
+            continue
         match = _CALL.match(stripped)
         if match is None:
             continue
@@ -221,3 +274,15 @@ def wrapper_launches(source: str) -> Counter[str]:
             continue
         launches[re.sub(r"_\d+$", "", callee)] += 1
     return launches
+
+
+def scheduled_kernels(source: str) -> int | None:
+    """Fused nodes (scheduler marks) plus library and fallback calls of a generated `call()`;
+    its launches where no C++ kernel is called (Triton's launches already are its fused nodes);
+    None for C++ kernels generated without marks."""
+    launches = wrapper_launches(source)
+    cpp = sum(n for callee, n in launches.items() if callee.startswith("cpp_"))
+    marks = sum(1 for line in _call_body(source) if line == SCHEDULED_MARK)
+    if cpp and not marks:
+        return None
+    return marks + sum(launches.values()) - cpp

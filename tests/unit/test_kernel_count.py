@@ -6,7 +6,9 @@ the innermost stage label; a function compiled by torch.compile is counted by th
 its generated wrapper (a matmul and one fused pointwise+reduction kernel: 2 per call), its
 run-time extern ops are not counted again, and eager ops around it are still counted; the
 wrapper parser counts generated, extern and fallback calls (CPU and Triton style) and nothing
-else; only one counter may be active.
+else; with scheduler marks on, a graph whose two reductions the C++ backend merges into one
+launch counts 1 launch and 2 scheduled kernels, and a graph generated without marks has no
+scheduled count; only one counter may be active.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.engine.kernel_count import KernelCounter, is_view, wrapper_launches
+from agent.engine.kernel_count import (
+    SCHEDULED_MARK,
+    KernelCounter,
+    is_view,
+    marking_scheduled_kernels,
+    scheduled_kernels,
+    wrapper_launches,
+)
 
 torch.set_num_threads(1)
 
@@ -102,6 +111,37 @@ def test_wrapper_parser_counts_launching_statements_only():
         "torch.ops.aten.topk.default": 1,
         "triton_poi_fused_add": 1,
     }, launches
+
+
+def test_scheduled_count_is_marks_plus_library_calls():
+    marked = GENERATED.replace("    cpp_fused_add", f"    {SCHEDULED_MARK}\n    {SCHEDULED_MARK}\n    cpp_fused_add")
+    assert scheduled_kernels(marked) == 2 + 3  # two fused nodes; mm, topk, the Triton kernel
+    assert scheduled_kernels(GENERATED) is None  # a C++ kernel generated without marks
+    triton_only = "\n".join(line for line in GENERATED.splitlines() if "cpp_fused" not in line)
+    assert scheduled_kernels(triton_only) == 3
+
+
+def test_merged_cpu_kernels_count_one_launch_and_their_scheduled_nodes():
+    def two_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin().sum(0), x.cos().sum(1)  # reductions over different dims: two nodes
+
+    x = torch.randn(8, 16)
+    torch._dynamo.reset()
+    with marking_scheduled_kernels():
+        compiled = torch.compile(two_sums, fullgraph=True, dynamic=False)
+        compiled(x)
+    with KernelCounter() as counter:
+        compiled(x)
+    assert counter.kernels["other"] == 1  # one C++ function
+    assert counter.scheduled["other"] == 2
+    assert counter.unmarked_graphs == 0
+
+    torch._dynamo.reset()
+    plain = torch.compile(two_sums, fullgraph=True, dynamic=False)
+    plain(x)  # compiled without marks (may come from inductor's cache)
+    with KernelCounter() as counter:
+        plain(x)
+    assert counter.unmarked_graphs == 1 and counter.scheduled["other"] == counter.kernels["other"] == 1
 
 
 def test_one_counter_at_a_time():

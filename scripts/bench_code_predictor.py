@@ -1,0 +1,126 @@
+"""The code-predictor loop alone, compiled, with fused projections and with library matmuls, side by side.
+
+Each 80 ms codec frame runs the code predictor's 15 sequential steps through its 5 layers: at
+real size the loop is launch-bound (docs/engine-roofline.md). Compiled, its projections are
+either reductions with the norms, gate and residual adds fused in (agent/engine/gemv.py, the
+default) or library matmuls (`GraphConfig(fused_gemv=False)`). This builds only the code
+predictor at Qwen3-Omni-30B-A3B's dimensions (random weights, `--layers` deep) and the talker
+embedding it reads, wires it as the engine does (`Graphing`: compile on; CUDA graphs on CUDA,
+padded buckets on CPU) and, for each variant in one process, reports:
+- the time of one loop (`run()`: a frame batch's 15 codebooks), median over `--iters`, per batch;
+- the launches of one compiled loop (agent/engine/kernel_count.py: the generated `call()`'s
+  launching statements; on CPU also `sched`, the fused nodes Triton would launch one kernel each).
+
+    python scripts/bench_code_predictor.py --device cuda                 # on a GPU (gpu_check.sh)
+    python scripts/bench_code_predictor.py --layers 1 --batch 1,4 --iters 5   # CPU: a quick look
+
+Timing on a shared CPU is noisy and not what the variants are for (a GPU's launch cost is):
+on CPU read the launch columns. Last line:
+`cp_ms_b1_fused=T cp_ms_b1_library=T cp_speedup_b1=R launches_fused=N launches_library=N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import types
+
+import torch
+from torch import nn
+
+
+def build(layers: int, device: torch.device, dtype: torch.dtype) -> types.SimpleNamespace:
+    """A talker stand-in holding what CodePredictorOps reads: the code predictor, the codec
+    embedding and the number of codebooks (the real talker is ~6 GB more)."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration as CodePredictor,
+    )
+
+    from agent.engine.presets import REAL, preset_config
+
+    talker_config = preset_config(REAL).talker_config
+    config = talker_config.code_predictor_config
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    with torch.device(device):
+        predictor = CodePredictor(config).to(dtype).eval()
+        embed = nn.Embedding(talker_config.text_config.vocab_size, config.hidden_size).to(dtype)
+    return types.SimpleNamespace(
+        code_predictor=predictor,
+        get_input_embeddings=lambda: embed,
+        config=types.SimpleNamespace(num_code_groups=talker_config.num_code_groups),
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(talker, fused: bool, batches: list[int], iters: int, device: torch.device, dtype: torch.dtype):
+    from agent.engine.code_predictor import CodePredictorOps
+    from agent.engine.graphing import GraphConfig, Graphing
+    from agent.engine.kernel_count import KernelCounter, marking_scheduled_kernels
+
+    config = GraphConfig(batch_sizes=tuple(batches), compile="on", compile_dynamic_batch=True, fused_gemv=fused)
+    graphing = Graphing(config, device, max(batches))
+    torch._dynamo.reset()  # the other variant's compiled loop must not serve this one
+    with marking_scheduled_kernels(), KernelCounter() as counter:
+        ops = CodePredictorOps(talker, device, dtype, graphing)
+        started = time.perf_counter()
+        ops.capture_graphs()  # compiles, then warms (and on CUDA captures) every bucket
+        sync(device)
+        compile_s = time.perf_counter() - started
+    calls = max(counter.graph_calls.total(), 1)
+    launches, scheduled = counter.compiled.total() / calls, counter.scheduled.total() / calls
+    hidden = talker.get_input_embeddings().embedding_dim
+    times = {}
+    for batch in batches:
+        last = torch.randn(batch, 1, hidden, device=device, dtype=dtype)
+        code0 = torch.randint(0, 2048, (batch,), device=device)
+        ops.run(last, code0)
+        samples = []
+        for _ in range(iters):
+            sync(device)
+            t0 = time.perf_counter()
+            ops.run(last, code0)
+            sync(device)
+            samples.append(time.perf_counter() - t0)
+        times[batch] = statistics.median(samples)
+    return times, launches, scheduled, compile_s, graphing.mode
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--layers", type=int, default=5, help="code-predictor depth (published: 5)")
+    p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    talker = build(args.layers, device, dtype)
+    results = {}
+    with torch.inference_mode():
+        for name, fused in (("fused", True), ("library", False)):
+            results[name] = measure(talker, fused, args.batch, args.iters, device, dtype)
+            print(f"# {name}: compiled and captured in {results[name][3]:.0f} s", flush=True)
+    mode = results["fused"][4]
+    print(f"\nCODE PREDICTOR LOOP (15 steps x {args.layers} layers, real width, bf16, {device}, graphs={mode}, "
+          f"torch {torch.__version__}); ms per loop, median of {args.iters}")
+    print(f"{'projections':<12} {'launches':>9} {'sched':>7} " + " ".join(f"{f'b{b} ms':>8}" for b in args.batch))
+    for name, (times, launches, scheduled, _, _) in results.items():
+        print(f"{name:<12} {launches:>9.0f} {scheduled:>7.0f} " + " ".join(f"{times[b] * 1e3:>8.2f}" for b in args.batch))
+    b1 = args.batch[0]
+    fused_ms, library_ms = results["fused"][0][b1] * 1e3, results["library"][0][b1] * 1e3
+    print(f"cp_ms_b{b1}_fused={fused_ms:.2f} cp_ms_b{b1}_library={library_ms:.2f} "
+          f"cp_speedup_b{b1}={library_ms / fused_ms:.2f} launches_fused={results['fused'][1]:.0f} "
+          f"launches_library={results['library'][1]:.0f}")
+
+
+if __name__ == "__main__":
+    main()
