@@ -11,8 +11,8 @@ padded buckets on CPU) and, for each variant in one process, reports:
 - the launches of one compiled loop (agent/engine/kernel_count.py: the generated `call()`'s
   launching statements; on CPU also `sched`, the fused nodes Triton would launch one kernel each).
 
-    python scripts/bench_code_predictor.py --device cuda                 # on a GPU (gpu_check.sh)
-    python scripts/bench_code_predictor.py --layers 1 --batch 1,4 --iters 5   # CPU: a quick look
+    python scripts/bench_code_predictor.py --device cuda --batch 1,4      # on a GPU (gpu_check.sh)
+    python scripts/bench_code_predictor.py --layers 1 --batch 1 --iters 3   # CPU: the launch counts
 
 Timing on a shared CPU is noisy and not what the variants are for (a GPU's launch cost is):
 on CPU read the launch columns. Last line:
@@ -58,12 +58,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(talker, fused: bool, batches: list[int], iters: int, device: torch.device, dtype: torch.dtype):
+def measure(talker, fused: bool, batches: list[int], iters: int, device: torch.device, dtype: torch.dtype,
+            dynamic_batch: bool):
     from agent.engine.code_predictor import CodePredictorOps
     from agent.engine.graphing import GraphConfig, Graphing
     from agent.engine.kernel_count import KernelCounter, marking_scheduled_kernels
 
-    config = GraphConfig(batch_sizes=tuple(batches), compile="on", compile_dynamic_batch=True, fused_gemv=fused)
+    config = GraphConfig(batch_sizes=tuple(batches), compile="on", compile_dynamic_batch=dynamic_batch, fused_gemv=fused)
     graphing = Graphing(config, device, max(batches))
     torch._dynamo.reset()  # the other variant's compiled loop must not serve this one
     with marking_scheduled_kernels(), KernelCounter() as counter:
@@ -73,7 +74,9 @@ def measure(talker, fused: bool, batches: list[int], iters: int, device: torch.d
         sync(device)
         compile_s = time.perf_counter() - started
     calls = max(counter.graph_calls.total(), 1)
-    launches, scheduled = counter.compiled.total() / calls, counter.scheduled.total() / calls
+    # The compiled loop's own kernels (the eager copies around it count 1 in both: left out).
+    eager = counter.total - counter.compiled.total()
+    launches, scheduled = counter.compiled.total() / calls, (counter.scheduled.total() - eager) / calls
     hidden = talker.get_input_embeddings().embedding_dim
     times = {}
     for batch in batches:
@@ -95,9 +98,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--layers", type=int, default=5, help="code-predictor depth (published: 5)")
-    p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--dynamic-batch", action="store_true",
+                   help="one compile for every batch (the engine's CPU default) instead of one per batch (its CUDA "
+                        "default, and fused differently: count and time what production runs)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,11 +113,13 @@ def main() -> None:
     results = {}
     with torch.inference_mode():
         for name, fused in (("fused", True), ("library", False)):
-            results[name] = measure(talker, fused, args.batch, args.iters, device, dtype)
+            results[name] = measure(talker, fused, args.batch, args.iters, device, dtype, args.dynamic_batch)
             print(f"# {name}: compiled and captured in {results[name][3]:.0f} s", flush=True)
     mode = results["fused"][4]
+    compiles = "one compile for all batches" if args.dynamic_batch else "one compile per batch"
     print(f"\nCODE PREDICTOR LOOP (15 steps x {args.layers} layers, real width, bf16, {device}, graphs={mode}, "
-          f"torch {torch.__version__}); ms per loop, median of {args.iters}")
+          f"{compiles}, torch {torch.__version__}); ms per loop, median of {args.iters}; launches and sched per loop, "
+          f"averaged over the batches")
     print(f"{'projections':<12} {'launches':>9} {'sched':>7} " + " ".join(f"{f'b{b} ms':>8}" for b in args.batch))
     for name, (times, launches, scheduled, _, _) in results.items():
         print(f"{name:<12} {launches:>9.0f} {scheduled:>7.0f} " + " ".join(f"{times[b] * 1e3:>8.2f}" for b in args.batch))

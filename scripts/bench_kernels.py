@@ -281,21 +281,27 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
           f"{H200.bandwidth / 1e12:.1f} TB/s) + kernels x {H200.per_kernel_s * 1e6:.0f} us; bf16 weights at full "
           f"depth, MoE experts at their expected spread, KV at {args.context} tokens of context per session; "
           f"RTF = tick / {CODEC_FRAME_S * 1000:.0f} ms")
-    print(f"{'run':<22} {'kernels':>8} {'GB read':>8} {'bytes ms':>9} {'kernel ms':>9} {'total ms':>9} {'RTF':>6}")
+    print("(kernels: the launches counted here; the sched columns put the scheduled count in the same formula: "
+          "a CUDA run lies between the two)")
+    print(f"{'run':<22} {'kernels':>8} {'GB read':>8} {'bytes ms':>9} {'kernel ms':>9} {'total ms':>9} {'RTF':>6} "
+          f"{'sched':>7} {'sched ms':>9} {'sched RTF':>9}")
     predicted: dict[str, float] = {}
 
-    def show(name: str, kernels: int, nbytes: float, rtf: bool) -> None:
-        total = H200.seconds(nbytes, kernels)
-        predicted[name] = total
+    def show(name: str, kernels: int, nbytes: float, rtf: bool, sched: int) -> None:
+        total, upper = H200.seconds(nbytes, kernels), H200.seconds(nbytes, sched)
+        predicted[name], predicted[name + " sched"] = total, upper
         rtf_s = f"{total / CODEC_FRAME_S:6.2f}" if rtf else "     -"
+        upper_rtf = f"{upper / CODEC_FRAME_S:9.2f}" if rtf else "        -"
         print(f"{name:<22} {kernels:>8} {nbytes / 1e9:>8.2f} {H200.seconds(nbytes, 0) * 1e3:>9.2f} "
-              f"{H200.seconds(0, kernels) * 1e3:>9.2f} {total * 1e3:>9.2f} {rtf_s}")
+              f"{H200.seconds(0, kernels) * 1e3:>9.2f} {total * 1e3:>9.2f} {rtf_s} {sched:>7} {upper * 1e3:>9.2f} {upper_rtf}")
 
     for batch in batches:
-        show(f"tick b{batch}", table[f"tick_b{batch}"].total(), sum(model.tick(batch, args.context).values()), True)
-    show("code predictor (b1)", table["tick_b1"]["code_predictor"], model.tick(1, args.context)["code_predictor"], False)
+        show(f"tick b{batch}", table[f"tick_b{batch}"].total(), sum(model.tick(batch, args.context).values()), True,
+             scheduled[f"tick_b{batch}"].total())
+    show("code predictor (b1)", table["tick_b1"]["code_predictor"], model.tick(1, args.context)["code_predictor"], False,
+         scheduled["tick_b1"]["code_predictor"])
     eot = model.end_of_turn(thinker_tokens, talker_tokens, args.context)
-    show("end of turn b1 (TTFA)", table["end_of_turn"].total(), sum(eot.values()), False)
+    show("end of turn b1 (TTFA)", table["end_of_turn"].total(), sum(eot.values()), False, scheduled["end_of_turn"].total())
     print(f"(end of turn: thinker prefill {thinker_tokens} tokens, talker prefix {talker_tokens} tokens, "
           f"{args.kernel_utterance_s:g} s utterance; network and playout not included)")
     print(
@@ -304,5 +310,7 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
         f"predicted_rtf_b4={predicted['tick b4'] / CODEC_FRAME_S:.2f} "
         f"predicted_ttfa_b1_ms={predicted['end of turn b1 (TTFA)'] * 1000:.0f} "
         f"scheduled_per_tick_b1={scheduled['tick_b1'].total()} scheduled_code_predictor={scheduled['tick_b1']['code_predictor']} "
-        f"scheduled_end_of_turn={scheduled['end_of_turn'].total()}"
+        f"scheduled_end_of_turn={scheduled['end_of_turn'].total()} "
+        f"predicted_rtf_b4_scheduled={predicted['tick b4 sched'] / CODEC_FRAME_S:.2f} "
+        f"predicted_ttfa_b1_ms_scheduled={predicted['end of turn b1 (TTFA) sched'] * 1000:.0f}"
     )

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One short GPU check of the engine's CUDA path (target: under 9 minutes on an H200):
+# One short GPU check of the engine's CUDA path (~8-10 minutes on an H200; the steps' limits add up to
+# more than one 10-minute device call: if a run is cut short, ONLY="bench_code_predictor bench_compiled"
+# (say) runs the setup and the steps it missed):
 #   1. machine, driver and Python versions, nvidia-smi;
 #   2. install: the machine's CUDA torch is kept (the project pins torch==2.13.0, whose CPU wheel
 #      this repo's own machines use; a pip resolve would replace a CUDA build), the rest of the
@@ -18,6 +20,7 @@
 # when set (the device tool brings those back), else bench/results/.
 #
 #   bash scripts/gpu_check.sh                       # from the repo root
+#   ONLY="bench_code_predictor bench_compiled" bash scripts/gpu_check.sh   # setup + those steps
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 #
 # Offline machines (the lent H200 reaches no package index; its python3 has CUDA torch 2.11 (flex
@@ -43,9 +46,17 @@ START=$(date +%s)
 section() { printf '\n== %s (+%ss)\n' "$1" "$(($(date +%s) - START))"; }
 
 # run NAME LIMIT_S CMD...: tee the output into $RESULTS/NAME.txt; record a failure, go on.
+# ONLY="bench_code_predictor bench_compiled": the setup steps and these, no other (the steps'
+# limits add up to more than one 10-minute device call: a second call runs the rest).
 run() {
   local name=$1 limit=$2
   shift 2
+  case "$name" in machine|install|imports) ;; *)
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+      section "$name: skipped (ONLY=$ONLY)"
+      return 0
+    fi
+  esac
   section "$name (limit ${limit}s): $*"
   local rc=0
   timeout --kill-after=20 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.txt" || rc=$?
@@ -127,7 +138,7 @@ run pytest_gpu "${GPU_TEST_LIMIT:-240}" "$PY" -m pytest -m gpu -q -rs -p no:cach
 BENCH=("$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weights --device cuda --no-reference)
 run bench_graphs "${BENCH_LIMIT:-150}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile off
 # Fused projections vs library matmuls in the compiled loop: decides GraphConfig.fused_gemv's default.
-run bench_code_predictor "${CP_LIMIT:-150}" "$PY" scripts/bench_code_predictor.py --device cuda --batch 1,4,16 --iters 30
+run bench_code_predictor "${CP_LIMIT:-240}" "$PY" scripts/bench_code_predictor.py --device cuda --batch 1,4 --iters 30
 run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on
 if [ "${EAGER:-0}" = 1 ]; then
   run bench_eager "${EAGER_LIMIT:-90}" "${BENCH[@]}" --batch 1 --repeats 1 --compile off --no-cuda-graphs

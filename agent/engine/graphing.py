@@ -55,9 +55,9 @@ class GraphConfig:
     cudagraphs: CudaGraphImpl = "own"  # with compile on CUDA: our capture, or inductor's
     compile_dynamic_batch: bool | None = None  # one compile for all buckets (None: on CPU only)
     # Compiled code-predictor projections as reductions with the norms and residual adds fused
-    # in (agent/engine/gemv.py), or library matmuls. None: on CUDA only (inductor's C++ backend
-    # makes slow loops of them: a loop 5x slower at batch 1, 100x at 4, measured with
-    # scripts/bench_code_predictor.py on this project's CPU).
+    # in (agent/engine/gemv.py), or library matmuls. None: on CUDA only (compiled for all batches
+    # at once, as CPU compiles, inductor's C++ loops for them are slow: the loop 5x slower at
+    # batch 1, 100x at 4; scripts/bench_code_predictor.py, bench/results/code-predictor-cpu.txt).
     fused_gemv: bool | None = None
     min_key_len: int = 256  # shortest attention read of a graphed decode step
     warmup_iters: int = 1  # eager calls per graph before its capture (lazy CUDA init)
