@@ -93,6 +93,4 @@ def compiled_options(tmp_path_factory) -> dict:
 
     # OMNI_AGENT_TEST_COMPILE_CACHE keeps the cache across runs (a developer's re-runs: seconds).
     cache = os.environ.get("OMNI_AGENT_TEST_COMPILE_CACHE") or tmp_path_factory.mktemp("inductor")
-    # fused_gemv: the code predictor as a GPU compiles it (CPU leaves it off by default).
-    graphs = GraphConfig(mode="off", compile="on", compile_cache=Path(cache), fused_gemv=True)
-    return {"graphs": graphs, "max_sessions": 16, "context_limit": 1024}
+    return {"graphs": GraphConfig(mode="off", compile="on", compile_cache=Path(cache)), "max_sessions": 16, "context_limit": 1024}

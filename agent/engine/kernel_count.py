@@ -28,9 +28,9 @@ launch), where Triton launches one kernel per node its scheduler fused. So a sec
 `scheduled`, is kept beside it: with `marking_scheduled_kernels()` on while graphs compile, the
 C++ backend writes a marker into `call()` for each fused node it generates (each inner node of
 a CPU-only outer-loop fusion counted apart), and a graph's scheduled count is its markers plus
-its library and fallback calls. It overcounts Triton a little where the CPU scheduler leaves
-apart what Triton fuses (a norm's reduction and its pointwise tail, say): launches and
-scheduled bound a CUDA count from below and above. Eager ops count the same in both.
+its library and fallback calls. It overcounts Triton where the CPU scheduler leaves apart what
+Triton fuses (a norm's reduction and its pointwise tail, say): launches and scheduled bound a
+CUDA count from below and above. Eager ops count the same in both.
 
 Stages: `with counter.stage("thinker_decode"): ...` attributes the kernels issued inside to
 that label (the innermost label wins); kernels outside any stage go to `UNSTAGED`.
@@ -209,10 +209,10 @@ SCHEDULED_MARK = "# omni-agent: scheduled kernel"
 @contextmanager
 def marking_scheduled_kernels() -> Iterator[None]:
     """Mark each fused node in the `call()` of every graph compiled meanwhile (C++ backend; see
-    the module docstring). Inductor's FX graph cache is off meanwhile: a graph it returned would
-    have been generated without marks (and a marked one must not be served to a later run).
-    All of torch's compile caches are, not only that one: the engine turns the FX cache on as it
-    starts (agent/engine/compiled.py `use_cache_dir`), which this switch overrides."""
+    the module docstring). torch's compile caches are off meanwhile (`force_disable_caches`): a
+    cached graph was generated without marks, and a marked one must not be served to a later
+    run. Turning off only inductor's FX graph cache is not enough: the engine turns it back on
+    as it starts (agent/engine/compiled.py `use_cache_dir`)."""
     from torch._inductor.codegen.cpp import CppScheduling
     from torch._inductor.virtualized import V
 
