@@ -16,6 +16,9 @@ Pins:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 from torch import nn
@@ -52,7 +55,9 @@ def test_compiled_reductions_equal_the_library_projections(dtype, rows):
     torch.testing.assert_close(got_plain, want_plain, **tol)
 
 
-def compiled_launches(fn, *args) -> dict[str, int]:
+@contextmanager
+def generated_sources() -> Iterator[list[str]]:
+    """The generated wrapper source of every compiled graph called inside the block."""
     from torch._inductor.output_code import CompiledFxGraph
 
     sources: list[str] = []
@@ -64,10 +69,14 @@ def compiled_launches(fn, *args) -> dict[str, int]:
 
     CompiledFxGraph.__call__ = record
     try:
-        with torch.inference_mode():
-            torch.compile(fn, fullgraph=True, dynamic=False)(*args)
+        yield sources
     finally:
         CompiledFxGraph.__call__ = original
+
+
+def compiled_launches(fn, *args) -> dict[str, int]:
+    with generated_sources() as sources, torch.inference_mode():
+        torch.compile(fn, fullgraph=True, dynamic=False)(*args)
     assert len(sources) == 1
     return dict(wrapper_launches(sources[0]))
 
@@ -114,17 +123,7 @@ def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, com
     ops = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype, Graphing(config, loaded.device, 4))
     assert ops.fused_gemv
     hidden = ops.talker_embed.embedding_dim
-    from torch._inductor.output_code import CompiledFxGraph
-
-    sources: list[str] = []
-    original = CompiledFxGraph.__call__
-
-    def record(graph, inputs):
-        sources.append(graph.source_code)
-        return original(graph, inputs)
-
-    CompiledFxGraph.__call__ = record
-    try:
+    with generated_sources() as sources:
         for batch in (3, 4):
             gen = torch.Generator().manual_seed(300 + batch)
             with torch.inference_mode():
@@ -135,8 +134,6 @@ def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, com
             torch.testing.assert_close(codes, want_codes, rtol=0, atol=0)
             torch.testing.assert_close(sums, want_sums, rtol=1e-4, atol=1e-4)
             assert len(set(codes[:, 1:].flatten().tolist())) > 1  # a loop that really ran
-    finally:
-        CompiledFxGraph.__call__ = original
     assert sources, "the loop did not run compiled"
     assert not any("extern_kernels.mm" in line for source in sources for line in source.splitlines()
                    if not line.lstrip().startswith("#"))
