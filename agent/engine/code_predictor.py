@@ -71,7 +71,7 @@ class CodePredictorOps:
             self.fused = [FusedWeights.of(layer) for layer in self.body.layers]
         # Compiled, the projections are reductions with the norms and residual adds fused in
         # (agent/engine/gemv.py); eagerly, and with the option off, library matmuls.
-        self.fused_gemv = graphing is not None and graphing.compiler is not None and graphing.fused_gemv
+        self.fused_gemv = graphing is not None and graphing.fuses_projections
         if self.fused_gemv:
             for layer, weights in zip(self.body.layers, self.fused):
                 check_norm(layer.input_layernorm, weights.qkv)

@@ -49,6 +49,26 @@ def normed_gemv(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor) -> torch
     return out.t().to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def gathered_normed_gemv(x: torch.Tensor, norm: nn.Module, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """RMSNorm(x[t]) @ weights[index[t, k]].T for every row t and each of its K picks: x [T, H],
+    weights [E, N, H] (one [N, H] matrix per expert), index [T, K] -> [T, K, N] in x's dtype.
+
+    A MoE block's experts at decode: the picked experts' weights are read in place (an indirect
+    load in the reduction's loop, no gathered copy, no grouping by expert), the norm folded in as
+    in `normed_gemv`."""
+    rows = x.float()
+    scaled = (rows * norm.weight.float())[:, None, None, :]  # [T, 1, 1, H]
+    dot = (weights[index] * scaled).sum(-1)  # [T, K, N]
+    squares = (rows * rows)[:, None, None, :].expand(-1, *dot.shape[1:], -1).sum(-1)
+    return (dot * torch.rsqrt(squares / rows.shape[-1] + norm.variance_epsilon)).to(x.dtype)
+
+
+def gathered_gemv(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[t, k] @ weights[index[t, k]].T: x [T, K, I], weights [E, N, I], index [T, K] -> [T, K, N]
+    in x's dtype (an expert's down projection per pick, weights read in place)."""
+    return (weights[index] * x.float()[:, :, None, :]).sum(-1).to(x.dtype)
+
+
 def check_norm(norm: nn.Module, weight: torch.Tensor) -> None:
     """`normed_gemv` reads the norm's weight and epsilon and applies them itself: refuse a norm
     whose own forward is not x * rsqrt(mean(x^2) + eps) * weight (tried on a few outputs)."""

@@ -125,6 +125,11 @@ class Graphing:
         self.pools: dict[str, GraphPool] = {}
 
     @property
+    def fuses_projections(self) -> bool:
+        """Whether compiled decode steps take the fused projections (agent/engine/gemv.py)."""
+        return self.compiler is not None and self.fused_gemv
+
+    @property
     def enabled(self) -> bool:
         """Whether the steps run the static wiring (padded buckets, reserved caches, pools)."""
         return self.backend is not None

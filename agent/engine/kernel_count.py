@@ -27,10 +27,10 @@ merges every run of generated kernels between two library calls into one C++ fun
 launch), where Triton launches one kernel per node its scheduler fused. So a second count,
 `scheduled`, is kept beside it: with `marking_scheduled_kernels()` on while graphs compile, the
 C++ backend writes a marker into `call()` for each fused node it generates (each inner node of
-a CPU-only outer-loop fusion counted apart), and a graph's scheduled count is its markers plus
-its library and fallback calls. It overcounts Triton where the CPU scheduler leaves apart what
-Triton fuses (a norm's reduction and its pointwise tail, say): launches and scheduled bound a
-CUDA count from below and above. Eager ops count the same in both.
+a CPU-only outer-loop fusion counted apart; a template kernel, flex attention's, is one), and a
+graph's scheduled count is its markers plus its library and fallback calls. It overcounts
+Triton where the CPU scheduler leaves apart what Triton fuses (a norm's reduction and its
+pointwise tail, say): launches and scheduled bound a CUDA count from below and above. Eager ops count the same in both.
 
 Stages: `with counter.stage("thinker_decode"): ...` attributes the kernels issued inside to
 that label (the innermost label wins); kernels outside any stage go to `UNSTAGED`.
@@ -93,6 +93,7 @@ class KernelCounter(TorchDispatchMode):
         self.graph_calls: Counter[str] = Counter()  # stage -> calls of compiled graphs
         self.unmarked_graphs = 0  # calls of compiled CPU graphs without scheduler marks (scheduled unknown)
         self.ops: Counter[str] = Counter()  # aten op name -> count (eager only)
+        self.sources: dict[int, str] = {}  # id of each compiled graph called -> its generated wrapper
         self._stages: list[str] = []
         self._in_compiled = 0
         self._original_call: Any = None
@@ -122,6 +123,7 @@ class KernelCounter(TorchDispatchMode):
         self.graph_calls.clear()
         self.unmarked_graphs = 0
         self.ops.clear()
+        self.sources.clear()
 
     def __enter__(self) -> "KernelCounter":
         if KernelCounter._active is not None:
@@ -169,6 +171,7 @@ class KernelCounter(TorchDispatchMode):
         counter = self
 
         def counted_call(graph, inputs):
+            counter.sources.setdefault(id(graph), graph.source_code)
             counter.add_compiled(compiled_graph_kernels(graph), compiled_graph_scheduled(graph))
             counter._in_compiled += 1
             try:
@@ -216,7 +219,7 @@ def marking_scheduled_kernels() -> Iterator[None]:
     from torch._inductor.codegen.cpp import CppScheduling
     from torch._inductor.virtualized import V
 
-    original = CppScheduling.codegen_node
+    original, original_template = CppScheduling.codegen_node, CppScheduling.codegen_template
 
     def codegen_node(self, node):
         outer = getattr(node, "get_outer_nodes", None)  # a CPU-only outer-loop fusion
@@ -224,12 +227,16 @@ def marking_scheduled_kernels() -> Iterator[None]:
             V.graph.wrapper_code.writeline(SCHEDULED_MARK)
         return original(self, node)
 
-    CppScheduling.codegen_node = codegen_node
+    def codegen_template(self, *args, **kwargs):  # a template kernel (flex attention): one launch
+        V.graph.wrapper_code.writeline(SCHEDULED_MARK)
+        return original_template(self, *args, **kwargs)
+
+    CppScheduling.codegen_node, CppScheduling.codegen_template = codegen_node, codegen_template
     try:
         with torch.compiler.config.patch(force_disable_caches=True):
             yield
     finally:
-        CppScheduling.codegen_node = original
+        CppScheduling.codegen_node, CppScheduling.codegen_template = original, original_template
 
 
 # Statements of a generated call() that launch nothing: allocation, views, checks, bookkeeping.

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from agent.engine.gemv import gathered_gemv, gathered_normed_gemv, gemv, normed_gemv
+
 Method = Literal["auto", "grouped", "gather"]
 Activation = Callable[[Tensor], Tensor]
 
@@ -204,6 +206,29 @@ class FusedSparseMoeBlock(nn.Module):
             shared = F.sigmoid(shared_gate) * mlp.down_proj(mlp.act_fn(gate) * up)
             out = out + shared
         return out.reshape(batch, seq, hidden_dim)
+
+    def forward_normed(self, hidden_states: Tensor, norm: nn.Module) -> Tensor:
+        """`forward(norm(hidden_states))` for a compiled decode step, as fused reductions: the
+        router's and shared expert's projections with the norm folded in (gemv.normed_gemv), each
+        picked expert's weights read in place by a reduction over the token's normed input, the
+        norm folded in too (gemv.gathered_normed_gemv), so the normed input is never written out,
+        no pair is sorted and no grouped matmul launched. Reads each pick's expert slices once:
+        at batch B two tokens that pick the same expert read it twice (grouped_mm reads it
+        once), the price of having no sort. Routing is transformers' own (`_route`)."""
+        batch, seq, hidden_dim = hidden_states.shape
+        flat = hidden_states.reshape(-1, hidden_dim)
+        parts = normed_gemv(flat, norm, self.entry).split(self.entry_splits, dim=-1)
+        routing_weights, selected = self._route(parts[0])
+        experts = self.experts
+        gate, up = gathered_normed_gemv(flat, norm, experts.gate_up_proj, selected).chunk(2, dim=-1)
+        picks = gathered_gemv(experts.act_fn(gate) * up, experts.down_proj, selected)  # [T, K, H]
+        out = (picks.float() * routing_weights.float().unsqueeze(-1)).sum(1)
+        if self.has_shared_expert:
+            gate, up, shared_gate = parts[1:]
+            mlp = self.shared_expert
+            shared = F.sigmoid(shared_gate) * gemv(mlp.act_fn(gate) * up, mlp.down_proj.weight)
+            out = out + shared.float()
+        return out.to(hidden_states.dtype).reshape(batch, seq, hidden_dim)
 
     def _route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """transformers' TopKRouter after its matmul: softmax in fp32, top-k, renormalise."""

@@ -33,7 +33,9 @@ import torch
 from torch import nn
 
 from agent.engine.attention import Backend, KVTraffic, attend, kv_traffic, select_backend
-from agent.engine.fusion import qkv
+from agent.engine.fusion import QKV, qkv
+from agent.engine.gemv import check_norm, gemv, normed_gemv
+from agent.engine.moe import FusedSparseMoeBlock
 
 GROW = 256  # capacity step (tokens): amortises re-allocation without over-allocating on CPU
 
@@ -184,11 +186,18 @@ def attention(
     cache_v: torch.Tensor,
     rows: Rows,
     backend: Backend = "sdpa",
+    norm: nn.Module | None = None,
 ) -> torch.Tensor:
-    """One attention block of a Qwen3-style layer (q/k norms, RoPE, GQA) against the slot cache."""
+    """One attention block of a Qwen3-style layer (q/k norms, RoPE, GQA) against the slot cache.
+    `hidden` is the block's normed input; or, with `norm` (a compiled decode step's fused
+    projections, agent/engine/gemv.py), its input before `norm`, which the q/k/v reduction
+    applies itself, and the output projection is a reduction too."""
     batch, n_new, _ = hidden.shape
     shape = (batch, n_new, -1, attn.head_dim)
-    q, k, v = qkv(attn, hidden)  # one matmul once fused (agent/engine/fusion.py)
+    if norm is not None:
+        q, k, v = normed_gemv(hidden, norm, getattr(attn, QKV)).split(attn.qkv_splits, dim=-1)
+    else:
+        q, k, v = qkv(attn, hidden)  # one matmul once fused (agent/engine/fusion.py)
     q = attn.q_norm(q.reshape(shape)).transpose(1, 2)
     k = attn.k_norm(k.reshape(shape)).transpose(1, 2)
     v = v.reshape(shape).transpose(1, 2)
@@ -205,7 +214,8 @@ def attention(
         backend if rows.causal else "sdpa", q, cache_k, cache_v, rows.slot_tensor, rows.index, attn.scaling,
         key_len=rows.key_len, mask=rows.mask, slot_range=rows.slot_range,
     )
-    return attn.o_proj(out.transpose(1, 2).reshape(batch, n_new, -1))
+    out = out.transpose(1, 2).reshape(batch, n_new, -1)
+    return gemv(out, attn.o_proj.weight) if norm is not None else attn.o_proj(out)
 
 
 def decoder_forward(
@@ -218,6 +228,7 @@ def decoder_forward(
     deepstack: list[torch.Tensor] | None = None,
     visual_mask: torch.Tensor | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run `body` (a transformers decoder: .layers, .norm, .rotary_emb) on new tokens of `rows`.
 
@@ -227,12 +238,21 @@ def decoder_forward(
     DeepStack features are added at the visual positions after the first layers, as transformers does.
     `rope`: (cos, sin) already made by `body.rotary_emb` for these positions (a caller that
     repeats the same positions, like the code predictor, makes them once).
+    `fused`: inside a compiled decode step, every projection a reduction with the norm before it
+    folded in (agent/engine/gemv.py; `check_fused_decoder` says whether `body` allows it); the
+    final norm is then left to the caller, which may fold it into its head (`hidden` is returned
+    before `body.norm`).
     """
     kv.reserve(rows.key_len)
     cos, sin = rope if rope is not None else body.rotary_emb(embeds, rope_positions)
     hidden = embeds
     captured = embeds if capture_layer == 0 else None
     for i, layer in enumerate(body.layers):
+        if fused:  # no layer scales (check_fused_decoder)
+            hidden = hidden + attention(layer.self_attn, hidden, cos, sin, kv.keys[i], kv.values[i], rows, kv.backend,
+                                        norm=layer.input_layernorm)
+            hidden = hidden + layer.mlp.forward_normed(hidden, layer.post_attention_layernorm)
+            continue
         residual = hidden
         out = attention(
             layer.self_attn, layer.input_layernorm(hidden), cos, sin, kv.keys[i], kv.values[i], rows, kv.backend
@@ -248,7 +268,27 @@ def decoder_forward(
         if deepstack is not None and i < len(deepstack):
             hidden = hidden.clone()
             hidden[visual_mask] = hidden[visual_mask] + deepstack[i]
+    if fused:
+        return hidden, captured
     hidden = body.norm(hidden)
     if capture_layer == len(body.layers):
         captured = hidden
     return hidden, captured
+
+
+def check_fused_decoder(body: nn.Module) -> None:
+    """Refuse a decoder that `decoder_forward(..., fused=True)` would compute wrongly: every
+    layer needs its q/k/v weights concatenated (fusion.fuse_decoder), a fused MoE block
+    (moe.fuse_moe: dense MLPs have no fused form here), no layer scales, and Qwen3 RMSNorms
+    (gemv.check_norm, tried on a few outputs)."""
+    for i, layer in enumerate(body.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, QKV, None) is None or not isinstance(mlp, FusedSparseMoeBlock):
+            raise ValueError(f"layer {i}: fused decode needs fused q/k/v and a fused MoE block")
+        if any(getattr(layer, name, None) is not None for name in ("self_attn_layer_scale", "mlp_layer_scale")):
+            raise ValueError(f"layer {i}: fused decode does not apply layer scales")
+        shared = getattr(mlp, "shared_expert", None)
+        if attn.o_proj.bias is not None or (shared is not None and shared.down_proj.bias is not None):
+            raise ValueError(f"layer {i}: fused decode assumes bias-free output projections")
+        check_norm(layer.input_layernorm, getattr(attn, QKV))
+        check_norm(layer.post_attention_layernorm, mlp.entry)

@@ -23,11 +23,12 @@ from collections.abc import Sequence
 
 import torch
 
+from agent.engine.gemv import gemv
 from agent.engine.graphing import Graphing, slot_cache_with_graph
 from agent.engine.model import LoadedModel
 from agent.engine.kv import KVState, mrope_positions
 from agent.engine.prefill import BucketedPrefill, PrefillRow
-from agent.engine.slots import Rows, decoder_forward
+from agent.engine.slots import Rows, check_fused_decoder, decoder_forward
 
 
 class TalkerOps:
@@ -89,6 +90,12 @@ class TalkerOps:
             graphing, self.talker.model, slots, limit, loaded.device, loaded.dtype,
             "talker_step", self._step, (0.0, self.pad_slot, 0, 0, 1), clone_outputs=True,
         )
+        # Compiled, the step's projections are reductions with the norms folded in (gemv.py).
+        self.fused_gemv = graphing is not None and graphing.fuses_projections
+        if self.fused_gemv:
+            check_fused_decoder(self.talker.model)
+            if self.talker.codec_head.bias is not None:
+                raise ValueError("fused projections assume a bias-free codec head")
         # Prefixes of sessions whose turns end together in one forward, in token buckets.
         self.prefiller = BucketedPrefill(
             self.talker.model, self.kv, self.talker.codec_head, graphing=graphing, pad_slot=self.pad_slot,
@@ -203,7 +210,12 @@ class TalkerOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphed step: embeds [B, 1, hidden], [B] long inputs, mask [B, key_len] bool."""
         rope = positions.view(1, -1, 1).expand(3, -1, -1)
-        hidden, _ = decoder_forward(self.talker.model, self.kv, Rows.static(slots, index, mask), embeds, rope)
+        fused = self.fused_gemv and torch.compiler.is_compiling()
+        body = self.talker.model
+        hidden, _ = decoder_forward(body, self.kv, Rows.static(slots, index, mask), embeds, rope, fused=fused)
+        if fused:  # the normed hidden is an output (the code predictor's input): no folding
+            hidden = body.norm(hidden)
+            return gemv(hidden[:, -1], self.talker.codec_head.weight).float(), hidden
         return self.talker.codec_head(hidden)[:, -1].float(), hidden
 
     def pick_code0(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

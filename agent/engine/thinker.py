@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agent.engine.gemv import check_norm, normed_gemv
 from agent.engine.graphing import DecodeRows, Graphing, slot_cache_with_graph
 from agent.engine.model import LoadedModel
 from agent.engine.kv import KVState, mrope_positions
 from agent.engine.prefill import BucketedPrefill, PrefillRow
-from agent.engine.slots import Rows, decoder_forward
+from agent.engine.slots import Rows, check_fused_decoder, decoder_forward
 
 
 @dataclass
@@ -97,6 +98,12 @@ class ThinkerOps:
             graphing, self.lm, slots, context_limit, loaded.device, loaded.dtype,
             "thinker_decode", self._decode_step, (0, self.pad_slot, 0, 0, 1), clone_outputs=False,
         )
+        # Compiled, the decode step's projections are reductions with the norms folded in
+        # (agent/engine/gemv.py), the final norm in the LM head's.
+        self.fused_gemv = graphing is not None and graphing.fuses_projections
+        if self.fused_gemv:
+            check_fused_decoder(self.lm)
+            check_norm(self.lm.norm, thinker.lm_head.weight)
         # Prefill chunks of many sessions in one forward, padded to token buckets (graphed too).
         self.prefiller = BucketedPrefill(
             self.lm, self.kv, thinker.lm_head, capture_layer=self.accept_layer, graphing=graphing,
@@ -259,7 +266,10 @@ class ThinkerOps:
         """The graphed decode step: all [B] long but mask [B, key_len] bool -> logits [B, vocab]."""
         embeds = self.embed(tokens.view(-1, 1))
         rope = positions.view(1, -1, 1).expand(3, -1, -1)
-        hidden, _ = decoder_forward(self.lm, self.kv, Rows.static(slots, index, mask), embeds, rope)
+        fused = self.fused_gemv and torch.compiler.is_compiling()
+        hidden, _ = decoder_forward(self.lm, self.kv, Rows.static(slots, index, mask), embeds, rope, fused=fused)
+        if fused:  # the final norm folded into the head's reduction
+            return normed_gemv(hidden[:, -1], self.lm.norm, self.thinker.lm_head.weight).float()
         return self.thinker.lm_head(hidden[:, -1]).float()
 
     def is_media(self, ids: torch.Tensor) -> torch.Tensor:

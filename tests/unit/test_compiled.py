@@ -30,6 +30,7 @@ from agent.engine.graphs import GraphPool
 from agent.engine.kv import KVState
 from agent.engine.prefill import PrefillRow
 from agent.engine.stream import StreamingRunner
+from engine_drive import assert_loop_equals_eager
 
 BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4
 
@@ -91,17 +92,7 @@ def test_thinker_and_talker_steps_equal_eager(runner, batch):
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_code_predictor_loop_equals_eager(runner, batch):
-    gen = torch.Generator().manual_seed(100 + batch)
-    predictor = runner.frames.predictor
-    hidden = predictor.talker_embed.embedding_dim
-    with torch.inference_mode():
-        last = torch.randn(batch, 1, hidden, generator=gen)
-        code0 = torch.randint(0, 2048, (batch,), generator=gen)
-        codes, sums = predictor.run(last, code0)
-        want_codes, want_sums = predictor._run(last, code0)
-    torch.testing.assert_close(codes, want_codes, rtol=0, atol=0)
-    torch.testing.assert_close(sums, want_sums, rtol=1e-4, atol=1e-4)
-    assert len(set(codes[:, 1:].flatten().tolist())) > 1  # a loop that really ran, not a constant
+    assert_loop_equals_eager(runner.frames.predictor, batch, seed=100 + batch)
 
 
 @pytest.mark.parametrize("batch", BATCHES)

@@ -11,13 +11,12 @@ Pins:
   for them are slow);
 - the tiny model's code-predictor loop, compiled per batch with fused projections as CUDA
   compiles it, gives the eager loop's codes exactly and its embedding sums for a batch of 3
-  (padded to 4: one compile, ~1 min here), and the compiled loop calls no library matmul.
+  (padded to 4: one compile, ~1 min here), and the compiled loop calls no library matmul;
+- so do its thinker decode and talker steps (fused MoE experts too: no grouped matmul), equal
+  to the eager steps for ragged rows in random slots.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -26,7 +25,8 @@ from torch.nn import functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeRMSNorm
 
 from agent.engine.gemv import check_norm, gemv, normed_gemv
-from agent.engine.kernel_count import wrapper_launches
+from agent.engine.kernel_count import KernelCounter, wrapper_launches
+from engine_drive import assert_loop_equals_eager
 
 K, N = 64, 96
 
@@ -55,30 +55,17 @@ def test_compiled_reductions_equal_the_library_projections(dtype, rows):
     torch.testing.assert_close(got_plain, want_plain, **tol)
 
 
-@contextmanager
-def generated_sources() -> Iterator[list[str]]:
-    """The generated wrapper source of every compiled graph called inside the block."""
-    from torch._inductor.output_code import CompiledFxGraph
-
-    sources: list[str] = []
-    original = CompiledFxGraph.__call__
-
-    def record(graph, inputs):
-        sources.append(graph.source_code)
-        return original(graph, inputs)
-
-    CompiledFxGraph.__call__ = record
-    try:
-        yield sources
-    finally:
-        CompiledFxGraph.__call__ = original
+def generated_code(counter: KernelCounter) -> list[str]:
+    """The statements (comments left out) of every compiled graph's wrapper the counter saw run."""
+    lines = [line.strip() for source in counter.sources.values() for line in source.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
 
 
 def compiled_launches(fn, *args) -> dict[str, int]:
-    with generated_sources() as sources, torch.inference_mode():
+    with KernelCounter() as counter, torch.inference_mode():
         torch.compile(fn, fullgraph=True, dynamic=False)(*args)
-    assert len(sources) == 1
-    return dict(wrapper_launches(sources[0]))
+    assert len(counter.sources) == 1
+    return dict(wrapper_launches(*counter.sources.values()))
 
 
 def test_the_mlp_tail_compiles_without_a_library_matmul():
@@ -122,18 +109,54 @@ def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, com
                          compile_dynamic_batch=False, fused_gemv=True)
     ops = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype, Graphing(config, loaded.device, 4))
     assert ops.fused_gemv
-    hidden = ops.talker_embed.embedding_dim
-    with generated_sources() as sources:
+    with KernelCounter() as counter:
         for batch in (3, 4):
-            gen = torch.Generator().manual_seed(300 + batch)
-            with torch.inference_mode():
-                last = torch.randn(batch, 1, hidden, generator=gen)
-                code0 = torch.randint(0, 2048, (batch,), generator=gen)
-                codes, sums = ops.run(last, code0)
-                want_codes, want_sums = ops._run(last, code0)
-            torch.testing.assert_close(codes, want_codes, rtol=0, atol=0)
-            torch.testing.assert_close(sums, want_sums, rtol=1e-4, atol=1e-4)
-            assert len(set(codes[:, 1:].flatten().tolist())) > 1  # a loop that really ran
-    assert sources, "the loop did not run compiled"
-    assert not any("extern_kernels.mm" in line for source in sources for line in source.splitlines()
-                   if not line.lstrip().startswith("#"))
+            assert_loop_equals_eager(ops, batch, seed=300 + batch)
+    assert counter.sources, "the loop did not run compiled"
+    assert not [line for line in generated_code(counter) if "extern_kernels.mm" in line]
+
+def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded, compiled_options):
+    """Their decode steps compiled per batch with fused projections and MoE experts (as CUDA
+    compiles them) against the eager steps (library matmuls, grouped experts), ragged rows."""
+    from agent.engine.fusion import fuse_decoder
+    from agent.engine.graphing import GraphConfig, Graphing
+    from agent.engine.kv import KVState
+    from agent.engine.moe import fuse_moe
+    from agent.engine.talker import TalkerOps
+    from agent.engine.thinker import ThinkerOps
+
+    model = loaded.model
+    fuse_moe(model)  # what the runner does first (no-ops when already done)
+    fuse_decoder(model.thinker.model.language_model)
+    fuse_decoder(model.talker.model)
+    cache = compiled_options["graphs"].compile_cache
+    config = GraphConfig(mode="off", compile="on", compile_cache=cache, batch_sizes=(4,),
+                         compile_dynamic_batch=False, fused_gemv=True)
+    graphing = Graphing(config, loaded.device, 4)
+    thinker, talker = ThinkerOps(loaded, 6, 512, graphing), TalkerOps(loaded, 6, 512, graphing=graphing)
+    assert thinker.fused_gemv and talker.fused_gemv
+    gen = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for kv in (thinker.kv, talker.kv):
+            for t in kv.keys + kv.values:
+                t.normal_(generator=gen)
+    hidden = model.talker.config.text_config.hidden_size
+    with KernelCounter() as counter, torch.inference_mode():
+        for batch in (3, 4):
+            states = []
+            for slot in torch.randperm(6, generator=gen)[:batch].tolist():
+                states.append(KVState(slot))
+                states[-1].length, states[-1].next_pos = torch.randint(0, 300, (2,), generator=gen).tolist()
+            rows = graphing.decode_rows(states, thinker.kv.capacity, loaded.device, tokens=[0] * batch)
+            tokens = torch.randint(0, 1000, (batch,), generator=gen)
+            args = (tokens, rows.slots, rows.index, rows.positions, rows.mask)
+            got = thinker._graph(*args).clone()
+            torch.testing.assert_close(got, thinker._decode_step(*args), rtol=1e-4, atol=1e-4)
+            embeds = torch.randn(batch, 1, hidden, generator=gen)
+            args = (embeds, rows.slots, rows.index, rows.positions, rows.mask)
+            logits, last = talker._graph(*args)
+            want_logits, want_last = talker._step(*args)
+            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(last, want_last, rtol=1e-4, atol=1e-4)
+    assert len(counter.sources) >= 2, "the steps did not run compiled"
+    assert not [line for line in generated_code(counter) if "extern_kernels.mm" in line or "grouped_mm" in line]
