@@ -165,8 +165,8 @@ def main() -> None:
                    help="torch.compile of the per-frame path (passed to the engine's Config; default: its own)")
     p.add_argument("--no-compile", dest="compile", action="store_const", const="off")
     p.add_argument("--fused-gemv", action=argparse.BooleanOptionalAction, default=None,
-                   help="compiled code-predictor projections as fused reductions (agent/engine/gemv.py) or "
-                        "library matmuls (default: the engine's, fused on CUDA; the kernel run counts fused)")
+                   help="compiled decode-step projections (thinker, talker, code predictor) as fused reductions "
+                        "(agent/engine/gemv.py) or library matmuls (default: the engine's, fused on CUDA; the kernel run counts fused)")
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     k = p.add_argument_group("kernel run (--kernels)")
     k.add_argument("--kernels", action="store_true", help="count kernels and bytes at real structure, predict H200 time")

@@ -12,8 +12,9 @@
 #   4. scripts/bench_engine.py at full size with random weights: batch 1, 4, 10 with CUDA graphs and
 #      compile off; then scripts/bench_code_predictor.py: the compiled, graphed code-predictor loop
 #      with fused projections against library matmuls (time per loop, launches); then the engine
-#      with compile on; batch 1 eager only with EAGER=1 (measured on 2026-11-30; its table prints
-#      peak memory and the graph counts).
+#      with compile on, with fused projections (the CUDA default) and with library matmuls;
+#      batch 1 eager only with EAGER=1 (measured on 2026-11-30; its table prints peak memory and
+#      the graph counts).
 # Every step has a time limit. A failed setup (install, imports, no CUDA) stops the script before
 # the GPU steps; a failing GPU step is recorded and the next one still runs; the exit status is
 # non-zero if any step failed. Output goes to the terminal and to files under $OUT
@@ -140,6 +141,10 @@ run bench_graphs "${BENCH_LIMIT:-150}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 
 # Fused projections vs library matmuls in the compiled loop: decides GraphConfig.fused_gemv's default.
 run bench_code_predictor "${CP_LIMIT:-240}" "$PY" scripts/bench_code_predictor.py --device cuda --batch 1,4 --iters 30
 run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on
+# The same with library matmuls in every compiled decode step (thinker, talker, code predictor):
+# with bench_compiled, decides GraphConfig.fused_gemv's default (usually a second device call).
+run bench_compiled_library "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on \
+  --no-fused-gemv
 if [ "${EAGER:-0}" = 1 ]; then
   run bench_eager "${EAGER_LIMIT:-90}" "${BENCH[@]}" --batch 1 --repeats 1 --compile off --no-cuda-graphs
 fi

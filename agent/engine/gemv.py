@@ -39,34 +39,36 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def normed_gemv(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """RMSNorm(x) @ weight.T for a Qwen3 RMSNorm (`.weight`, `.variance_epsilon`), one reduction."""
+    return normed_gemv_with_scale(x, norm, weight)[0]
+
+
+def normed_gemv_with_scale(
+    x: torch.Tensor, norm: nn.Module, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`normed_gemv`, and the norm's per-row scale rsqrt(mean(x^2) + eps) [rows] (fp32), which
+    the same loop computes: a later reduction over the same input can reuse it instead of
+    accumulating the squares again (the MoE experts, `gathered_gemv`)."""
     rows = x.reshape(-1, x.shape[-1]).float()
     n = weight.shape[0]
     dot = (weight.unsqueeze(1) * (rows * norm.weight.float()).unsqueeze(0)).sum(-1)  # [N, rows]
     # The sum of squares per output, not per row: the same loop as `dot`, so no kernel of its
     # own (a [rows] reduction would be one); the weight read dominates what it recomputes.
     squares = (rows * rows).unsqueeze(0).expand(n, -1, -1).sum(-1)
-    out = dot * torch.rsqrt(squares / rows.shape[-1] + norm.variance_epsilon)
-    return out.t().to(x.dtype).reshape(*x.shape[:-1], n)
-
-
-def gathered_normed_gemv(x: torch.Tensor, norm: nn.Module, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """RMSNorm(x[t]) @ weights[index[t, k]].T for every row t and each of its K picks: x [T, H],
-    weights [E, N, H] (one [N, H] matrix per expert), index [T, K] -> [T, K, N] in x's dtype.
-
-    A MoE block's experts at decode: the picked experts' weights are read in place (an indirect
-    load in the reduction's loop, no gathered copy, no grouping by expert), the norm folded in as
-    in `normed_gemv`."""
-    rows = x.float()
-    scaled = (rows * norm.weight.float())[:, None, None, :]  # [T, 1, 1, H]
-    dot = (weights[index] * scaled).sum(-1)  # [T, K, N]
-    squares = (rows * rows)[:, None, None, :].expand(-1, *dot.shape[1:], -1).sum(-1)
-    return (dot * torch.rsqrt(squares / rows.shape[-1] + norm.variance_epsilon)).to(x.dtype)
+    scale = torch.rsqrt(squares / rows.shape[-1] + norm.variance_epsilon)
+    out = (dot * scale).t().to(x.dtype).reshape(*x.shape[:-1], n)
+    return out, scale[0]
 
 
 def gathered_gemv(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[t, k] @ weights[index[t, k]].T: x [T, K, I], weights [E, N, I], index [T, K] -> [T, K, N]
-    in x's dtype (an expert's down projection per pick, weights read in place)."""
-    return (weights[index] * x.float()[:, :, None, :]).sum(-1).to(x.dtype)
+    """x[t] @ weights[index[t, k]].T for every row t and each of its K picks (or x[t, k], one
+    input per pick): x [T, I] or [T, K, I], weights [E, N, I] (one [N, I] matrix per expert),
+    index [T, K] -> [T, K, N] in fp32.
+
+    A MoE block's experts at decode: the picked experts' weights are read in place (an indirect
+    load in the reduction's loop: no gathered copy, no grouping by expert)."""
+    rows = x.float()
+    rows = rows[:, None, None, :] if rows.dim() == 2 else rows[:, :, None, :]
+    return (weights[index] * rows).sum(-1)
 
 
 def check_norm(norm: nn.Module, weight: torch.Tensor) -> None:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from agent.engine.gemv import gathered_gemv, gathered_normed_gemv, gemv, normed_gemv
+from agent.engine.gemv import gathered_gemv, gemv, normed_gemv_with_scale
 
 Method = Literal["auto", "grouped", "gather"]
 Activation = Callable[[Tensor], Tensor]
@@ -208,20 +208,23 @@ class FusedSparseMoeBlock(nn.Module):
         return out.reshape(batch, seq, hidden_dim)
 
     def forward_normed(self, hidden_states: Tensor, norm: nn.Module) -> Tensor:
-        """`forward(norm(hidden_states))` for a compiled decode step, as fused reductions: the
-        router's and shared expert's projections with the norm folded in (gemv.normed_gemv), each
-        picked expert's weights read in place by a reduction over the token's normed input, the
-        norm folded in too (gemv.gathered_normed_gemv), so the normed input is never written out,
-        no pair is sorted and no grouped matmul launched. Reads each pick's expert slices once:
-        at batch B two tokens that pick the same expert read it twice (grouped_mm reads it
-        once), the price of having no sort. Routing is transformers' own (`_route`)."""
+        """`forward(norm(hidden_states))` for a compiled decode step, as fused reductions
+        (agent/engine/gemv.py): the router's and shared expert's projections with the norm folded
+        in; each picked expert's weights read in place by a reduction over the token's scaled
+        input, times the norm's row scale that the router's loop already computed. The normed
+        input is never written out, no pair is sorted, no grouped matmul launched. At batch B
+        two tokens that pick the same expert read it twice (grouped_mm reads it once): the
+        price of having no sort."""
         batch, seq, hidden_dim = hidden_states.shape
         flat = hidden_states.reshape(-1, hidden_dim)
-        parts = normed_gemv(flat, norm, self.entry).split(self.entry_splits, dim=-1)
-        routing_weights, selected = self._route(parts[0])
+        entry, row_scale = normed_gemv_with_scale(flat, norm, self.entry)
+        parts = entry.split(self.entry_splits, dim=-1)
+        routing_weights, selected = self._route_picks(parts[0])
         experts = self.experts
-        gate, up = gathered_normed_gemv(flat, norm, experts.gate_up_proj, selected).chunk(2, dim=-1)
-        picks = gathered_gemv(experts.act_fn(gate) * up, experts.down_proj, selected)  # [T, K, H]
+        scaled = flat.float() * norm.weight.float()
+        gate_up = (gathered_gemv(scaled, experts.gate_up_proj, selected) * row_scale.view(-1, 1, 1)).to(flat.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        picks = gathered_gemv(experts.act_fn(gate) * up, experts.down_proj, selected).to(flat.dtype)  # [T, K, H]
         out = (picks.float() * routing_weights.float().unsqueeze(-1)).sum(1)
         if self.has_shared_expert:
             gate, up, shared_gate = parts[1:]
@@ -229,6 +232,20 @@ class FusedSparseMoeBlock(nn.Module):
             shared = F.sigmoid(shared_gate) * gemv(mlp.act_fn(gate) * up, mlp.down_proj.weight)
             out = out + shared.float()
         return out.to(hidden_states.dtype).reshape(batch, seq, hidden_dim)
+
+    def _route_picks(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """`_route` without the softmax over every expert: top-k of the logits picks the same
+        experts (softmax is monotonic), and when the picks' weights are renormalised, the full
+        softmax's denominator cancels: they are the softmax of the k picked logits. Otherwise
+        the denominator is one logsumexp. Equal to `_route` up to float rounding."""
+        router = self.gate
+        top_logits, top_index = torch.topk(logits.float(), router.top_k, dim=-1)  # sorted: the max first
+        if router.norm_topk_prob:  # softmax over the picks, its max already known (no reduction for it)
+            weights = torch.exp(top_logits - top_logits[..., :1])
+            weights = weights / weights.sum(-1, keepdim=True)
+        else:
+            weights = torch.exp(top_logits - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+        return weights.to(logits.dtype), top_index
 
     def _route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """transformers' TopKRouter after its matmul: softmax in fp32, top-k, renormalise."""

@@ -167,6 +167,13 @@ class Rows:
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # The same values without a concatenation, which inductor makes a buffer of its own (a
+        # kernel per half, then one reading it back): the halves swapped by index, the first
+        # negated, all one pointwise expression that fuses into the q/k norm's kernel.
+        half = x.shape[-1] // 2
+        rolled = x.roll(half, dims=-1)
+        return torch.where(torch.arange(x.shape[-1], device=x.device) < half, -rolled, rolled)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 

@@ -8,7 +8,9 @@ and its router module (so routing is identical), its router and shared-expert we
 of the one `entry` matmul weight; at decode (one token per row) the pairs are ordered by
 `rank_by_expert`, which equals the stable sort and its offsets for ids with repeats, ties and
 absent experts; it traces with torch.compile(fullgraph=True)
-in fp32; `fuse_moe` swaps every sparse block of the tiny Qwen3-Omni (4 thinker + 2 talker) and
+in fp32; compiled, its fused decode form (`forward_normed`: the norm folded into reductions that
+read the picked experts in place, routing without the full softmax) equals the block on the
+normed input, with and without renormalised picks; `fuse_moe` swaps every sparse block of the tiny Qwen3-Omni (4 thinker + 2 talker) and
 the swapped model gives the same greedy text and the same waveform as the unswapped one. A
 micro-benchmark prints the 1-token decode time against the loop (not asserted). On CUDA
 (`-m gpu`): the fused block in bf16 equals the loop and replays inside a captured CUDA graph.
@@ -134,6 +136,20 @@ def test_fused_block_compiles_fullgraph_in_fp32():
     compiled = torch.compile(fused, fullgraph=True, dynamic=False)
     x = torch.randn(1, 1, 64)
     torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+@pytest.mark.parametrize("renormalised", [True, False])
+@torch.no_grad()
+def test_forward_normed_compiled_equals_the_block_on_the_normed_input(kind, renormalised):
+    block = BLOCKS[kind]()
+    block.gate.norm_topk_prob = renormalised  # the thinker's real config renormalises, the talker's not
+    fused = FusedSparseMoeBlock(block)
+    norm = hf.Qwen3OmniMoeRMSNorm(64, eps=1e-6)
+    norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(3)) * 2  # 3 decode rows
+    compiled = torch.compile(fused.forward_normed, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x, norm), block(norm(x)), rtol=1e-5, atol=1e-5)
 
 
 def _prompt(tokenizer) -> torch.Tensor:
