@@ -237,15 +237,15 @@ class FusedSparseMoeBlock(nn.Module):
         """`_route` without the softmax over every expert: top-k of the logits picks the same
         experts (softmax is monotonic), and when the picks' weights are renormalised, the full
         softmax's denominator cancels: they are the softmax of the k picked logits. Otherwise
-        the denominator is one logsumexp. Equal to `_route` up to float rounding."""
+        the denominator is one sum over every expert. Equal to `_route` up to float rounding."""
         router = self.gate
-        top_logits, top_index = torch.topk(logits.float(), router.top_k, dim=-1)  # sorted: the max first
-        if router.norm_topk_prob:  # softmax over the picks, its max already known (no reduction for it)
-            weights = torch.exp(top_logits - top_logits[..., :1])
-            weights = weights / weights.sum(-1, keepdim=True)
-        else:
-            weights = torch.exp(top_logits - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
-        return weights.to(logits.dtype), top_index
+        top_logits, top_index = torch.topk(logits.float(), router.top_k, dim=-1)
+        # Sorted, so the max is the first pick: the softmax needs no reduction for it.
+        weights = torch.exp(top_logits - top_logits[..., :1])
+        if router.norm_topk_prob:  # the softmax over the picks
+            return (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), top_index
+        everything = torch.exp(logits.float() - top_logits[..., :1]).sum(-1, keepdim=True)
+        return (weights / everything).to(logits.dtype), top_index
 
     def _route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """transformers' TopKRouter after its matmul: softmax in fp32, top-k, renormalise."""
