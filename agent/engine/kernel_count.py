@@ -30,7 +30,8 @@ C++ backend writes a marker into `call()` for each fused node it generates (each
 a CPU-only outer-loop fusion counted apart; a template kernel, flex attention's, is one), and a
 graph's scheduled count is its markers plus its library and fallback calls. It overcounts
 Triton where the CPU scheduler leaves apart what Triton fuses (a norm's reduction and its
-pointwise tail, say): launches and scheduled bound a CUDA count from below and above. Eager ops count the same in both.
+pointwise tail, say): launches and scheduled bound a CUDA count from below and above. Eager
+ops count the same in both.
 
 Stages: `with counter.stage("thinker_decode"): ...` attributes the kernels issued inside to
 that label (the innermost label wins); kernels outside any stage go to `UNSTAGED`.

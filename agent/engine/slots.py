@@ -250,6 +250,8 @@ def decoder_forward(
     final norm is then left to the caller, which may fold it into its head (`hidden` is returned
     before `body.norm`).
     """
+    if fused and (capture_layer is not None or deepstack is not None):
+        raise ValueError("the fused decoder path captures no layer and adds no DeepStack features")
     kv.reserve(rows.key_len)
     cos, sin = rope if rope is not None else body.rotary_emb(embeds, rope_positions)
     hidden = embeds

@@ -104,6 +104,8 @@ class ThinkerOps:
         if self.fused_gemv:
             check_fused_decoder(self.lm)
             check_norm(self.lm.norm, thinker.lm_head.weight)
+            if thinker.lm_head.bias is not None:
+                raise ValueError("fused projections assume a bias-free LM head")
         # Prefill chunks of many sessions in one forward, padded to token buckets (graphed too).
         self.prefiller = BucketedPrefill(
             self.lm, self.kv, thinker.lm_head, capture_layer=self.accept_layer, graphing=graphing,

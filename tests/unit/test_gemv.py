@@ -13,7 +13,9 @@ Pins:
   compiles it, gives the eager loop's codes exactly and its embedding sums for a batch of 3
   (padded to 4: one compile, ~1 min here), and the compiled loop calls no library matmul;
 - so do its thinker decode and talker steps (fused MoE experts too: no grouped matmul), equal
-  to the eager steps for ragged rows in random slots.
+  to the eager steps for ragged rows in random slots;
+- a decoder the fused path would compute wrongly (dense MLPs, layer scales, another norm) is
+  refused when the steps are built.
 """
 
 from __future__ import annotations
@@ -160,3 +162,27 @@ def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded,
             torch.testing.assert_close(last, want_last, rtol=1e-4, atol=1e-4)
     assert len(counter.sources) >= 2, "the steps did not run compiled"
     assert not [line for line in generated_code(counter) if "extern_kernels.mm" in line or "grouped_mm" in line]
+
+
+
+def test_a_decoder_the_fused_path_would_get_wrong_is_refused(loaded):
+    """At start-up, not as wrong numbers: code2wav's transformer (dense MLPs, layer scales), and
+    a thinker layer whose norm is not the Qwen3 RMSNorm; the thinker as it is passes."""
+    from agent.engine.fusion import fuse_decoder
+    from agent.engine.moe import fuse_moe
+    from agent.engine.slots import check_fused_decoder
+
+    with pytest.raises(ValueError, match="fused MoE block"):
+        check_fused_decoder(loaded.model.code2wav.pre_transformer)
+    fuse_moe(loaded.model)
+    lm = loaded.model.thinker.model.language_model
+    fuse_decoder(lm)
+    check_fused_decoder(lm)
+    layer = lm.layers[0]
+    rms = layer.input_layernorm
+    layer.input_layernorm = nn.LayerNorm(rms.weight.shape[0])
+    try:
+        with pytest.raises(ValueError, match="RMSNorm"):
+            check_fused_decoder(lm)
+    finally:
+        layer.input_layernorm = rms
