@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from agent.engine.kv import KVState
 from agent.engine.stream import StreamingRunner
 
 PIECE = 1280  # 80 ms of 16 kHz microphone audio: one ingest chunk
@@ -41,3 +42,36 @@ def assert_loop_equals_eager(predictor, batch: int, seed: int) -> torch.Tensor:
     torch.testing.assert_close(sums, want_sums, rtol=1e-4, atol=1e-4)
     assert len(set(codes[:, 1:].flatten().tolist())) > 1
     return codes
+
+
+def decode_inputs(ops, batch: int, gen: torch.Generator, max_length: int = 200):
+    """Rows of `batch` sessions in random slots of `ops`' cache, at random cache lengths and
+    RoPE positions, as the engine hands them to a graphed decode step."""
+    states = []
+    for slot in torch.randperm(ops.kv.slots, generator=gen)[:batch].tolist():
+        state = KVState(slot)
+        state.length, state.next_pos = torch.randint(0, max_length, (2,), generator=gen).tolist()
+        states.append(state)
+    return ops.graphing.decode_rows(states, ops.kv.capacity, ops.kv.device, tokens=[5] * batch)
+
+
+def assert_steps_equal_eager(thinker, talker, batch: int, gen: torch.Generator) -> None:
+    """The thinker's decode step and the talker's step as the engine runs them (`_graph`:
+    graphed, compiled) against their eager steps on seeded ragged rows over the caches as they
+    are: the same logits and hidden states to float rounding. The eager thinker step runs second
+    and writes the same keys where the compiled one did."""
+    with torch.inference_mode():
+        rows = decode_inputs(thinker, batch, gen)
+        tokens = torch.randint(0, 1000, (batch,), generator=gen)
+        args = (tokens, rows.slots, rows.index, rows.positions, rows.mask)
+        compiled = thinker._graph(*args).clone()
+        torch.testing.assert_close(compiled, thinker._decode_step(*args), rtol=1e-4, atol=1e-4)
+
+        rows = decode_inputs(talker, batch, gen)
+        hidden = talker.talker.config.text_config.hidden_size
+        embeds = torch.randn(batch, 1, hidden, generator=gen)
+        args = (embeds, rows.slots, rows.index, rows.positions, rows.mask)
+        logits, last = talker._graph(*args)
+        want_logits, want_last = talker._step(*args)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(last, want_last, rtol=1e-4, atol=1e-4)

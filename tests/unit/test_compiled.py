@@ -27,10 +27,9 @@ from torch._dynamo.utils import counters
 from agent.__main__ import _serve_parser, config_from_args
 from agent.engine.compiled import CompiledStep, CompileSettings, PaddedBackend
 from agent.engine.graphs import GraphPool
-from agent.engine.kv import KVState
 from agent.engine.prefill import PrefillRow
 from agent.engine.stream import StreamingRunner
-from engine_drive import assert_loop_equals_eager
+from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager
 
 BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4
 
@@ -48,16 +47,6 @@ def runner(loaded, compiled_options):
     return runner
 
 
-def decode_inputs(runner, ops, batch: int, gen: torch.Generator):
-    """Rows of `batch` sessions in random slots, at random cache lengths and RoPE positions."""
-    states = []
-    for slot in torch.randperm(16, generator=gen)[:batch].tolist():
-        state = KVState(slot)
-        state.length, state.next_pos = torch.randint(0, 200, (2,), generator=gen).tolist()
-        states.append(state)
-    return runner.graphing.decode_rows(states, ops.kv.capacity, runner.loaded.device, tokens=[5] * batch)
-
-
 def test_start_up_compiles_each_step_once_for_every_bucket(runner):
     compiler = runner.graphing.compiler
     assert compiler is not None and runner.graphing.batch_sizes == (1, 2, 4, 8, 16)
@@ -70,23 +59,7 @@ def test_start_up_compiles_each_step_once_for_every_bucket(runner):
 
 @pytest.mark.parametrize("batch", BATCHES)
 def test_thinker_and_talker_steps_equal_eager(runner, batch):
-    gen = torch.Generator().manual_seed(batch)
-    with torch.inference_mode():
-        rows = decode_inputs(runner, runner.thinker, batch, gen)
-        tokens = torch.randint(0, 1000, (batch,), generator=gen)
-        args = (tokens, rows.slots, rows.index, rows.positions, rows.mask)
-        compiled = runner.thinker._graph(*args).clone()
-        eager = runner.thinker._decode_step(*args)  # writes the same keys where the compiled one did
-        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
-
-        rows = decode_inputs(runner, runner.talker, batch, gen)
-        hidden = runner.loaded.model.talker.config.text_config.hidden_size
-        embeds = torch.randn(batch, 1, hidden, generator=gen)
-        args = (embeds, rows.slots, rows.index, rows.positions, rows.mask)
-        logits, last = runner.talker._graph(*args)
-        want_logits, want_last = runner.talker._step(*args)
-        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(last, want_last, rtol=1e-4, atol=1e-4)
+    assert_steps_equal_eager(runner.thinker, runner.talker, batch, torch.Generator().manual_seed(batch))
     assert runner.graphing.compiler.steps["thinker_decode"].stats.calls > 0
 
 

@@ -28,7 +28,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from agent.engine.gemv import check_norm, gemv, normed_gemv
 from agent.engine.kernel_count import KernelCounter, wrapper_launches
-from engine_drive import assert_loop_equals_eager
+from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager
 
 K, N = 64, 96
 
@@ -102,14 +102,21 @@ def test_fused_projections_default_to_cuda_only():
     assert Graphing(GraphConfig(compile="on", fused_gemv=True), cpu, 4).fused_gemv is True
 
 
-def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, compiled_options):
-    from agent.engine.code_predictor import CodePredictorOps
+def fused_per_batch(loaded, compiled_options):
+    """The engine's graphing as CUDA sets it up, on CPU: one compile per batch bucket (4 only,
+    so one compile each) with fused projections."""
     from agent.engine.graphing import GraphConfig, Graphing
 
-    cache = compiled_options["graphs"].compile_cache
-    config = GraphConfig(mode="off", compile="on", compile_cache=cache, batch_sizes=(4,),
-                         compile_dynamic_batch=False, fused_gemv=True)
-    ops = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype, Graphing(config, loaded.device, 4))
+    config = GraphConfig(mode="off", compile="on", compile_cache=compiled_options["graphs"].compile_cache,
+                         batch_sizes=(4,), compile_dynamic_batch=False, fused_gemv=True)
+    return Graphing(config, loaded.device, 4)
+
+
+def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, compiled_options):
+    from agent.engine.code_predictor import CodePredictorOps
+
+    graphing = fused_per_batch(loaded, compiled_options)
+    ops = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype, graphing)
     assert ops.fused_gemv
     with KernelCounter() as counter:
         for batch in (3, 4):
@@ -117,12 +124,11 @@ def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, com
     assert counter.sources, "the loop did not run compiled"
     assert not [line for line in generated_code(counter) if "extern_kernels.mm" in line]
 
+
 def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded, compiled_options):
     """Their decode steps compiled per batch with fused projections and MoE experts (as CUDA
     compiles them) against the eager steps (library matmuls, grouped experts), ragged rows."""
     from agent.engine.fusion import fuse_decoder
-    from agent.engine.graphing import GraphConfig, Graphing
-    from agent.engine.kv import KVState
     from agent.engine.moe import fuse_moe
     from agent.engine.talker import TalkerOps
     from agent.engine.thinker import ThinkerOps
@@ -131,10 +137,7 @@ def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded,
     fuse_moe(model)  # what the runner does first (no-ops when already done)
     fuse_decoder(model.thinker.model.language_model)
     fuse_decoder(model.talker.model)
-    cache = compiled_options["graphs"].compile_cache
-    config = GraphConfig(mode="off", compile="on", compile_cache=cache, batch_sizes=(4,),
-                         compile_dynamic_batch=False, fused_gemv=True)
-    graphing = Graphing(config, loaded.device, 4)
+    graphing = fused_per_batch(loaded, compiled_options)
     thinker, talker = ThinkerOps(loaded, 6, 512, graphing), TalkerOps(loaded, 6, 512, graphing=graphing)
     assert thinker.fused_gemv and talker.fused_gemv
     gen = torch.Generator().manual_seed(7)
@@ -142,27 +145,11 @@ def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded,
         for kv in (thinker.kv, talker.kv):
             for t in kv.keys + kv.values:
                 t.normal_(generator=gen)
-    hidden = model.talker.config.text_config.hidden_size
-    with KernelCounter() as counter, torch.inference_mode():
+    with KernelCounter() as counter:
         for batch in (3, 4):
-            states = []
-            for slot in torch.randperm(6, generator=gen)[:batch].tolist():
-                states.append(KVState(slot))
-                states[-1].length, states[-1].next_pos = torch.randint(0, 300, (2,), generator=gen).tolist()
-            rows = graphing.decode_rows(states, thinker.kv.capacity, loaded.device, tokens=[0] * batch)
-            tokens = torch.randint(0, 1000, (batch,), generator=gen)
-            args = (tokens, rows.slots, rows.index, rows.positions, rows.mask)
-            got = thinker._graph(*args).clone()
-            torch.testing.assert_close(got, thinker._decode_step(*args), rtol=1e-4, atol=1e-4)
-            embeds = torch.randn(batch, 1, hidden, generator=gen)
-            args = (embeds, rows.slots, rows.index, rows.positions, rows.mask)
-            logits, last = talker._graph(*args)
-            want_logits, want_last = talker._step(*args)
-            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(last, want_last, rtol=1e-4, atol=1e-4)
+            assert_steps_equal_eager(thinker, talker, batch, gen)
     assert len(counter.sources) >= 2, "the steps did not run compiled"
     assert not [line for line in generated_code(counter) if "extern_kernels.mm" in line or "grouped_mm" in line]
-
 
 
 def test_a_decoder_the_fused_path_would_get_wrong_is_refused(loaded):
