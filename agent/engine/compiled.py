@@ -59,10 +59,11 @@ class CompileSettings:
     cache_dir: Path | None = None  # inductor's on-disk cache; None leaves the environment's
     cudagraphs: CudaGraphImpl = "own"
     device_type: str = "cpu"
-    # One compile for every bucket, the batch dim symbolic (size 1 included), instead of one per
-    # bucket. The same fusions, so the same kernel count; shapes the generated code cannot
+    # One compile for every bucket, the batch dim symbolic (size 1 included; see
+    # `CompiledStep._mark_batch`), instead of one per bucket: shapes the generated code cannot
     # specialise on. Default on CPU, where a compile costs tens of seconds per function.
     dynamic_batch: bool = False
+    unbacked_batch: bool = False  # how a dynamic batch is marked (CompiledStep._mark_batch)
 
 
 def resolve_compile(mode: CompileMode, device: torch.device) -> bool:
@@ -119,6 +120,7 @@ class CompiledStep:
         self._compiled: dict[int, Any] = {}
 
         self.dynamic_batch = settings.dynamic_batch if dynamic_batch is None else dynamic_batch
+        self.unbacked_batch = settings.unbacked_batch
 
     def for_batch(self, batch: int) -> Any:
         if self.dynamic_batch:
@@ -138,8 +140,7 @@ class CompiledStep:
         for index, dim in self.dynamic_dims:
             torch._dynamo.maybe_mark_dynamic(args[index], dim)
         if self.dynamic_batch:
-            for arg in args:
-                torch._dynamo.maybe_mark_dynamic(arg, 0)
+            self._mark_batch(args)
         self.stats.calls += 1
         key = 0 if self.dynamic_batch else batch
         if key in self.stats.compiles:
@@ -150,11 +151,27 @@ class CompiledStep:
         log.info("compiled %s for batch %s in %.1f s", self.name, "any" if key == 0 else batch, self.stats.compiles[key])
         return out
 
+    def _mark_batch(self, args: Sequence[Tensor]) -> None:
+        """Make every argument's first dim the one symbolic batch of the dynamic-batch compile.
+
+        Unbacked (CPU with library projections, the default there): nothing may branch on it,
+        so no batch size gets a graph of its own. A backed size does: sdpa's and conv's shape
+        checks guard on batch >= 2 (and conv's CPU backend choice on >= 16), so one compile
+        became three graphs per function, doubling the start-up compile. Backed elsewhere:
+        - with fused projections, whose [outputs, rows] result read transposed has a unit
+          stride only at batch 1, which sdpa checks (an unbacked batch cannot be traced there);
+        - on CUDA (one extra graph for batch 1, the end-of-turn prefills only): it is what ran
+          on an H200; unbacked there is unmeasured."""
+        for arg in args:
+            if self.unbacked_batch:
+                torch._dynamo.decorators.mark_unbacked(arg, 0, shape_id="batch", min=1, max=self.batch_sizes[-1])
+            else:
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+
     def _call(self, batch: int, args: Sequence[Tensor]) -> Outputs:
-        if not self.dynamic_batch:
+        if not self.dynamic_batch or self.unbacked_batch:
             return self.for_batch(batch)(*args)
-        # Size-oblivious: a batch of 1 is traced like any other size (else dynamo would
-        # specialise it and compile twice).
+        # Size-oblivious: a batch of 1 traces like any other size where the code allows it.
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
             return self.for_batch(batch)(*args)
 

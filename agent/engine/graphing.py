@@ -109,7 +109,9 @@ class Graphing:
                 raise ValueError("fake graphs trace the eager ops: run them with compile off")
             dynamic = config.compile_dynamic_batch
             dynamic = device.type != "cuda" if dynamic is None else dynamic
-            settings = CompileSettings(config.compile_cache, config.cudagraphs, device.type, dynamic)
+            # Unbacked only where it was shown to trace (CompiledStep._mark_batch says why).
+            unbacked = device.type == "cpu" and not self.fused_gemv
+            settings = CompileSettings(config.compile_cache, config.cudagraphs, device.type, dynamic, unbacked)
             self.compiler = StepCompiler(settings, self.batch_sizes)
         self.backend: CaptureBackend | None = None
         self.warmup_iters = config.warmup_iters

@@ -8,7 +8,7 @@ Pins:
 - the compiled end-of-turn prefills (thinker and talker, one compile for every batch, token
   bucket and key window) give the eager prefill's logits, hidden states and cache writes for
   ragged rows across token buckets;
-- on CPU one compile serves every bucket (the batch dim is symbolic), made at start-up: the
+- on CPU one compile, one graph, serves every bucket (the batch dim is unbacked), made at start-up: the
   runner's constructor compiles, live calls do not (dynamo compiles no new graph);
 - per-bucket mode compiles once per bucket seen, never for a padded batch's own size, and runs a
   batch above every bucket eagerly;
@@ -37,6 +37,7 @@ BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4
 @pytest.fixture(scope="module")
 def runner(loaded, compiled_options):
     torch.manual_seed(0)
+    graphs_before = counters["stats"]["unique_graphs"]
     runner = StreamingRunner(loaded, "hi", **compiled_options)
     # Caches full of noise, so attention reads something that tells rows and positions apart.
     with torch.inference_mode():
@@ -44,6 +45,7 @@ def runner(loaded, compiled_options):
             for t in kv.keys + kv.values:
                 t.normal_()
     runner.graphs_at_start = counters["stats"]["unique_graphs"]  # dynamo's compiled graphs so far
+    runner.start_up_graphs = runner.graphs_at_start - graphs_before
     return runner
 
 
@@ -55,6 +57,8 @@ def test_start_up_compiles_each_step_once_for_every_bucket(runner):
         "thinker_decode", "talker_step", "code_predictor", "code2wav", "thinker_prefill", "talker_prefill"
     }
     assert all(list(s) == [0] for s in seconds.values()), seconds  # 0: one function for all buckets
+    # ... and one graph each: no batch size (1, or conv's >= 16 on CPU) traced a graph of its own.
+    assert runner.start_up_graphs == len(seconds)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
