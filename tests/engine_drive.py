@@ -44,13 +44,22 @@ def assert_loop_equals_eager(predictor, batch: int, seed: int) -> torch.Tensor:
     return codes
 
 
-def decode_inputs(ops, batch: int, gen: torch.Generator, max_length: int = 200):
+def fill_with_noise(*ops, gen: torch.Generator | None = None) -> None:
+    """Fill the KV caches of `ops` with noise, so that attention reads something that tells
+    rows and positions apart."""
+    with torch.inference_mode():
+        for kv in (o.kv for o in ops):
+            for t in kv.keys + kv.values:
+                t.normal_(generator=gen)
+
+
+def decode_inputs(ops, batch: int, gen: torch.Generator):
     """Rows of `batch` sessions in random slots of `ops`' cache, at random cache lengths and
     RoPE positions, as the engine hands them to a graphed decode step."""
     states = []
     for slot in torch.randperm(ops.kv.slots, generator=gen)[:batch].tolist():
         state = KVState(slot)
-        state.length, state.next_pos = torch.randint(0, max_length, (2,), generator=gen).tolist()
+        state.length, state.next_pos = torch.randint(0, 200, (2,), generator=gen).tolist()
         states.append(state)
     return ops.graphing.decode_rows(states, ops.kv.capacity, ops.kv.device, tokens=[5] * batch)
 

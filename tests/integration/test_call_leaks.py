@@ -242,7 +242,7 @@ async def test_calls_leave_no_threads_objects_or_memory(agent, short_wav: Path, 
             heap_rounds.append(_heap_in_use_mb())
     finally:
         gc.enable()
-    rss_after, heap_after, blocks_after = _rss_mb(), _heap_in_use_mb(), sys.getallocatedblocks()
+    rss_after, heap_after, blocks_after = _rss_mb(), heap_rounds[-1], sys.getallocatedblocks()
     measured = CALLS[ending] - CONCURRENCY  # calls after the first round
     tasks_after = len(asyncio.all_tasks())
     print(f"\nleaks: {CALLS[ending]} {ending} calls in {time.monotonic() - started:.0f} s, "

@@ -8,8 +8,8 @@ Pins:
 - the compiled end-of-turn prefills (thinker and talker, one compile for every batch, token
   bucket and key window) give the eager prefill's logits, hidden states and cache writes for
   ragged rows across token buckets;
-- on CPU one compile, one graph, serves every bucket (the batch dim is unbacked), made at start-up: the
-  runner's constructor compiles, live calls do not (dynamo compiles no new graph);
+- on CPU one compile, one graph, serves every bucket (the batch dim is unbacked), made at
+  start-up: the runner's constructor compiles, live calls do not (dynamo compiles no new graph);
 - per-bucket mode compiles once per bucket seen, never for a padded batch's own size, and runs a
   batch above every bucket eagerly;
 - `--compile` / `--no-compile` reach the runner, and "auto" leaves CPU eager.
@@ -29,7 +29,7 @@ from agent.engine.compiled import CompiledStep, CompileSettings, PaddedBackend
 from agent.engine.graphs import GraphPool
 from agent.engine.prefill import PrefillRow
 from agent.engine.stream import StreamingRunner
-from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager
+from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
 
 BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4
 
@@ -39,11 +39,7 @@ def runner(loaded, compiled_options):
     torch.manual_seed(0)
     graphs_before = counters["stats"]["unique_graphs"]
     runner = StreamingRunner(loaded, "hi", **compiled_options)
-    # Caches full of noise, so attention reads something that tells rows and positions apart.
-    with torch.inference_mode():
-        for kv in (runner.thinker.kv, runner.talker.kv):
-            for t in kv.keys + kv.values:
-                t.normal_()
+    fill_with_noise(runner.thinker, runner.talker)
     runner.graphs_at_start = counters["stats"]["unique_graphs"]  # dynamo's compiled graphs so far
     runner.start_up_graphs = runner.graphs_at_start - graphs_before
     return runner

@@ -28,7 +28,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from agent.engine.gemv import check_norm, gemv, normed_gemv
 from agent.engine.kernel_count import KernelCounter, wrapper_launches
-from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager
+from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
 
 K, N = 64, 96
 
@@ -141,10 +141,7 @@ def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded,
     thinker, talker = ThinkerOps(loaded, 6, 512, graphing), TalkerOps(loaded, 6, 512, graphing=graphing)
     assert thinker.fused_gemv and talker.fused_gemv
     gen = torch.Generator().manual_seed(7)
-    with torch.inference_mode():
-        for kv in (thinker.kv, talker.kv):
-            for t in kv.keys + kv.values:
-                t.normal_(generator=gen)
+    fill_with_noise(thinker, talker, gen=gen)
     with KernelCounter() as counter:
         for batch in (3, 4):
             assert_steps_equal_eager(thinker, talker, batch, gen)
