@@ -4,7 +4,9 @@
 # since the namespace has no route to the package registries either.
 set -u
 VENV=${VENV:-.venv}
-PYTEST="$VENV/bin/python -m pytest -ra --durations=25 -p no:cacheprovider $*"
+# Two workers (pytest-xdist), a test module or the compiling modules to each unit of work:
+# tests/conftest.py says why. TEST_WORKERS=0 runs the suite in one process.
+PYTEST="$VENV/bin/python -m pytest -ra --durations=25 -p no:cacheprovider -n ${TEST_WORKERS:-2} --dist loadscope --no-loadscope-reorder $*"
 if [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
   echo "running tests in a loopback-only network namespace"
   exec unshare -n sh -c "ip link set lo up && $PYTEST"
