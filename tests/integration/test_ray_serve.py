@@ -10,8 +10,9 @@ Pins, with real aiortc peers on loopback and one local Ray instance for the modu
   and after a hangup a new offer is taken again (by the replica that freed the slot);
 - a killed replica: its calls' follow-ups answer 404/410 without hanging (client timeout 10 s),
   the other replica's call keeps hearing replies, a new call succeeds;
-- a removed replica drains: its call keeps talking while new calls go to the other replica,
-  and it stops once that call has left;
+- a removed replica drains: its call keeps talking while new calls go to the other replica (once
+  the proxy has heard the replica is stopping, its call's HTTP follow-ups get 410), and it stops
+  once that call has left;
 - autoscaling with CallsAndGpuPolicy: two calls on one replica at a target of one call per
   replica brings a second replica up.
 """
@@ -330,18 +331,27 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
         _deploy_from_config(tiny_model_dir, 1)  # the same config but the count: one replica is removed
         await _wait(lambda: _replica_states().get("STOPPING", 0) == 1, 30, "a replica to start stopping",
                     _replica_states)
-        async with aiohttp.ClientSession() as http:
+        # Serve routes nothing to a stopping replica: HTTP follow-ups for its call say so (410), not
+        # hang, while the other call's still reach their owner (200). The controller tells the proxy
+        # asynchronously: until the proxy has heard, both calls' follow-ups still reach their owners.
+        deadline = time.monotonic() + 30
+        async with aiohttp.ClientSession(timeout=ANSWER_TIMEOUT) as http:
+            while True:
+                heads = [await _sse_head(http, url, c.result.call_id) for c in clients]
+                if sorted(status for status, _ in heads) == [200, 410]:
+                    break
+                assert heads == [(200, owner) for owner in owners], heads
+                assert time.monotonic() < deadline, "the proxy still routes to the stopping replica after 30 s"
+                await asyncio.sleep(0.2)
+            draining, staying = clients if heads[0][0] == 410 else clients[::-1]
+            survivor = owner_of(staying.result.call_id)
             async with http.get(f"{url}/healthz") as resp:
-                survivor = resp.headers[REPLICA_HEADER]  # the only replica the router still offers
-        draining = next(c for c in clients if owner_of(c.result.call_id) != survivor)
+                assert resp.headers[REPLICA_HEADER] == survivor  # the only replica the router still offers
 
         # Draining: its call goes on talking, new calls go to the survivor.
         heard = len(draining.result.audible_onsets)
         await _wait(lambda: len(draining.result.audible_onsets) > heard, 30, "the draining call's next reply")
         assert _replica_states().get("STOPPING", 0) == 1, "the replica must wait for its call"
-        async with aiohttp.ClientSession(timeout=ANSWER_TIMEOUT) as http:
-            # Serve routes nothing to a stopping replica: HTTP follow-ups for its call say so, not hang.
-            assert (await _sse_head(http, url, draining.result.call_id))[0] == 410
         newcomer = await _connect(url, speech_wav)
         clients.append(newcomer)
         assert owner_of(newcomer.result.call_id) == survivor
