@@ -1,23 +1,32 @@
 # Two commands on a fresh machine: `make run` serves the agent, `make test` runs the suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-stamp
+# Two installs, one stamp each: `make run` installs only what serving needs, `make test` adds
+# the `test` extra (which includes everything run needs, so it stamps both).
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 ARGS ?=
 # apt needs root; use sudo when we are not root and it exists.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || command -v sudo)
 
 .PHONY: run test install system-deps bench-engine
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+$(PY):
+	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch==2.13.0 resolves to the CPU wheel on this kind of machine (see pyproject.toml).
+
+# torch==2.13.0 resolves to the CPU wheel on this kind of machine (see pyproject.toml).
+$(RUN_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $(RUN_STAMP)
+
+$(TEST_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $(TEST_STAMP) $(RUN_STAMP)
 
-install: $(STAMP)
+install: $(TEST_STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(VENV)/bin/omni-agent serve $(ARGS)
 
 # Debian packages the tests drive: Chromium (browser test), espeak-ng (spoken WAVs),
@@ -33,8 +42,8 @@ system-deps:
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$need; \
 	fi
 
-test: $(STAMP) system-deps
+test: $(TEST_STAMP) system-deps
 	VENV=$(VENV) sh scripts/run_tests.sh $(ARGS)
 
-bench-engine: $(STAMP)
+bench-engine: $(RUN_STAMP)
 	$(PY) scripts/bench_engine.py $(ARGS)

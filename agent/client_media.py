@@ -20,18 +20,21 @@ import av
 import numpy as np
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
+from .resample import resample
+
 SEND_RATE = 48_000
 SEND_FRAME = 960  # 20 ms
 
 
 def load_wav_mono(path: Path, rate: int = SEND_RATE) -> np.ndarray:
-    """int16 mono at `rate` (linear interpolation; good enough for speech probes)."""
+    """int16 mono at `rate`, resampled with a low-pass (agent/resample.py): a 44.1 kHz WAV
+    sent as 16 kHz must not alias, since the agent would hear the folded highs as voice."""
     with wave.open(str(path)) as w:
         src_rate, channels = w.getframerate(), w.getnchannels()
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
-    pcm = pcm.reshape(-1, channels).mean(axis=1)
-    n = int(len(pcm) * rate / src_rate)
-    return np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.int16)
+    pcm = pcm.reshape(-1, channels).mean(axis=1) / 32768.0
+    out = resample(pcm, src_rate, rate) * 32768.0
+    return np.clip(np.rint(out), -32768, 32767).astype(np.int16)
 
 
 def speech_end_sample(pcm: np.ndarray, rate: int = SEND_RATE, threshold_db: float = -40.0) -> int:

@@ -7,14 +7,14 @@ Routes under /v1/realtime need a key when --api-key is set (see agent/realtime/k
   GET    /v1/realtime/calls/{id}/events     the call's server events as SSE
   GET    /v1/realtime?model=                WebSocket transport (?call_id= attaches to a call)
   POST   /v1/realtime/client_secrets        mint an ephemeral ek_ key
-Open: GET /, GET /v1/omni/config, GET /healthz, GET /metrics.
+Open: GET /, GET /v1/omni/config, GET /healthz, GET /livez, GET /readyz, GET /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
@@ -111,6 +111,44 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if healthy else 503)
 
 
+def _engine_failure(app: web.Application) -> Optional[str]:
+    """Why the engine cannot serve and never will without a restart (the load failed, or its
+    thread died), else None: still loading is not a failure."""
+    engine = app[ENGINE]
+    start = app.get(ENGINE_START)
+    if start is not None and start.done() and not start.cancelled() and start.exception() is not None:
+        return f"model load failed: {start.exception()}"
+    if engine.failed:
+        return engine.failed
+    if engine.ready and not engine.alive:  # read per request: a dead thread fails the next probe
+        return "engine thread stopped"
+    return None
+
+
+def liveness(app: web.Application) -> tuple[bool, dict[str, Any]]:
+    """(alive, body) for /livez: the process answers and its engine thread is loading or serving.
+    A slow load is alive (restarting it would only start the load over); a failed load or a dead
+    engine thread is not (a restart is the cure). Draining is alive: a drain must finish."""
+    failure = _engine_failure(app)
+    if failure is not None:
+        return False, {"status": "failed", "error": failure}
+    return True, {"status": "ok" if app[ENGINE].ready else "loading"}
+
+
+async def livez(request: web.Request) -> web.Response:
+    alive, body = liveness(request.app)
+    return web.json_response(body, status=200 if alive else 503)
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready for new calls: the model is loaded, the engine alive, and the agent not draining."""
+    alive, body = liveness(request.app)
+    ready = alive and request.app[ENGINE].ready
+    if ready and request.app[DRAINING].is_set():
+        body, ready = {"status": "draining"}, False
+    return web.json_response(body, status=200 if ready else 503)
+
+
 async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -169,10 +207,12 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app.router.add_get("/v1/realtime/calls/{call_id}/events", call_events)
     app.router.add_post("/v1/realtime/client_secrets", client_secrets)
     app.router.add_get("/v1/omni/config", omni_config)
-    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/healthz", healthz)  # kept as it was: loaded, alive and not draining, in one answer
+    app.router.add_get("/livez", livez)  # for restarts (Kubernetes livenessProbe)
+    app.router.add_get("/readyz", readyz)  # for traffic (readinessProbe, startupProbe)
     app.router.add_get("/metrics", metrics_endpoint)
-    # Only files under web/: aiohttp resolves the path and refuses anything outside the
-    # folder, and symlinks are not followed (tests/integration/test_access.py).
+    # Only files under web_dir (agent/web/): aiohttp resolves the path and refuses anything
+    # outside the folder, and symlinks are not followed (tests/integration/test_access.py).
     app.router.add_static("/", config.web_dir, show_index=False, follow_symlinks=False)
 
     async def on_startup(app: web.Application) -> None:

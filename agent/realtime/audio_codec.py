@@ -9,6 +9,9 @@ from __future__ import annotations
 import av
 import numpy as np
 
+from ..config import INPUT_RATE
+from ..resample import resample
+
 RATES = {"audio/pcm": 24_000, "audio/pcmu": 8_000, "audio/pcma": 8_000}
 
 
@@ -46,9 +49,8 @@ def to_frame(fmt: str, data: bytes) -> av.AudioFrame:
 
 
 def to_16k(fmt: str, data: bytes) -> np.ndarray:
-    """float32 mono 16 kHz in [-1, 1]: a whole audio item, resampled at once."""
+    """float32 mono 16 kHz in [-1, 1]: a whole audio item, resampled at once with a low-pass
+    (agent/resample.py: nothing above 8 kHz folds back into the voice band), exactly
+    round(len * 16000 / rate) samples."""
     pcm = to_pcm16(fmt, data).astype(np.float32) / 32768.0
-    n = int(len(pcm) * 16_000 / RATES[fmt])
-    if n == 0:
-        return np.zeros(0, dtype=np.float32)
-    return np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.float32)
+    return resample(pcm, RATES[fmt], INPUT_RATE)

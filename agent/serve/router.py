@@ -11,9 +11,9 @@ proxy hands the router the ASGI scope it will send, pickled, and the path carrie
 - Owner alive: only the owner is offered (if it is saturated, the request waits for it).
 - Owner gone: the least busy live replica takes the request and answers 410 at once, since
   the call ended with its replica; a client never waits for a replica that will not return.
-- No owner (offers, /healthz, the page): the replica with the fewest active calls, as each
-  replica reports in its routing stats, plus the offers this router sent it since that report.
-  Draining replicas come last.
+- No owner (offers, /healthz, /livez, /readyz, the page): the replica with the fewest active
+  calls, as each replica reports in its routing stats, plus the offers this router sent it
+  since that report. Draining replicas come last.
 """
 
 from __future__ import annotations

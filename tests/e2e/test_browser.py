@@ -1,4 +1,4 @@
-"""Headless Chromium holds a real call with the agent through web/, on loopback only, over
+"""Headless Chromium holds a real call with the agent through agent/web/, on loopback only, over
 the OpenAI Realtime API (GA) protocol the page speaks.
 
 What it pins, end to end (`python -m agent serve` with the tiny model as a subprocess,

@@ -1,7 +1,7 @@
-"""The caption overlay (web/captions.html) in headless Chromium, following a live call over SSE.
+"""The caption overlay (agent/web/captions.html) in headless Chromium, following a live call over SSE.
 
 Pins, end to end (the package's agent subprocess and Chromium with a fake mic, loopback only):
-- a first page makes a call with web/ and `?transcribe` (its session.update turns on live
+- a first page makes a call with agent/web/ and `?transcribe` (its session.update turns on live
   input transcription); a second page, in its own browser context and with no WebRTC of its
   own, opens captions.html?session=<that call's id> and shows the user's words (from
   conversation.item.input_audio_transcription.*) and the agent's (its reply transcript) under

@@ -27,7 +27,10 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def _rayservice() -> dict:
-    return yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+    # The file also holds the model cache's PersistentVolumeClaim (tests/unit/test_deploy_image.py).
+    docs = yaml.safe_load_all((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+    (service,) = [d for d in docs if d and d.get("kind") == "RayService"]
+    return service
 
 
 def _serve_configs() -> list[dict]:

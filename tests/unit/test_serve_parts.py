@@ -7,7 +7,8 @@ Pins:
   divided by the target round up, a replica holding calls is never given up;
 - OwnerPinnedRouter on the request the proxy really sends (a pickled StreamingHTTPRequest):
   a follow-up goes only to its owner, to a live replica when the owner is gone, offers to the
-  fewest calls (counting offers sent since the last report), draining replicas last;
+  fewest calls (counting offers sent since the last report), draining replicas last; health
+  probes (/healthz, /livez, /readyz) to the least busy replica, not counted as offers;
 - OfferGate: draining and the offer rate refuse with 503 + Retry-After;
 - AsgiBridge against a real aiohttp app on a Unix socket: status, headers and a streamed
   body relayed chunk by chunk; a foreign call answered 410 without reaching the app; a
@@ -164,6 +165,20 @@ async def test_router_places_offers_on_the_fewest_calls() -> None:
     # A draining replica comes last whatever its load.
     c = _replica("ccc", calls=0, draining=True)
     assert _ids(await router.choose_replicas([c, a], offer))[-1] == ["ccc"]
+
+
+async def test_router_sends_health_probes_to_any_replica_by_load() -> None:
+    # /healthz, /livez and /readyz name no call: any live replica answers, the least busy first,
+    # and they are not offers (never counted as calls placed).
+    router = _router()
+    a, b = _replica("aaa", calls=3), _replica("bbb", calls=1)
+    for path in ("/healthz", "/livez", "/readyz"):
+        probe = _pending("GET", path)
+        assert request_owner(probe) is None and not is_offer("GET", path)
+        assert _ids(await router.choose_replicas([a, b], probe)) == [["bbb"], ["aaa"]]
+        probe.future.set_result(b)
+    await asyncio.sleep(0)
+    assert not router._routed_offers
 
 
 # -- offer gate ---------------------------------------------------------------------------------
