@@ -92,6 +92,20 @@ SPECULATIONS = Counter(
     registry=REGISTRY,
 )
 
+# The start-up memory plan (agent/engine/memory_plan.py, docs/memory.md), set once it is made.
+MEMORY_PLAN_BYTES = Gauge(
+    "agent_memory_plan_bytes",
+    "Device memory the start-up plan counts, by part: weights, kv (every session slot's caches at the "
+    "context limit), reserve (activations, graph pools, workspaces), free (free before the load; GPU only)",
+    ["part"],
+    registry=REGISTRY,
+)
+MEMORY_PLAN_SESSIONS = Gauge(
+    "agent_memory_plan_sessions", "Sessions the memory plan admits (--max-sessions)", registry=REGISTRY
+)
+MEMORY_PLAN_CONTEXT = Gauge(
+    "agent_memory_plan_context_tokens", "Tokens per session the caches hold (--context-limit)", registry=REGISTRY
+)
 
 for _priority in ("high", "normal"):  # both classes are exported from the start, at zero
     TTFT.labels(priority=_priority)

@@ -85,7 +85,14 @@ class LoadedModel:
 def load_model(
     path_or_id: str, device: str = "auto", dtype: str = "auto", attn_impl: str | None = None
 ) -> LoadedModel:
-    """from_pretrained for the real checkpoint and the tiny one alike (no download is forced)."""
+    """from_pretrained for the real checkpoint and the tiny one alike (no download is forced).
+
+    The weights are placed on `device` by from_pretrained itself (a one-device map), tensor by
+    tensor from the memory-mapped safetensors, so the host never holds the whole checkpoint:
+    loading on the CPU and moving the model with `.to(device)` afterwards staged the real one in
+    host RAM first (its ~60 GiB of stacked experts as new memory; docs/memory.md). "meta" is a
+    dry run: shapes and placement, no bytes read.
+    """
     from transformers import (
         AutoConfig,
         AutoTokenizer,
@@ -93,20 +100,20 @@ def load_model(
         WhisperFeatureExtractor,
     )
 
-    torch_device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    if dtype == "auto":
-        torch_dtype = torch.bfloat16 if torch_device.type == "cuda" else torch.float32
-    else:
-        torch_dtype = getattr(torch, dtype)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
     if attn_impl is None:
         attn_impl = "flash_attention_2" if torch_device.type == "cuda" and _has_flash_attn() else "sdpa"
 
     config = AutoConfig.from_pretrained(path_or_id)
     complete_config(config)
+    # One device in the map: transformers attaches no accelerate dispatch hooks (only a map over
+    # several devices or disk does), so the engine may still swap modules (fused MoE, q/k/v).
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        path_or_id, config=config, dtype=torch_dtype, attn_implementation=attn_impl
+        path_or_id, config=config, dtype=torch_dtype, attn_implementation=attn_impl,
+        device_map={"": _map_device(torch_device)},
     )
-    model.to(torch_device).eval()
+    model.eval()
     # The composite's __init__ copies sub-configs: re-apply on the live sub-model configs.
     complete_config(model.config)
     model.talker.config.audio_config = model.thinker.config.audio_config
@@ -140,6 +147,25 @@ def complete_config(config) -> None:
     # With audio plus an image, the talker's get_rope_index reads config.audio_config.n_window.
     if not hasattr(getattr(talker, "audio_config", None), "n_window"):
         talker.audio_config = thinker.audio_config
+
+
+def resolve_device(device: str) -> torch.device:
+    """--device: auto is CUDA when there is one, else the CPU."""
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """--dtype: auto is bf16 on CUDA, fp32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def _map_device(device: torch.device) -> torch.device:
+    """The device for from_pretrained's map: CUDA with its index (the current device), as `.to` would pick."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _has_flash_attn() -> bool:

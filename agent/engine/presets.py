@@ -43,8 +43,7 @@ GUESSED_FIELDS = (
     "thinker.text: intermediate_size=768 (unused: every layer is sparse), rope mrope_section [24,20,20] interleaved",
     "thinker.audio: encoder_attention_heads=20, encoder_ffn_dim=5120, downsample_hidden_size=480, output_dim=2048",
     "thinker.vision: intermediate_size=4304, num_heads=16, num_position_embeddings=2304, deepstack [8,16,24]",
-    "talker.text: num_attention_heads=16, num_key_value_heads=2, head_dim=128, intermediate_size=2048 (unused), "
-    "norm_topk_prob=False (class default)",
+    "talker.text: num_attention_heads=16, num_key_value_heads=2, head_dim=128, intermediate_size=2048 (unused)",
     "talker.code_predictor: num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072",
     "code2wav: num_attention_heads=16, num_key_value_heads=16, intermediate_size=3072, rope_theta=10000",
 )
@@ -81,6 +80,8 @@ def real_config_dict() -> dict[str, Any]:
                 "vocab_size": 3072, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 20,
                 "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "num_experts": 128,
                 "num_experts_per_tok": 6, "moe_intermediate_size": 384, "shared_expert_intermediate_size": 768,
+                # Published (the released config.json); the talker config class defaults to False.
+                "norm_topk_prob": True,
                 "max_position_embeddings": 65536, "rope_parameters": dict(mrope), "rms_norm_eps": 1e-6,
             },
             "code_predictor_config": {

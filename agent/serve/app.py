@@ -86,6 +86,8 @@ def app_builder(args: Mapping[str, Any]) -> serve.Application:
     unknown = set(args) - names - {f.name for f in dataclasses.fields(ServeOptions)}
     if unknown:
         raise ValueError(f"unknown args in the Serve config: {sorted(unknown)}")
+    # Limits the file leaves out are sized from each replica's GPU memory (agent/engine/memory_plan.py).
+    values.setdefault("sized_from_memory", tuple(n for n in ("max_sessions", "context_limit") if n not in values))
     return build(Config(**values), options_from(args))
 
 

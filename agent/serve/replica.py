@@ -27,9 +27,10 @@ from ray.serve import metrics as serve_metrics
 from .. import metrics
 from ..config import Config
 from ..engine import build_engine
+from ..engine.memory_plan import size_limits
 from ..ice import restrict_ice_hosts
-from ..realtime.app import ENGINE, ENGINE_START, SESSIONS
-from ..server import create_app
+from ..realtime.app import ENGINE_START, SESSIONS
+from ..server import create_app, liveness
 from .admission import OfferGate
 from .bridge import AsgiBridge
 from .options import ServeOptions
@@ -53,7 +54,10 @@ class AgentReplica:
 
     async def __init__(self, config: Config, options: ServeOptions) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.config = config = _node_config(config, self.replica_id)
+        # The session and context limits this replica's GPU holds (agent/engine/memory_plan.py),
+        # sized off the event loop (it reads the checkpoint's config and the device's memory).
+        sized, _ = await asyncio.to_thread(size_limits, _node_config(config, self.replica_id))
+        self.config = config = sized
         self.options = options
         restrict_ice_hosts(config.ice_hosts)
         self.gate = OfferGate(options.max_offers_per_s)
@@ -97,8 +101,11 @@ class AgentReplica:
         return {"active_calls": float(self.active_calls), "gpu_util": self.gpu_util()}
 
     def check_health(self) -> None:
-        if not self.web[ENGINE].ready:
-            raise RuntimeError("the engine thread is not running")
+        # Serve's liveness check of this replica (it restarts a failing one): the same answer as
+        # the replica's /livez, so an engine thread that died after loading fails it too.
+        alive, body = liveness(self.web)
+        if not alive:
+            raise RuntimeError(body.get("error", "the engine thread is not running"))
 
     async def _report_metrics(self) -> None:
         # Ray's metrics carry the deployment and replica labels: one series per replica.

@@ -143,7 +143,7 @@ def test_fused_block_compiles_fullgraph_in_fp32():
 @torch.no_grad()
 def test_forward_normed_compiled_equals_the_block_on_the_normed_input(kind, renormalised):
     block = BLOCKS[kind]()
-    block.gate.norm_topk_prob = renormalised  # the thinker's real config renormalises, the talker's not
+    block.gate.norm_topk_prob = renormalised  # both real configs renormalise; the talker class's default does not
     fused = FusedSparseMoeBlock(block)
     norm = hf.Qwen3OmniMoeRMSNorm(64, eps=1e-6)
     norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))

@@ -1,7 +1,8 @@
 """Random-weight presets: the published Qwen3-Omni-30B-A3B shape, built without a download.
 
-Pins: the real preset's config has the published dimensions and, counted on the meta device
-(nothing allocated), 35.3 B parameters with 3.35 B thinker-active and 0.29 B talker-active per
+Pins: the real preset's config has the published dimensions (both MoE routers renormalising
+their top-k, as the released config.json says) and, counted on the meta device (nothing
+allocated), 35.3 B parameters with 3.35 B thinker-active and 0.29 B talker-active per
 token (docs/model-facts.md); the meta -> to_empty -> init path, run on a scaled-down variant on CPU, gives
 the classes' own initial values (norms 1, biases 0, layer scales, SnakeBeta log-scales, the same
 RoPE/sinusoid/code-offset buffers; weights normal(0, 0.02), the talker's experts and router
@@ -16,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.engine.presets import REAL, build_random, count_parameters, preset_config, scaled_overrides
+from agent.engine.presets import GUESSED_FIELDS, REAL, build_random, count_parameters, preset_config, scaled_overrides
 
 torch.set_num_threads(1)
 
@@ -31,6 +32,9 @@ def test_real_config_has_the_published_dimensions():
     assert (audio.encoder_layers, audio.d_model, vision.depth, vision.hidden_size) == (32, 1280, 27, 1152)
     assert (talker.num_hidden_layers, talker.hidden_size, talker.num_experts, talker.num_experts_per_tok) == (20, 1024, 128, 6)
     assert (talker.moe_intermediate_size, talker.shared_expert_intermediate_size) == (384, 768)
+    # Both routers renormalise their top-k weights (released config.json; the talker class defaults to False).
+    assert text.norm_topk_prob is True and talker.norm_topk_prob is True
+    assert not any("norm_topk_prob" in field for field in GUESSED_FIELDS)
     assert cfg.talker_config.accept_hidden_layer == 24
     assert (cp.num_hidden_layers, cp.hidden_size, cp.num_code_groups) == (5, 1024, 16)
     assert (c2w.num_hidden_layers, c2w.hidden_size, c2w.sliding_window, c2w.decoder_dim) == (8, 1024, 72, 1536)

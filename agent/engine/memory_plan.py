@@ -1,0 +1,350 @@
+"""How many sessions, of how many tokens, the GPU holds beside the model (docs/memory.md).
+
+The engine's device memory is fixed at start-up: the weights, then every session slot's static
+KV caches reserved at the context limit (CUDA graphs hold their addresses), then what the steps
+need while they run. So
+
+    weights + rows x kv_per_slot(context) + reserve  <=  free device memory before the load
+
+where `rows` is every session slot (--max-sessions plus --max-transcription-sessions) plus the
+graphs' pad row (agent/engine/graphing.py: padded batch rows write into a scratch row of every
+cache), and `kv_per_slot(context)` is one row of the thinker's cache (context tokens), the
+talker's (context + a reply's frames + 16: agent/engine/stream.py's talker limit), code2wav's
+per-slot ring and conv state. The code predictor's cache is one batch bucket of 17 tokens,
+counted once.
+
+Limits the command line left out (`Config.sized_from_memory`) are derived from this on CUDA;
+given ones are only checked, and a plan that cannot fit is refused before the model is loaded,
+naming the flag to lower and by how much. On the CPU nothing is derived: the defaults stand.
+
+Where: `size_limits(config)` runs before the engine and the HTTP app are built (agent/__main__.py
+`serve`, a Ray replica's start), on the main thread before the event loop runs (a Ray replica
+runs it in a worker thread). It reads the checkpoint's config.json (weights counted on the meta
+device: nothing is loaded) and `torch.cuda.mem_get_info()`, and returns the Config with the
+resolved numbers, so admission (agent/realtime/app.py, `config.max_sessions`), the engine inbox
+and the engine's caches (`config.engine_slots`, `config.context_limit`) all read the same ones.
+After the load the engine thread compares the plan with what is really free (`check_after_load`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from agent.config import Config
+    from agent.engine.model import LoadedModel
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+KiB = 2**10
+# Device memory kept free for what runs beside weights and caches: prefill activations (at most
+# 256 tokens a tick, the LM head on the last position only), the encoders' activations for a
+# turn's audio and frames, the CUDA graph pools and inductor's buffers of every batch bucket,
+# cuBLAS workspaces and the caching allocator's rounding. Measured once: 1.16 GiB beyond weights
+# and KV at 8 sessions on an H200, graphs on, steps not compiled (99.6 GiB peak,
+# bench/results/engine-h200-2026-11-30.txt); the compiled steps' buffers are not measured yet.
+RESERVE_BYTES = 3 * GiB
+DEFAULT_SESSIONS = 8  # Config().max_sessions: the cap on derived sessions
+DEFAULT_CONTEXT = 32768  # Config().context_limit: the derived context's ceiling
+MIN_SESSIONS = 2  # the plan lowers the context before it goes under this many sessions ...
+MIN_CONTEXT = 8192  # ... but not under this many tokens
+CONTEXT_STEP = 1024  # derived contexts are multiples of this
+LIMITS = ("max_sessions", "context_limit")
+PAD_ROWS = 1  # the graphs' scratch row of every slot cache (counted also when graphs are off)
+
+
+class MemoryPlanError(ValueError):
+    """The limits asked for (or the model alone) do not fit the device's free memory."""
+
+
+@dataclass(frozen=True)
+class Card:
+    """A GPU as the planner sees it: the device memory free before the model is loaded."""
+
+    name: str
+    free: int
+
+
+# torch reports 79.2 GiB for an H100 80GB (HBM3) and 139.8 GiB for an H200; the CUDA context and
+# the libraries' handles take about 0.5 GiB of it before the load.
+CUDA_CONTEXT_BYTES = GiB // 2
+H100_80G = Card("H100 80GB", int(79.2 * GiB) - CUDA_CONTEXT_BYTES)
+H200 = Card("H200", int(139.8 * GiB) - CUDA_CONTEXT_BYTES)
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What the engine keeps on the device for one model, per slot and in all."""
+
+    weights: int  # parameters and buffers as loaded
+    engine_weights: int  # the code predictor's concatenated projections (code_predictor.FusedWeights)
+    thinker_kv_token: int  # K and V of one token in one slot, every thinker layer
+    talker_kv_token: int
+    talker_extra_tokens: int  # the talker's cache beyond the context: a reply's frames + 16
+    slot_state: int  # code2wav's per-slot ring cache, key positions and conv states
+    fixed_state: int  # the code predictor's cache (largest batch bucket x 17 tokens)
+    dtype: str
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype, max_reply_seconds: float) -> ModelMemory:
+        """From a `Qwen3OmniMoeConfig` (complete_config applied), nothing allocated: the model is
+        built on the meta device and counted."""
+        from agent.engine.presets import _build_meta, _cast_parameters
+
+        return cls.of_model(_cast_parameters(_build_meta(config), dtype), max_reply_seconds)
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, max_reply_seconds: float) -> ModelMemory:
+        """From a built `Qwen3OmniMoeForConditionalGeneration` (on the meta device, or loaded:
+        then one code2wav slot, ~3 MB, is made on its device to be counted)."""
+        from agent.engine.code2wav_slots import SlotCode2Wav
+        from agent.engine.model import OUTPUT_RATE
+        from agent.engine.output_audio import talker_tokens_for
+
+        config = model.config
+        weight = model.thinker.lm_head.weight
+        size = weight.element_size()
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        slot = SlotCode2Wav(model.code2wav, 1)
+        slot_state = sum(t.numel() * t.element_size() for t in (*slot.kv.keys, *slot.kv.values, slot.key_pos,
+                                                                *slot.states.values()))
+        del slot
+        predictor = config.talker_config.code_predictor_config
+        qkv_rows = (predictor.num_attention_heads + 2 * predictor.num_key_value_heads) * _head_dim(predictor)
+        engine_weights = (predictor.num_hidden_layers * (qkv_rows + 2 * predictor.intermediate_size)
+                          * predictor.hidden_size * size)
+        tokens = config.talker_config.num_code_groups + 1  # the talker's hidden state and codebook 0, then 15 codes
+        return cls(
+            weights=weights,
+            engine_weights=engine_weights,
+            thinker_kv_token=_kv_token(config.thinker_config.text_config, size),
+            talker_kv_token=_kv_token(config.talker_config.text_config, size),
+            talker_extra_tokens=talker_tokens_for(max_reply_seconds, OUTPUT_RATE) + 16,
+            slot_state=slot_state,
+            fixed_state=16 * tokens * _kv_token(predictor, size),  # 16 rows: the largest graph bucket
+            dtype=str(weight.dtype).removeprefix("torch."),
+        )
+
+    def kv_per_slot(self, context: int) -> int:
+        """One slot's caches at `context` tokens (what a session, or the pad row, costs)."""
+        return (self.thinker_kv_token * context + self.talker_kv_token * (context + self.talker_extra_tokens)
+                + self.slot_state)
+
+    @property
+    def fixed(self) -> int:
+        """Everything that does not grow with sessions or context (the reserve aside)."""
+        return self.weights + self.engine_weights + self.fixed_state
+
+
+def _head_dim(text_config: Any) -> int:
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
+def _kv_token(text_config: Any, size: int) -> int:
+    return text_config.num_hidden_layers * 2 * text_config.num_key_value_heads * _head_dim(text_config) * size
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    sessions: int  # --max-sessions
+    context: int  # --context-limit
+    transcription: int  # --max-transcription-sessions: slots of their own
+    memory: ModelMemory
+    free: int | None  # device memory free before the load; None: not a GPU, nothing derived
+    reserve: int
+    derived: tuple[str, ...]  # which of LIMITS the plan chose
+    device: str = "cuda"
+
+    @property
+    def rows(self) -> int:
+        """Rows of every slot cache: each session slot and the pad row."""
+        return self.sessions + self.transcription + PAD_ROWS
+
+    @property
+    def kv(self) -> int:
+        return self.rows * self.memory.kv_per_slot(self.context) + self.memory.fixed_state
+
+    @property
+    def weights(self) -> int:
+        return self.memory.weights + self.memory.engine_weights
+
+    @property
+    def need(self) -> int:
+        return self.weights + self.kv + self.reserve
+
+    def describe(self) -> str:
+        """The start-up log block."""
+        m = self.memory
+        free = "not derived (CPU)" if self.free is None else f"{_gib(self.free)} free before the load"
+        derived = ", ".join(f"--{name.replace('_', '-')}" for name in self.derived) or "none"
+        return "\n".join([
+            f"memory plan ({self.device}, {m.dtype}): {free}",
+            (f"  weights          {_gib(self.weights)} (parameters and buffers {_gib(m.weights)}, the code "
+             f"predictor's fused projections {_gib(m.engine_weights)})"),
+            (f"  KV per session   {_gib(m.kv_per_slot(self.context))} at {self.context} tokens (a token: thinker "
+             f"{m.thinker_kv_token / KiB:.0f} KiB + talker {m.talker_kv_token / KiB:.0f} KiB)"),
+            (f"  KV, all slots    {_gib(self.kv)} ({self.rows} rows: {self.sessions} sessions + {self.transcription} "
+             f"transcription + {PAD_ROWS} pad)"),
+            f"  reserve          {_gib(self.reserve)} (activations, graph pools, workspaces)",
+            f"  needed           {_gib(self.need)}" + ("" if self.free is None else f" of {_gib(self.free)}"),
+            f"  sessions x context  {self.sessions} x {self.context} tokens (sized from memory: {derived})",
+        ])
+
+    def export(self) -> None:
+        """Publish the plan on /metrics."""
+        from agent import metrics
+
+        parts = {"weights": self.weights, "kv": self.kv, "reserve": self.reserve}
+        if self.free is not None:
+            parts["free"] = self.free
+        for part, value in parts.items():
+            metrics.MEMORY_PLAN_BYTES.labels(part=part).set(value)
+        metrics.MEMORY_PLAN_SESSIONS.set(self.sessions)
+        metrics.MEMORY_PLAN_CONTEXT.set(self.context)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if abs(n) >= GiB else f"{n / 2**20:.0f} MiB"
+
+
+def plan(
+    memory: ModelMemory,
+    free: int | None,
+    *,
+    sessions: int | None = None,
+    context: int | None = None,
+    transcription: int = 0,
+    reserve: int = RESERVE_BYTES,
+    cap: int = DEFAULT_SESSIONS,
+    default_context: int = DEFAULT_CONTEXT,
+    device: str = "cuda",
+) -> MemoryPlan:
+    """Sessions and context for `free` bytes of device memory. `sessions`/`context` None: derive
+    them; given: check them. `free` None (the CPU): nothing is derived or refused (the defaults).
+
+    Derived: as many sessions (at most `cap`) as fit at `default_context`; if that is under
+    MIN_SESSIONS, the longest context (a multiple of CONTEXT_STEP, at least MIN_CONTEXT) at
+    which MIN_SESSIONS fit, else one session. Raises MemoryPlanError when nothing fits."""
+    derived = tuple(name for name, value in zip(LIMITS, (sessions, context)) if value is None)
+    if free is None:
+        return MemoryPlan(sessions or cap, context or default_context, transcription, memory, None, reserve, (), "cpu")
+    budget = free - memory.fixed - reserve  # for the slot caches
+
+    def rows(n: int) -> int:
+        return n + transcription + PAD_ROWS
+
+    def most_sessions(ctx: int) -> int:
+        return max(0, budget // memory.kv_per_slot(ctx) - transcription - PAD_ROWS) if budget > 0 else 0
+
+    def longest_context(n: int, ceiling: int | None = default_context) -> int:
+        per_row = budget // rows(n) - memory.slot_state - memory.talker_kv_token * memory.talker_extra_tokens
+        ctx = per_row // (memory.thinker_kv_token + memory.talker_kv_token) // CONTEXT_STEP * CONTEXT_STEP
+        return max(0, ctx if ceiling is None else min(ceiling, ctx))
+
+    def made(n: int, ctx: int) -> MemoryPlan:
+        return MemoryPlan(n, ctx, transcription, memory, free, reserve, derived, device)
+
+    if budget <= 0:
+        raise MemoryPlanError(
+            f"the model alone needs {_gib(memory.fixed + reserve)} (weights "
+            f"{_gib(memory.weights + memory.engine_weights)} and a {_gib(reserve)} reserve) and {_gib(free)} is free: "
+            "no --max-sessions or --context-limit fits on this GPU; use one with more memory")
+    if sessions is not None and context is not None:
+        if rows(sessions) * memory.kv_per_slot(context) <= budget:
+            return made(sessions, context)
+        raise MemoryPlanError(_too_big(made(sessions, context), most_sessions(context),
+                                       longest_context(sessions, None)))
+    if sessions is not None:  # the context is derived for the sessions asked for
+        ctx = longest_context(sessions)
+        if ctx >= MIN_CONTEXT:
+            return made(sessions, ctx)
+        raise MemoryPlanError(_too_big(made(sessions, MIN_CONTEXT), most_sessions(MIN_CONTEXT),
+                                       other=f"give a --context-limit under {MIN_CONTEXT}"))
+    if context is not None:  # the sessions are derived for the context asked for
+        n = min(cap, most_sessions(context))
+        if n >= 1:
+            return made(n, context)
+        raise MemoryPlanError(_too_big(made(1, context), context=longest_context(1, None)))
+    n = min(cap, most_sessions(default_context))
+    if n >= MIN_SESSIONS:
+        return made(n, default_context)
+    for want in (MIN_SESSIONS, 1):
+        ctx = longest_context(want)
+        if ctx >= MIN_CONTEXT:
+            return made(min(cap, most_sessions(ctx)), ctx)
+    raise MemoryPlanError(_too_big(made(1, MIN_CONTEXT), other="use a GPU with more memory"))
+
+
+def _too_big(asked: MemoryPlan, sessions: int = 0, context: int = 0, other: str = "") -> str:
+    """The refusal: what was asked, what it needs, what is free, and the flags that would fit."""
+    flags = ([f"--max-sessions to {sessions}"] if sessions >= 1 else []) + \
+        ([f"--context-limit to {context}"] if context >= CONTEXT_STEP else [])
+    remedies = (["lower " + " or ".join(flags)] if flags else []) + ([other] if other else [])
+    noun = "session" if asked.sessions == 1 else "sessions"
+    return (f"{asked.sessions} {noun} x {asked.context} tokens need {_gib(asked.need)} (weights {_gib(asked.weights)}, "
+            f"KV {_gib(asked.kv)}, reserve {_gib(asked.reserve)}); {_gib(asked.free or 0)} free: "
+            + (", or ".join(remedies) if remedies else "nothing fits"))
+
+
+def size_limits(config: Config) -> tuple[Config, MemoryPlan]:
+    """The Config with --max-sessions / --context-limit resolved for this machine, and the plan
+    (logged and exported). Raises MemoryPlanError when the limits cannot fit."""
+    import torch
+    from transformers import AutoConfig
+
+    from agent.engine import ensure_model
+    from agent.engine.model import complete_config, resolve_device, resolve_dtype
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_config = AutoConfig.from_pretrained(ensure_model(config))
+    complete_config(model_config)
+    memory = ModelMemory.from_config(model_config, dtype, config.max_reply_seconds or 60.0)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    given = {name: (None if name in config.sized_from_memory else getattr(config, name)) for name in LIMITS}
+    # A derived limit's Config value (the default) is its cap: at most 8 sessions, 32768 tokens.
+    result = plan(memory, free, sessions=given["max_sessions"], context=given["context_limit"],
+                  transcription=config.max_transcription_sessions, cap=config.max_sessions,
+                  default_context=config.context_limit, device=str(device))
+    log.info("%s", result.describe())
+    if free is not None and config.fallback_model not in ("", "none"):
+        log.warning("the plan does not count --fallback-model %s: its weights share the GPU's reserve",
+                    config.fallback_model)
+    result.export()
+    return replace(config, max_sessions=result.sessions, context_limit=result.context), result
+
+
+def check_after_load(loaded: LoadedModel, config: Config) -> None:
+    """Once the weights are on the GPU: warn when less is free than the plan counted on for the
+    caches and the reserve (another process took memory, or the plan's count was off)."""
+    import torch
+
+    if loaded.device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(loaded.device)
+    free += torch.cuda.memory_reserved(loaded.device) - torch.cuda.memory_allocated(loaded.device)
+    memory = ModelMemory.of_model(loaded.model, config.max_reply_seconds or 60.0)
+    wanted = plan(memory, None, sessions=config.max_sessions, context=config.context_limit,
+                  transcription=config.max_transcription_sessions)
+    need = wanted.kv + RESERVE_BYTES + memory.engine_weights
+    if free < need:
+        log.warning("after the load %s is free on %s, the plan needs %s for %d sessions x %d tokens and the reserve: "
+                    "lower --max-sessions or --context-limit if the caches do not fit", _gib(free), loaded.device,
+                    _gib(need), config.max_sessions, config.context_limit)
+
+
+def plan_for_cards(memory: ModelMemory, cards: Sequence[Card]) -> dict[str, MemoryPlan | MemoryPlanError]:
+    """The default plan (nothing given) on each card: what the benchmark prints."""
+    out: dict[str, MemoryPlan | MemoryPlanError] = {}
+    for card in cards:
+        try:
+            out[card.name] = plan(memory, card.free)
+        except MemoryPlanError as exc:
+            out[card.name] = exc
+    return out

@@ -1,0 +1,148 @@
+"""The memory plan: how many sessions of how many tokens a GPU holds beside the model.
+
+Pins, with the real Qwen3-Omni-30B-A3B config counted on the meta device (no weights):
+- the counts: 65.7 GiB of bf16 weights, 96 KiB (thinker) + 20 KiB (talker) of KV per token and
+  session, ~3.6 GiB per session at 32768 tokens;
+- an 80 GB H100 runs with no flags: at least 2 sessions (the context lowered, not under 8192, since
+  2 sessions of 32768 do not fit beside the graphs' pad row and the reserve); an H200 holds more
+  (8, the cap, at 32768); the plan never needs more than is free;
+- a 24 GB card is refused with a message naming --max-sessions and --context-limit;
+- given flags that do not fit are refused, and the message's "lower --max-sessions to N or
+  --context-limit to M" both fit; a given flag is kept and the other derived around it;
+- transcription slots and the pad row are rows of every cache;
+- on the CPU nothing is derived or refused: 8 sessions x 32768 tokens, exported on /metrics;
+- the command line records which limits it left out, and `omni-agent` exits 2 with the plan's
+  message when the plan is refused (a GPU faked by its free memory).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent import metrics
+from agent.__main__ import _serve_parser, config_from_args, main
+from agent.config import Config
+from agent.engine import memory_plan
+from agent.engine.memory_plan import (
+    H100_80G,
+    H200,
+    LIMITS,
+    MIN_CONTEXT,
+    Card,
+    GiB,
+    KiB,
+    MemoryPlanError,
+    ModelMemory,
+    plan,
+)
+from agent.engine.presets import REAL, preset_config
+
+
+@pytest.fixture(scope="module")
+def real() -> ModelMemory:
+    return ModelMemory.from_config(preset_config(REAL), torch.bfloat16, max_reply_seconds=60.0)
+
+
+def test_real_model_counts(real: ModelMemory) -> None:
+    assert 65.5 * GiB < real.weights < 65.9 * GiB
+    assert real.thinker_kv_token == 96 * KiB and real.talker_kv_token == 20 * KiB
+    assert real.talker_extra_tokens == 751 + 16  # 60 s of 80 ms frames, one more, and the talker's margin
+    assert 0 < real.slot_state < 8 * 2**20 and 0 < real.engine_weights < GiB
+    assert 3.5 * GiB < real.kv_per_slot(32768) < 3.7 * GiB
+
+
+def test_an_80gb_h100_runs_with_the_defaults(real: ModelMemory) -> None:
+    p = plan(real, H100_80G.free)
+    assert p.sessions >= 2 and MIN_CONTEXT <= p.context <= 32768
+    assert p.need <= H100_80G.free and p.derived == LIMITS
+    # The context came down because 2 sessions of 32768 tokens (and the pad row) do not fit.
+    with pytest.raises(MemoryPlanError):
+        plan(real, H100_80G.free, sessions=2, context=32768)
+    assert p.rows == p.sessions + 1  # the graphs' pad row
+
+
+def test_an_h200_holds_more(real: ModelMemory) -> None:
+    h100, h200 = plan(real, H100_80G.free), plan(real, H200.free)
+    assert (h200.sessions, h200.context) == (8, 32768)  # the cap, at the full context
+    assert h200.sessions * h200.context > h100.sessions * h100.context
+    assert h200.need <= H200.free
+
+
+def test_a_24gb_card_is_refused_naming_the_flags(real: ModelMemory) -> None:
+    with pytest.raises(MemoryPlanError) as refused:
+        plan(real, Card("24 GB", 23 * GiB).free)
+    message = str(refused.value)
+    assert "--max-sessions" in message and "--context-limit" in message and "65.8 GiB" in message
+
+
+def test_given_flags_that_do_not_fit_are_refused_with_remedies_that_fit(real: ModelMemory) -> None:
+    with pytest.raises(MemoryPlanError) as refused:
+        plan(real, H100_80G.free, sessions=9, context=32768)
+    message = str(refused.value)
+    assert message.startswith("9 sessions x 32768 tokens need ") and "GiB free" in message
+    remedy = re.search(r"lower --max-sessions to (\d+) or --context-limit to (\d+)", message)
+    sessions, context = map(int, remedy.groups())
+    assert plan(real, H100_80G.free, sessions=sessions, context=32768).sessions == sessions
+    assert plan(real, H100_80G.free, sessions=9, context=context).context == context
+    with pytest.raises(MemoryPlanError):
+        plan(real, H100_80G.free, sessions=sessions + 1, context=32768)
+
+
+def test_a_given_flag_is_kept_and_the_other_derived_around_it(real: ModelMemory) -> None:
+    four = plan(real, H100_80G.free, sessions=4)
+    assert four.sessions == 4 and MIN_CONTEXT <= four.context < plan(real, H100_80G.free).context
+    assert four.derived == ("context_limit",) and four.need <= H100_80G.free
+    short = plan(real, H100_80G.free, context=8192)
+    assert short.context == 8192 and short.sessions > 2 and short.derived == ("max_sessions",)
+    with pytest.raises(MemoryPlanError, match="lower --context-limit to"):
+        plan(real, H100_80G.free, context=65536)
+    with pytest.raises(MemoryPlanError, match="lower --max-sessions to"):
+        plan(real, H100_80G.free, sessions=30)
+
+
+def test_transcription_slots_are_rows_of_every_cache(real: ModelMemory) -> None:
+    alone, with_captions = plan(real, H100_80G.free), plan(real, H100_80G.free, transcription=1)
+    assert with_captions.rows == with_captions.sessions + 1 + 1
+    assert with_captions.kv == with_captions.rows * real.kv_per_slot(with_captions.context) + real.fixed_state
+    # Still 2 conversations: the caption viewer's slot is paid for with context.
+    assert with_captions.sessions == alone.sessions and with_captions.context < alone.context
+    assert with_captions.need <= H100_80G.free
+
+
+def test_the_cpu_keeps_the_defaults(real: ModelMemory, tiny_model_dir: Path) -> None:
+    cpu = plan(real, None)  # the real model on the CPU: no free memory to size from
+    assert (cpu.sessions, cpu.context, cpu.derived) == (8, 32768, ())
+    config = Config(model=str(tiny_model_dir), device="cpu", sized_from_memory=LIMITS)
+    sized, p = memory_plan.size_limits(config)
+    assert (sized.max_sessions, sized.context_limit) == (8, 32768) and p.free is None and p.derived == ()
+    assert metrics.REGISTRY.get_sample_value("agent_memory_plan_sessions") == 8
+    assert metrics.REGISTRY.get_sample_value("agent_memory_plan_context_tokens") == 32768
+    assert metrics.REGISTRY.get_sample_value("agent_memory_plan_bytes", {"part": "weights"}) == p.weights
+
+
+def test_the_command_line_records_the_limits_it_left_out() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser)
+    default = config_from_args(parser.parse_args([]))
+    assert default.sized_from_memory == LIMITS and (default.max_sessions, default.context_limit) == (8, 32768)
+    given = config_from_args(parser.parse_args(["--max-sessions", "3"]))
+    assert given.sized_from_memory == ("context_limit",) and given.max_sessions == 3
+    both = config_from_args(parser.parse_args(["--max-sessions", "3", "--context-limit", "4096"]))
+    assert both.sized_from_memory == () and (both.max_sessions, both.context_limit) == (3, 4096)
+
+
+def test_serve_exits_with_the_plans_message_when_it_cannot_fit(tiny_model_dir: Path, monkeypatch, capsys) -> None:
+    """A GPU faked by its free memory: the tiny model with 2 GiB free leaves no room for the reserve."""
+    from agent.engine import model
+
+    monkeypatch.setattr(model, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * GiB, 2 * GiB))
+    code = main(["serve", "--model", str(tiny_model_dir), "--ice-host", "127.0.0.1", "--fallback-model", "none"])
+    assert code == 2
+    assert "no --max-sessions or --context-limit fits on this GPU" in capsys.readouterr().err
