@@ -59,12 +59,21 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="seconds of a turn that get every grid at full rate (default %(default)s)")
     p.add_argument("--video-turn-tokens", type=_positive(int), default=d.video_turn_tokens, dest="video_turn_tokens",
                    help="visual tokens per turn at most: resolution is scaled down first, then the grid rate (default %(default)s)")
-    p.add_argument("--system-prompt", default=d.system_prompt)
-    p.add_argument("--max-reply-tokens", type=int, default=d.max_reply_tokens, help="text tokens per reply")
-    p.add_argument("--max-reply-seconds", type=float, default=d.max_reply_seconds, help="audio seconds per reply")
+    p.add_argument("--system-prompt", default=None,
+                   help="default: a short prompt for the tiny model, Qwen's voice-assistant prompt for a real one")
+    p.add_argument("--max-reply-tokens", type=_positive(int), default=None,
+                   help="text tokens per reply (default: the model's generation_config.json, else 1024; tiny: 48)")
+    p.add_argument("--max-reply-seconds", type=_positive(float), default=None,
+                   help="audio seconds per reply (default: the model's generation config, else 60; tiny: 4)")
+    p.add_argument("--decoding", default=d.decoding, choices=["auto", "greedy", "sample"],
+                   help="auto: the model's own (tiny: greedy; real: sampled as Qwen does); greedy: argmax in "
+                        "every stage; sample: every stage sampled (default %(default)s)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="draw every reply's sampling seed from this (reproducible replies; default: fresh)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (0: on CPU all cores but one, left to the network thread)")
-    p.add_argument("--context-limit", type=int, default=d.context_limit,
-                   help="tokens per session; when full, history is dropped, system prompt kept")
+    p.add_argument("--context-limit", type=_positive(int), default=None,
+                   help=f"tokens per session; when full, history is dropped, system prompt kept (default: "
+                        f"{d.context_limit}, lowered on a GPU that would hold fewer than 2 sessions of it; docs/memory.md)")
     p.add_argument("--audio-window", type=float, default=d.audio_window_s, dest="audio_window_s",
                    help="audio encoder attention window in seconds, 1..8 (default %(default)s)")
     p.add_argument("--vad-silence-ms", type=int, default=d.vad_silence_ms, help="silence that ends a turn")
@@ -89,7 +98,9 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
                    help="do not start replies on short pauses (speculatively, held until the turn ends)")
     p.add_argument("--speculation-pause-ms", type=int, default=d.speculation_pause_ms,
                    help="unvoiced audio inside a turn after which a reply starts speculatively")
-    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="offers beyond this get 503")
+    p.add_argument("--max-sessions", type=_positive(int), default=None,
+                   help=f"offers beyond this get 503 (default: as many as the GPU's free memory holds at the "
+                        f"context limit, at most {d.max_sessions}; {d.max_sessions} on CPU; docs/memory.md)")
     p.add_argument("--high-priority-slots", type=int, default=d.high_priority_slots,
                    help="of --max-sessions, slots kept for priority=high sessions (default %(default)s)")
     p.add_argument("--max-transcription-sessions", type=_at_least_zero, default=d.max_transcription_sessions,
@@ -147,15 +158,23 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     values = {k: v for k, v in vars(ns).items() if k in fields}
     for name in ("ice_hosts", "ice_servers", "cors_origins"):
         values[name] = tuple(values.get(name) or ())
-    return Config(**values)
+    # Limits left out are sized from the GPU's memory at start-up (agent/engine/memory_plan.py).
+    sized = tuple(name for name in ("max_sessions", "context_limit") if values.get(name, 0) is None)
+    for name in sized:
+        del values[name]
+    return Config(**values, sized_from_memory=sized)
 
 
 def serve(config: Config) -> None:
     from .engine import build_engine
+    from .engine.memory_plan import size_limits
     from .ice import restrict_ice_hosts
     from .server import create_app
 
     restrict_ice_hosts(config.ice_hosts)
+    # Before the loop runs and the model loads: a plan that cannot fit is refused at once, and
+    # admission and the engine read the same resolved limits from `config`.
+    config, _ = size_limits(config)
     engine = build_engine(config)
     asyncio.run(_serve(config, create_app(config, engine)))
 
@@ -227,7 +246,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         serve_on_ray(config_from_args(ns), options_from(vars(ns)))
         return 0
-    serve(config_from_args(ns))
+    from .engine.memory_plan import MemoryPlanError
+
+    try:
+        serve(config_from_args(ns))
+    except MemoryPlanError as exc:
+        print(f"omni-agent: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .decoding import Decoding
     from .ice import IceServer
 
 # Rates the model fixes: 16 kHz mono in, 12.5 Hz tokens (80 ms), 24 kHz out.
@@ -34,7 +35,8 @@ class Config:
     # Host addresses ICE advertises. aioice never offers loopback on its own and otherwise
     # probes every interface; tests pin this to 127.0.0.1, production may name a public IP.
     ice_hosts: tuple[str, ...] = ()
-    web_dir: Path = field(default_factory=lambda: Path(__file__).resolve().parent.parent / "web")
+    # The page ships inside the package (package data), so an installed agent serves it too.
+    web_dir: Path = field(default_factory=lambda: Path(__file__).resolve().parent / "web")
     # When set, every /v1/realtime route needs `Authorization: Bearer` with it or with an
     # ephemeral key minted from it; "" leaves the agent open (fine on loopback, not beyond).
     api_key: str = field(default="", repr=False)
@@ -61,12 +63,19 @@ class Config:
     compile: str = "auto"
     runner: str = "stream"  # stream | reference (transformers' generate(): whole reply at once)
     speaker: str = ""  # "" = first speaker in the talker config
-    system_prompt: str = "You are a helpful real-time voice assistant. Answer briefly."
-    max_reply_tokens: int = 48  # thinker text tokens per reply
-    max_reply_seconds: float = 4.0  # audio cap per reply (random tiny models rarely stop)
+    # Left None, these are the model's own (agent/decoding.py): the tiny random model gets a
+    # short prompt, greedy decoding and 48 tokens / 4 s (it rarely stops by itself); any other
+    # checkpoint its generation_config.json, else Qwen's sampling, prompt and 1024 tokens / 60 s.
+    system_prompt: str | None = None
+    max_reply_tokens: int | None = None  # thinker text tokens per reply
+    max_reply_seconds: float | None = None  # audio seconds per reply
+    decoding: str = "auto"  # auto (the model's) | greedy (argmax in every stage) | sample
+    seed: int | None = None  # reply seeds drawn from this (reproducible replies); None: fresh
+    sampling: "Decoding | None" = None  # resolved from decoding/seed and the model; tests may set it
     threads: int = 0  # torch intra-op threads on CPU; 0 = all cores but one
     # Tokens a session's conversation may hold; when a turn would overflow it, the session's
     # history is dropped (system prompt kept) and the reply says so (stats.history_reset).
+    # Left out on the command line, sized to the GPU's memory at start-up (sized_from_memory).
     context_limit: int = 32768
     audio_window_s: float = 1.0  # AuT attention window (n_window_infer) used for prefill
 
@@ -109,6 +118,11 @@ class Config:
 
     # sessions, admission and the degradation ladder
     max_sessions: int = 8
+    # Which of max_sessions and context_limit the command line left out: on a GPU, start-up
+    # sizes those to its free memory, their values here being the caps (8 sessions, 32768
+    # tokens), and checks the given ones (agent/engine/memory_plan.py, docs/memory.md). On the
+    # CPU, and for a Config made in code (()), the values stand as they are.
+    sized_from_memory: tuple[str, ...] = ()
     # Of max_sessions, slots only high-priority sessions may take (priority classes: high, normal).
     high_priority_slots: int = 0
     # Transcription sessions (captions only: no replies) admitted on a limit of their own, on
@@ -129,11 +143,25 @@ class Config:
     # captioned sessions filled 64 in ~100 ms and had their audio dropped): 25 is 0.5 s each.
     engine_inbox_per_session: int = 25
 
-    # Text-only model for degradation level 2: "" = a tiny Qwen3 built on first use,
-    # "none" = no fallback (level 2 then stays text-only on the Omni model).
+    # Text-only model for degradation level 2: "" = a tiny Qwen3 built on first use when the
+    # Omni model is the tiny one, none otherwise (a real model never falls back to a random
+    # one); "none" = no fallback (level 2 then stays text-only on the Omni model).
     fallback_model: str = ""
     ladder_min_samples: int = 5  # replies needed before the ladder judges
     ladder_window: int = 50  # latest replies the P95 is taken over
+
+    def __post_init__(self) -> None:
+        # The fields the model decides are resolved once, here, so that every reader (the
+        # engine thread, the Realtime session defaults) sees the same concrete values.
+        if None in (self.system_prompt, self.max_reply_tokens, self.max_reply_seconds, self.sampling):
+            from .decoding import defaults_for
+
+            d = defaults_for(self.model, self.decoding, self.seed)
+            resolved = {"system_prompt": d.system_prompt, "max_reply_tokens": d.max_reply_tokens,
+                        "max_reply_seconds": d.max_reply_seconds, "sampling": d.decoding}
+            for name, value in resolved.items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, value)
 
     @property
     def engine_slots(self) -> int:

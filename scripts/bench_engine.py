@@ -21,6 +21,15 @@ line: `kernels_per_tick_b1=N kernels_per_tick_b4=N kernels_code_predictor=N
 kernels_end_of_turn=N predicted_rtf_b4=R predicted_ttfa_b1_ms=T`.
 
     .venv/bin/python scripts/bench_engine.py --kernels --preset qwen3-omni-30b-a3b --layers 1,2
+
+With --load (scripts/bench_load.py, docs/memory.md) it instead measures what loading the real
+checkpoint costs: a hub-shaped random checkpoint at real widths with 1 and 2 layers per stack,
+each loaded in a fresh process as `--model DIR` would be (cuda if there is one, else cpu; bf16),
+host memory (anonymous RSS) and device memory extrapolated to full depth, and the memory plan's
+sessions on an 80 GB H100 and an H200. Last line: `host_peak_gib_full_depth=X
+device_peak_gib_full_depth=Y plan_sessions_h100_80g=N plan_sessions_h200=M`.
+
+    .venv/bin/python scripts/bench_engine.py --load --preset qwen3-omni-30b-a3b --layers 1,2
 """
 
 from __future__ import annotations
@@ -159,6 +168,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--max-reply-tokens", type=int, default=24)
     p.add_argument("--max-reply-seconds", type=float, default=2.0)
+    p.add_argument("--decoding", choices=("greedy", "sample"), default="greedy",
+                   help="token choice in every stage: greedy, or sampled with a real model's defaults "
+                        "(agent/decoding.py: the choice is then a compiled, graphed step of its own)")
     p.add_argument("--no-reference", action="store_true", help="skip generate() (slow at real size)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="stream eagerly on CUDA")
     p.add_argument("--compile", choices=("auto", "on", "off"), default=None,
@@ -181,7 +193,18 @@ def main() -> None:
     k.add_argument("--count-vocab", type=int, default=4096,
                    help="thinker vocabulary of the counted models (the 152064-row LM head costs ~0.5 s a call on CPU "
                         "and is one kernel at any size; the byte model uses the real one)")
+    m = p.add_argument_group("load run (--load)")
+    m.add_argument("--load", action="store_true",
+                   help="host/device memory of loading the checkpoint (uses --preset and --layers), and the memory plan")
+    m.add_argument("--load-dir", default=None, help="where the temporary checkpoints go (default: the system temp dir)")
     args = p.parse_args()
+    if args.load:
+        if len(set(args.layers)) != 2:
+            p.error("--layers takes two different depths, e.g. 1,2")
+        from bench_load import run as run_load
+
+        run_load(args)
+        return
     if args.kernels:
         import torch
 
@@ -201,11 +224,15 @@ def main() -> None:
     from agent.engine.stream import StreamingRunner
 
     loaded = load(args)
+    from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, QWEN_THINKER, Decoding
+
+    sampled = Decoding(QWEN_THINKER, QWEN_TALKER, QWEN_CODE_PREDICTOR, seed=0)
     cfg = Config(
         max_reply_tokens=args.max_reply_tokens,
         max_reply_seconds=args.max_reply_seconds,
         audio_window_s=1.0,
         cuda_graphs=args.cuda_graphs,
+        sampling=sampled if args.decoding == "sample" else Decoding.greedy(seed=0),
     )
     if args.compile is not None:
         from dataclasses import fields, replace

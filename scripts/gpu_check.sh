@@ -14,7 +14,9 @@
 #      with fused projections against library matmuls (time per loop, launches); then the engine
 #      with compile on, with fused projections (the CUDA default) and with library matmuls;
 #      batch 1 eager only with EAGER=1 (measured on 2026-11-30; its table prints peak memory and
-#      the graph counts).
+#      the graph counts);
+#   5. scripts/bench_engine.py --load: host RAM and GPU memory of loading the checkpoint, and the
+#      memory plan (docs/memory.md).
 # Every step has a time limit. A failed setup (install, imports, no CUDA) stops the script before
 # the GPU steps; a failing GPU step is recorded and the next one still runs; the exit status is
 # non-zero if any step failed. Output goes to the terminal and to files under $OUT
@@ -140,11 +142,18 @@ BENCH=("$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weight
 run bench_graphs "${BENCH_LIMIT:-150}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile off
 # Fused projections vs library matmuls in the compiled loop: decides GraphConfig.fused_gemv's default.
 run bench_code_predictor "${CP_LIMIT:-240}" "$PY" scripts/bench_code_predictor.py --device cuda --batch 1,4 --iters 30
-run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on
+# Sampled as a real model is by default (agent/decoding.py): the thinker's and talker's choice
+# are compiled, graphed steps of their own, the code predictor samples inside its loop.
+run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on \
+  --decoding "${DECODING:-sample}"
 # The same with library matmuls in every compiled decode step (thinker, talker, code predictor):
 # with bench_compiled, decides GraphConfig.fused_gemv's default (usually a second device call).
 run bench_compiled_library "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on \
-  --no-fused-gemv
+  --no-fused-gemv --decoding "${DECODING:-sample}"
+# Host and device memory of loading the hub-shaped checkpoint onto the GPU (1 and 2 layers per
+# stack, extrapolated), and the memory plan's sessions (docs/memory.md): ~3 min, most of it
+# writing the two checkpoints on the CPU.
+run bench_load "${LOAD_LIMIT:-300}" "$PY" scripts/bench_engine.py --load --preset qwen3-omni-30b-a3b --layers 1,2
 if [ "${EAGER:-0}" = 1 ]; then
   run bench_eager "${EAGER_LIMIT:-90}" "${BENCH[@]}" --batch 1 --repeats 1 --compile off --no-cuda-graphs
 fi

@@ -23,8 +23,10 @@ from agent.ice import restrict_ice_hosts
 #   `compiled_options` fixture).
 # - Units are handed out in collection order, longest first: the compiles, then the long call
 #   loops; the short modules fill in around them.
-COMPILING = ("tests/unit/test_compiled.py", "tests/unit/test_gemv.py", "tests/unit/test_streaming_exact.py")
-LONG = ("tests/integration/test_call_leaks.py", "tests/integration/test_ray_serve.py")
+COMPILING = ("tests/unit/test_compiled.py", "tests/unit/test_gemv.py", "tests/unit/test_streaming_exact.py",
+             "tests/unit/test_sampling_exact.py")
+LONG = ("tests/integration/test_call_leaks.py", "tests/integration/test_ray_serve.py",
+        "tests/integration/test_real_checkpoint.py")
 
 
 def _module(nodeid: str) -> str:

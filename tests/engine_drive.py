@@ -84,3 +84,45 @@ def assert_steps_equal_eager(thinker, talker, batch: int, gen: torch.Generator) 
         want_logits, want_last = talker._step(*args)
         torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(last, want_last, rtol=1e-4, atol=1e-4)
+
+
+def generate_reference(loaded, inputs: dict, decoding, seed: int, tokens: int, frames: int, monkeypatch):
+    """transformers' generate() on prepared inputs, sampled as `decoding` says, its
+    torch.multinomial drawing from the engine's noise for the reply seeded `seed` (the stage told
+    apart by its vocabulary; agent/engine/sampling.py): (text ids without the end, codes
+    [16, frames], waveform). Greedy stages never draw."""
+    from agent.engine.reference import generate_kwargs
+    from agent.engine.sampling import CODE_PREDICTOR, TALKER, THINKER, race_noise
+
+    stages = {loaded.model.thinker.lm_head.out_features: THINKER,
+              loaded.model.talker.codec_head.out_features: TALKER,
+              loaded.model.talker.code_predictor.lm_head[0].out_features: CODE_PREDICTOR}
+    assert len(stages) == 3, "the stages must be told apart by their vocabularies"
+    draws = {stage: 0 for stage in stages.values()}
+
+    def multinomial(probs: torch.Tensor, num_samples: int = 1, **_) -> torch.Tensor:
+        assert probs.shape[0] == 1 and num_samples == 1
+        stage = stages[probs.shape[-1]]
+        noise = race_noise(torch.tensor([seed]), torch.tensor([draws[stage]]), stage, probs.shape[-1])
+        draws[stage] += 1
+        return (probs / noise).argmax(-1, keepdim=True)
+
+    captured = {}
+    hook = loaded.model.code2wav.register_forward_pre_hook(lambda m, args: captured.setdefault("codes", args[0]))
+    monkeypatch.setattr(torch, "multinomial", multinomial)
+    try:
+        sequences, wav = loaded.model.generate(
+            **inputs, speaker=loaded.speaker, return_audio=True,
+            **generate_kwargs("thinker", decoding.thinker), **generate_kwargs("talker", decoding.talker),
+            thinker_max_new_tokens=tokens, thinker_eos_token_id=loaded.thinker_eos_ids, thinker_min_new_tokens=1,
+            talker_max_new_tokens=frames + 1,
+        )
+    finally:
+        hook.remove()
+        monkeypatch.undo()
+    generated = sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    text = [t for t in generated if t not in loaded.thinker_eos_ids]
+    codes = captured["codes"][0].cpu().numpy()
+    if decoding.code_predictor.do_sample:
+        assert draws[CODE_PREDICTOR] == 15 * codes.shape[-1]  # the patch drew every residual code
+    return text, codes, wav.reshape(-1).float().cpu().numpy()

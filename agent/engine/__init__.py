@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import Config
+from ..decoding import is_tiny
 from .api import EngineBusy, ReplySink, Runner
 from .loop import Engine
 
@@ -46,6 +47,11 @@ def runner_factory(config: Config) -> Callable[[], Runner]:
         from .model import load_model
 
         loaded = load_model(ensure_model(config), device=config.device, dtype=config.dtype)
+        # The limits were planned before the load (memory_plan.size_limits): say if the GPU now has less.
+        from .memory_plan import check_after_load
+
+        check_after_load(loaded, config)
+        log_decoding(config)
         if config.runner == "reference":
             from .reference import GenerateRunner
 
@@ -54,6 +60,7 @@ def runner_factory(config: Config) -> Callable[[], Runner]:
                 system_prompt=config.system_prompt,
                 max_reply_tokens=config.max_reply_tokens,
                 max_reply_seconds=config.max_reply_seconds,
+                decoding=config.sampling,
             )
         from .stream import StreamingRunner
 
@@ -66,9 +73,23 @@ def runner_factory(config: Config) -> Callable[[], Runner]:
     return build
 
 
+def log_decoding(config: Config) -> None:
+    """Say how replies are decoded and capped (they depend on the model: agent/decoding.py)."""
+    d = config.sampling
+    assert d is not None
+    log.info("replies: at most %d tokens / %.0f s; thinker %s, talker %s, code predictor %s; seeds %s",
+             config.max_reply_tokens, config.max_reply_seconds, d.thinker, d.talker, d.code_predictor,
+             "fresh per reply" if d.seed is None else f"from {d.seed}")
+    if not d.talker.do_sample and not is_tiny(config.model):
+        # vllm-omni warns the same: greedy talkers were seen to run to the length limit.
+        log.warning("the talker decodes greedily: real talkers then tend to run on to the reply cap")
+
+
 def fallback_factory(config: Config) -> Optional[Callable[[], Runner]]:
-    """The text-only fallback runner for degradation level 2, or None when disabled."""
-    if config.fallback_model == "none":
+    """The text-only fallback runner for degradation level 2, or None: disabled, or a real model
+    with no --fallback-model (a random tiny Qwen3 would answer its users with noise: level 2
+    then stays text-only on the same model)."""
+    if config.fallback_model == "none" or (not config.fallback_model and not is_tiny(config.model)):
         return None
 
     def build() -> Runner:

@@ -8,8 +8,9 @@ state and codebook 0), so the cache is written and read with plain slices (no pe
 no mask: a step sees every key written so far, the first one's two tokens are causal) and the
 RoPE tables are made once. Codes stay on the device until the loop is done: one host sync per
 frame batch, and nothing in the loop that a CUDA graph could not capture. With graphs on, the
-whole loop (15 steps, argmax and embedding sums included) is one captured graph per batch
-bucket, and with compilation on one compiled region (agent/engine/compiled.py).
+whole loop (15 steps, each code's choice and the embedding sums included: argmax, or the
+seeded draw of agent/engine/sampling.py from the rows' seeds and frame indices, graph inputs) is
+one captured graph per batch bucket, and with compilation on one compiled region (agent/engine/compiled.py).
 
 Launches are what the loop costs (15 steps x 5 layers at real size), so each layer's q/k/v
 projections are one matmul and its gate/up projections another, over weights concatenated once
@@ -29,8 +30,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from agent.decoding import GREEDY, Sampling
 from agent.engine.gemv import check_norm, linear, normed_linear
 from agent.engine.graphing import Graphing
+from agent.engine.sampling import CODE_PREDICTOR, RESIDUAL_GROUPS, choose, penalize
 from agent.engine.slots import SlotKV, apply_rope
 
 
@@ -58,9 +61,13 @@ class FusedWeights:
 
 class CodePredictorOps:
     def __init__(
-        self, talker: nn.Module, device: torch.device, dtype: torch.dtype, graphing: Graphing | None = None
+        self, talker: nn.Module, device: torch.device, dtype: torch.dtype, graphing: Graphing | None = None,
+        sampling: Sampling = GREEDY,
     ) -> None:
+        """sampling: how each residual code is chosen (compiled into the loop: a greedy loop and
+        a sampling one are different graphs); default greedy."""
         predictor = talker.code_predictor
+        self.sampling = sampling
         self.body = predictor.model
         self.heads = predictor.lm_head
         self.tables = self.body.codec_embedding
@@ -81,9 +88,10 @@ class CodePredictorOps:
                 raise ValueError("fused projections assume bias-free codebook heads")
         self._kv: SlotKV | None = None
         self._ropes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Pad rows: a zero hidden state and code 0 (their cache rows are rewritten by every call).
-        # Outputs cloned: the codec sums are kept per reply until its next talker step.
-        self._graph = graphing.pool("code_predictor", self._run, (0.0, 0), clone_outputs=True, compiled=True) if graphing else None
+        # Pad rows: a zero hidden state, code 0, seed 0, frame 0 (their cache rows are rewritten
+        # by every call). Outputs cloned: the codec sums are kept per reply until its next talker step.
+        self._graph = graphing.pool("code_predictor", self._run, (0.0, 0, 0, 0), clone_outputs=True,
+                                    compiled=True) if graphing else None
         if self._graph is not None:
             # The cache and RoPE tables now: a graph capture or a compiled trace must find them
             # made (an allocation inside either would be recorded, not done).
@@ -94,11 +102,9 @@ class CodePredictorOps:
             return
         hidden = self.talker_embed.embedding_dim
 
-        def example(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return (
-                torch.zeros(batch, 1, hidden, device=self.device, dtype=self.dtype),
-                torch.zeros(batch, dtype=torch.long, device=self.device),
-            )
+        def example(batch: int) -> tuple[torch.Tensor, ...]:
+            rows = torch.zeros(batch, dtype=torch.long, device=self.device)
+            return torch.zeros(batch, 1, hidden, device=self.device, dtype=self.dtype), rows, rows, rows
 
         self._graph.capture_all(example)
 
@@ -118,29 +124,48 @@ class CodePredictorOps:
                 self._ropes.append(self.body.rotary_emb(probe, torch.arange(start, start + n, device=self.device).view(1, -1)))
         return self._kv, self._ropes
 
-    def run(self, last_hidden: torch.Tensor, code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, last_hidden: torch.Tensor, code0: torch.Tensor, seeds: torch.Tensor | None = None,
+            frames: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """last_hidden [B, 1, hidden] (the talker's, for code0), code0 [B] -> all 16 codes
         [B, num_groups] (code0 first) and the next talker input's codec side: the sum of the 16
-        codebook embeddings [B, 1, hidden]."""
+        codebook embeddings [B, 1, hidden]. Sampling, row b draws from the reply seeded
+        seeds[b] at its frame frames[b] (both [B] int64; unused when greedy)."""
+        if seeds is None or frames is None:
+            seeds = frames = torch.zeros_like(code0)
         if self._graph is not None:
-            return self._graph(last_hidden, code0)
-        return self._run(last_hidden, code0)
+            return self._graph(last_hidden, code0, seeds, frames)
+        return self._run(last_hidden, code0, seeds, frames)
 
-    def _run(self, last_hidden: torch.Tensor, code0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, last_hidden: torch.Tensor, code0: torch.Tensor, seeds: torch.Tensor,
+             frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         batch = code0.shape[0]
         kv, ropes = self._plan(batch)
         c0_embed = self.talker_embed(code0.view(batch, 1))
         inputs = torch.cat([last_hidden, c0_embed], dim=1)
         codes, pieces = [code0], [c0_embed]
         fused = self.fused_gemv and torch.compiler.is_compiling()
+        # generate()'s code predictor starts each frame with no input_ids: a repetition penalty
+        # there sees only the frame's own residual codes so far.
+        penalty = self.sampling.repetition_penalty
+        seen = torch.zeros(batch, self.heads[0].out_features, dtype=torch.bool, device=code0.device) \
+            if penalty != 1.0 else None
         for step in range(1, self.num_groups):
             start = 0 if step == 1 else step
             hidden = self._forward(kv, inputs, start, ropes[step - 1], fused)
             head = self.heads[step - 1]
             if fused:  # the final norm inside the head's reduction, the last position only
-                code = normed_linear(hidden[:, -1], self.body.norm, head.weight, True).argmax(-1)
+                logits = normed_linear(hidden[:, -1], self.body.norm, head.weight, True)
             else:  # the head on every fed position, then the last: the shapes transformers uses
-                code = head(self.body.norm(hidden))[:, -1].argmax(-1)
+                logits = head(self.body.norm(hidden))[:, -1]
+            if seen is not None:
+                logits = penalize(logits.float(), seen, penalty)
+            if self.sampling.do_sample:
+                draws = frames * RESIDUAL_GROUPS + (step - 1)
+                code = choose(logits.float(), self.sampling, seeds, draws, CODE_PREDICTOR)
+            else:
+                code = logits.argmax(-1)
+            if seen is not None:
+                seen = seen.scatter(1, code.unsqueeze(1), True)
             codes.append(code)
             inputs = self.tables[step - 1](code.view(batch, 1))
             pieces.append(inputs)

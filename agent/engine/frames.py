@@ -27,13 +27,16 @@ import torch
 from agent.engine.api import AudioOut, Output, StageTime, TextDelta
 from agent.engine.code2wav_slots import SlotCode2Wav
 from agent.engine.code_predictor import CodePredictorOps
+from agent.decoding import Decoding
 from agent.engine.detok import IncrementalDecoder
 from agent.engine.graphing import Graphing
 from agent.engine.model import LoadedModel
 from agent.engine.output_audio import to_pcm16
+from agent.engine.sampling import THINKER, row_tensor
 from agent.engine.session_state import SessionState, add_batch_time
 from agent.engine.talker import TalkerOps
 from agent.engine.thinker import ThinkerOps
+from agent.engine.token_choice import TokenChoice
 
 Row = tuple[str, SessionState]
 
@@ -77,9 +80,18 @@ class FrameBatcher:
         max_reply_tokens: int,
         record: bool,
         graphing: Graphing | None = None,
+        decoding: Decoding = Decoding.greedy(),
     ) -> None:
+        """decoding: the thinker's and the code predictor's token choice (the talker's is
+        TalkerOps'); a sampled stage draws from each reply's own seed (ReplyState.seed)."""
         self.loaded, self.thinker, self.talker = loaded, thinker, talker
-        self.predictor = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype, graphing)
+        self.decoding = decoding
+        if decoding.thinker.repetition_penalty != 1.0 and thinker.ids is None:
+            raise ValueError("a thinker repetition penalty needs ThinkerOps(track_ids=True)")
+        self.predictor = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype, graphing,
+                                          sampling=decoding.code_predictor)
+        self.thinker_choice = TokenChoice("thinker_pick", decoding.thinker, THINKER, thinker.vocab, loaded.device,
+                                          graphing)
         self.code2wav = SlotCode2Wav(loaded.model.code2wav, slots, graphing=graphing)
         self.max_reply_tokens = max_reply_tokens
         self.record = record
@@ -89,6 +101,7 @@ class FrameBatcher:
         self.stage_times: list[StageTime] = []  # batched stages of this tick, drained by the runner
 
     def capture_graphs(self) -> None:
+        self.thinker_choice.capture_graphs()
         self.predictor.capture_graphs()
         self.code2wav.capture_graphs()
 
@@ -105,6 +118,22 @@ class FrameBatcher:
         add_batch_time([st for _, st in rows], stage, elapsed)
 
     # ---- text -------------------------------------------------------------------------------
+
+    def pick_tokens(self, states: Sequence[SessionState], logits: torch.Tensor, first: bool = False) -> list[int]:
+        """The next text token of each reply from the thinker's logits [B, vocab] (float32, not
+        written to: a graph's output buffer), as generate()'s thinker picks it: repetition
+        penalty over the session's whole context, no end token as the first one (a reply has
+        at least one text token), then argmax or the reply's seeded draw."""
+        seen = self.thinker.seen([st.thinker for st in states]) if self.thinker_choice.penalizes else None
+        if first:  # (masking before the penalty is the same: a penalized -inf stays -inf)
+            logits = logits.index_fill(1, torch.tensor(sorted(self.eos), device=logits.device), float("-inf"))
+        seeds, draws = self._draws(states, [len(st.reply.text.tokens) for st in states])
+        return self.thinker_choice(logits, seen, seeds, draws).tolist()
+
+    def _draws(self, states: Sequence[SessionState], index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' reply seeds and draw indices, on the device."""
+        device = self.loaded.device
+        return row_tensor([st.reply.seed for st in states], device), row_tensor(list(index), device)
 
     def take_token(self, session_id: str, state: SessionState, token: int) -> list[Output]:
         reply = state.reply
@@ -134,7 +163,7 @@ class FrameBatcher:
             states = [st for _, st in need]
             with self._batched("thinker_decode", need):
                 logits = self.thinker.decode([st.thinker for st in states], [st.reply.text.tokens[-1] for st in states])
-                tokens = logits.argmax(-1).tolist()
+                tokens = self.pick_tokens(states, logits)
             for (sid, st), token in zip(need, tokens):
                 st.reply.text.fed += 1
                 outputs += self.take_token(sid, st, token)
@@ -146,7 +175,8 @@ class FrameBatcher:
     def take_code0(self, states: Sequence[SessionState], logits: torch.Tensor) -> None:
         """Pick every row's codebook-0 token from its logits [B, vocab] and record it."""
         slots = torch.tensor([st.slot for st in states], device=logits.device)
-        codes = self.talker.pick_code0(logits, self.seen.index_select(0, slots))
+        seeds, draws = self._draws(states, [len(st.reply.voice.codes0) for st in states])
+        codes = self.talker.pick_code0(logits, self.seen.index_select(0, slots), seeds, draws)
         self.seen[slots, codes] = True
         for st, code in zip(states, codes.tolist()):
             reply = st.reply
@@ -201,7 +231,9 @@ class FrameBatcher:
         with self._batched("code_predictor", rows):
             hidden = torch.cat([st.reply.voice.last_hidden for st in states], dim=0)
             code0 = torch.tensor([st.reply.voice.codes0[-1] for st in states], device=hidden.device)
-            codes, codec_sum = self.predictor.run(hidden, code0)
+            # Frame j of a reply is codes0[j]'s: its residual codes are draws 15j..15j+14.
+            seeds, frames = self._draws(states, [len(st.reply.voice.codes0) - 1 for st in states])
+            codes, codec_sum = self.predictor.run(hidden, code0, seeds, frames)
             frame_codes = codes.tolist()
         with self._batched("code2wav", rows):
             wavs = self.code2wav.push([st.slot for st in states], codes.unsqueeze(-1))

@@ -7,6 +7,7 @@ any of it is sent).
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from agent.decoding import Decoding, Sampling
 from agent.engine.api import AudioOut, Output, ReplyDone, StageTime, TextDelta
 from agent.engine.model import LoadedModel, build_inputs
 from agent.engine.output_audio import SAMPLES_PER_FRAME, talker_tokens_for, to_pcm16
@@ -42,13 +44,19 @@ class GenerateRunner:
         system_prompt: str,
         max_reply_tokens: int = 48,
         max_reply_seconds: float = 4.0,
+        decoding: Decoding = Decoding.greedy(),
     ) -> None:
+        """decoding: generate()'s thinker and talker settings (its code predictor samples with
+        the talker, at the top-k/top-p generate() fixes); a sampled reply seeds torch's RNG
+        from decoding.seed, else from the OS."""
         if max_reply_tokens < 2:
             raise ValueError("max_reply_tokens must be >= 2 (a reply is one text token plus its end)")
         self.loaded = loaded
         self.system_prompt = system_prompt
         self.max_reply_tokens = max_reply_tokens
         self.max_reply_seconds = max_reply_seconds
+        self.decoding = decoding
+        self._seeds = random.Random(decoding.seed) if decoding.seed is not None else random.SystemRandom()
         self._sessions: dict[str, _Session] = {}
         self._queue: deque[str] = deque()  # sessions with a pending reply, oldest first
 
@@ -101,12 +109,15 @@ class GenerateRunner:
         inputs = build_inputs(loaded, request.audio, request.images, self.system_prompt)
         prompt_len = inputs["input_ids"].shape[1]
         talker_tokens = talker_tokens_for(self.max_reply_seconds, loaded.output_rate)
+        seed = self._seeds.getrandbits(32)
+        if self.decoding.samples:
+            torch.manual_seed(seed)  # generate() draws from torch's global RNG
         result = loaded.model.generate(
             **inputs,
             speaker=loaded.speaker,
             return_audio=not request.text_only,
-            thinker_do_sample=False,
-            talker_do_sample=False,
+            **generate_kwargs("thinker", self.decoding.thinker),
+            **generate_kwargs("talker", self.decoding.talker),
             thinker_max_new_tokens=self.max_reply_tokens,
             thinker_eos_token_id=loaded.thinker_eos_ids,
             # A reply has at least one text token before its end: generate()'s talker needs two
@@ -146,6 +157,18 @@ class GenerateRunner:
             "text_tokens": len(text_ids),
             "audio_samples": n_samples,
             "generate_seconds": elapsed,
+            "seed": seed,
         }
         outputs.append(ReplyDone(session_id, reason, text=text, stats=stats))
         return outputs
+
+
+def generate_kwargs(stage: str, sampling: Sampling) -> dict[str, object]:
+    """generate()'s `<stage>_*` arguments for one stage (the warpers only when it samples:
+    generate() warns about them otherwise)."""
+    kwargs: dict[str, object] = {f"{stage}_do_sample": sampling.do_sample,
+                                 f"{stage}_repetition_penalty": sampling.repetition_penalty}
+    if sampling.do_sample:
+        kwargs.update({f"{stage}_temperature": sampling.temperature, f"{stage}_top_k": sampling.top_k,
+                       f"{stage}_top_p": sampling.top_p})
+    return kwargs

@@ -78,7 +78,10 @@ class EndOfTurn:
         ids += turn.text_ids  # user text items close the user message, after the audio and frames
         header = assistant_start_ids(self.ids)
         ids += [self.ids.im_end, *self.ids.newline, *turn.reply_system_ids, *header]
-        part = self._start(state, turn, ids, audio=audio, images=images, assistant_tail=len(header),
+        # The tail is not the user's: generate() gives the talker only the user-role tokens, so a
+        # per-response system message stays out of the talker's view of the turn, as the header does.
+        tail = len(turn.reply_system_ids) + len(header)
+        part = self._start(state, turn, ids, audio=audio, images=images, assistant_tail=tail,
                            may_reset=not reply.phase.speculative, videos=videos, places=places)
         return ReplyPrefill(part, *before, audio=audio, video_mark=mark)
 

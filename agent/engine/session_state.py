@@ -112,6 +112,7 @@ class ReplyState:
     held: list[Output] = field(default_factory=list)  # a speculation's output, until its commit
     rollback: Rollback | None = None  # a speculation: how to undo it
     from_speculation: bool = False  # committed from a speculative start
+    seed: int = 0  # the reply's sampling stream (agent/engine/sampling.py): its draws depend on nothing else
 
     def move(self, phase: ReplyPhase) -> None:
         self.phase = self.phase.to(phase)

@@ -36,8 +36,9 @@ A reply's phase (agent/engine/phase.py) is moved only here and in speculation.py
 ReplyState.move(); what each stage has made is kept by the stage's module (turns.PrefillStage,
 frames.TextStage / VoiceStage).
 
-Under greedy decoding the result equals transformers' generate() on the same prompt (same
-text ids, same codec codes, same waveform up to float rounding): tests/unit/test_streaming_exact.py;
+The result equals transformers' generate() on the same prompt (same text ids, same codec
+codes, same waveform up to float rounding), greedy (tests/unit/test_streaming_exact.py) and
+sampled from the same seed (tests/unit/test_sampling_exact.py);
 and a batched tick equals the same sessions stepped alone: tests/unit/test_batching.py.
 
 GPU path (agent/engine/graphing.py; on by default on CUDA, off with `--no-cuda-graphs`): the
@@ -52,6 +53,7 @@ the CPU kernel benchmark run the same wiring on CPU by passing agent/engine/fake
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -60,6 +62,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from agent.decoding import Decoding
 from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
 from agent.engine.detok import IncrementalDecoder
 from agent.engine.edits import ConversationEdits
@@ -100,6 +103,7 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         clock: Callable[[], float] = time.perf_counter,
         graphs: GraphConfig | GraphMode = "auto",
         video: VideoPolicy | None = VideoPolicy(),
+        decoding: Decoding = Decoding.greedy(),
     ) -> None:
         """audio_window_s: the audio encoder's attention window (n_window_infer) for the
         incremental prefill; None keeps the checkpoint's (8 s), which is what generate() uses.
@@ -109,7 +113,9 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         graphs: CUDA graph mode or settings ("auto": graphs on a CUDA device, eager elsewhere;
         "off"; "cuda"; a GraphConfig, e.g. fake_graphs.fake_graph_config(): the graph wiring on
         CPU). video: the camera as video on the audio clock (agent/engine/video_turn.py); None:
-        frames are not looked at. With graphs on, this fuses the MoE
+        frames are not looked at. decoding: each stage's token choice (agent/decoding.py;
+        default greedy, what generate(do_sample=False) does); a reply draws from its own seed,
+        taken from `decoding.seed` when given. With graphs on, this fuses the MoE
         experts of `loaded.model` in place and captures here."""
         if max_reply_tokens < 2:
             raise ValueError("max_reply_tokens must be >= 2 (a reply is one text token plus its end)")
@@ -119,6 +125,9 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         self.schedule = schedule or SchedulerConfig()
         self.clock = clock
         self.eos = set(loaded.thinker_eos_ids)
+        self.decoding = decoding
+        # Reply seeds: reproducible from decoding.seed, else fresh from the OS.
+        self._seeds = random.Random(decoding.seed) if decoding.seed is not None else random.SystemRandom()
         self.record = record
         self.records: dict[str, ReplyRecord] = {}
         n_window_infer = None if audio_window_s is None else int(round(audio_window_s * 100))
@@ -132,15 +141,16 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         # q/k/v as one matmul in every thinker and talker layer (views: no second copy).
         fuse_decoder(loaded.model.thinker.model.language_model)
         fuse_decoder(loaded.model.talker.model)
-        self.thinker = ThinkerOps(loaded, max_sessions, context_limit, self.graphing)
+        self.thinker = ThinkerOps(loaded, max_sessions, context_limit, self.graphing,
+                                  track_ids=decoding.thinker.repetition_penalty != 1.0)
         # The talker holds every user turn plus the reply's frames (one per codec frame).
         talker_limit = context_limit + self.talker_max_tokens + 16
-        self.talker = TalkerOps(loaded, max_sessions, talker_limit, graphing=self.graphing)
+        self.talker = TalkerOps(loaded, max_sessions, talker_limit, sampling=decoding.talker, graphing=self.graphing)
         self.turns = TurnPrefill(
             loaded, self.thinker, self.talker, system_prompt, max_reply_tokens, context_limit, n_window_infer, video
         )
         self.frames = FrameBatcher(
-            loaded, self.thinker, self.talker, max_sessions, max_reply_tokens, record, self.graphing
+            loaded, self.thinker, self.talker, max_sessions, max_reply_tokens, record, self.graphing, decoding
         )
         # Every cache is in place (reserved): capture now, on the thread that will replay.
         self.thinker.capture_graphs()
@@ -173,6 +183,7 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
             context_limit=config.context_limit,
             graphs=graphs,
             video=VideoPolicy(config.video_fps, config.video_window_s, config.video_turn_tokens) if config.video else None,
+            decoding=config.sampling,
         )
 
     # ---- Runner protocol -------------------------------------------------------------------
@@ -241,6 +252,7 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
             text=TextStage(IncrementalDecoder(self.loaded.tokenizer)),
             voice=VoiceStage(self.talker_max_tokens),
             images=list(images),
+            seed=self._seeds.getrandbits(32),
         )
 
     def has_work(self) -> bool:
@@ -315,11 +327,12 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         """First text token of every reply whose prefill just finished, then the talker prefixes
         of the spoken ones in one batched forward and their first codebook-0 tokens."""
         outputs: list[Output] = []
-        for session_id, state, out in finished:
+        if finished:
             # A reply has at least one text token: the end is held back for the first step.
-            logits = out.last_logits.clone()
-            logits[sorted(self.eos)] = float("-inf")
-            outputs += self.frames.take_token(session_id, state, int(logits.argmax()))
+            logits = torch.stack([out.last_logits for _, _, out in finished])
+            tokens = self.frames.pick_tokens([state for _, state, _ in finished], logits, first=True)
+            for (session_id, state, _), token in zip(finished, tokens):
+                outputs += self.frames.take_token(session_id, state, token)
         spoken = [state for _, state, _ in finished if not state.reply.text_only]
         if spoken:
             self.frames.take_code0(spoken, self.turns.talker_prefills(spoken))
@@ -384,6 +397,7 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
             "reply_seconds": self.clock() - reply.started,
             "stage_seconds": dict(reply.stage_seconds),
             "speculative": reply.from_speculation,  # committed from a speculative start
+            "seed": reply.seed,  # its sampling stream: the same seed and input give the same reply
         }
         if self.record:
             codes = np.array(reply.voice.frame_codes, dtype=np.int64).T.reshape(self.talker.num_groups, -1)

@@ -7,8 +7,8 @@ thinker and code2wav, step by step instead of all at once:
   assistant part (3 header tokens, 4 x tts_pad, tts_bos, the first reply token on the text
   side; zeros, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos on the codec side);
 - per frame: codebook 0 from the talker (repetition penalty over earlier codebook-0 tokens,
-  the top 1024 ids suppressed except codec EOS), the 15 residual codebooks from the code
-  predictor (greedy), and the next talker input = sum of the 16 codebook embeddings plus the
+  the top 1024 ids suppressed except codec EOS; greedy or sampled: agent/engine/sampling.py),
+  the 15 residual codebooks from the code predictor, and the next talker input = sum of the 16 codebook embeddings plus the
   next text-side entry (the projection of the next fed reply token, then tts_eos, then tts_pad).
 
 The talker runs on a static slot cache (agent/engine/slots.py): the prefixes of replies that
@@ -20,15 +20,20 @@ attention-length bucket when graphs are on).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
+
+from agent.decoding import GREEDY, Sampling
 
 from agent.engine.gemv import gemv
 from agent.engine.graphing import Graphing, slot_cache_with_graph
 from agent.engine.model import LoadedModel
 from agent.engine.kv import KVState, mrope_positions
 from agent.engine.prefill import BucketedPrefill, PrefillRow
+from agent.engine.sampling import TALKER
 from agent.engine.slots import Rows, check_fused_decoder, decoder_forward
+from agent.engine.token_choice import TokenChoice
 
 
 class TalkerOps:
@@ -37,9 +42,10 @@ class TalkerOps:
         loaded: LoadedModel,
         slots: int,
         limit: int,
-        repetition_penalty: float = 1.05,
+        sampling: Sampling = replace(GREEDY, repetition_penalty=1.05),
         graphing: Graphing | None = None,
     ) -> None:
+        """sampling: how codebook 0 is chosen (default: greedy, generate()'s repetition penalty)."""
         model = loaded.model
         self.loaded = loaded
         self.talker = model.talker
@@ -51,7 +57,7 @@ class TalkerOps:
         self.image_pad = cfg.thinker_config.image_token_id
         self.merge = cfg.thinker_config.vision_config.spatial_merge_size
         self.position_id_per_seconds = tcfg.position_id_per_seconds
-        self.repetition_penalty = repetition_penalty
+        self.sampling = sampling
         speaker_id = (tcfg.speaker_id or {}).get(loaded.speaker.lower())
         if speaker_id is None:
             raise ValueError(f"speaker {loaded.speaker!r} is not in the talker config")
@@ -96,6 +102,9 @@ class TalkerOps:
             check_fused_decoder(self.talker.model)
             if self.talker.codec_head.bias is not None:
                 raise ValueError("fused projections assume a bias-free codec head")
+        # Codebook 0 from the step's logits: a compiled, graphed step of its own when sampled.
+        self.choice = TokenChoice("talker_pick", sampling, TALKER, self.vocab, loaded.device, graphing,
+                                  suppress=self.suppress)
         # Prefixes of sessions whose turns end together in one forward, in token buckets.
         self.prefiller = BucketedPrefill(
             self.talker.model, self.kv, self.talker.codec_head, graphing=graphing, pad_slot=self.pad_slot,
@@ -106,6 +115,7 @@ class TalkerOps:
         """Capture the step for every batch bucket at the shortest attention length, and the
         prefix prefill for every (batch, token) bucket."""
         self.prefiller.capture_graphs()
+        self.choice.capture_graphs()
         if self._graph is None:
             return
         key_len = self.graphing.key_lens(self.kv.capacity)[0]
@@ -218,10 +228,11 @@ class TalkerOps:
             return gemv(hidden[:, -1], self.talker.codec_head.weight).float(), hidden
         return self.talker.codec_head(hidden)[:, -1].float(), hidden
 
-    def pick_code0(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """Greedy codebook 0 per row [B] with generate()'s repetition penalty over the row's
-        earlier codebook-0 tokens (`seen`, [B, vocab] bool) and special-token suppression."""
-        p = self.repetition_penalty
-        penalized = torch.where(logits < 0, logits * p, logits / p)
-        scores = torch.where(seen, penalized, logits).masked_fill(self.suppress, float("-inf"))
-        return scores.argmax(-1)
+    def pick_code0(self, logits: torch.Tensor, seen: torch.Tensor, seeds: torch.Tensor | None = None,
+                   draws: torch.Tensor | None = None) -> torch.Tensor:
+        """Codebook 0 per row [B], as generate()'s talker picks it: repetition penalty over the
+        row's earlier codebook-0 tokens (`seen`, [B, vocab] bool), special tokens suppressed,
+        then argmax or, sampling, draw `draws[b]` of the reply seeded `seeds[b]`."""
+        if seeds is None or draws is None:
+            seeds = draws = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        return self.choice(logits, seen, seeds, draws)

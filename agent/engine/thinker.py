@@ -76,7 +76,10 @@ class PrefillJob:
 
 
 class ThinkerOps:
-    def __init__(self, loaded: LoadedModel, slots: int, context_limit: int, graphing: Graphing | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, slots: int, context_limit: int, graphing: Graphing | None = None,
+                 track_ids: bool = False) -> None:
+        """track_ids: keep every slot's token ids in cache order (`seen`: what a repetition
+        penalty over the whole context, as generate() applies it to its input_ids, needs)."""
         self.loaded = loaded
         thinker = loaded.model.thinker
         self.thinker = thinker
@@ -106,6 +109,11 @@ class ThinkerOps:
             check_norm(self.lm.norm, thinker.lm_head.weight)
             if thinker.lm_head.bias is not None:
                 raise ValueError("fused projections assume a bias-free LM head")
+        # The ids in each slot's cache, by cache index (one row more: the pad slot), on the
+        # device: a crop needs no update, a row's ids past its length are never read.
+        self.vocab = thinker.lm_head.out_features
+        self.ids = torch.full((slots + 1, context_limit), self.vocab, dtype=torch.long, device=loaded.device) \
+            if track_ids else None
         # Prefill chunks of many sessions in one forward, padded to token buckets (graphed too).
         self.prefiller = BucketedPrefill(
             self.lm, self.kv, thinker.lm_head, capture_layer=self.accept_layer, graphing=graphing,
@@ -217,6 +225,7 @@ class ThinkerOps:
             spans.append((start, end))
         out = self.prefiller.run(rows)
         for i, ((state, job, _), (start, end)) in enumerate(zip(items, spans)):
+            self._record([state], [job.ids[start:end]])
             state.length += end - start
             job.done = end
             if job.finished:
@@ -241,6 +250,7 @@ class ThinkerOps:
         (float32). Sessions may have any cache lengths and RoPE positions. Graphed: the logits
         are the graph's output buffer, valid until the next decode."""
         device = self.loaded.device
+        self._record(states, [[t] for t in tokens])
         if self._graph is not None:
             rows: DecodeRows = self.graphing.decode_rows(states, self.kv.capacity, device, tokens)
             logits = self._graph(rows.tokens, rows.slots, rows.index, rows.positions, rows.mask)
@@ -256,6 +266,28 @@ class ThinkerOps:
             s.length += 1
             s.next_pos += 1
         return self.thinker.lm_head(hidden[:, -1]).float()
+
+    def _record(self, states: Sequence[KVState], ids: Sequence[Sequence[int]]) -> None:
+        """Note the ids about to be appended at each state's length (before it advances)."""
+        if self.ids is None:
+            return
+        for state, row in zip(states, ids):
+            if row:
+                self.ids[state.slot, state.length : state.length + len(row)] = torch.as_tensor(
+                    list(row), dtype=torch.long)
+
+    def seen(self, states: Sequence[KVState]) -> torch.Tensor:
+        """[B, vocab] bool: the ids each session's cache holds (its whole context, the reply's
+        tokens fed so far included): what generate()'s repetition penalty sees as input_ids."""
+        if self.ids is None:
+            raise RuntimeError("token ids are not tracked (track_ids=False)")
+        longest = max(s.length for s in states)
+        slots = torch.tensor([s.slot for s in states], device=self.ids.device)
+        lengths = torch.tensor([s.length for s in states], device=self.ids.device)
+        ids = self.ids.index_select(0, slots)[:, :longest]
+        ids = ids.masked_fill(torch.arange(longest, device=ids.device) >= lengths.unsqueeze(1), self.vocab)
+        seen = torch.zeros(len(states), self.vocab + 1, dtype=torch.bool, device=ids.device)
+        return seen.scatter_(1, ids, True)[:, : self.vocab]
 
     def _decode_step(
         self,

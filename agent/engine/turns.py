@@ -50,7 +50,8 @@ def caption_audio_due(turn: TurnState) -> bool:
 @dataclass
 class TurnJob:
     """Part of a user turn being prefilled: the thinker job and which of its tokens are the
-    user's (the previous reply's closing before, the assistant header after, are not)."""
+    user's (the previous reply's closing before, a per-response system message and the
+    assistant header after, are not)."""
 
     job: PrefillJob
     n_closing: int
