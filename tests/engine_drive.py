@@ -36,8 +36,9 @@ def assert_loop_equals_eager(predictor, batch: int, seed: int) -> torch.Tensor:
     with torch.inference_mode():
         last = torch.randn(batch, 1, hidden, generator=gen)
         code0 = torch.randint(0, 2048, (batch,), generator=gen)
-        codes, sums = predictor.run(last, code0)
-        want_codes, want_sums = predictor._run(last, code0)
+        rows = torch.zeros_like(code0)  # seeds and frame indices (a greedy loop reads neither)
+        codes, sums = predictor.run(last, code0, rows, rows)
+        want_codes, want_sums = predictor._run(last, code0, rows, rows)
     torch.testing.assert_close(codes, want_codes, rtol=0, atol=0)
     torch.testing.assert_close(sums, want_sums, rtol=1e-4, atol=1e-4)
     assert len(set(codes[:, 1:].flatten().tolist())) > 1

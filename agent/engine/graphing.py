@@ -1,9 +1,10 @@
 """How the streaming engine uses CUDA graphs (agent/engine/graphs.py): mode, buckets, pools.
 
-Four step functions are graphed, each by a `GraphPool` (one graph per batch bucket, rows padded
-up to it, all of a pool's graphs in one memory pool): the thinker's decode step, the talker's
-step, the whole code-predictor loop (15 residual codebooks, argmax and embedding sums) and
-code2wav's per-frame step. Prefill stays eager (its shapes vary with every chunk).
+The per-frame step functions are graphed, each by a `GraphPool` (one graph per batch bucket, rows
+padded up to it, all of a pool's graphs in one memory pool): the thinker's decode step, the
+talker's step, the whole code-predictor loop (15 residual codebooks, each chosen by argmax or a
+seeded draw, and the embedding sums), code2wav's per-frame step and, when a stage samples, the
+thinker's and the talker's token choice (agent/engine/token_choice.py).
 
 What makes a step graphable here:
 - every per-call value is a device tensor input (slots, cache index, RoPE position, mask),
