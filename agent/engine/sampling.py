@@ -81,8 +81,10 @@ def warp(scores: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     if sampling.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=False)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1 - sampling.top_p)
-        drop[..., -1:] = False
+        # The most likely token always stays (min_tokens_to_keep=1); a mask, not an assignment
+        # of a Python constant, so that no fresh host tensor enters a captured graph.
+        vocab = scores.shape[-1]
+        drop = (cumulative <= (1 - sampling.top_p)) & (torch.arange(vocab, device=scores.device) < vocab - 1)
         scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     return scores
 

@@ -1,6 +1,6 @@
 """The streaming engine's CUDA-graph path, proven on CPU with the fake capture backend.
 
-Pins, on the tiny model under greedy decoding, a runner with `graphs=fake_graph_config()` (the GPU wiring:
+Pins, on the tiny model (greedy unless said), a runner with `graphs=fake_graph_config()` (the GPU wiring:
 fused MoE, reserved slot caches, static device-tensor inputs, fixed-length masked attention,
 GraphPool padding, capture/replay; agent/engine/fake_graphs.py makes capture execute nothing,
 refuse host syncs and check that every replay issues the captured ops on the same memory):
@@ -8,6 +8,9 @@ refuse host syncs and check that every replay issues the captured ops on the sam
   session over two turns and for three sessions batched (rows padded to the bucket of 4);
 - captures one graph per batch bucket and stage at start-up and none later: ticks replay them,
   the 3-row ticks replay the bucket-4 graphs;
+- sampled (every stage, a thinker repetition penalty, agent/decoding.py), the same replies as
+  the eager runner from the same seed, the thinker's and talker's token choice replayed as graphs
+  of their own (agent/engine/token_choice.py) and sampling inside the code-predictor graph;
 - longer contexts get their own attention-length graphs, each captured once, same outputs;
 - a batch above the largest bucket runs eagerly (refused, not captured) with the same outputs;
 - `config.cuda_graphs=False` (--no-cuda-graphs) never captures nor fuses, whatever the graph
@@ -28,6 +31,7 @@ import pytest
 import torch
 
 from agent.config import Config
+from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, Decoding, Sampling
 from agent.engine.fake_graphs import FakeCaptureBackend, fake_graph_config
 from agent.engine.graphs import CUDAGraphed, GraphPool
 from agent.engine.model import load_model
@@ -137,6 +141,16 @@ def test_three_sessions_padded_to_four_equal_eager_and_reuse_one_graph_per_size(
         assert captures == at_start[name][0] and refused == 0 and replays > at_start[name][1], (name, after[name])
         graphs = runner.graphing.pools[name]._state.graphs.items()
         assert sum(c.graph.replays - 1 for key, c in graphs if key[0][0][0] == 4) >= 1, name
+
+
+def test_sampled_replies_graphed_equal_eager(eager_loaded, graph_loaded):
+    sampled = Decoding(Sampling(True, 0.6, 20, 0.95, 1.05), QWEN_TALKER, QWEN_CODE_PREDICTOR, seed=3)
+    want = converse(StreamingRunner(eager_loaded, SYSTEM, graphs="off", decoding=sampled, **OPTIONS), ["a", "b", "c"])
+    runner = StreamingRunner(graph_loaded, SYSTEM, graphs=FAKE, decoding=sampled, **OPTIONS)
+    assert_same(converse(runner, ["a", "b", "c"]), want)
+    stats = runner.graphing.stats()
+    assert set(stats) == set(STAGES + PREFILLS + ("thinker_pick", "talker_pick"))
+    assert all(s.replays > 4 and s.refused == 0 and s.eager == 0 for s in stats.values()), stats
 
 
 def test_longer_contexts_get_one_graph_per_attention_length(graph_loaded, eager_three):
