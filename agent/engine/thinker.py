@@ -250,7 +250,9 @@ class ThinkerOps:
         (float32). Sessions may have any cache lengths and RoPE positions. Graphed: the logits
         are the graph's output buffer, valid until the next decode."""
         device = self.loaded.device
-        self._record(states, [[t] for t in tokens])
+        if self.ids is not None:  # one write for the batch: each row's token at its length
+            self.ids[[s.slot for s in states], [s.length for s in states]] = torch.as_tensor(list(tokens),
+                                                                                            device=device)
         if self._graph is not None:
             rows: DecodeRows = self.graphing.decode_rows(states, self.kv.capacity, device, tokens)
             logits = self._graph(rows.tokens, rows.slots, rows.index, rows.positions, rows.mask)
