@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .thread_cpu import ThreadCpuCollector
+
 REGISTRY = CollectorRegistry(auto_describe=True)
+REGISTRY.register(ThreadCpuCollector())  # agent_thread_cpu_seconds_total{thread=...}
 
 # Latency buckets dense around the 100-500 ms band we care about.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
@@ -33,6 +36,18 @@ STAGE = Histogram(
     "Time per engine stage (per call, or per frame for per-frame stages)",
     ["stage"],
     buckets=_STAGE_BUCKETS,
+    registry=REGISTRY,
+)
+ENGINE_SECONDS = Counter(
+    "agent_engine_seconds",
+    "Engine thread time by stage (a batched call counted once, not once per session)",
+    ["stage"],
+    registry=REGISTRY,
+)
+ENGINE_CALLS = Counter(
+    "agent_engine_calls",
+    "Engine calls by stage; agent_stage_seconds_count over this is the mean rows (sessions) per call",
+    ["stage"],
     registry=REGISTRY,
 )
 SESSIONS_ACTIVE = Gauge("agent_sessions_active", "Connected sessions", ["priority"], registry=REGISTRY)

@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from . import metrics
+from . import audio_level, metrics
 from .access import CallRate, cors_middleware
 from .config import Config
 from .engine import Engine
@@ -188,6 +188,7 @@ async def drain(app: web.Application, deadline_s: float) -> int:
 
 
 def create_app(config: Config, engine: Engine) -> web.Application:
+    audio_level.install()  # aiortc's per-frame audio level, vectorized (agent/audio_level.py)
     # CORS first: a browser's preflight carries no key. Then JSON errors around everything.
     middlewares = [cors_middleware(config.cors_origins)] if config.cors_origins else []
     app = web.Application(client_max_size=MAX_OFFER_BYTES * 2, middlewares=[*middlewares, json_errors, require_key])

@@ -66,6 +66,9 @@ class Session:
         self.turn = ServerTurn(self)  # the turn server VAD follows (agent/realtime/server_turn.py)
         self._unlisten: Optional[Callable[[], None]] = None
         self._closed = False
+        # Engine calls not answered yet: cancelled at close, so that no callback chained on one
+        # (a truncation's announcement, an error report) runs after the session is gone.
+        self._calls: set[asyncio.Future] = set()
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
         self.turns = 0
         self.events_in = client_events.EventRate(config.max_events_per_s)  # client events' rate limit
@@ -105,6 +108,9 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        for call in list(self._calls):  # their callbacks see a cancelled call and leave
+            call.cancel()
+        self._calls.clear()
         # The ladder's listener holds our bound method: drop it so nothing refers back here.
         if self._unlisten is not None:
             self._unlisten()
@@ -290,8 +296,10 @@ class Session:
         """A runner method in order with the other commands; a failure becomes an error event
         (naming `param` when the client's value for it was refused: a ValueError)."""
         future = self.engine.call(self.id, method, *args)
+        self._calls.add(future)
 
         def report(f: asyncio.Future) -> None:
+            self._calls.discard(f)
             if not f.cancelled() and f.exception() is not None and not self._closed:
                 exc = f.exception()
                 if param is not None and isinstance(exc, ValueError):

@@ -118,6 +118,22 @@ async def scrape_histogram(http: aiohttp.ClientSession, url: str, name: str) -> 
     return buckets
 
 
+async def scrape_labelled(http: aiohttp.ClientSession, url: str, name: str, label: str) -> dict[str, float]:
+    """Every series of one metric, by the value of one label: {label value: sample}."""
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'{label}="' in line:
+            key = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
 def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float:
     """Prometheus' histogram_quantile over the bucket increase between two scrapes."""
     les = sorted(after)
@@ -146,6 +162,14 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         underruns_before = await scrape_value(http, url, "agent_playout_underruns_total")
         stages_before = {stage: [await scrape_value(http, url, f'agent_stage_seconds_{k}{{stage="{stage}"}}')
                                  for k in ("sum", "count")] for stage in ("vision_encoder", "thinker_prefill")}
+        # Where the agent's CPU goes during the level (engine thread, asyncio thread, ...) and the
+        # engine's time by stage; read before the clients connect and before they hang up.
+        cpu_before = await scrape_labelled(http, url, "agent_thread_cpu_seconds_total", "thread")
+        stage_sum_before = await scrape_labelled(http, url, "agent_engine_seconds_total", "stage")
+        calls_before = await scrape_labelled(http, url, "agent_engine_calls_total", "stage")
+        rows_before = await scrape_labelled(http, url, "agent_stage_seconds_count", "stage")
+        spec_before = await scrape_labelled(http, url, "agent_speculative_replies_total", "outcome")
+        client_cpu_before = time.process_time()
         t0 = time.monotonic()
         try:
             for c in clients:
@@ -157,6 +181,14 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
                     break
                 await asyncio.sleep(0.2)
             await asyncio.sleep(1.0)  # let the last replies' audio arrive
+            wall = time.monotonic() - t0
+            cpu = delta(await scrape_labelled(http, url, "agent_thread_cpu_seconds_total", "thread"), cpu_before)
+            stage_sums = delta(await scrape_labelled(http, url, "agent_engine_seconds_total", "stage"),
+                               stage_sum_before)
+            client_cpu = time.process_time() - client_cpu_before
+            calls = delta(await scrape_labelled(http, url, "agent_engine_calls_total", "stage"), calls_before)
+            rows = delta(await scrape_labelled(http, url, "agent_stage_seconds_count", "stage"), rows_before)
+            spec = delta(await scrape_labelled(http, url, "agent_speculative_replies_total", "outcome"), spec_before)
         finally:
             for c in clients:
                 await c.close()
@@ -193,6 +225,13 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         "overhead": overhead, "glitches": glitches, "underruns": underruns, "speculative": speculative,
         "dones": sum(min(len(c.result.of_type("response.done")), turns) for c in clients),
         "image_tokens": image_tokens, "late_frames": late, "stages": stages,
+        # CPU-seconds per session-second, by thread kind (the agent's) and for the client process
+        "cpu": {k: v / (n * wall) for k, v in cpu.items()}, "client_cpu": client_cpu / (n * wall),
+        # engine-thread seconds per session-second, by stage (a batched call counted once)
+        "stage_share": {k: v / (n * wall) for k, v in stage_sums.items() if v > 0},
+        "spec_outcomes": {k: int(v) for k, v in spec.items()},
+        # rows (sessions) per batched call, per stage
+        "rows_per_call": {k: rows.get(k, 0.0) / v for k, v in calls.items() if v > 0.5},
         "server_ttfa_p50": histogram_quantile(0.5, before, after),
         "server_ttfa_p95": histogram_quantile(0.95, before, after),
     }
@@ -303,6 +342,36 @@ async def compare_ray(args: argparse.Namespace, wav: Path) -> None:
           f"offer_p50_proxy_ms={proxied * 1000:.1f} proxy_offer_overhead_p50_ms={(proxied - direct) * 1000:.1f}")
 
 
+THREADS = ("engine", "asyncio", "executor", "decoder", "native", "other")
+
+
+def print_cpu(results: list[dict]) -> None:
+    """CPU-seconds per session-second at each level: the agent's threads by kind, the clients'
+    process, and the engine thread's time by stage (the rest of its time is `untimed`)."""
+    print("\nCPU-seconds per session-second (agent threads by kind; clients = this process)")
+    print(f"{'sessions':>8} " + " ".join(f"{k:>8}" for k in THREADS) + f" {'agent':>8} {'clients':>8}")
+    for r in results:
+        cpu = r["cpu"]
+        print(f"{r['n']:>8} " + " ".join(f"{cpu.get(k, 0.0):8.3f}" for k in THREADS)
+              + f" {sum(cpu.values()):8.3f} {r['client_cpu']:8.3f}")
+    stages = sorted({k for r in results for k in r["stage_share"]},
+                    key=lambda k: -max(r["stage_share"].get(k, 0.0) for r in results))
+    print("\nengine thread seconds per session-second, by stage")
+    print(f"{'stage':>18} " + " ".join(f"{'n=' + str(r['n']):>8}" for r in results))
+    for stage in [*stages, "untimed"]:
+        row = []
+        for r in results:
+            share = r["stage_share"]
+            value = (r["cpu"].get("engine", 0.0) - sum(share.values())) if stage == "untimed" else share.get(stage, 0.0)
+            row.append(f"{value:8.3f}")
+        print(f"{stage:>18} " + " ".join(row))
+    print("\nrows per engine call (code predictor / code2wav): " + "; ".join(
+        f"n={r['n']}: {r['rows_per_call'].get('code_predictor', float('nan')):.2f} / "
+        f"{r['rows_per_call'].get('code2wav', float('nan')):.2f}" for r in results))
+    print("\nspeculative replies by outcome: " + "; ".join(
+        f"n={r['n']}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["spec_outcomes"].items())) for r in results))
+
+
 async def main_async(args: argparse.Namespace) -> None:
     restrict_ice_hosts(["127.0.0.1"])
     tmp = Path(tempfile.mkdtemp(prefix="bench_rtc_"))
@@ -384,6 +453,7 @@ async def main_async(args: argparse.Namespace) -> None:
               f"{ms(pct(r['v2v'], 99)):>8} {ms(pct(r['ttft'], 50)):>8} {ms(pct(r['ttfa'], 50)):>8} "
               f"{ms(pct(r['ttfa'], 95)):>8} {ms(r['server_ttfa_p95']):>12} {ms(pct(r['overhead'], 50)):>8} "
               f"{r['glitches']:>6} {r['underruns']:>8.0f}")
+    print_cpu(results)
     by_n = {r["n"]: r for r in results}
     base = pct(by_n[1]["v2v"], 95) if 1 in by_n else float("nan")
     four = pct(by_n[4]["v2v"], 95) if 4 in by_n else float("nan")

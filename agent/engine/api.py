@@ -92,6 +92,10 @@ class Runner(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def idle_s(self) -> float:
+        """With has_work(): seconds a step can wait and lose nothing (0: step now)."""
+        ...
+
     def step(self) -> list[Output]: ...
 
 

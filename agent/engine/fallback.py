@@ -224,6 +224,9 @@ class FallbackRunner:
     def has_work(self) -> bool:
         return bool(self._queue) or self._batch is not None
 
+    def idle_s(self) -> float:
+        return 0.0  # no playout pacing: work that is there is due
+
     @torch.no_grad()
     def step(self) -> list[Output]:
         """Every active reply gains one token: running rows from one batched decode forward,

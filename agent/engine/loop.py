@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 MODES = ("audio", "text", "fallback")
+IDLE_WAIT_S = 0.05  # the longest the engine sleeps between looks at its runners without a command
 
 
 @dataclass(frozen=True)
@@ -201,10 +202,11 @@ class Engine:
 
     def _serve(self, runners: list[Runner]) -> None:
         while True:
-            # Block only when there is nothing to step; otherwise just drain what is there.
-            block = not any(r.has_work() for r in runners)
+            # Block only when no step is due (nothing to step, or replies far enough ahead of
+            # real time: runner.idle_s); otherwise just drain what is there. A command wakes it.
+            wait = min((_idle(r) for r in runners), default=IDLE_WAIT_S)
             try:
-                cmd = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+                cmd = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
@@ -220,7 +222,7 @@ class Engine:
                     cmd = None
             metrics.ENGINE_INBOX.set(self._inbox.qsize())
             for runner in runners:
-                if runner.has_work():
+                if _idle(runner) == 0.0:
                     self._step(runner)
 
     def _step(self, runner: Runner) -> None:
@@ -373,6 +375,10 @@ class Engine:
         for out in outputs:
             if isinstance(out, StageTime):
                 metrics.STAGE.labels(stage=out.stage).observe(out.seconds)
+                # A batched call is reported once per session in it: each takes its share, so
+                # the counter sums to the engine thread's real time in the stage.
+                metrics.ENGINE_SECONDS.labels(stage=out.stage).inc(out.seconds / max(out.batch, 1))
+                metrics.ENGINE_CALLS.labels(stage=out.stage).inc(1 / max(out.batch, 1))
                 continue
             sink = self._sinks.get(out.session_id)
             if sink is None:
@@ -390,6 +396,15 @@ class Engine:
                 # (or for a session with nothing in flight) has no reply left to end.
                 if self._replying.pop(out.session_id, None) is not None:
                     self._loop.call_soon_threadsafe(sink.on_done, out)
+
+
+def _idle(runner: Runner) -> float:
+    """Seconds the engine may sleep for this runner: its idle_s() while it has work, capped at
+    IDLE_WAIT_S (a wait that long costs a reply nothing: idle_s counts to the high-water mark,
+    a second of audio ahead); IDLE_WAIT_S with no work."""
+    if not runner.has_work():
+        return IDLE_WAIT_S
+    return min(IDLE_WAIT_S, runner.idle_s())
 
 
 def _settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:

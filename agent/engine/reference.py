@@ -90,6 +90,9 @@ class GenerateRunner:
     def has_work(self) -> bool:
         return bool(self._queue)
 
+    def idle_s(self) -> float:
+        return 0.0  # no playout pacing: work that is there is due
+
     def step(self) -> list[Output]:
         if not self._queue:
             return []

@@ -11,11 +11,19 @@ Pure policy on plain data (no torch): the runner describes each reply in flight 
    when their playout buffer is under the low-water mark; the rest get their next frame in the
    next tick, i.e. after the new reply's first frame.
 2. Playout. Speaking sessions are ordered by their estimated playout buffer (least first), and
-   at most `max_batch` rows go into one batched step (first-audio rows included). A session far
-   ahead of real time (buffer over the high-water mark) skips the tick whenever anything else
-   is to be done, so its rows go to sessions that need them; on an otherwise idle tick it runs
-   (the engine has nothing better to do, and a bigger buffer rides out the next contention).
-   Text-only replies have no playout buffer and rank as if at the low-water mark.
+   at most `max_batch` rows go into one batched step (first-audio rows included). A tick is due
+   once some session's buffer is at or under the high-water mark; it then also fills its rows
+   with every other speaking session under the fill ceiling (`batch_fill_s`): a row costs far
+   less than a step (a step's cost is per call: kernel launches, weight reads, Python), so the
+   speaking sessions move together, one batched step per 80 ms of audio, instead of each in its
+   own small step. A session over the ceiling skips the tick whenever anything else is to be
+   done. A tick that is not due for playout (it runs for a speculation, for microphone audio to
+   prefill: `other_work`) steps no speaking session; one asked for with nothing at all to do
+   steps every speaking session (a caller driving the runner by hand always makes progress).
+   The engine loop does not ask while no one is due (`idle_s`): audio that is not needed yet
+   waits, instead of taking the CPU (and, on CPU, the GIL) from the network and from sessions
+   that do need it. Text-only replies have no playout buffer and rank as if at the low-water
+   mark.
 Priority classes (agent/priority.py): `ReplyView.priority`, higher first. First-audio replies are
 ordered by priority, then deadline, for rows and for the prefill budget; speaking sessions under
 the low-water mark come first (by priority, then least buffered), then the rest (by priority,
@@ -43,7 +51,8 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SchedulerConfig:
     low_water_s: float = 0.16  # under this a speaking session steps first, even in first-audio ticks
-    high_water_s: float = 1.0  # over this it may skip a tick
+    high_water_s: float = 1.0  # a tick is due once a speaking session is at or under this
+    batch_fill_s: float = 3.0  # a due tick also steps every speaking session under this
     max_batch: int = 0  # rows per batched step (first-audio rows included); 0: no cap
     prefill_chunk_tokens: int = 256  # thinker prefill tokens per tick and per kind of prefill
 
@@ -96,7 +105,22 @@ class Plan:
     speculate: list[str] = field(default_factory=list)  # speculative replies to prefill, earliest first
 
 
-def plan_tick(replies: list[ReplyView], config: SchedulerConfig) -> Plan:
+def idle_s(replies: list[ReplyView], config: SchedulerConfig) -> float:
+    """How long a tick can wait before it is of use to these replies: 0 when any is due now
+    (awaiting its first audio, text-only, at or under the high-water mark), else until the
+    least buffered speaking session reaches the mark. A speculative reply in the making is due
+    too: it is there to be ready when the user's pause ends."""
+    wait = float("inf")
+    for r in replies:
+        if r.awaiting_first or r.buffer_s is None or r.speculative:
+            return 0.0
+        wait = min(wait, r.buffer_s - config.high_water_s)
+    return max(0.0, wait)
+
+
+def plan_tick(replies: list[ReplyView], config: SchedulerConfig, other_work: bool = False) -> Plan:
+    """other_work: the runner has work besides these replies (microphone audio to prefill,
+    transcription), which an undue tick is for."""
     speculative = sorted((r for r in replies if r.speculative), key=lambda r: r.started)
     replies = [r for r in replies if not r.speculative]
     cap = config.max_batch if config.max_batch > 0 else len(replies) + 1
@@ -110,9 +134,12 @@ def plan_tick(replies: list[ReplyView], config: SchedulerConfig) -> Plan:
     room = cap - len(first)
     if first:
         decode = [r for r in ongoing if urgency(r) < config.low_water_s][:room]
-    else:
-        busy = [r for r in ongoing if urgency(r) <= config.high_water_s]
-        decode = (busy or ongoing)[:room]
+    elif any(urgency(r) <= config.high_water_s for r in ongoing):
+        decode = [r for r in ongoing if urgency(r) <= max(config.batch_fill_s, config.high_water_s)][:room]
+    elif speculative or other_work:  # not due for playout: the tick is for that work
+        decode = []
+    else:  # asked for with nothing to do: progress for whoever drives the runner
+        decode = ongoing[:room]
     starving = any(urgency(r) < config.low_water_s for r in ongoing)
     idle = not first and not starving
     return Plan(

@@ -76,7 +76,7 @@ from agent.engine.model import LoadedModel
 from agent.engine.moe import fuse_moe
 from agent.engine.output_audio import talker_tokens_for
 from agent.engine.phase import ReplyPhase
-from agent.engine.scheduler import SchedulerConfig, plan_tick
+from agent.engine.scheduler import SchedulerConfig, idle_s, plan_tick
 from agent.engine.session_state import LastReply, ReplyRecord, ReplyState, SessionState
 from agent.engine.slots import SlotPool
 from agent.engine.speculation import Speculation
@@ -259,6 +259,18 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         return (bool(self._ready) or self._busy() or any(self.turns.pcm_queued(s) for s in self._sessions.values())
                 or self.transcriber.has_work(self._sessions))
 
+    def idle_s(self) -> float:
+        """Seconds until a step is of use (0: now). Replies far enough ahead of real time are
+        not stepped before they need to be (agent/engine/scheduler.py); other work is due now."""
+        states = self._sessions.values()
+        if self._ready or any(s.reply is not None and s.reply.phase is ReplyPhase.CANCELLING for s in states):
+            return 0.0
+        if self._other_work():
+            return 0.0
+        now = self.clock()
+        return idle_s([self._view(sid, st, now) for sid, st in self._sessions.items()
+                       if st.reply is not None and st.reply.phase is not ReplyPhase.HELD], self.schedule)
+
     @torch.inference_mode()
     def step(self) -> list[Output]:
         """One tick: the scheduler's pick of replies advances by one codec frame (text-only
@@ -272,7 +284,8 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         # A held speculation is parked: it waits for its commit, not for the scheduler.
         replies = {sid: st for sid, st in self._sessions.items()
                    if st.reply is not None and st.reply.phase is not ReplyPhase.HELD}
-        plan = plan_tick([self._view(sid, st, now) for sid, st in replies.items()], self.schedule)
+        views = [self._view(sid, st, now) for sid, st in replies.items()]
+        plan = plan_tick(views, self.schedule, other_work=self._other_work())
 
         # First-audio replies share the prefill budget in deadline order, and all their chunks
         # run in one batched forward (as do the talker prefixes of those that finish);
@@ -318,6 +331,10 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         return self._stage_times() + self._hold(outputs)
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _other_work(self) -> bool:
+        """Work besides the replies: microphone audio to encode and prefill, transcription."""
+        return any(self.turns.pcm_queued(s) for s in self._sessions.values()) or self.transcriber.has_work(self._sessions)
 
     def _busy(self) -> bool:
         """A reply needs engine work (a held speculation does not: it waits for its commit)."""

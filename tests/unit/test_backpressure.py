@@ -138,6 +138,9 @@ class HoldingRunner:
     def has_work(self) -> bool:
         return bool(self.pending)
 
+    def idle_s(self) -> float:
+        return 0.0
+
     def step(self) -> list[Output]:
         return [ReplyDone(self.pending.pop(0), "stop")]
 

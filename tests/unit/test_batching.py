@@ -8,9 +8,11 @@ Pins, on the tiny model under greedy decoding:
   each session run alone in its own runner; and the ticks really were batched (3 rows);
 - scheduling: a new reply's first frame comes out in a tick of its own, before the next frames
   of sessions that have audio buffered (sessions under the low-water mark share that tick, after
-  it in the output); a session far ahead of real time yields its tick to one near underrun,
-  and with one row per tick the least-buffered session gets it;
-- the pure policy (plan_tick) and the engine-side playout estimate (PlayoutClock);
+  it in the output); a session over the fill ceiling yields its tick to one near underrun,
+  and with one row per tick the least-buffered session gets it; speaking sessions under the
+  ceiling step together in one due tick, and while every one is over the high-water mark the
+  runner says how long a step can wait (idle_s), until the first one is due;
+- the pure policy (plan_tick, idle_s) and the engine-side playout estimate (PlayoutClock);
 - SlotCode2Wav (per-slot conv states, sessions at different frames in one call) equals the
   one-shot code2wav decode, and its first frame yields 1920 - 555 samples;
 - a reply cancelled while its prefill is still in chunks rolls the turn back: the next
@@ -28,7 +30,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime
 from agent.engine.code2wav_slots import SlotCode2Wav
-from agent.engine.scheduler import PlayoutClock, ReplyView, SchedulerConfig, plan_tick
+from agent.engine.scheduler import PlayoutClock, ReplyView, SchedulerConfig, idle_s, plan_tick
 from agent.engine.stream import StreamingRunner
 from engine_drive import PIECE, make_audio, speak
 
@@ -166,9 +168,25 @@ def test_new_reply_first_frame_comes_before_the_others_next_frames(loaded):
     assert order[0] == "d" and set(order) == {"a", "b", "c", "d"}
 
 
-def test_far_ahead_session_yields_to_one_near_underrun(loaded):
+def test_speaking_sessions_step_together_and_wait_while_ahead(loaded):
     clock = FakeClock()
     runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=48, max_reply_seconds=4.0, clock=clock)
+    start_speaking(runner, clock, ["a"], ticks=8)  # a: 0.64 s ahead
+    start_speaking(runner, clock, ["b"], ticks=16)  # b: 1.28 s ahead, a: 1.28 + 0.64 s (its ticks went on)
+    buffers = {p.session_id: p.buffer_s for p in runner.playout()}
+    assert buffers["a"] > buffers["b"] > 1.0
+    assert runner.idle_s() == pytest.approx(buffers["b"] - 1.0, abs=1e-6)  # until b is due
+    clock.now += buffers["b"] - 0.9  # b is due, a is still over the mark: both step in one tick
+    assert runner.idle_s() == 0.0
+    tick = runner.step()
+    assert frames_of(tick, "a") == frames_of(tick, "b") == 1
+    assert [t.batch for t in tick if isinstance(t, StageTime) and t.stage == "code_predictor"] == [2, 2]
+
+
+def test_far_ahead_session_yields_to_one_near_underrun(loaded):
+    clock = FakeClock()
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=48, max_reply_seconds=4.0, clock=clock,
+                             schedule=SchedulerConfig(batch_fill_s=1.0))
     start_speaking(runner, clock, ["far"], ticks=16)  # ~1.2 s of audio made in no time
     runner.open_session("near")
     speak(runner, "near", make_audio(0.8, 300, 40))
@@ -197,9 +215,25 @@ def test_plan_tick_rules():
     assert plan.first == ["new1", "new2"] and plan.decode == ["lower"] and not plan.audio_prefill
     plan = plan_tick([view("far", 2.0), view("ok", 0.5), view("low", 0.1), view("text", None)], config)
     assert plan.decode == ["low", "text", "ok"] and not plan.audio_prefill
+    # A due tick fills its rows with every speaking session under the fill ceiling (3 s) ...
     plan = plan_tick([view("far", 2.0), view("ok", 0.5)], config)
-    assert plan.decode == ["ok"] and plan.audio_prefill
-    assert plan_tick([view("far", 2.0)], config).decode == ["far"]  # an idle tick is not wasted
+    assert plan.decode == ["ok", "far"] and plan.audio_prefill
+    plan = plan_tick([view("farther", 3.5), view("ok", 0.5)], config)
+    assert plan.decode == ["ok"]  # ... and no one over it
+    # No one due: a tick for other work steps no one; one asked for with nothing to do steps all.
+    assert plan_tick([view("far", 2.0), view("ok", 1.5)], config, other_work=True).decode == []
+    assert plan_tick([view("far", 2.0)], config).decode == ["far"]
+
+
+def test_idle_s_counts_down_to_the_first_session_due():
+    config = SchedulerConfig(low_water_s=0.16, high_water_s=1.0)
+    view = lambda sid, buffer, first=False, spec=False: ReplyView(sid, 0.0, first, buffer, speculative=spec)  # noqa: E731
+    assert idle_s([view("a", 1.7), view("b", 1.25)], config) == pytest.approx(0.25)
+    assert idle_s([view("a", 1.7), view("b", 0.9)], config) == 0.0
+    assert idle_s([view("a", 1.7), view("new", None, first=True)], config) == 0.0
+    assert idle_s([view("a", 1.7), view("text", None)], config) == 0.0
+    assert idle_s([view("a", 1.7), view("spec", None, spec=True)], config) == 0.0
+    assert idle_s([], config) == float("inf")
 
 
 def test_playout_clock_follows_the_track_through_an_underrun():

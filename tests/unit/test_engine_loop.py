@@ -57,6 +57,9 @@ class ScriptedRunner:
     def has_work(self) -> bool:
         return bool(self.pending)
 
+    def idle_s(self) -> float:
+        return 0.0
+
     def step(self) -> list[Output]:
         self._mark()
         if self.fail_next:

@@ -362,6 +362,9 @@ class IdleOmni:
     def has_work(self) -> bool:
         return False
 
+    def idle_s(self) -> float:
+        return 0.0
+
     def step(self) -> list:
         return []
 
