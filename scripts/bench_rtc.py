@@ -26,7 +26,7 @@ the client's voice-to-voice compared, and the image tokens response.done's usage
 
 Prints a table per concurrency level, one per transport, one for speculation and one for the
 camera; last line:
-`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D speculative_ttfa_ratio=S speculative_share=F camera_ttfa_ratio=C camera_ttfa_delta_ms=T camera_v2v_ratio=V image_tokens=I`
+`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D speculative_ttfa_ratio=S speculative_share=F camera_ttfa_ratio=C camera_ttfa_delta_ms=T camera_v2v_ratio=V image_tokens=I underrun_share_2=U2 underrun_share_4=U4 engine_cpu_per_session_s=E engine_cpu_ratio_4_vs_1=ER`
 (voice-to-voice P95 at 4 sessions over 1 session; overhead P50 at 1 session; WebSocket P50
 minus WebRTC P50 end of speech → first audio, target ≤ 30 ms; server TTFA P50 with speculation
 over without, target ≤ 0.2; share of turns committed from a speculation; TTFA P50 camera on
@@ -34,7 +34,12 @@ over camera off, target ≤ 1.1, and the same as a difference in ms; voice-to-vo
 user's end of speech → first audible reply, as the client hears it) camera on over off; image
 tokens per camera-on turn, median). With speculative start both TTFAs are a few ms (the reply
 was made in the pause), so their ratio swings with ms-level scheduling noise: read it with the
-difference and the voice-to-voice ratio beside it.
+difference and the voice-to-voice ratio beside it. Then the load budget (docs/load.md): the
+share of reply frames the outbound track ran short at 2 and 4 sessions (targets 0 and ≤ 1%),
+and the engine thread's CPU-seconds per session-second at 4 sessions and over 1 session
+(target ≤ 1.2): from the agent's agent_thread_cpu_seconds_total, scraped around each level,
+printed per level with every other kind of thread, the clients' own CPU and the engine's time by
+stage. `--transcription` runs the levels with every client asking for input transcription.
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
 
 With --ray --replicas N (the `serve` extra): the single-process agent and then the agent as N
@@ -201,6 +206,7 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
     v2v, ttft, ttfa, overhead, glitches, missing, speculative = [], [], [], [], 0, 0, 0
     image_tokens: list[float] = []
     late = 0  # frames the vision encoder saw only at the end of a turn
+    frames = 0.0  # 20 ms frames of reply audio the agent made (the denominator of the underrun share)
     for c in clients:
         lat = c.turn_latencies()[:turns]
         dones = c.result.of_type("response.done")[:turns]
@@ -220,9 +226,11 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         image_tokens += [((d["response"].get("usage") or {}).get("input_token_details") or {}).get("image_tokens", 0)
                          for d in dones]
         late += sum(int((f.get("stats") or {}).get("frames_encoded_at_end_of_turn") or 0) for f in figures)
+        frames += sum(int((f.get("stats") or {}).get("audio_samples") or 0) for f in figures) / 480  # 20 ms at 24 kHz
     return {
         "n": n, "turns": len(v2v), "missing": missing, "v2v": v2v, "ttft": ttft, "ttfa": ttfa,
         "overhead": overhead, "glitches": glitches, "underruns": underruns, "speculative": speculative,
+        "frames": frames,
         "dones": sum(min(len(c.result.of_type("response.done")), turns) for c in clients),
         "image_tokens": image_tokens, "late_frames": late, "stages": stages,
         # CPU-seconds per session-second, by thread kind (the agent's) and for the client process
@@ -342,6 +350,10 @@ async def compare_ray(args: argparse.Namespace, wav: Path) -> None:
           f"offer_p50_proxy_ms={proxied * 1000:.1f} proxy_offer_overhead_p50_ms={(proxied - direct) * 1000:.1f}")
 
 
+def underrun_share(r: dict) -> float:
+    return r["underruns"] / r["frames"] if r["frames"] else float("nan")
+
+
 THREADS = ("engine", "asyncio", "executor", "decoder", "native", "other")
 
 
@@ -386,9 +398,13 @@ async def main_async(args: argparse.Namespace) -> None:
         await wait_ready(url)
         results = []
         silence_s, limit_s = args.silence_ms / 1000, args.level_timeout_s
+        # --transcription: every client also asks for live input transcription (partials while
+        # it speaks, the final transcript at the end of its turn).
+        session = ({"type": "realtime", "audio": {"input": {"transcription": {"model": "thinker"}}}}
+                   if args.transcription else None)
         for n in args.levels:
             r = await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
-                                                         video_fps=args.video_fps),
+                                                         video_fps=args.video_fps, session=session),
                                 n, args.turns, limit_s, silence_s)
             results.append(r)
             print(f"  level {n}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
@@ -453,8 +469,13 @@ async def main_async(args: argparse.Namespace) -> None:
               f"{ms(pct(r['v2v'], 99)):>8} {ms(pct(r['ttft'], 50)):>8} {ms(pct(r['ttfa'], 50)):>8} "
               f"{ms(pct(r['ttfa'], 95)):>8} {ms(r['server_ttfa_p95']):>12} {ms(pct(r['overhead'], 50)):>8} "
               f"{r['glitches']:>6} {r['underruns']:>8.0f}")
+    print("\nunderrun share (20 ms frames the track ran short of audio, over the reply frames made): " + "; ".join(
+        f"n={r['n']}: {underrun_share(r):.2%}" for r in results))
     print_cpu(results)
     by_n = {r["n"]: r for r in results}
+    share = lambda n: underrun_share(by_n[n]) if n in by_n else float("nan")  # noqa: E731
+    # engine-thread CPU-seconds per session-second (the capacity budget; see docs/load.md)
+    engine_cpu = lambda n: by_n[n]["cpu"].get("engine", float("nan")) if n in by_n else float("nan")  # noqa: E731
     base = pct(by_n[1]["v2v"], 95) if 1 in by_n else float("nan")
     four = pct(by_n[4]["v2v"], 95) if 4 in by_n else float("nan")
     # The headline overhead is the stack's own cost at one session; under load it grows with
@@ -496,7 +517,8 @@ async def main_async(args: argparse.Namespace) -> None:
           f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f} speculative_ttfa_ratio={spec_ratio:.2f} "
           f"speculative_share={spec_share:.2f} camera_ttfa_ratio={camera_ratio:.2f} "
           f"camera_ttfa_delta_ms={camera_ttfa_delta * 1000:.1f} camera_v2v_ratio={camera_v2v_ratio:.2f} "
-          f"image_tokens={image_tokens:.0f}")
+          f"image_tokens={image_tokens:.0f} underrun_share_2={share(2):.4f} underrun_share_4={share(4):.4f} "
+          f"engine_cpu_per_session_s={engine_cpu(4):.3f} engine_cpu_ratio_4_vs_1={engine_cpu(4) / engine_cpu(1):.2f}")
 
 
 def main() -> None:
@@ -510,6 +532,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="the agent's torch CPU threads (0: its default)")
     p.add_argument("--ladder", action="store_true", help="leave the degradation ladder on (default: off)")
     p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
+    p.add_argument("--transcription", action="store_true",
+                   help="the load levels' clients ask for input transcription too")
     p.add_argument("--transport-turns", type=int, default=5,
                    help="turns each for the WebRTC vs WebSocket comparison (0: skip it)")
     p.add_argument("--spec-turns", type=int, default=5,
