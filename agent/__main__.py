@@ -46,6 +46,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the GPU path eagerly")
+    p.add_argument("--cpu-graphs", action="store_true",
+                   help="on CPU, replay the engine's steps as TorchScript traces, off the GIL (experimental)")
     p.add_argument("--compile", default=d.compile, choices=["auto", "on", "off"],
                    help="torch.compile the per-frame steps at start-up (auto: on CUDA only; cached in --cache-dir)")
     p.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="same as --compile off")

@@ -58,6 +58,10 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
     cuda_graphs: bool = True
+    # On CPU, the engine's steps traced per bucket and replayed off the GIL (agent/engine/
+    # cpu_graphs.py; docs/load.md). Off by default: buckets first used in a reply are traced
+    # there (a one-time stall), and capturing every bucket at start-up is not done yet.
+    cpu_graphs: bool = False
     # torch.compile of the per-frame step functions: auto = on CUDA only (on CPU the start-up
     # compile costs more than it saves here: agent/engine/compiled.py); on | off.
     compile: str = "auto"

@@ -255,6 +255,8 @@ def merge_levels(runs: list[dict]) -> dict:
                 out[key] = out[key] + value
             elif key == "stages":
                 out[key] = {k: v + value[k] for k, v in out[key].items()}
+            elif isinstance(value, dict):
+                continue  # per-level CPU and engine figures: the first block's stand for the setting
             elif key not in ("n", "server_ttfa_p50", "server_ttfa_p95"):
                 out[key] += value
     out["stages"] = {k: v / len(runs) for k, v in out["stages"].items()}

@@ -108,7 +108,7 @@ def sdpa_attend(
         keys = cache_k[:, :, :key_len].index_select(0, slots)
         values = cache_v[:, :, :key_len].index_select(0, slots)
     return F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1]
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=bool(keys.shape[1] != q.shape[1])  # bool: see cpu_graphs.py
     )
 
 

@@ -190,8 +190,9 @@ class CodePredictorOps:
             kv.keys[i][:batch, :, start:end] = k
             kv.values[i][:batch, :, start:end] = v.view(batch, n_new, kv_heads, d).transpose(1, 2)
             keys, values = kv.keys[i][:batch, :, :end], kv.values[i][:batch, :, :end]
+            # bool(): a Python flag even where a trace (agent/engine/cpu_graphs.py) reads sizes as tensors
             out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=n_new > 1, scale=attn.scaling, enable_gqa=heads != kv_heads
+                q, keys, values, is_causal=bool(n_new > 1), scale=attn.scaling, enable_gqa=heads != kv_heads
             )
             hidden = hidden + linear(out.transpose(1, 2).reshape(batch, n_new, -1), attn.o_proj.weight, fused)
             gate, up = normed_linear(hidden, layer.post_attention_layernorm, weights.gate_up, fused).chunk(2, dim=-1)

@@ -17,9 +17,12 @@ What makes a step graphable here:
   is bucketed: 256, 512, ... up to the cache capacity, a graph per (batch, length) bucket,
   the shortest captured at start-up and longer ones on first use.
 
-Modes: "cuda" (real graphs), "fake" (the same wiring on CPU through a capture backend the caller
-injects as `GraphConfig.capture`: tests and the CPU benchmarks pass agent/engine/fake_graphs.py's), "off" (the eager path: exact-length attention, no padding), "auto" (cuda on a CUDA
-device, else off). `--no-cuda-graphs` makes it "off".
+Modes: "cuda" (real graphs), "cpu" (the same wiring on CPU, each step traced with TorchScript
+per bucket and replayed off the GIL: agent/engine/cpu_graphs.py; what `omni-agent serve` runs on
+CPU), "fake" (the same wiring on CPU through a capture backend the caller injects as
+`GraphConfig.capture`: tests and the CPU benchmarks pass agent/engine/fake_graphs.py's), "off"
+(the eager path: exact-length attention, no padding), "auto" (cuda on a CUDA device, else off).
+`--no-cuda-graphs` makes it "off".
 
 Compilation (agent/engine/compiled.py; `compile`: "auto" = on CUDA only, `--compile on|off`)
 wraps each step function in one torch.compile per bucket before its pool is made. It needs the
@@ -40,11 +43,12 @@ import torch
 from torch import Tensor
 
 from agent.engine.compiled import CompileMode, CompileSettings, CudaGraphImpl, PaddedBackend, StepCompiler, resolve_compile
+from agent.engine.cpu_graphs import TracedBackend
 from agent.engine.graphs import CaptureBackend, CudaBackend, GraphPool, GraphStats, StepFn
 from agent.engine.kv import KVState
 from agent.engine.slots import SlotKV
 
-GraphMode = Literal["auto", "off", "cuda", "fake"]
+GraphMode = Literal["auto", "off", "cuda", "cpu", "fake"]
 
 
 @dataclass(frozen=True)
@@ -79,14 +83,14 @@ class DecodeRows:
     tokens: Tensor | None = None
 
 
-def resolve_mode(mode: GraphMode, device: torch.device) -> Literal["off", "cuda", "fake"]:
+def resolve_mode(mode: GraphMode, device: torch.device) -> Literal["off", "cuda", "cpu", "fake"]:
     if mode == "auto":
         return "cuda" if device.type == "cuda" else "off"
     if mode == "cuda" and device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, the model is on {device}")
-    if mode == "fake" and device.type != "cpu":
-        raise ValueError(f"fake graphs run on CPU tensors, the model is on {device}")
-    if mode not in ("off", "cuda", "fake"):
+    if mode in ("fake", "cpu") and device.type != "cpu":
+        raise ValueError(f"{mode} graphs run on CPU tensors, the model is on {device}")
+    if mode not in ("off", "cuda", "cpu", "fake"):
         raise ValueError(f"unknown graph mode {mode!r}")
     return mode
 
@@ -118,6 +122,8 @@ class Graphing:
         self.warmup_iters = config.warmup_iters
         if self.mode == "cuda" and not (self.compiler is not None and config.cudagraphs == "inductor"):
             self.backend = CudaBackend()
+        elif self.mode == "cpu" and self.compiler is None:
+            self.backend, self.warmup_iters = TracedBackend(), 0
         elif self.mode == "fake":
             if config.capture is None:
                 raise ValueError("graph mode 'fake' needs an injected capture backend "

@@ -114,6 +114,9 @@ def load_model(
         device_map={"": _map_device(torch_device)},
     )
     model.eval()
+    # Inference only: no weight needs a gradient (and a CPU graph's trace refuses to record a
+    # weight that asks for one: agent/engine/cpu_graphs.py).
+    model.requires_grad_(False)
     # The composite's __init__ copies sub-configs: re-apply on the live sub-model configs.
     complete_config(model.config)
     model.talker.config.audio_config = model.thinker.config.audio_config

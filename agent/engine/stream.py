@@ -169,6 +169,9 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         settings (default "auto": graphs on a CUDA device); `config.cuda_graphs=False`
         (--no-cuda-graphs) turns them off whatever they say; `config.compile` decides compilation."""
         graphs = graphs or GraphConfig()
+        if graphs.mode == "auto" and loaded.device.type == "cpu" and config.cpu_graphs:
+            # On CPU the per-frame steps replay as TorchScript traces, off the GIL (cpu_graphs.py).
+            graphs = replace(graphs, mode="cpu")
         if not config.cuda_graphs:
             graphs = replace(graphs, mode="off")
         # --compile, its cache beside the tiny model's (a restart does not recompile from scratch).

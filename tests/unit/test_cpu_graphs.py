@@ -1,0 +1,77 @@
+"""CPU graphs: the engine's steps replayed as TorchScript traces compute what the eager steps do.
+
+Pins, on the tiny model: three sessions replying at once (batched ticks, a prefill while others
+speak) with GraphConfig(mode="cpu") give the same text ids and codec codes as the eager runner
+and the same waveform to float rounding (1e-4: the graphed attention reads padded key lengths
+under a mask); every per-frame pool replays traces (captured once per bucket, then replayed);
+state a step writes without taking it as an input (code2wav's conv states and window positions)
+survives replays: consecutive pushes equal the eager ones exactly (a trace drops writes to
+tensors it does not return, which cpu_graphs.py guards against); and `--cpu-graphs` is how
+serve turns them on.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from agent.__main__ import _serve_parser, config_from_args
+from agent.engine.code2wav_slots import SlotCode2Wav
+from agent.engine.graphing import GraphConfig, Graphing
+from agent.engine.stream import StreamingRunner
+from engine_drive import make_audio, speak
+
+SYSTEM = "You are a helpful voice assistant."
+
+
+def _replies(loaded, graphs: GraphConfig) -> tuple[StreamingRunner, dict]:
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=16, max_reply_seconds=1.6, record=True,
+                             graphs=graphs, max_sessions=4)
+    for i, sid in enumerate(["a", "b", "c"]):
+        runner.open_session(sid)
+        speak(runner, sid, make_audio(0.8 + 0.3 * i, 200 + 50 * i, 10 + i))
+        runner.begin_reply(sid, [])
+        runner.step()  # the others' replies are under way when the next one starts
+    for _ in range(400):
+        if not runner.has_work():
+            break
+        runner.step()
+    return runner, dict(runner.records)
+
+
+def test_graphed_replies_equal_eager(loaded) -> None:
+    _, eager = _replies(loaded, GraphConfig(mode="off"))
+    runner, graphed = _replies(loaded, GraphConfig(mode="cpu"))
+    for sid in "abc":
+        assert graphed[sid].text_ids == eager[sid].text_ids
+        np.testing.assert_array_equal(graphed[sid].codes, eager[sid].codes)
+        assert graphed[sid].wav.shape == eager[sid].wav.shape
+        np.testing.assert_allclose(graphed[sid].wav, eager[sid].wav, atol=1e-4)
+    stats = runner.graphing.stats()
+    for name in ("code_predictor", "code2wav"):
+        assert stats[name].captures >= 1 and stats[name].replays > stats[name].captures and stats[name].eager == 0
+
+
+def test_written_state_survives_replays(loaded) -> None:
+    traced = SlotCode2Wav(loaded.model.code2wav, 4, graphing=Graphing(GraphConfig(mode="cpu"), loaded.device, 4))
+    traced.capture_graphs()
+    eager = SlotCode2Wav(loaded.model.code2wav, 4)
+    quantizers = eager.code2wav.config.num_quantizers
+    gen = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for _ in range(4):
+            codes = torch.randint(0, 100, (2, quantizers, 1), generator=gen)
+            for want, got in zip(eager.push([0, 1], codes), traced.push([0, 1], codes)):
+                assert torch.equal(want, got)
+    assert torch.equal(eager.key_pos[:2], traced.key_pos[:2])
+    for key, state in eager.states.items():
+        assert torch.equal(state[:2], traced.states[key][:2])
+
+
+def test_serve_flag() -> None:
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser)
+    assert config_from_args(parser.parse_args([])).cpu_graphs is False
+    assert config_from_args(parser.parse_args(["--cpu-graphs"])).cpu_graphs is True
