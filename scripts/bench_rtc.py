@@ -283,6 +283,8 @@ def start_server(
         cmd += ["--model", args.model]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.cpu_graphs:
+        cmd += ["--cpu-graphs"]
     return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -404,6 +406,11 @@ async def main_async(args: argparse.Namespace) -> None:
         # it speaks, the final transcript at the end of its turn).
         session = ({"type": "realtime", "audio": {"input": {"transcription": {"model": "thinker"}}}}
                    if args.transcription else None)
+        if args.warmup_turns:
+            await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
+                                                     video_fps=args.video_fps, session=session),
+                            max(args.levels), args.warmup_turns, limit_s, silence_s)
+            print(f"  warm-up: {max(args.levels)} sessions x {args.warmup_turns} turns (not measured)", flush=True)
         for n in args.levels:
             r = await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
                                                          video_fps=args.video_fps, session=session),
@@ -534,6 +541,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="the agent's torch CPU threads (0: its default)")
     p.add_argument("--ladder", action="store_true", help="leave the degradation ladder on (default: off)")
     p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
+    p.add_argument("--cpu-graphs", action="store_true", help="run the agent with --cpu-graphs (docs/load.md)")
+    p.add_argument("--warmup-turns", type=int, default=0,
+                   help="turns per client at the largest level first, not measured (e.g. to trace CPU graphs)")
     p.add_argument("--transcription", action="store_true",
                    help="the load levels' clients ask for input transcription too")
     p.add_argument("--transport-turns", type=int, default=5,

@@ -11,8 +11,9 @@ arithmetic). With four calls on two cores the two threads together wanted about 
 lock as there is, and the latency grew with the queue (docs/load.md). Measured on the tiny
 model's code-predictor loop (15 codebooks, batch 4): 8.3 ms a replay against 12.0 ms eager, and
 beside a thread spinning in Python 73 replays in 2 s against 32 eager calls, while that thread
-lost 8% of its pace (docs/load.md). Opt-in (`--cpu-graphs`): a bucket first met in a reply is
-traced there, a one-time stall of a few hundred ms.
+lost 8% of its pace (docs/load.md). Opt-in (`--cpu-graphs`): the decode steps are traced for
+every batch bucket and attention length at start-up (tens of seconds on two cores), and a
+prefill's longer key windows are still traced on first use, in a reply (a one-time stall).
 
 The ops are the step's own, in the same order, so a replay computes what the eager step computes
 (tests/unit/test_cpu_graphs.py: graphed replies equal eager ones). What a trace cannot follow is

@@ -183,6 +183,13 @@ class Graphing:
             n *= 2
         return lens + [capacity]
 
+    def start_key_lens(self, capacity: int) -> list[int]:
+        """The attention lengths a decode step is captured for at start-up: the shortest (CUDA:
+        longer ones on first use, each a graph and its memory), or every one on CPU graphs (a
+        trace is cheap to keep, and tracing one in a reply would stall it: cpu_graphs.py)."""
+        lens = self.key_lens(capacity)
+        return lens if self.mode == "cpu" else lens[:1]
+
     def key_len(self, needed: int, capacity: int) -> int:
         if needed > capacity:
             raise RuntimeError(f"KV slot overflow: {needed} keys > capacity {capacity}")

@@ -112,22 +112,23 @@ class TalkerOps:
         )
 
     def capture_graphs(self) -> None:
-        """Capture the step for every batch bucket at the shortest attention length, and the
-        prefix prefill for every (batch, token) bucket."""
+        """Capture the step for every batch bucket at the start-up attention lengths
+        (Graphing.start_key_lens), and the prefix prefill for every (batch, token) bucket."""
         self.prefiller.capture_graphs()
         self.choice.capture_graphs()
         if self._graph is None:
             return
-        key_len = self.graphing.key_lens(self.kv.capacity)[0]
         hidden = self.talker.config.text_config.hidden_size
         device, dtype = self.loaded.device, self.loaded.dtype
 
-        def example(batch: int) -> tuple[torch.Tensor, ...]:
-            rows = self.graphing.example_rows(batch, self.pad_slot, key_len, device)
-            embeds = torch.zeros(batch, 1, hidden, device=device, dtype=dtype)
-            return embeds, rows.slots, rows.index, rows.positions, rows.mask
+        for key_len in self.graphing.start_key_lens(self.kv.capacity):
 
-        self._graph.capture_all(example)
+            def example(batch: int, key_len: int = key_len) -> tuple[torch.Tensor, ...]:
+                rows = self.graphing.example_rows(batch, self.pad_slot, key_len, device)
+                embeds = torch.zeros(batch, 1, hidden, device=device, dtype=dtype)
+                return embeds, rows.slots, rows.index, rows.positions, rows.mask
+
+            self._graph.capture_all(example)
 
     def user_embeds(
         self, is_media: torch.Tensor, embeds: torch.Tensor, accept_hidden: torch.Tensor

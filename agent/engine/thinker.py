@@ -121,18 +121,19 @@ class ThinkerOps:
         )
 
     def capture_graphs(self) -> None:
-        """Capture the decode step for every batch bucket at the shortest attention length,
-        and the prefill for every (batch, token) bucket."""
+        """Capture the decode step for every batch bucket at the start-up attention lengths
+        (Graphing.start_key_lens), and the prefill for every (batch, token) bucket."""
         self.prefiller.capture_graphs()
         if self._graph is None:
             return
-        key_len = self.graphing.key_lens(self.kv.capacity)[0]
 
-        def example(batch: int) -> tuple[torch.Tensor, ...]:
-            rows = self.graphing.example_rows(batch, self.pad_slot, key_len, self.loaded.device)
-            return rows.tokens, rows.slots, rows.index, rows.positions, rows.mask
+        for key_len in self.graphing.start_key_lens(self.kv.capacity):
 
-        self._graph.capture_all(example)
+            def example(batch: int, key_len: int = key_len) -> tuple[torch.Tensor, ...]:
+                rows = self.graphing.example_rows(batch, self.pad_slot, key_len, self.loaded.device)
+                return rows.tokens, rows.slots, rows.index, rows.positions, rows.mask
+
+            self._graph.capture_all(example)
 
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> ImageFeatures:
         out = self.thinker.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)

@@ -3,7 +3,8 @@
 Pins, on the tiny model: three sessions replying at once (batched ticks, a prefill while others
 speak) with GraphConfig(mode="cpu") give the same text ids and codec codes as the eager runner
 and the same waveform to float rounding (1e-4: the graphed attention reads padded key lengths
-under a mask); every per-frame pool replays traces (captured once per bucket, then replayed);
+under a mask); every per-frame pool replays traces (captured once per bucket, then replayed),
+the decode steps' traces all made at start-up (every batch bucket and attention length);
 state a step writes without taking it as an input (code2wav's conv states and window positions)
 survives replays: consecutive pushes equal the eager ones exactly (a trace drops writes to
 tensors it does not return, which cpu_graphs.py guards against); and `--cpu-graphs` is how
@@ -28,7 +29,7 @@ SYSTEM = "You are a helpful voice assistant."
 
 def _replies(loaded, graphs: GraphConfig) -> tuple[StreamingRunner, dict]:
     runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=16, max_reply_seconds=1.6, record=True,
-                             graphs=graphs, max_sessions=4)
+                             graphs=graphs, max_sessions=4, context_limit=2048)
     for i, sid in enumerate(["a", "b", "c"]):
         runner.open_session(sid)
         speak(runner, sid, make_audio(0.8 + 0.3 * i, 200 + 50 * i, 10 + i))
@@ -52,6 +53,10 @@ def test_graphed_replies_equal_eager(loaded) -> None:
     stats = runner.graphing.stats()
     for name in ("code_predictor", "code2wav"):
         assert stats[name].captures >= 1 and stats[name].replays > stats[name].captures and stats[name].eager == 0
+    # Decode steps: traced at start-up for every batch bucket (1, 2, 4) and attention length
+    # (256 .. 2048), so none is traced in a reply.
+    lengths = len(runner.graphing.key_lens(runner.thinker.kv.capacity))
+    assert stats["thinker_decode"].captures == 3 * lengths and stats["thinker_decode"].refused == 0
 
 
 def test_written_state_survives_replays(loaded) -> None:
