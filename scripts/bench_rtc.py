@@ -226,7 +226,9 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         image_tokens += [((d["response"].get("usage") or {}).get("input_token_details") or {}).get("image_tokens", 0)
                          for d in dones]
         late += sum(int((f.get("stats") or {}).get("frames_encoded_at_end_of_turn") or 0) for f in figures)
-        frames += sum(int((f.get("stats") or {}).get("audio_samples") or 0) for f in figures) / 480  # 20 ms at 24 kHz
+        # Every reply of the level (not only the measured turns): the underrun counter counts them all.
+        frames += sum(int((omni_figures(d).get("stats") or {}).get("audio_samples") or 0)
+                      for d in c.result.of_type("response.done")) / 480  # 20 ms frames at 24 kHz
     return {
         "n": n, "turns": len(v2v), "missing": missing, "v2v": v2v, "ttft": ttft, "ttfa": ttfa,
         "overhead": overhead, "glitches": glitches, "underruns": underruns, "speculative": speculative,
