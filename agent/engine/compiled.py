@@ -200,7 +200,7 @@ class StepCompiler:
         return {name: dict(step.stats.compiles) for name, step in self.steps.items()}
 
 
-class _PaddedGraph:
+class RerunGraph:
     """A 'graph' that re-runs the function on the pool's static inputs. Its capture already ran
     the call it was made for, so its first replay is skipped: a step with state that is not
     idempotent (code2wav's conv states) must run exactly once per call."""
@@ -231,8 +231,8 @@ class PaddedBackend:
     def warmup(self, fn: StepFn, args: Sequence[Tensor]) -> Outputs:
         return fn(*args)
 
-    def capture(self, fn: StepFn, static_args: Sequence[Tensor], pool: Any) -> tuple[_PaddedGraph, Outputs]:
+    def capture(self, fn: StepFn, static_args: Sequence[Tensor], pool: Any) -> tuple[RerunGraph, Outputs]:
         out = fn(*static_args)
         # Fresh buffers: the compiled function's outputs may alias its internal scratch.
         outs = tuple(o.clone() for o in ((out,) if isinstance(out, Tensor) else out))
-        return _PaddedGraph(fn, tuple(static_args), outs), outs[0] if isinstance(out, Tensor) else outs
+        return RerunGraph(fn, tuple(static_args), outs), outs[0] if isinstance(out, Tensor) else outs

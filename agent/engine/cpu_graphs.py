@@ -33,25 +33,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from agent.engine.graphs import Outputs, StepFn
-
-
-class TracedGraph:
-    """A trace and its static buffers. Capturing ran the call it was made for (tracing executes
-    the step), so the first replay is skipped: a step whose state is not idempotent (code2wav's
-    conv states) must run exactly once per call."""
-
-    def __init__(self, traced: Any, static_in: tuple[Tensor, ...], static_out: tuple[Tensor, ...]) -> None:
-        self.traced, self.static_in, self.static_out = traced, static_in, static_out
-        self.ran = True
-
-    def replay(self) -> None:
-        if self.ran:
-            self.ran = False
-            return
-        out = self.traced(*self.static_in)  # the step's outputs, then the state it wrote (unused here)
-        for static, new in zip(self.static_out, out[: len(self.static_out)], strict=True):
-            static.copy_(new)
+from agent.engine.compiled import RerunGraph
+from agent.engine.graphs import Outputs, StepFn, storage_of, tensors_in
 
 
 class _Writes(TorchDispatchMode):
@@ -69,14 +52,14 @@ class _Writes(TorchDispatchMode):
         kwargs = kwargs or {}
         for arg, value in zip(func._schema.arguments, args):
             written = arg.alias_info is not None and arg.alias_info.is_write
-            if written and isinstance(value, Tensor) and _storage(value) not in self.fresh:
+            if written and isinstance(value, Tensor) and storage_of(value) not in self.fresh:
                 self.saved.append((value, value.clone()))
-                self.bases.setdefault(_storage(value), value._base if value._base is not None else value)
+                self.bases.setdefault(storage_of(value), value._base if value._base is not None else value)
         out = func(*args, **kwargs)
-        inputs = {_storage(t) for t in _tensors([*args, *kwargs.values()])}
-        for value in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
-            if _storage(value) not in inputs:
-                self.fresh.add(_storage(value))
+        inputs = {storage_of(t) for t in tensors_in([*args, *kwargs.values()])}
+        for value in tensors_in(out if isinstance(out, (tuple, list)) else (out,)):
+            if storage_of(value) not in inputs:
+                self.fresh.add(storage_of(value))
         return out
 
     def undo(self) -> None:
@@ -84,7 +67,7 @@ class _Writes(TorchDispatchMode):
             tensor.copy_(saved)
 
 
-def _reachable_tensors(fn: Any, depth: int = 4) -> dict[int, Tensor]:
+def _reachabletensors_in(fn: Any, depth: int = 4) -> dict[int, Tensor]:
     """Storage -> the largest tensor on it among those the step's owner holds (its attributes,
     and theirs, through lists, tuples and dicts): the whole cache a written slice belongs to.
     (Under inference mode a view does not know its base, so the trace's outputs name the owner's
@@ -94,7 +77,7 @@ def _reachable_tensors(fn: Any, depth: int = 4) -> dict[int, Tensor]:
 
     def visit(value: Any, left: int) -> None:
         if isinstance(value, Tensor):
-            ptr = _storage(value)
+            ptr = storage_of(value)
             if ptr not in found or value.numel() > found[ptr].numel():
                 found[ptr] = value
             return
@@ -120,20 +103,6 @@ def _reachable_tensors(fn: Any, depth: int = 4) -> dict[int, Tensor]:
     return found
 
 
-def _storage(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _tensors(values: Sequence[Any]) -> list[Tensor]:
-    out: list[Tensor] = []
-    for v in values:
-        if isinstance(v, Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out += _tensors(v)
-    return out
-
-
 class TracedBackend:
     """CaptureBackend (agent/engine/graphs.py) for CPU tensors: capture = torch.jit.trace."""
 
@@ -146,12 +115,12 @@ class TracedBackend:
     def warmup(self, fn: StepFn, args: Sequence[Tensor]) -> Outputs:
         return fn(*args)
 
-    def capture(self, fn: StepFn, static_args: Sequence[Tensor], pool: Any) -> tuple[TracedGraph, Outputs]:
+    def capture(self, fn: StepFn, static_args: Sequence[Tensor], pool: Any) -> tuple[RerunGraph, Outputs]:
         # A dry run finds the state the step writes (and is undone), then the traced run is the call.
         with _Writes() as writes:
             fn(*static_args)
         writes.undo()
-        owners = _reachable_tensors(fn)
+        owners = _reachabletensors_in(fn)
         state = tuple(owners.get(ptr, view) for ptr, view in writes.bases.items())
         made: list[Outputs] = []
 
@@ -167,4 +136,8 @@ class TracedBackend:
         out = made[0]
         # Fresh buffers for the replays to fill: the traced call's outputs are its own.
         outs = tuple(o.clone() for o in ((out,) if isinstance(out, Tensor) else out))
-        return TracedGraph(traced, tuple(static_args), outs), outs[0] if isinstance(out, Tensor) else outs
+        n = len(outs)
+        # Replays run the trace (its first replay is the call the trace already made: skipped);
+        # the state it returns after the outputs is not copied anywhere.
+        graph = RerunGraph(lambda *args: traced(*args)[:n], tuple(static_args), outs)
+        return graph, outs[0] if isinstance(out, Tensor) else outs

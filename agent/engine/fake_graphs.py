@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from agent.engine.graphing import GraphConfig
-from agent.engine.graphs import Outputs, StepFn
+from agent.engine.graphs import Outputs, StepFn, storage_of, tensors_in
 
 _aten = torch.ops.aten
 # Ops that wait for the device (a value read on the host or a data-dependent output size).
@@ -73,16 +73,16 @@ class _Tracer(TorchDispatchMode):
         if self.undo_writes:
             for arg, value in zip(schema.arguments, args):
                 written = arg.alias_info is not None and arg.alias_info.is_write
-                if written and isinstance(value, Tensor) and _storage(value) not in self.fresh:
+                if written and isinstance(value, Tensor) and storage_of(value) not in self.fresh:
                     self.saved.append((value, value.clone()))
         self.ops.append((str(func), tuple(self._describe(a) for a in flat)))
         out = func(*args, **kwargs)
         # A result is new memory unless it shares an input's storage (views, `to` a same dtype,
         # in-place ops): then it is classified as that input is.
-        inputs = {_storage(t) for t in _tensors(flat)}
-        for value in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
-            if _storage(value) not in inputs:
-                self.fresh.add(_storage(value))
+        inputs = {storage_of(t) for t in tensors_in(flat)}
+        for value in tensors_in(out if isinstance(out, (tuple, list)) else (out,)):
+            if storage_of(value) not in inputs:
+                self.fresh.add(storage_of(value))
         return out
 
     def _check_sync(self, func, args) -> None:
@@ -96,7 +96,7 @@ class _Tracer(TorchDispatchMode):
     def _describe(self, value: Any) -> Any:
         if isinstance(value, Tensor):
             # Tensors made during the call may sit anywhere; those that outlive it may not move.
-            where = None if _storage(value) in self.fresh else _storage(value)
+            where = None if storage_of(value) in self.fresh else storage_of(value)
             return ("tensor", tuple(value.shape), value.dtype, where)
         if isinstance(value, (list, tuple)):
             return tuple(self._describe(v) for v in value)
@@ -163,7 +163,7 @@ class FakeCaptureBackend:
             tracer.undo()  # a capture records work, it does not do it
         outs = _as_tuple(out)
         for o in outs:
-            if _storage(o) in tracer.fresh:  # never poison a view of a weight or a cache
+            if storage_of(o) in tracer.fresh:  # never poison a view of a weight or a cache
                 o.fill_(float("nan") if o.is_floating_point() else -12345)
         graph = FakeGraph(fn, tuple(static_args), outs, tracer.ops, self.check_replays)
         self.graphs.append(graph)
@@ -176,20 +176,6 @@ def _compare(captured: list[OpRecord], replayed: list[OpRecord]) -> None:
             raise RuntimeError(f"replay diverges from the captured graph at op {i}: captured {a}, replayed {b}")
     if len(captured) != len(replayed):
         raise RuntimeError(f"replay issued {len(replayed)} ops, the captured graph has {len(captured)}")
-
-
-def _tensors(values: Sequence[Any]) -> list[Tensor]:
-    out: list[Tensor] = []
-    for v in values:
-        if isinstance(v, Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out += _tensors(v)
-    return out
-
-
-def _storage(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 def _as_tuple(out: Outputs) -> tuple[Tensor, ...]:

@@ -354,3 +354,19 @@ def _as_tuple(out: Any) -> tuple[Tensor, ...]:
     if outs is None or not all(isinstance(o, Tensor) for o in outs):
         raise TypeError(f"a graphed step function must return a tensor or a tuple of tensors, got {type(out).__name__}")
     return outs
+
+
+def storage_of(t: Tensor) -> int:
+    """The address of a tensor's storage: views and in-place results share their base's."""
+    return t.untyped_storage().data_ptr()
+
+
+def tensors_in(values: Sequence[Any]) -> list[Tensor]:
+    """The tensors among `values`, lists and tuples flattened."""
+    out: list[Tensor] = []
+    for v in values:
+        if isinstance(v, Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += tensors_in(v)
+    return out

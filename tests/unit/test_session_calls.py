@@ -33,10 +33,9 @@ class SlowEngine:
         pass
 
 
-async def test_a_call_answered_after_close_runs_nothing_of_the_session() -> None:
-    loop = asyncio.get_running_loop()
-    errors: list[dict] = []
-    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+def _truncating_session() -> tuple[SlowEngine, Session, list[int]]:
+    """A session that has asked the engine to truncate its latest reply; `announced` gets the
+    kept tokens once the engine answers."""
     config = Config()
     engine = SlowEngine()
     session = Session(config, engine, Admission.from_config(config), send=lambda _: None,
@@ -44,6 +43,14 @@ async def test_a_call_answered_after_close_runs_nothing_of_the_session() -> None
     announced: list[int] = []
     # The parts hand the session on as their weak proxy (agent/realtime/replies.py does).
     edits.cut_latest_reply(session.replies._session, 3, None, announced.append)
+    return engine, session, announced
+
+
+async def test_a_call_answered_after_close_runs_nothing_of_the_session() -> None:
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    engine, session, announced = _truncating_session()
     (method, future), = engine.calls
     assert method == "truncate_reply"
     await session.close()
@@ -57,12 +64,7 @@ async def test_a_call_answered_after_close_runs_nothing_of_the_session() -> None
 
 
 async def test_a_call_answered_in_time_still_announces() -> None:
-    config = Config()
-    engine = SlowEngine()
-    session = Session(config, engine, Admission.from_config(config), send=lambda _: None,
-                      on_closed=lambda _: None, webrtc=False)
-    announced: list[int] = []
-    edits.cut_latest_reply(session.replies._session, 3, None, announced.append)
+    engine, session, announced = _truncating_session()
     (_, future), = engine.calls
     future.set_result({"kept_tokens": 2})
     await asyncio.sleep(0.01)
