@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .decoding import Decoding
-    from .ice import IceServer
+    from agent.decoding import Decoding
+    from agent.transport.ice import IceServer
 
 # Rates the model fixes: 16 kHz mono in, 12.5 Hz tokens (80 ms), 24 kHz out.
 INPUT_RATE = 16_000
@@ -41,11 +41,11 @@ class Config:
     # ephemeral key minted from it; "" leaves the agent open (fine on loopback, not beyond).
     api_key: str = field(default="", repr=False)
     # Set by a Ray Serve replica to its replica id: its calls are named `<prefix>.rtc_…`, so
-    # the router can send a call's follow-ups to its owner (agent/serve/keys.py). "" = rtc_….
+    # the router can send a call's follow-ups to its owner (agent/serve/ownership.py). "" = rtc_….
     call_id_prefix: str = ""
     # Origins whose pages may call the agent from the browser (CORS); () = none, "*" = any.
     cors_origins: tuple[str, ...] = ()
-    # STUN/TURN servers the agent's peers use (agent/ice.py IceServer); () = host candidates only.
+    # STUN/TURN servers the agent's peers use (agent/transport/ice.py IceServer); () = host candidates only.
     ice_servers: tuple["IceServer", ...] = ()
     max_calls_per_minute: int = 60  # new calls (WebRTC or WebSocket) per client address; 0 = no limit
     max_events_per_s: float = 200.0  # client events per session (a flood gets `error` events)
@@ -59,11 +59,11 @@ class Config:
     dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
     cuda_graphs: bool = True
     # On CPU, the engine's steps traced per bucket and replayed off the GIL (agent/engine/
-    # cpu_graphs.py; docs/load.md). Off by default: buckets first used in a reply are traced
+    # agent/engine/compile/cpu_traces.py; docs/load.md). Off by default: buckets first used in a reply are traced
     # there (a one-time stall), and capturing every bucket at start-up is not done yet.
     cpu_graphs: bool = False
     # torch.compile of the per-frame step functions: auto = on CUDA only (on CPU the start-up
-    # compile costs more than it saves here: agent/engine/compiled.py); on | off.
+    # compile costs more than it saves here: agent/engine/compile/inductor.py); on | off.
     compile: str = "auto"
     runner: str = "stream"  # stream | reference (transformers' generate(): whole reply at once)
     speaker: str = ""  # "" = first speaker in the talker config
@@ -87,9 +87,9 @@ class Config:
     vad_silence_ms: int = 300  # end of turn after this much unvoiced audio
     vad_aggressiveness: int = 2  # webrtcvad mode 0..3
     vad_min_speech_ms: int = 120  # voiced audio needed before a turn starts
-    vad: str = "silero"  # voice detector: silero (ONNX, one thread) | webrtc (agent/voice.py)
+    vad: str = "silero"  # voice detector: silero (ONNX, one thread) | webrtc (agent/media/voice.py)
     vad_threshold: float = 0.5  # Silero speech probability from which a sub-frame is voiced
-    # Echo guard (agent/vad.py, agent/echo.py): while the agent speaks, a barge-in needs this
+    # Echo guard (agent/media/vad.py, agent/media/echo.py): while the agent speaks, a barge-in needs this
     # much voiced audio, each sub-frame louder than the agent's recent loudest frame + margin.
     barge_in_ms: int = 200
     echo_guard: bool = True  # raise the onset threshold by the level played (False: duration only)
@@ -109,11 +109,13 @@ class Config:
     video: bool = True  # --no-video: camera frames are dropped unread and the sender is asked to pause
     video_fps: float = 4.0
     video_max_side: int = 448  # frames are resized so the longer side is at most this
-    video_frames_per_turn: int = 2  # latest sampled frames flushed at a turn's end (still images for the reference/fallback runners)
+    video_frames_per_turn: int = (
+        2  # latest sampled frames flushed at a turn's end (still images for the reference/fallback runners)
+    )
     video_window_s: float = 2.0  # --video-window: this much of a turn gets every grid at video_fps (docs/video.md)
     video_turn_tokens: int = 768  # --video-turn-tokens: visual tokens per turn at most (resolution first, then rate)
     ingest_buffer_frames: int = 8  # bounded ring between ingest and the engine (5-10)
-    # Back-pressure on the camera (agent/backpressure.py): frames the engine has not taken.
+    # Back-pressure on the camera (agent/media/backpressure.py): frames the engine has not taken.
     video_high_water: int = 6  # backlog at which the sender is asked for 1 fps at half size
     video_low_water: int = 1  # backlog under which, held video_throttle_hold_s, it is restored
     video_throttle_hold_s: float = 2.0
@@ -158,11 +160,15 @@ class Config:
         # The fields the model decides are resolved once, here, so that every reader (the
         # engine thread, the Realtime session defaults) sees the same concrete values.
         if None in (self.system_prompt, self.max_reply_tokens, self.max_reply_seconds, self.sampling):
-            from .decoding import defaults_for
+            from agent.decoding import defaults_for
 
             d = defaults_for(self.model, self.decoding, self.seed)
-            resolved = {"system_prompt": d.system_prompt, "max_reply_tokens": d.max_reply_tokens,
-                        "max_reply_seconds": d.max_reply_seconds, "sampling": d.decoding}
+            resolved = {
+                "system_prompt": d.system_prompt,
+                "max_reply_tokens": d.max_reply_tokens,
+                "max_reply_seconds": d.max_reply_seconds,
+                "sampling": d.decoding,
+            }
             for name, value in resolved.items():
                 if getattr(self, name) is None:
                     object.__setattr__(self, name, value)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-TINY_MARKER = "omni_agent_tiny.json"  # written by agent.engine.tiny into the checkpoints it builds
+TINY_MARKER = "omni_agent_tiny.json"  # written by agent.engine.checkpoints.tiny into the checkpoints it builds
 
 TINY_SYSTEM_PROMPT = "You are a helpful real-time voice assistant. Answer briefly."
 # Qwen3-Omni's recommended system prompt for spoken replies (its web demo's default when audio is
@@ -105,8 +105,9 @@ class Decoding:
         return cls(seed=seed)
 
     def all_greedy(self) -> "Decoding":
-        return replace(self, thinker=self.thinker.greedy, talker=self.talker.greedy,
-                       code_predictor=self.code_predictor.greedy)
+        return replace(
+            self, thinker=self.thinker.greedy, talker=self.talker.greedy, code_predictor=self.code_predictor.greedy
+        )
 
     @property
     def samples(self) -> bool:
@@ -125,7 +126,7 @@ class ModelDefaults:
 
 
 def is_tiny(model: str) -> bool:
-    """The default tiny checkpoint ("") or a folder agent.engine.tiny built (its marker file)."""
+    """The default tiny checkpoint ("") or a folder agent.engine.checkpoints.tiny built (its marker file)."""
     return not model or (Path(model) / TINY_MARKER).is_file()
 
 
@@ -152,9 +153,12 @@ def defaults_for(model: str, decoding: str = "auto", seed: int | None = None) ->
     if decoding == "greedy":
         chosen = chosen.all_greedy()
     elif decoding == "sample":
-        chosen = replace(chosen, thinker=replace(chosen.thinker, do_sample=True),
-                         talker=replace(chosen.talker, do_sample=True),
-                         code_predictor=replace(chosen.code_predictor, do_sample=True))
+        chosen = replace(
+            chosen,
+            thinker=replace(chosen.thinker, do_sample=True),
+            talker=replace(chosen.talker, do_sample=True),
+            code_predictor=replace(chosen.code_predictor, do_sample=True),
+        )
     if isinstance(file.get("max_new_tokens"), int) and file["max_new_tokens"] >= 2:
         tokens = file["max_new_tokens"]
     if isinstance(file.get("talker_max_new_tokens"), int) and file["talker_max_new_tokens"] >= 2:
@@ -165,8 +169,13 @@ def defaults_for(model: str, decoding: str = "auto", seed: int | None = None) ->
 
 def _stage(base: Sampling, file: dict[str, Any], prefix: str) -> Sampling:
     """`base` with whatever the generation config sets under `prefix` + generate()'s names."""
-    kinds = {"do_sample": bool, "temperature": (int, float), "top_k": int, "top_p": (int, float),
-             "repetition_penalty": (int, float)}
+    kinds = {
+        "do_sample": bool,
+        "temperature": (int, float),
+        "top_k": int,
+        "top_p": (int, float),
+        "repetition_penalty": (int, float),
+    }
     found = {}
     for name, kind in kinds.items():
         value = file.get(prefix + name)
@@ -187,8 +196,12 @@ def _generation_config(model: str) -> dict[str, Any]:
         try:
             from transformers.utils import cached_file
 
-            found = cached_file(model, "generation_config.json", _raise_exceptions_for_missing_entries=False,
-                                _raise_exceptions_for_connection_errors=False)
+            found = cached_file(
+                model,
+                "generation_config.json",
+                _raise_exceptions_for_missing_entries=False,
+                _raise_exceptions_for_connection_errors=False,
+            )
         except Exception:  # no hub, no cache, a gated repo: the model's defaults are ours then
             found = None
         if found is None:

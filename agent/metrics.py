@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .thread_cpu import ThreadCpuCollector
+from agent.thread_cpu import ThreadCpuCollector
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 REGISTRY.register(ThreadCpuCollector())  # agent_thread_cpu_seconds_total{thread=...}
@@ -16,7 +16,7 @@ REGISTRY.register(ThreadCpuCollector())  # agent_thread_cpu_seconds_total{thread
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
 _STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-# `priority`: the session's class (agent/priority.py), high or normal.
+# `priority`: the session's class (agent/gate/priority.py), high or normal.
 TTFT = Histogram(
     "agent_time_to_first_token_seconds",
     "End of turn to first text token",
@@ -56,15 +56,11 @@ TRANSCRIPTION_SESSIONS_ACTIVE = Gauge(
     "Connected transcription (captions-only) sessions, also counted in agent_sessions_active",
     registry=REGISTRY,
 )
-INGEST_BUFFER = Gauge(
-    "agent_ingest_buffer_frames", "Frames waiting in the ingest ring", ["kind"], registry=REGISTRY
-)
+INGEST_BUFFER = Gauge("agent_ingest_buffer_frames", "Frames waiting in the ingest ring", ["kind"], registry=REGISTRY)
 INGEST_DROPPED = Counter(
     "agent_ingest_dropped_frames_total", "Frames dropped by ingest", ["kind", "reason"], registry=REGISTRY
 )
-PLAYOUT_BUFFER = Gauge(
-    "agent_playout_buffer_seconds", "Audio queued on outbound tracks", registry=REGISTRY
-)
+PLAYOUT_BUFFER = Gauge("agent_playout_buffer_seconds", "Audio queued on outbound tracks", registry=REGISTRY)
 PLAYOUT_UNDERRUNS = Counter(
     "agent_playout_underruns_total",
     "20 ms frames sent as silence while a reply was still playing",
@@ -77,9 +73,7 @@ BARGE_IN_PAUSES = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
-OFFERS_REJECTED = Counter(
-    "agent_offers_rejected_total", "Offers refused", ["reason"], registry=REGISTRY
-)
+OFFERS_REJECTED = Counter("agent_offers_rejected_total", "Offers refused", ["reason"], registry=REGISTRY)
 DEGRADATION_LEVEL = Gauge(
     "agent_degradation_level", "0 audio replies, 1 text-only, 2 fallback model", registry=REGISTRY
 )

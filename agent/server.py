@@ -1,6 +1,6 @@
 """aiohttp front door: the page, the OpenAI Realtime (GA) routes, health and metrics.
 
-Routes under /v1/realtime need a key when --api-key is set (see agent/realtime/keys.py):
+Routes under /v1/realtime need a key when --api-key is set (see agent/gate/api_keys.py):
   POST   /v1/realtime/calls[?model=]        WebRTC offer → 201 SDP answer + Location
   POST   /v1/realtime?model=                the same, older URL form
   DELETE /v1/realtime/calls/{id}            end a call (also POST …/{id}/hangup)
@@ -18,17 +18,29 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from . import audio_level, metrics
-from .access import CallRate, cors_middleware
-from .config import Config
-from .engine import Engine
-from .ladder import Admission
-from .realtime import session_config
-from .realtime.app import (ADMISSION, CALL_RATE, CONFIG, DRAINING, ENGINE, ENGINE_START, GRANT, KEYS, LADDER_TICK,
-                           SESSIONS, json_error)
-from .realtime.calls import MAX_OFFER_BYTES, call_events, create_call, hangup
-from .realtime.keys import DEFAULT_TTL_S, KeyStore, bearer_token
-from .realtime.ws import websocket
+from agent import metrics
+from agent.config import Config
+from agent.engine.loop import Engine
+from agent.gate.access import CallRate, cors_middleware
+from agent.gate.api_keys import DEFAULT_TTL_S, KeyStore, bearer_token
+from agent.gate.ladder import Admission
+from agent.realtime import session_config
+from agent.transport import audio_level
+from agent.transport.calls import MAX_OFFER_BYTES, call_events, create_call, hangup
+from agent.transport.http import (
+    ADMISSION,
+    CALL_RATE,
+    CONFIG,
+    DRAINING,
+    ENGINE,
+    ENGINE_START,
+    GRANT,
+    KEYS,
+    LADDER_TICK,
+    SESSIONS,
+    json_error,
+)
+from agent.transport.ws import websocket
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +92,9 @@ async def client_secrets(request: web.Request) -> web.Response:
     if expires and (not isinstance(expires, dict) or expires.get("anchor", "created_at") != "created_at"):
         return json_error(400, "expires_after.anchor must be created_at", "invalid_value", param="expires_after.anchor")
     if not isinstance(seconds, int) or isinstance(seconds, bool):
-        return json_error(400, "expires_after.seconds must be an integer", "invalid_value", param="expires_after.seconds")
+        return json_error(
+            400, "expires_after.seconds must be an integer", "invalid_value", param="expires_after.seconds"
+        )
     try:
         session = session_config.client_secret_session(request.app[CONFIG], body)
         value, expires_at = request.app[KEYS].mint(seconds, session)
@@ -188,7 +202,7 @@ async def drain(app: web.Application, deadline_s: float) -> int:
 
 
 def create_app(config: Config, engine: Engine) -> web.Application:
-    audio_level.install()  # aiortc's per-frame audio level, vectorized (agent/audio_level.py)
+    audio_level.install()  # aiortc's per-frame audio level, vectorized (agent/transport/audio_level.py)
     # CORS first: a browser's preflight carries no key. Then JSON errors around everything.
     middlewares = [cors_middleware(config.cors_origins)] if config.cors_origins else []
     app = web.Application(client_max_size=MAX_OFFER_BYTES * 2, middlewares=[*middlewares, json_errors, require_key])

@@ -66,12 +66,13 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.client_media import SEND_FRAME, SEND_RATE, PacedAudioTrack  # noqa: E402
-from agent.ice import restrict_ice_hosts  # noqa: E402
-from agent.jitter import lower_audio_jitter_hold  # noqa: E402
-from agent.peer import close_peer  # noqa: E402
-from agent.client import wait_ready  # noqa: E402
 from bench_rtc import free_port  # noqa: E402  (scripts/ is on sys.path when run)
+
+from agent.client.client import wait_ready  # noqa: E402
+from agent.client.media import SEND_FRAME, SEND_RATE, PacedAudioTrack  # noqa: E402
+from agent.transport.ice import restrict_ice_hosts  # noqa: E402
+from agent.transport.jitter import lower_audio_jitter_hold  # noqa: E402
+from agent.transport.peer import close_peer  # noqa: E402
 
 VOICED_DBFS = -40.0  # a sent frame above this is speech (the onset)
 AUDIBLE_DBFS = -50.0  # a received frame above this is the agent's voice
@@ -101,7 +102,7 @@ def speech(folder: Path, name: str, text: str, level_dbfs: float) -> np.ndarray:
     rms = np.sqrt(np.mean(frames**2, axis=1)) / 32768.0
     voiced = rms > 10 ** ((VOICED_DBFS - 10) / 20)
     active = float(np.sqrt(np.mean(rms[voiced] ** 2)))
-    pcm = frames[int(np.argmax(voiced)):].reshape(-1) * (10 ** (level_dbfs / 20) / active)
+    pcm = frames[int(np.argmax(voiced)) :].reshape(-1) * (10 ** (level_dbfs / 20) / active)
     return np.clip(np.round(pcm), -32768, 32767).astype(np.int16)
 
 
@@ -240,8 +241,11 @@ class Caller:
 
         await self.pc.setLocalDescription(await self.pc.createOffer())
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{self.url}/v1/realtime/calls", data=self.pc.localDescription.sdp,
-                                 headers={"Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                f"{self.url}/v1/realtime/calls",
+                data=self.pc.localDescription.sdp,
+                headers={"Content-Type": "application/sdp"},
+            ) as resp:
                 body = await resp.text()
                 if resp.status != 201:
                     raise RuntimeError(f"offer refused: {resp.status} {body}")
@@ -274,8 +278,14 @@ class Caller:
         await close_peer(self.pc)
 
 
-async def interrupt_once(caller: Caller, question: np.ndarray, interruption: np.ndarray,
-                         rng: random.Random, since: Optional[float], log: list[str]) -> Optional[Interruption]:
+async def interrupt_once(
+    caller: Caller,
+    question: np.ndarray,
+    interruption: np.ndarray,
+    rng: random.Random,
+    since: Optional[float],
+    log: list[str],
+) -> Optional[Interruption]:
     """One try: have a reply playing (the answer to what was said last, after `since`, or else to
     the question), talk over it, time it. None: no interruption to count."""
     reply = None if since is None else await caller.speaker.reply_onset_after(since, timeout=5.0)
@@ -311,8 +321,9 @@ async def interrupt_once(caller: Caller, question: np.ndarray, interruption: np.
     return Interruption(onset, started, cleared, stop, first_gap, delay, caller.speaker.loudest(onset - 0.5, onset))
 
 
-def endpointer_alone(pcm48: np.ndarray, barge_in_ms: int, agent_dbfs: Optional[float],
-                     guard: bool = True, candidate: bool = False) -> list[float]:
+def endpointer_alone(
+    pcm48: np.ndarray, barge_in_ms: int, agent_dbfs: Optional[float], guard: bool = True, candidate: bool = False
+) -> list[float]:
     """The confirmation the endpointer itself needs for this utterance, without any transport:
     ms from the first voiced 20 ms frame to the 80 ms chunk whose push() starts the turn, for
     each of the four 20 ms phases of the onset within a chunk. The client sends a frame when its
@@ -322,9 +333,9 @@ def endpointer_alone(pcm48: np.ndarray, barge_in_ms: int, agent_dbfs: Optional[f
     the agent pauses on instead (fed per 20 ms frame as the server gets them: peek(), then push()
     once a chunk is complete)."""
     from agent.config import INPUT_RATE
-    from agent.ingest import AudioChunk, CHUNK_SECONDS
-    from agent.turn_events import BargeInCandidate, SpeechStarted
-    from agent.vad import Endpointer
+    from agent.media.ingest import CHUNK_SECONDS, AudioChunk
+    from agent.media.turn_events import BargeInCandidate, SpeechStarted
+    from agent.media.vad import Endpointer
 
     level = None if agent_dbfs is None else 10 ** (agent_dbfs / 20)
     pcm16 = pcm48[: len(pcm48) // 3 * 3].astype(np.float32).reshape(-1, 3).mean(axis=1) / 32768.0
@@ -342,8 +353,14 @@ def endpointer_alone(pcm48: np.ndarray, barge_in_ms: int, agent_dbfs: Optional[f
         for i in range(len(audio) // chunk_len):
             chunk = AudioChunk(audio[i * chunk_len : (i + 1) * chunk_len], i, i * CHUNK_SECONDS)
             if candidate:
-                k = next((k for k in range(3) if any(isinstance(e, BargeInCandidate) for e in ep.peek(
-                    i, chunk.pcm[: (k + 1) * sub]))), None)
+                k = next(
+                    (
+                        k
+                        for k in range(3)
+                        if any(isinstance(e, BargeInCandidate) for e in ep.peek(i, chunk.pcm[: (k + 1) * sub]))
+                    ),
+                    None,
+                )
                 if k is not None or any(isinstance(e, BargeInCandidate) for e in ep.push(chunk)):
                     ready = chunk.start + (4 if k is None else k + 1) * 0.02
                     out.append((ready - 0.02 - onset) * 1000)
@@ -371,15 +388,38 @@ async def scrape(url: str) -> dict[str, float]:
 
 
 def start_server(port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--ice-host", "127.0.0.1", "--max-sessions", "2", "--log-level", "WARNING",
-           "--barge-in-ms", str(args.barge_in_ms)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ice-host",
+        "127.0.0.1",
+        "--max-sessions",
+        "2",
+        "--log-level",
+        "WARNING",
+        "--barge-in-ms",
+        str(args.barge_in_ms),
+    ]
     if args.no_pause:
         cmd += ["--no-barge-in-pause"]
     if not args.ladder:
         # A busy 2-core box would make replies text-only (nothing to interrupt): keep them spoken.
-        cmd += ["--text-only-p95-ms", "1e9", "--fallback-p95-ms", "1e9", "--speculation-p95-ms", "1e9",
-                "--fallback-model", "none"]
+        cmd += [
+            "--text-only-p95-ms",
+            "1e9",
+            "--fallback-p95-ms",
+            "1e9",
+            "--speculation-p95-ms",
+            "1e9",
+            "--fallback-model",
+            "none",
+        ]
     if args.model:
         cmd += ["--model", args.model]
     with log.open("wb") as out:  # the child keeps its own copy of the descriptor
@@ -392,8 +432,9 @@ def header(args: argparse.Namespace) -> str:
 
     root = Path(__file__).resolve().parents[1]
     try:
-        commit = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()[:100]
+        commit = subprocess.run(
+            ["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()[:100]
     except (OSError, subprocess.SubprocessError):
         commit = "?"
     versions = []
@@ -402,9 +443,11 @@ def header(args: argparse.Namespace) -> str:
             versions.append(f"{pkg} {version(pkg)}")
         except PackageNotFoundError:
             pass
-    return (f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit {commit}\n"
-            f"# python {sys.version.split()[0]}; {', '.join(versions)}; {len(os.sched_getaffinity(0))} CPUs\n"
-            f"# command: scripts/bench_barge_in.py {' '.join(sys.argv[1:])}".rstrip())
+    return (
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit {commit}\n"
+        f"# python {sys.version.split()[0]}; {', '.join(versions)}; {len(os.sched_getaffinity(0))} CPUs\n"
+        f"# command: scripts/bench_barge_in.py {' '.join(sys.argv[1:])}".rstrip()
+    )
 
 
 def pct(values: list[float], q: float) -> float:
@@ -440,7 +483,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 await asyncio.sleep(0.05)
             t0 = time.monotonic()
             since: Optional[float] = None
-            for attempt in range(args.max_attempts):
+            for _attempt in range(args.max_attempts):
                 if len(done) >= args.interruptions or time.monotonic() - t0 > args.max_seconds:
                     break
                 try:
@@ -462,45 +505,61 @@ async def main_async(args: argparse.Namespace) -> None:
         server.wait(timeout=60)
 
     ms = lambda a, b: "     -" if a is None or b is None else f"{(b - a) * 1000:6.0f}"  # noqa: E731
-    print(f"\nbarge-in over WebRTC loopback, tiny model, --barge-in-ms {args.barge_in_ms}, "
-          f"{'no barge-in pause' if args.no_pause else 'barge-in pause on'}, client jitter hold "
-          f"{args.prefetch} frame(s), speech at {args.speech_dbfs:.0f} dBFS, agent voice median "
-          f"{pct(levels, 50):.0f} dBFS (client clock; ss = speech_started, clr = output_audio_buffer.cleared "
-          "arrival)")
-    print(f"{'#':>3} {'delay ms':>8} {'onset→ss':>8} {'onset→clr':>9} {'clr→stop':>8} {'onset→stop':>10} "
-          f"{'1st gap':>7} {'agent dBFS':>10}")
+    print(
+        f"\nbarge-in over WebRTC loopback, tiny model, --barge-in-ms {args.barge_in_ms}, "
+        f"{'no barge-in pause' if args.no_pause else 'barge-in pause on'}, client jitter hold "
+        f"{args.prefetch} frame(s), speech at {args.speech_dbfs:.0f} dBFS, agent voice median "
+        f"{pct(levels, 50):.0f} dBFS (client clock; ss = speech_started, clr = output_audio_buffer.cleared "
+        "arrival)"
+    )
+    print(
+        f"{'#':>3} {'delay ms':>8} {'onset→ss':>8} {'onset→clr':>9} {'clr→stop':>8} {'onset→stop':>10} "
+        f"{'1st gap':>7} {'agent dBFS':>10}"
+    )
     for i, r in enumerate(done, 1):
         gap = "" if r.first_gap is None or r.stop is None or r.first_gap >= r.stop - 0.03 else "early"
-        print(f"{i:>3} {r.delay_s * 1000:8.0f} {ms(r.onset, r.speech_started):>8} {ms(r.onset, r.cleared):>9} "
-              f"{ms(r.cleared, r.stop):>8} {r.total_ms:10.0f} {gap:>7} {r.agent_dbfs:10.1f}")
+        print(
+            f"{i:>3} {r.delay_s * 1000:8.0f} {ms(r.onset, r.speech_started):>8} {ms(r.onset, r.cleared):>9} "
+            f"{ms(r.cleared, r.stop):>8} {r.total_ms:10.0f} {gap:>7} {r.agent_dbfs:10.1f}"
+        )
     totals = [r.total_ms for r in done]
     confirm = [(r.cleared - r.onset) * 1000 for r in done if r.cleared is not None]
     flush = [(r.stop - r.cleared) * 1000 for r in done if r.cleared is not None and r.stop is not None]
     missed = sum(r.cleared is None for r in done)
-    print(f"onset→clr p50 {pct(confirm, 50):.0f} p95 {pct(confirm, 95):.0f} ms; clr→stop p50 "
-          f"{pct(flush, 50):.0f} p95 {pct(flush, 95):.0f} ms; missed barge-ins {missed}; skipped tries "
-          f"{len(log)} ({'; '.join(sorted(set(log))) or 'none'}); {elapsed:.0f} s")
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("agent_playout_underruns_total",
-                                                                   "agent_turns_total")}
+    print(
+        f"onset→clr p50 {pct(confirm, 50):.0f} p95 {pct(confirm, 95):.0f} ms; clr→stop p50 "
+        f"{pct(flush, 50):.0f} p95 {pct(flush, 95):.0f} ms; missed barge-ins {missed}; skipped tries "
+        f"{len(log)} ({'; '.join(sorted(set(log))) or 'none'}); {elapsed:.0f} s"
+    )
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("agent_playout_underruns_total", "agent_turns_total")}
     barge = sorted(k for k in after if k.startswith("agent_barge_in_pauses_total{"))
     outcome = lambda k: k.split("=", 1)[1].strip('"}')  # noqa: E731
     pauses = ", ".join(f"{outcome(k)} {after[k] - before.get(k, 0.0):.0f}" for k in barge)
-    print(f"server /metrics: barge-in pauses {pauses or 'not exported'}; during the run "
-          f"turns {delta['agent_turns_total']:.0f}, playout underruns {delta['agent_playout_underruns_total']:.0f}")
+    print(
+        f"server /metrics: barge-in pauses {pauses or 'not exported'}; during the run "
+        f"turns {delta['agent_turns_total']:.0f}, playout underruns {delta['agent_playout_underruns_total']:.0f}"
+    )
     guard = pct([r.agent_dbfs for r in done], 50)
-    alone = {"agent silent (plain turn start)": endpointer_alone(interruption, args.barge_in_ms, None),
-             f"agent at {guard:.0f} dBFS, guard off": endpointer_alone(interruption, args.barge_in_ms, guard, False),
-             f"agent at {guard:.0f} dBFS, guard on": endpointer_alone(interruption, args.barge_in_ms, guard),
-             f"agent at {guard:.0f} dBFS, guard on, onset → pause (candidate)":
-                 endpointer_alone(interruption, args.barge_in_ms, guard, candidate=True)}
-    print("endpointer alone on the same utterance (no transport), onset → turn start per onset phase "
-          "0/20/40/60 ms in the 80 ms chunk: " + "; ".join(
-              f"{name}: {'/'.join(f'{v:.0f}' for v in vals)} ms" for name, vals in alone.items()))
+    alone = {
+        "agent silent (plain turn start)": endpointer_alone(interruption, args.barge_in_ms, None),
+        f"agent at {guard:.0f} dBFS, guard off": endpointer_alone(interruption, args.barge_in_ms, guard, False),
+        f"agent at {guard:.0f} dBFS, guard on": endpointer_alone(interruption, args.barge_in_ms, guard),
+        f"agent at {guard:.0f} dBFS, guard on, onset → pause (candidate)": endpointer_alone(
+            interruption, args.barge_in_ms, guard, candidate=True
+        ),
+    }
+    print(
+        "endpointer alone on the same utterance (no transport), onset → turn start per onset phase "
+        "0/20/40/60 ms in the 80 ms chunk: "
+        + "; ".join(f"{name}: {'/'.join(f'{v:.0f}' for v in vals)} ms" for name, vals in alone.items())
+    )
     target = args.barge_in_ms + 60
     p50, p95 = pct(totals, 50), pct(totals, 95)
     ok = len(done) >= args.interruptions and p95 <= target
-    print(f"barge_in_p50_ms={p50:.0f} barge_in_p95_ms={p95:.0f} confirmation_ms={args.barge_in_ms} "
-          f"target_ms={target} interruptions={len(done)} within_target={'true' if ok else 'false'}")
+    print(
+        f"barge_in_p50_ms={p50:.0f} barge_in_p95_ms={p95:.0f} confirmation_ms={args.barge_in_ms} "
+        f"target_ms={target} interruptions={len(done)} within_target={'true' if ok else 'false'}"
+    )
 
 
 def main() -> None:
@@ -511,8 +570,11 @@ def main() -> None:
     p.add_argument("--barge-in-ms", type=int, default=200, help="the agent's flag (its default: 200)")
     p.add_argument("--prefetch", type=int, default=1, help="client jitter hold in 20 ms frames (1: browser-like)")
     p.add_argument("--speech-dbfs", type=float, default=-20.0, help="RMS of the client's voiced frames")
-    p.add_argument("--no-pause", action="store_true",
-                   help="run the agent with --no-barge-in-pause (silent only once the barge-in is confirmed)")
+    p.add_argument(
+        "--no-pause",
+        action="store_true",
+        help="run the agent with --no-barge-in-pause (silent only once the barge-in is confirmed)",
+    )
     p.add_argument("--ladder", action="store_true", help="leave the degradation ladder on (default: off)")
     p.add_argument("--model", default="")
     p.add_argument("--seed", type=int, default=9)

@@ -49,9 +49,9 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.client import wait_ready  # noqa: E402
+from agent.client.client import wait_ready  # noqa: E402
 from agent.config import Config  # noqa: E402
-from agent.engine import build_engine  # noqa: E402
+from agent.engine.factory import build_engine  # noqa: E402
 from agent.server import create_app  # noqa: E402
 
 SENTENCE = "Good evening everyone, welcome to the live caption test of this small agent today."
@@ -73,8 +73,14 @@ async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[d
     query = "?intent=transcription" if kind == "transcription" else ""
     async with aiohttp.ClientSession() as http, http.ws_connect(f"{url}/v1/realtime{query}") as ws:
         if kind == "conversation":
-            await ws.send_str(json.dumps({"type": "session.update", "session": {
-                "type": "realtime", "audio": {"input": {"transcription": {"model": "thinker"}}}}}))
+            await ws.send_str(
+                json.dumps(
+                    {
+                        "type": "session.update",
+                        "session": {"type": "realtime", "audio": {"input": {"transcription": {"model": "thinker"}}}},
+                    }
+                )
+            )
         items: dict[str, dict] = {}
         done = asyncio.Event()
 
@@ -122,8 +128,9 @@ async def clients(url: str, kind: str, sessions: int, rounds: int, stagger_s: fl
     user k starts speaking k * stagger_s / sessions later than user 0 (0: all in lockstep)."""
     pcm = utterance()
     items: list[dict] = []
-    await asyncio.gather(*(session(url, kind, pcm, rounds, items, 1.0 + k * stagger_s / sessions)
-                           for k in range(sessions)))
+    await asyncio.gather(
+        *(session(url, kind, pcm, rounds, items, 1.0 + k * stagger_s / sessions) for k in range(sessions))
+    )
     return items
 
 
@@ -140,23 +147,42 @@ def report(kind: str, sessions: int, rounds: int, items: list[dict]) -> dict[str
     f = figures(items)
     first, gaps, final, partials = f["first"], f["cadence"], f["final"], f["partials"]
     errors = [i["error"] for i in items if "error" in i]
-    print(f"{sessions} {kind} session(s) x {rounds} rounds, {len(partials)} items, {len(final)} finals, "
-          f"partials per item {min(partials, default=0)}-{max(partials, default=0)}, errors {len(errors)} "
-          f"{sorted(set(errors))}")
+    print(
+        f"{sessions} {kind} session(s) x {rounds} rounds, {len(partials)} items, {len(final)} finals, "
+        f"partials per item {min(partials, default=0)}-{max(partials, default=0)}, errors {len(errors)} "
+        f"{sorted(set(errors))}"
+    )
     print(f"first partial after onset ms: p50 {pct(first, 50):.0f}  p95 {pct(first, 95):.0f}")
-    print(f"partial cadence ms:           p50 {pct(gaps, 50):.0f}  p95 {pct(gaps, 95):.0f}  max {max(gaps, default=0):.0f}")
+    print(
+        f"partial cadence ms:           p50 {pct(gaps, 50):.0f}  p95 {pct(gaps, 95):.0f}  max {max(gaps, default=0):.0f}"
+    )
     print(f"final after end of speech ms: p50 {pct(final, 50):.0f}  p95 {pct(final, 95):.0f}")
-    print(f"SUMMARY kind={kind} sessions={sessions} first_partial_p50_ms={pct(first, 50):.0f} "
-          f"first_partial_p95_ms={pct(first, 95):.0f} cadence_p50_ms={pct(gaps, 50):.0f} "
-          f"cadence_p95_ms={pct(gaps, 95):.0f} final_p95_ms={pct(final, 95):.0f}", flush=True)
+    print(
+        f"SUMMARY kind={kind} sessions={sessions} first_partial_p50_ms={pct(first, 50):.0f} "
+        f"first_partial_p95_ms={pct(first, 95):.0f} cadence_p50_ms={pct(gaps, 50):.0f} "
+        f"cadence_p95_ms={pct(gaps, 95):.0f} final_p95_ms={pct(final, 95):.0f}",
+        flush=True,
+    )
     return f
 
 
 async def run_clients(url: str, kind: str, sessions: int, rounds: int, stagger_s: float = 0.0) -> list[dict]:
     """The users in a child process; its stdout is the items as JSON."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--client", url, "--kind", kind, "--sessions", str(sessions),
-        "--rounds", str(rounds), "--stagger-s", str(stagger_s), stdout=asyncio.subprocess.PIPE)
+        sys.executable,
+        __file__,
+        "--client",
+        url,
+        "--kind",
+        kind,
+        "--sessions",
+        str(sessions),
+        "--rounds",
+        str(rounds),
+        "--stagger-s",
+        str(stagger_s),
+        stdout=asyncio.subprocess.PIPE,
+    )
     out, _ = await proc.communicate()
     if proc.returncode:
         raise SystemExit(f"the client process failed ({proc.returncode})")
@@ -166,20 +192,25 @@ async def run_clients(url: str, kind: str, sessions: int, rounds: int, stagger_s
 BUDGET_KEYS = ("first", "cadence", "final")
 
 
-def in_budget(f: dict[str, list[float]], items: list[dict], sessions: int, rounds: int,
-              budget_ms: list[float]) -> tuple[bool, str]:
+def in_budget(
+    f: dict[str, list[float]], items: list[dict], sessions: int, rounds: int, budget_ms: list[float]
+) -> tuple[bool, str]:
     """Whether a level held: every final of sessions x rounds items arrived, no error, and each
     p95 at or under its budget. The reason when it did not."""
     errors = sum("error" in i for i in items)
     if errors or len(f["final"]) < sessions * rounds:
         return False, f"{len(f['final'])}/{sessions * rounds} finals, {errors} errors"
-    over = [f"{key} p95 {pct(f[key], 95):.0f} > {limit:.0f}" for key, limit in zip(BUDGET_KEYS, budget_ms)
-            if not pct(f[key], 95) <= limit]
+    over = [
+        f"{key} p95 {pct(f[key], 95):.0f} > {limit:.0f}"
+        for key, limit in zip(BUDGET_KEYS, budget_ms)
+        if not pct(f[key], 95) <= limit
+    ]
     return not over, ", ".join(over)
 
 
-async def capacity(url: str, kind: str, levels: list[int], rounds: int, stagger_s: float,
-                   budget_ms: list[float]) -> int:
+async def capacity(
+    url: str, kind: str, levels: list[int], rounds: int, stagger_s: float, budget_ms: list[float]
+) -> int:
     """The kind's last level in budget (0: not even the first)."""
     held = 0
     for n in levels:
@@ -201,16 +232,33 @@ async def main() -> None:
     p.add_argument("--sessions", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kind", choices=("transcription", "conversation"), default="transcription")
-    p.add_argument("--compare", type=int, default=0, metavar="M",
-                   help="M conversation sessions, then ratio*M transcription sessions, one engine")
+    p.add_argument(
+        "--compare",
+        type=int,
+        default=0,
+        metavar="M",
+        help="M conversation sessions, then ratio*M transcription sessions, one engine",
+    )
     p.add_argument("--ratio", type=int, default=3)
-    p.add_argument("--capacity", action="store_true",
-                   help="each kind's most sessions in budget, over --levels; the last line gives the ratio")
+    p.add_argument(
+        "--capacity",
+        action="store_true",
+        help="each kind's most sessions in budget, over --levels; the last line gives the ratio",
+    )
     p.add_argument("--levels", type=ints, default=[2, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 64])
-    p.add_argument("--budget-ms", type=lambda t: [float(x) for x in t.split(",")], default=[1200.0, 1000.0, 1000.0],
-                   metavar="FIRST,CADENCE,FINAL", help="p95 budgets of the capacity run (default 1200,1000,1000)")
-    p.add_argument("--stagger-s", type=float, default=0.0,
-                   help="spread the users' speech onsets evenly over this many seconds (0: lockstep, the worst case)")
+    p.add_argument(
+        "--budget-ms",
+        type=lambda t: [float(x) for x in t.split(",")],
+        default=[1200.0, 1000.0, 1000.0],
+        metavar="FIRST,CADENCE,FINAL",
+        help="p95 budgets of the capacity run (default 1200,1000,1000)",
+    )
+    p.add_argument(
+        "--stagger-s",
+        type=float,
+        default=0.0,
+        help="spread the users' speech onsets evenly over this many seconds (0: lockstep, the worst case)",
+    )
     p.add_argument("--model", default="", help="model path (default: the tiny checkpoint)")
     p.add_argument("--port", type=int, default=18089)
     p.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)  # the child process
@@ -222,8 +270,14 @@ async def main() -> None:
         p.error("--budget-ms takes three numbers: first partial, cadence, final")
     most = max(args.sessions, args.compare * (args.ratio + 1), max(args.levels) if args.capacity else 0)
     # All the users come from one loopback address, standing for many: no per-address call rate.
-    config = Config(host="127.0.0.1", port=args.port, model=args.model, fallback_model="none",
-                    max_sessions=max(8, 2 * most), max_calls_per_minute=0)
+    config = Config(
+        host="127.0.0.1",
+        port=args.port,
+        model=args.model,
+        fallback_model="none",
+        max_sessions=max(8, 2 * most),
+        max_calls_per_minute=0,
+    )
     runner = web.AppRunner(create_app(config, build_engine(config)))
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
@@ -235,29 +289,43 @@ async def main() -> None:
             # A warm-up call of each kind first, not counted: the first turns pay one-off costs.
             for kind in ("conversation", "transcription"):
                 await run_clients(url, kind, 1, 1, 0.0)
-            caps = {kind: await capacity(url, kind, args.levels, args.rounds, args.stagger_s, args.budget_ms)
-                    for kind in ("conversation", "transcription")}
+            caps = {
+                kind: await capacity(url, kind, args.levels, args.rounds, args.stagger_s, args.budget_ms)
+                for kind in ("conversation", "transcription")
+            }
             tx, conv = caps["transcription"], caps["conversation"]
             budget = ",".join(f"{k}:{v:.0f}" for k, v in zip(BUDGET_KEYS, args.budget_ms))
-            print(f"CAPACITY transcription={tx} conversation={conv} "
-                  f"ratio={tx / conv if conv else float('nan'):.1f} budget_p95_ms={budget} "
-                  f"stagger_s={args.stagger_s:g} rounds={args.rounds}")
+            print(
+                f"CAPACITY transcription={tx} conversation={conv} "
+                f"ratio={tx / conv if conv else float('nan'):.1f} budget_p95_ms={budget} "
+                f"stagger_s={args.stagger_s:g} rounds={args.rounds}"
+            )
             return
         if not args.compare:
-            report(args.kind, args.sessions, args.rounds,
-                   await run_clients(url, args.kind, args.sessions, args.rounds, args.stagger_s))
+            report(
+                args.kind,
+                args.sessions,
+                args.rounds,
+                await run_clients(url, args.kind, args.sessions, args.rounds, args.stagger_s),
+            )
             return
         m, n = args.compare, args.compare * args.ratio
-        conv = report("conversation", m, args.rounds, await run_clients(url, "conversation", m, args.rounds, args.stagger_s))
-        tx = report("transcription", n, args.rounds, await run_clients(url, "transcription", n, args.rounds, args.stagger_s))
+        conv = report(
+            "conversation", m, args.rounds, await run_clients(url, "conversation", m, args.rounds, args.stagger_s)
+        )
+        tx = report(
+            "transcription", n, args.rounds, await run_clients(url, "transcription", n, args.rounds, args.stagger_s)
+        )
     finally:
         await runner.cleanup()
     verdicts = []
     for name, key in (("first_partial", "first"), ("cadence", "cadence"), ("final", "final")):
         a, b = pct(tx[key], 95), pct(conv[key], 95)
         verdicts.append(f"{name}_p95_ms={a:.0f}/{b:.0f}:{'holds' if a <= b else 'misses'}")
-    print(f"CAPACITY transcription={n} conversation={m} ratio={n / m:.1f} (transcription/conversation p95) "
-          + " ".join(verdicts))
+    print(
+        f"CAPACITY transcription={n} conversation={m} ratio={n / m:.1f} (transcription/conversation p95) "
+        + " ".join(verdicts)
+    )
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 
 Each 80 ms codec frame runs the code predictor's 15 sequential steps through its 5 layers: at
 real size the loop is launch-bound (docs/engine-roofline.md). Compiled, its projections are
-either reductions with the norms, gate and residual adds fused in (agent/engine/gemv.py, the
+either reductions with the norms, gate and residual adds fused in (agent/engine/ops/gemv.py, the
 default) or library matmuls (`GraphConfig(fused_gemv=False)`). This builds only the code
 predictor at Qwen3-Omni-30B-A3B's dimensions (random weights, `--layers` deep) and the talker
 embedding it reads, wires it as the engine does (`Graphing`: compile on; CUDA graphs on CUDA,
 padded buckets on CPU) and, for each variant in one process, reports:
 - the time of one loop (`run()`: a frame batch's 15 codebooks), median over `--iters`, per batch;
-- the launches of one compiled loop (agent/engine/kernel_count.py: the generated `call()`'s
+- the launches of one compiled loop (agent/engine/instruments/kernel_count.py: the generated `call()`'s
   launching statements; on CPU also `sched`, the fused nodes Triton would launch one kernel each).
 
     python scripts/bench_code_predictor.py --device cuda --batch 1,4      # on a GPU (gpu_check.sh)
@@ -37,7 +37,7 @@ def build(layers: int, device: torch.device, dtype: torch.dtype) -> types.Simple
         Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration as CodePredictor,
     )
 
-    from agent.engine.presets import REAL, preset_config
+    from agent.engine.checkpoints.presets import REAL, preset_config
 
     talker_config = preset_config(REAL).talker_config
     config = talker_config.code_predictor_config
@@ -58,13 +58,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(talker, fused: bool, batches: list[int], iters: int, device: torch.device, dtype: torch.dtype,
-            dynamic_batch: bool):
-    from agent.engine.code_predictor import CodePredictorOps
-    from agent.engine.graphing import GraphConfig, Graphing
-    from agent.engine.kernel_count import KernelCounter, marking_scheduled_kernels
+def measure(
+    talker, fused: bool, batches: list[int], iters: int, device: torch.device, dtype: torch.dtype, dynamic_batch: bool
+):
+    from agent.engine.compile.wiring import GraphConfig, Graphing
+    from agent.engine.instruments.kernel_count import KernelCounter, marking_scheduled_kernels
+    from agent.engine.stages.code_predictor import CodePredictorOps
 
-    config = GraphConfig(batch_sizes=tuple(batches), compile="on", compile_dynamic_batch=dynamic_batch, fused_gemv=fused)
+    config = GraphConfig(
+        batch_sizes=tuple(batches), compile="on", compile_dynamic_batch=dynamic_batch, fused_gemv=fused
+    )
     graphing = Graphing(config, device, max(batches))
     torch._dynamo.reset()  # the other variant's compiled loop must not serve this one
     with marking_scheduled_kernels(), KernelCounter() as counter:
@@ -101,9 +104,12 @@ def main() -> None:
     p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--dynamic-batch", action="store_true",
-                   help="one compile for every batch (the engine's CPU default) instead of one per batch (its CUDA "
-                        "default, and fused differently: count and time what production runs)")
+    p.add_argument(
+        "--dynamic-batch",
+        action="store_true",
+        help="one compile for every batch (the engine's CPU default) instead of one per batch (its CUDA "
+        "default, and fused differently: count and time what production runs)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -117,17 +123,23 @@ def main() -> None:
             print(f"# {name}: compiled and captured in {results[name][3]:.0f} s", flush=True)
     mode = results["fused"][4]
     compiles = "one compile for all batches" if args.dynamic_batch else "one compile per batch"
-    print(f"\nCODE PREDICTOR LOOP (15 steps x {args.layers} layers, real width, bf16, {device}, graphs={mode}, "
-          f"{compiles}, torch {torch.__version__}); ms per loop, median of {args.iters}; launches and sched per loop, "
-          f"averaged over the batches")
+    print(
+        f"\nCODE PREDICTOR LOOP (15 steps x {args.layers} layers, real width, bf16, {device}, graphs={mode}, "
+        f"{compiles}, torch {torch.__version__}); ms per loop, median of {args.iters}; launches and sched per loop, "
+        f"averaged over the batches"
+    )
     print(f"{'projections':<12} {'launches':>9} {'sched':>7} " + " ".join(f"{f'b{b} ms':>8}" for b in args.batch))
     for name, (times, launches, scheduled, _, _) in results.items():
-        print(f"{name:<12} {launches:>9.0f} {scheduled:>7.0f} " + " ".join(f"{times[b] * 1e3:>8.2f}" for b in args.batch))
+        print(
+            f"{name:<12} {launches:>9.0f} {scheduled:>7.0f} " + " ".join(f"{times[b] * 1e3:>8.2f}" for b in args.batch)
+        )
     b1 = args.batch[0]
     fused_ms, library_ms = results["fused"][0][b1] * 1e3, results["library"][0][b1] * 1e3
-    print(f"cp_ms_b{b1}_fused={fused_ms:.2f} cp_ms_b{b1}_library={library_ms:.2f} "
-          f"cp_speedup_b{b1}={library_ms / fused_ms:.2f} launches_fused={results['fused'][1]:.0f} "
-          f"launches_library={results['library'][1]:.0f}")
+    print(
+        f"cp_ms_b{b1}_fused={fused_ms:.2f} cp_ms_b{b1}_library={library_ms:.2f} "
+        f"cp_speedup_b{b1}={library_ms / fused_ms:.2f} launches_fused={results['fused'][1]:.0f} "
+        f"launches_library={results['library'][1]:.0f}"
+    )
 
 
 if __name__ == "__main__":

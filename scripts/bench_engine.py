@@ -146,11 +146,11 @@ def load(args: argparse.Namespace):
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from agent.engine import ensure_model
-    from agent.engine.model import load_model
+    from agent.engine.checkpoints.model import load_model
+    from agent.engine.checkpoints.tiny import ensure_model
 
     if args.preset:
-        from agent.engine.presets import load_random
+        from agent.engine.checkpoints.presets import load_random
 
         return load_random(args.preset, device=args.device, tokenizer_from=ensure_model(Config()))
     return load_model(ensure_model(Config(model=args.model)), device=args.device, dtype=args.dtype)
@@ -168,34 +168,59 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--max-reply-tokens", type=int, default=24)
     p.add_argument("--max-reply-seconds", type=float, default=2.0)
-    p.add_argument("--decoding", choices=("greedy", "sample"), default="greedy",
-                   help="token choice in every stage: greedy, or sampled with a real model's defaults "
-                        "(agent/decoding.py: the choice is then a compiled, graphed step of its own)")
+    p.add_argument(
+        "--decoding",
+        choices=("greedy", "sample"),
+        default="greedy",
+        help="token choice in every stage: greedy, or sampled with a real model's defaults "
+        "(agent/decoding.py: the choice is then a compiled, graphed step of its own)",
+    )
     p.add_argument("--no-reference", action="store_true", help="skip generate() (slow at real size)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="stream eagerly on CUDA")
-    p.add_argument("--compile", choices=("auto", "on", "off"), default=None,
-                   help="torch.compile of the per-frame path (passed to the engine's Config; default: its own)")
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="torch.compile of the per-frame path (passed to the engine's Config; default: its own)",
+    )
     p.add_argument("--no-compile", dest="compile", action="store_const", const="off")
-    p.add_argument("--fused-gemv", action=argparse.BooleanOptionalAction, default=None,
-                   help="compiled decode-step projections (thinker, talker, code predictor) as fused reductions "
-                        "(agent/engine/gemv.py) or library matmuls (default: the engine's, fused on CUDA; the kernel run counts fused)")
+    p.add_argument(
+        "--fused-gemv",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compiled decode-step projections (thinker, talker, code predictor) as fused reductions "
+        "(agent/engine/ops/gemv.py) or library matmuls (default: the engine's, fused on CUDA; the kernel run counts fused)",
+    )
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     k = p.add_argument_group("kernel run (--kernels)")
-    k.add_argument("--kernels", action="store_true", help="count kernels and bytes at real structure, predict H200 time")
+    k.add_argument(
+        "--kernels", action="store_true", help="count kernels and bytes at real structure, predict H200 time"
+    )
     k.add_argument("--layers", type=ints, default=[1, 2], help="two depths per stack to difference (default 1,2)")
     k.add_argument("--kernel-batches", type=ints, default=[1, 4, 10], help="steady-tick batch sizes (1 and 4 always)")
     k.add_argument("--context", type=int, default=1024, help="tokens of KV per session in the byte model")
-    k.add_argument("--graphs", choices=("fake", "off"), default="fake",
-                   help="fake: the CUDA-graph wiring on CPU (fused MoE, buckets), as a CUDA run would execute")
+    k.add_argument(
+        "--graphs",
+        choices=("fake", "off"),
+        default="fake",
+        help="fake: the CUDA-graph wiring on CPU (fused MoE, buckets), as a CUDA run would execute",
+    )
     k.add_argument("--kernel-utterance-s", type=float, default=2.5, help="utterance before the counted end of turn")
     k.add_argument("--kernel-reply-tokens", type=int, default=64)
     k.add_argument("--kernel-ops", type=int, default=15, help="print the N most frequent eager ops (0: none)")
-    k.add_argument("--count-vocab", type=int, default=4096,
-                   help="thinker vocabulary of the counted models (the 152064-row LM head costs ~0.5 s a call on CPU "
-                        "and is one kernel at any size; the byte model uses the real one)")
+    k.add_argument(
+        "--count-vocab",
+        type=int,
+        default=4096,
+        help="thinker vocabulary of the counted models (the 152064-row LM head costs ~0.5 s a call on CPU "
+        "and is one kernel at any size; the byte model uses the real one)",
+    )
     m = p.add_argument_group("load run (--load)")
-    m.add_argument("--load", action="store_true",
-                   help="host/device memory of loading the checkpoint (uses --preset and --layers), and the memory plan")
+    m.add_argument(
+        "--load",
+        action="store_true",
+        help="host/device memory of loading the checkpoint (uses --preset and --layers), and the memory plan",
+    )
     m.add_argument("--load-dir", default=None, help="where the temporary checkpoints go (default: the system temp dir)")
     args = p.parse_args()
     if args.load:
@@ -220,8 +245,8 @@ def main() -> None:
     if args.preset and not args.random_weights:
         p.error("--preset needs --random-weights: no checkpoint is downloaded")
 
-    from agent.engine.reference import GenerateRunner
-    from agent.engine.stream import StreamingRunner
+    from agent.engine.runner.reference import GenerateRunner
+    from agent.engine.runner.streaming import StreamingRunner
 
     loaded = load(args)
     from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, QWEN_THINKER, Decoding
@@ -240,7 +265,7 @@ def main() -> None:
         if "compile" not in {f.name for f in fields(Config)}:
             p.error("--compile: this engine's Config has no compile option yet")
         cfg = replace(cfg, compile=args.compile)
-    from agent.engine.graphing import GraphConfig
+    from agent.engine.compile.wiring import GraphConfig
 
     stream = StreamingRunner.from_config(loaded, cfg, graphs=GraphConfig(fused_gemv=args.fused_gemv))
     image = camera_frame()
@@ -249,13 +274,23 @@ def main() -> None:
     run_replies(stream, short, image, 1, "warm")  # first-call allocations, lazy init
     rows = []
     for b in args.batch:
-        rows.append(summarize(f"stream 1 s x{b}", [run_replies(stream, short, image, b, f"s{b}_{i}_") for i in range(args.repeats)]))
-        rows.append(summarize(f"stream 8 s x{b}", [run_replies(stream, long_, image, b, f"l{b}_{i}_") for i in range(args.repeats)]))
+        rows.append(
+            summarize(
+                f"stream 1 s x{b}", [run_replies(stream, short, image, b, f"s{b}_{i}_") for i in range(args.repeats)]
+            )
+        )
+        rows.append(
+            summarize(
+                f"stream 8 s x{b}", [run_replies(stream, long_, image, b, f"l{b}_{i}_") for i in range(args.repeats)]
+            )
+        )
     ref_row = None
     if not args.no_reference:
         reference = GenerateRunner(loaded, cfg.system_prompt, args.max_reply_tokens, args.max_reply_seconds)
         run_replies(reference, short, image, 1, "rwarm")
-        ref_row = summarize("generate() 1 s", [run_replies(reference, short, image, 1, f"r{i}_") for i in range(args.repeats)])
+        ref_row = summarize(
+            "generate() 1 s", [run_replies(reference, short, image, 1, f"r{i}_") for i in range(args.repeats)]
+        )
         rows.insert(0, ref_row)
 
     # Whether the streamed rows ran on CUDA graphs (captures per stage stay at one per batch
@@ -267,14 +302,20 @@ def main() -> None:
 
         print(f"cuda_peak_allocated_gib={torch.cuda.max_memory_allocated() / 2**30:.1f}")
     ms = lambda v: "     -" if np.isnan(v) else f"{v * 1000:6.1f}"  # noqa: E731
-    print(f"\nmodel={args.preset or args.model or 'tiny'} device={args.device} repeats={args.repeats} "
-          "(medians, ms; the five stage columns are time spent before the first audio frame)")
-    print(f"{'run':<18} {'pre+enc':>7} {'thinker':>7} {'talker':>6} {'MTP':>6} {'codec':>6} {'TTFT':>6} "
-          f"{'TTFA':>6} {'TTFA max':>8} {'MTP/frm':>7} {'c2w/frm':>7} {'RTF':>5} {'audio s':>7}")
+    print(
+        f"\nmodel={args.preset or args.model or 'tiny'} device={args.device} repeats={args.repeats} "
+        "(medians, ms; the five stage columns are time spent before the first audio frame)"
+    )
+    print(
+        f"{'run':<18} {'pre+enc':>7} {'thinker':>7} {'talker':>6} {'MTP':>6} {'codec':>6} {'TTFT':>6} "
+        f"{'TTFA':>6} {'TTFA max':>8} {'MTP/frm':>7} {'c2w/frm':>7} {'RTF':>5} {'audio s':>7}"
+    )
     for r in rows:
-        print(f"{r['name']:<18} {ms(r['pre']):>7} {ms(r['thinker']):>7} {ms(r['talker']):>6} {ms(r['mtp']):>6} "
-              f"{ms(r['codec']):>6} {ms(r['ttft']):>6} {ms(r['ttfa']):>6} {ms(r['ttfa_max']):>8} "
-              f"{ms(r['cp_frame']):>7} {ms(r['c2w_frame']):>7} {r['rtf']:5.2f} {r['audio_s']:7.2f}")
+        print(
+            f"{r['name']:<18} {ms(r['pre']):>7} {ms(r['thinker']):>7} {ms(r['talker']):>6} {ms(r['mtp']):>6} "
+            f"{ms(r['codec']):>6} {ms(r['ttft']):>6} {ms(r['ttfa']):>6} {ms(r['ttfa_max']):>8} "
+            f"{ms(r['cp_frame']):>7} {ms(r['c2w_frame']):>7} {r['rtf']:5.2f} {r['audio_s']:7.2f}"
+        )
     one = next(r for r in rows if r["name"] == "stream 1 s x1") if 1 in args.batch else rows[-2]
     eight = next(r for r in rows if r["name"] == "stream 8 s x1") if 1 in args.batch else rows[-1]
     ratio = one["ttfa"] / ref_row["ttfa"] if ref_row else float("nan")

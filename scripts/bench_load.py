@@ -2,11 +2,11 @@
 from random-weight checkpoints at real widths and a few layers (docs/memory.md).
 
 For each depth in --layers (e.g. 1 and 2 layers in every stack) it writes the hub-shaped
-checkpoint (agent/engine/hub_checkpoint.py: safetensors shards with the released per-expert
+checkpoint (agent/engine/checkpoints/hub.py: safetensors shards with the released per-expert
 keys, the released config.json form; bf16) into a temp dir, then loads it in a fresh process
-exactly as `omni-agent --model DIR` does (agent.engine.model.load_model on "cuda" when there is
+exactly as `omni-agent --model DIR` does (agent.engine.checkpoints.model.load_model on "cuda" when there is
 one, else "cpu", in bf16) and measures that load from inside the process
-(agent/engine/load_memory.py): anonymous RSS sampled every 2 ms, ru_maxrss, the model's bytes and,
+(agent/engine/instruments/load_memory.py): anonymous RSS sampled every 2 ms, ru_maxrss, the model's bytes and,
 on CUDA, torch.cuda.max_memory_allocated().
 
 What is counted as host memory: anonymous RSS. The shards are memory-mapped; their pages are
@@ -47,14 +47,17 @@ def stack_layers(model) -> dict[str, object]:
     """One layer of every stack whose depth --layers sets."""
     thinker, talker = model.thinker.model, model.talker
     return {
-        "thinker": thinker.language_model.layers, "audio_encoder": thinker.audio_tower.layers,
-        "vision_encoder": thinker.visual.blocks, "talker": talker.model.layers,
-        "code_predictor": talker.code_predictor.model.layers, "code2wav": model.code2wav.pre_transformer.layers,
+        "thinker": thinker.language_model.layers,
+        "audio_encoder": thinker.audio_tower.layers,
+        "vision_encoder": thinker.visual.blocks,
+        "talker": talker.model.layers,
+        "code_predictor": talker.code_predictor.model.layers,
+        "code2wav": model.code2wav.pre_transformer.layers,
     }
 
 
 def full_depths(preset: str) -> dict[str, int]:
-    from agent.engine.presets import _build_meta, preset_config
+    from agent.engine.checkpoints.presets import _build_meta, preset_config
 
     return {name: len(layers) for name, layers in stack_layers(_build_meta(preset_config(preset))).items()}
 
@@ -68,10 +71,10 @@ def run(args) -> None:
     import torch
 
     from agent.config import Config
-    from agent.engine import ensure_model
-    from agent.engine.load_memory import LoadMemory, measure_load_in_subprocess
+    from agent.engine.checkpoints.presets import REAL, preset_config
+    from agent.engine.checkpoints.tiny import ensure_model
+    from agent.engine.instruments.load_memory import LoadMemory, measure_load_in_subprocess
     from agent.engine.memory_plan import H100_80G, H200, MemoryPlanError, ModelMemory, plan_for_cards
-    from agent.engine.presets import REAL, preset_config
 
     if args.preset != REAL:
         raise SystemExit(f"--load needs --preset {REAL}")
@@ -84,8 +87,21 @@ def run(args) -> None:
         for layers in (low, high):
             dst = Path(tmp) / f"layers-{layers}"
             log(f"writing {REAL} with {layers} layer(s) per stack, bf16, hub-shaped, into {dst}")
-            subprocess.run([sys.executable, "-m", "agent.engine.hub_checkpoint", str(dst), "--layers", str(layers),
-                            "--tokenizer-from", str(tokenizer)], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "agent.engine.checkpoints.hub",
+                    str(dst),
+                    "--layers",
+                    str(layers),
+                    "--tokenizer-from",
+                    str(tokenizer),
+                ],
+                cwd=ROOT,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             checkpoint = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
             log(f"loading it in a fresh process: load_model(device={device!r}, dtype={dtype!r})")
             measured[layers] = (checkpoint, measure_load_in_subprocess(dst, device, dtype))
@@ -95,49 +111,73 @@ def run(args) -> None:
     x = {layers: measured[layers][1].model_bytes for layers in (low, high)}
 
     columns = {
-        "checkpoint": lambda c, m: c, "anon before": lambda c, m: m.anon_before, "anon peak": lambda c, m: m.anon_peak,
-        "anon after": lambda c, m: m.anon_after, "file peak": lambda c, m: m.file_peak,
-        "maxrss": lambda c, m: m.maxrss, "staging": lambda c, m: m.staging, "host peak": lambda c, m: m.host_peak,
+        "checkpoint": lambda c, m: c,
+        "anon before": lambda c, m: m.anon_before,
+        "anon peak": lambda c, m: m.anon_peak,
+        "anon after": lambda c, m: m.anon_after,
+        "file peak": lambda c, m: m.file_peak,
+        "maxrss": lambda c, m: m.maxrss,
+        "staging": lambda c, m: m.staging,
+        "host peak": lambda c, m: m.host_peak,
         "device": lambda c, m: m.device_peak,
     }
+
     def at_full(a: float, b: float) -> float:
         return extrapolate(x[low], x[high], a, b, exact.weights)
 
     full = {name: at_full(fn(*measured[low]), fn(*measured[high])) for name, fn in columns.items()}
     seconds = at_full(measured[low][1].seconds, measured[high][1].seconds)
     on = measured[low][1]
-    print(f"\nLOAD {REAL}, random bf16 weights at real widths, hub-shaped checkpoint; each depth loaded in a fresh "
-          f"process by agent.engine.model.load_model(device={device!r}, dtype={dtype!r}); tensors on {on.device}")
-    print("GiB; anon = anonymous RSS (counted), file = mapped shards and libraries (page cache, not counted); "
-          + ("host peak = the whole anonymous peak (the model is on the GPU); device = max_memory_allocated"
-             if not on.on_host else "CPU: the model is host memory, so host peak = anonymous peak less what the loaded "
-             "model keeps (interpreter, libraries and staging), staging = what the load held beyond the process "
-             "before it and the model after it; device = the model's bytes"))
+    print(
+        f"\nLOAD {REAL}, random bf16 weights at real widths, hub-shaped checkpoint; each depth loaded in a fresh "
+        f"process by agent.engine.checkpoints.model.load_model(device={device!r}, dtype={dtype!r}); tensors on {on.device}"
+    )
+    print(
+        "GiB; anon = anonymous RSS (counted), file = mapped shards and libraries (page cache, not counted); "
+        + (
+            "host peak = the whole anonymous peak (the model is on the GPU); device = max_memory_allocated"
+            if not on.on_host
+            else "CPU: the model is host memory, so host peak = anonymous peak less what the loaded "
+            "model keeps (interpreter, libraries and staging), staging = what the load held beyond the process "
+            "before it and the model after it; device = the model's bytes"
+        )
+    )
     print(f"{'layers':<22}" + "".join(f"{name:>12}" for name in columns) + f"{'load s':>9}")
     for layers in (low, high):
         checkpoint, m = measured[layers]
-        print(f"{layers:<22}" + "".join(f"{fn(checkpoint, m) / GiB:12.2f}" for fn in columns.values())
-              + f"{m.seconds:9.1f}")
+        print(
+            f"{layers:<22}"
+            + "".join(f"{fn(checkpoint, m) / GiB:12.2f}" for fn in columns.values())
+            + f"{m.seconds:9.1f}"
+        )
     print(f"{'full (extrapolated)':<22}" + "".join(f"{full[name] / GiB:12.2f}" for name in columns) + f"{seconds:9.0f}")
-    print(f"full depth: {', '.join(f'{k} {v}' for k, v in depths.items())} layers; each column extrapolated "
-          f"linearly from {low} and {high} layers per stack over the model's bytes ({x[low] / GiB:.2f} and "
-          f"{x[high] / GiB:.2f} GiB) to the full model's {exact.weights / GiB:.2f} GiB (counted on the meta device)")
+    print(
+        f"full depth: {', '.join(f'{k} {v}' for k, v in depths.items())} layers; each column extrapolated "
+        f"linearly from {low} and {high} layers per stack over the model's bytes ({x[low] / GiB:.2f} and "
+        f"{x[high] / GiB:.2f} GiB) to the full model's {exact.weights / GiB:.2f} GiB (counted on the meta device)"
+    )
 
     memory = replace(exact, weights=int(full["device"]))  # the planner fed the measured full-depth bytes
     plans = plan_for_cards(memory, (H100_80G, H200))
-    print("\nPLAN (agent/engine/memory_plan.py, no flags given; free = what torch reports for the card less "
-          f"0.5 GiB of CUDA context: H100 80GB {H100_80G.free / GiB:.1f} GiB, H200 {H200.free / GiB:.1f} GiB)")
+    print(
+        "\nPLAN (agent/engine/memory_plan.py, no flags given; free = what torch reports for the card less "
+        f"0.5 GiB of CUDA context: H100 80GB {H100_80G.free / GiB:.1f} GiB, H200 {H200.free / GiB:.1f} GiB)"
+    )
     for card, result in plans.items():
         if isinstance(result, MemoryPlanError):
             print(f"{card}: refused: {result}")
         else:
-            print(f"{card}: {result.sessions} sessions x {result.context} tokens; needs {result.need / GiB:.1f} GiB "
-                  f"(weights {result.weights / GiB:.1f}, KV {result.kv / GiB:.1f}, reserve {result.reserve / GiB:.1f})")
+            print(
+                f"{card}: {result.sessions} sessions x {result.context} tokens; needs {result.need / GiB:.1f} GiB "
+                f"(weights {result.weights / GiB:.1f}, KV {result.kv / GiB:.1f}, reserve {result.reserve / GiB:.1f})"
+            )
 
     def sessions(card) -> int:
         result = plans[card.name]
         return 0 if isinstance(result, MemoryPlanError) else result.sessions
 
-    print(f"host_peak_gib_full_depth={full['host peak'] / GiB:.2f} "
-          f"device_peak_gib_full_depth={full['device'] / GiB:.2f} "
-          f"plan_sessions_h100_80g={sessions(H100_80G)} plan_sessions_h200={sessions(H200)}")
+    print(
+        f"host_peak_gib_full_depth={full['host peak'] / GiB:.2f} "
+        f"device_peak_gib_full_depth={full['device'] / GiB:.2f} "
+        f"plan_sessions_h100_80g={sessions(H100_80G)} plan_sessions_h200={sessions(H200)}"
+    )

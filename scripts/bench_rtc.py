@@ -7,7 +7,7 @@ glitches (short holes inside a reply). The server's own TTFA comes from /metrics
 stack overhead is voice-to-voice − end-of-turn silence − server TTFA.
 
 Then the transport comparison, in the same run against the same agent: one audio-only
-WebRTC session, then one WebSocket session (agent.client.WsAgentClient: the same speech
+WebRTC session, then one WebSocket session (agent.client.client.WsAgentClient: the same speech
 streamed as 24 kHz pcm16 `input_audio_buffer.append` events in real time), each for
 --transport-turns turns; both measured at the client from the end of speech in the sent
 audio to the first audible reply audio (WebRTC: the first audible received 20 ms frame;
@@ -72,8 +72,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.client import AgentClient, PatternVideoTrack, WsAgentClient, wait_ready  # noqa: E402
-from agent.ice import restrict_ice_hosts  # noqa: E402
+from agent.client.client import AgentClient, PatternVideoTrack, WsAgentClient, wait_ready  # noqa: E402
+from agent.transport.ice import restrict_ice_hosts  # noqa: E402
 
 
 def make_speech(path: Path, text: str = "Hello agent, what do you see?") -> Path:
@@ -165,8 +165,12 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
     async with aiohttp.ClientSession() as http:
         before = await scrape_histogram(http, url, "agent_time_to_first_audio_seconds")
         underruns_before = await scrape_value(http, url, "agent_playout_underruns_total")
-        stages_before = {stage: [await scrape_value(http, url, f'agent_stage_seconds_{k}{{stage="{stage}"}}')
-                                 for k in ("sum", "count")] for stage in ("vision_encoder", "thinker_prefill")}
+        stages_before = {
+            stage: [
+                await scrape_value(http, url, f'agent_stage_seconds_{k}{{stage="{stage}"}}') for k in ("sum", "count")
+            ]
+            for stage in ("vision_encoder", "thinker_prefill")
+        }
         # Where the agent's CPU goes during the level (engine thread, asyncio thread, ...) and the
         # engine's time by stage; read before the clients connect and before they hang up.
         cpu_before = await scrape_labelled(http, url, "agent_thread_cpu_seconds_total", "thread")
@@ -188,8 +192,9 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
             await asyncio.sleep(1.0)  # let the last replies' audio arrive
             wall = time.monotonic() - t0
             cpu = delta(await scrape_labelled(http, url, "agent_thread_cpu_seconds_total", "thread"), cpu_before)
-            stage_sums = delta(await scrape_labelled(http, url, "agent_engine_seconds_total", "stage"),
-                               stage_sum_before)
+            stage_sums = delta(
+                await scrape_labelled(http, url, "agent_engine_seconds_total", "stage"), stage_sum_before
+            )
             client_cpu = time.process_time() - client_cpu_before
             calls = delta(await scrape_labelled(http, url, "agent_engine_calls_total", "stage"), calls_before)
             rows = delta(await scrape_labelled(http, url, "agent_stage_seconds_count", "stage"), rows_before)
@@ -201,7 +206,9 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         underruns = await scrape_value(http, url, "agent_playout_underruns_total") - underruns_before
         stages = {}  # stage -> seconds per call (mean over the level), from /metrics
         for stage in ("vision_encoder", "thinker_prefill"):
-            total = [await scrape_value(http, url, f'agent_stage_seconds_{k}{{stage="{stage}"}}') for k in ("sum", "count")]
+            total = [
+                await scrape_value(http, url, f'agent_stage_seconds_{k}{{stage="{stage}"}}') for k in ("sum", "count")
+            ]
             stages[stage] = (total[0] - stages_before[stage][0]) / max(total[1] - stages_before[stage][1], 1)
     v2v, ttft, ttfa, overhead, glitches, missing, speculative = [], [], [], [], 0, 0, 0
     image_tokens: list[float] = []
@@ -223,20 +230,37 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         ttfa += [f["ttfa_ms"] / 1000 for f in figures if f.get("ttfa_ms") is not None]
         speculative += sum(bool((f.get("stats") or {}).get("speculative")) for f in figures)
         glitches += c.result.glitches
-        image_tokens += [((d["response"].get("usage") or {}).get("input_token_details") or {}).get("image_tokens", 0)
-                         for d in dones]
+        image_tokens += [
+            ((d["response"].get("usage") or {}).get("input_token_details") or {}).get("image_tokens", 0) for d in dones
+        ]
         late += sum(int((f.get("stats") or {}).get("frames_encoded_at_end_of_turn") or 0) for f in figures)
         # Every reply of the level (not only the measured turns): the underrun counter counts them all.
-        frames += sum(int((omni_figures(d).get("stats") or {}).get("audio_samples") or 0)
-                      for d in c.result.of_type("response.done")) / 480  # 20 ms frames at 24 kHz
+        frames += (
+            sum(
+                int((omni_figures(d).get("stats") or {}).get("audio_samples") or 0)
+                for d in c.result.of_type("response.done")
+            )
+            / 480
+        )  # 20 ms frames at 24 kHz
     return {
-        "n": n, "turns": len(v2v), "missing": missing, "v2v": v2v, "ttft": ttft, "ttfa": ttfa,
-        "overhead": overhead, "glitches": glitches, "underruns": underruns, "speculative": speculative,
+        "n": n,
+        "turns": len(v2v),
+        "missing": missing,
+        "v2v": v2v,
+        "ttft": ttft,
+        "ttfa": ttfa,
+        "overhead": overhead,
+        "glitches": glitches,
+        "underruns": underruns,
+        "speculative": speculative,
         "frames": frames,
         "dones": sum(min(len(c.result.of_type("response.done")), turns) for c in clients),
-        "image_tokens": image_tokens, "late_frames": late, "stages": stages,
+        "image_tokens": image_tokens,
+        "late_frames": late,
+        "stages": stages,
         # CPU-seconds per session-second, by thread kind (the agent's) and for the client process
-        "cpu": {k: v / (n * wall) for k, v in cpu.items()}, "client_cpu": client_cpu / (n * wall),
+        "cpu": {k: v / (n * wall) for k, v in cpu.items()},
+        "client_cpu": client_cpu / (n * wall),
         # engine-thread seconds per session-second, by stage (a batched call counted once)
         "stage_share": {k: v / (n * wall) for k, v in stage_sums.items() if v > 0},
         "spec_outcomes": {k: int(v) for k, v in spec.items()},
@@ -270,17 +294,44 @@ def merge_levels(runs: list[dict]) -> dict:
 def start_server(
     port: int, args: argparse.Namespace, ray_replicas: int = 0, extra: tuple[str, ...] = ()
 ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--ice-host", "127.0.0.1", "--runner", args.runner, "--max-sessions", str(max(args.levels) + 1),
-           "--vad-silence-ms", str(args.silence_ms), "--log-level", "WARNING",
-           "--max-calls-per-minute", "0", *extra]  # one loopback address opens every call
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ice-host",
+        "127.0.0.1",
+        "--runner",
+        args.runner,
+        "--max-sessions",
+        str(max(args.levels) + 1),
+        "--vad-silence-ms",
+        str(args.silence_ms),
+        "--log-level",
+        "WARNING",
+        "--max-calls-per-minute",
+        "0",
+        *extra,
+    ]  # one loopback address opens every call
     if ray_replicas:
         cmd += ["--ray", "--replicas", str(ray_replicas)]
     if not args.ladder:
         # Measure the spoken path's capacity: keep the degradation ladder from switching
         # replies to text (which would hide exactly the latency we are measuring).
-        cmd += ["--text-only-p95-ms", "1e9", "--fallback-p95-ms", "1e9", "--speculation-p95-ms", "1e9",
-                "--fallback-model", "none"]
+        cmd += [
+            "--text-only-p95-ms",
+            "1e9",
+            "--fallback-p95-ms",
+            "1e9",
+            "--speculation-p95-ms",
+            "1e9",
+            "--fallback-model",
+            "none",
+        ]
     if args.model:
         cmd += ["--model", args.model]
     if args.threads:
@@ -307,8 +358,11 @@ async def offer_times(url: str, wav: Path, count: int) -> list[float]:
                 client.pc.createDataChannel("oai-events")
                 await client.pc.setLocalDescription(await client.pc.createOffer())
                 t0 = time.perf_counter()
-                async with http.post(f"{url}/v1/realtime/calls", data=client.pc.localDescription.sdp,
-                                     headers={"Content-Type": "application/sdp"}) as resp:
+                async with http.post(
+                    f"{url}/v1/realtime/calls",
+                    data=client.pc.localDescription.sdp,
+                    headers={"Content-Type": "application/sdp"},
+                ) as resp:
                     await resp.read()
                     elapsed = time.perf_counter() - t0
                     location = resp.headers.get("Location", "")
@@ -329,9 +383,14 @@ async def measure_deployment(args: argparse.Namespace, wav: Path, ray_replicas: 
     try:
         await wait_ready(url, timeout_s=300.0)
         offers = await offer_times(url, wav, args.offers)
-        r = await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
-                                                     video_fps=args.video_fps),
-                            args.ray_calls, args.turns, args.level_timeout_s, args.silence_ms / 1000)
+        r = await run_level(
+            url,
+            lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s, video_fps=args.video_fps),
+            args.ray_calls,
+            args.turns,
+            args.level_timeout_s,
+            args.silence_ms / 1000,
+        )
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -343,17 +402,23 @@ async def compare_ray(args: argparse.Namespace, wav: Path) -> None:
     single, single_offers = await measure_deployment(args, wav, 0)
     print(f"  single process: {single['turns']} turns measured, {single['missing']} without a heard reply", flush=True)
     ray_r, ray_offers = await measure_deployment(args, wav, args.replicas)
-    print(f"  {args.replicas} replicas: {ray_r['turns']} turns measured, {ray_r['missing']} without a heard reply",
-          flush=True)
+    print(
+        f"  {args.replicas} replicas: {ray_r['turns']} turns measured, {ray_r['missing']} without a heard reply",
+        flush=True,
+    )
     ms = lambda v: f"{v * 1000:7.0f}"  # noqa: E731
     print(f"\n{args.ray_calls} concurrent calls, video on; voice-to-voice at the client; offer = POST → 201 answer")
     print(f"{'agent':>14} {'turns':>5} {'v2v p50':>8} {'v2v p95':>8} {'TTFA p50':>8} {'offer p50':>9} {'offer p95':>9}")
     for name, r, offers in (("single", single, single_offers), (f"ray x{args.replicas}", ray_r, ray_offers)):
-        print(f"{name:>14} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
-              f"{ms(pct(r['ttfa'], 50)):>8} {ms(pct(offers, 50)):>9} {ms(pct(offers, 95)):>9}")
+        print(
+            f"{name:>14} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
+            f"{ms(pct(r['ttfa'], 50)):>8} {ms(pct(offers, 50)):>9} {ms(pct(offers, 95)):>9}"
+        )
     direct, proxied = pct(single_offers, 50), pct(ray_offers, 50)
-    print(f"ray_p95_ratio={pct(ray_r['v2v'], 95) / pct(single['v2v'], 95):.2f} offer_p50_direct_ms={direct * 1000:.1f} "
-          f"offer_p50_proxy_ms={proxied * 1000:.1f} proxy_offer_overhead_p50_ms={(proxied - direct) * 1000:.1f}")
+    print(
+        f"ray_p95_ratio={pct(ray_r['v2v'], 95) / pct(single['v2v'], 95):.2f} offer_p50_direct_ms={direct * 1000:.1f} "
+        f"offer_p50_proxy_ms={proxied * 1000:.1f} proxy_offer_overhead_p50_ms={(proxied - direct) * 1000:.1f}"
+    )
 
 
 def underrun_share(r: dict) -> float:
@@ -370,10 +435,15 @@ def print_cpu(results: list[dict]) -> None:
     print(f"{'sessions':>8} " + " ".join(f"{k:>8}" for k in THREADS) + f" {'agent':>8} {'clients':>8}")
     for r in results:
         cpu = r["cpu"]
-        print(f"{r['n']:>8} " + " ".join(f"{cpu.get(k, 0.0):8.3f}" for k in THREADS)
-              + f" {sum(cpu.values()):8.3f} {r['client_cpu']:8.3f}")
-    stages = sorted({k for r in results for k in r["stage_share"]},
-                    key=lambda k: -max(r["stage_share"].get(k, 0.0) for r in results))
+        print(
+            f"{r['n']:>8} "
+            + " ".join(f"{cpu.get(k, 0.0):8.3f}" for k in THREADS)
+            + f" {sum(cpu.values()):8.3f} {r['client_cpu']:8.3f}"
+        )
+    stages = sorted(
+        {k for r in results for k in r["stage_share"]},
+        key=lambda k: -max(r["stage_share"].get(k, 0.0) for r in results),
+    )
     print("\nengine thread seconds per session-second, by stage")
     print(f"{'stage':>18} " + " ".join(f"{'n=' + str(r['n']):>8}" for r in results))
     for stage in [*stages, "untimed"]:
@@ -383,11 +453,20 @@ def print_cpu(results: list[dict]) -> None:
             value = (r["cpu"].get("engine", 0.0) - sum(share.values())) if stage == "untimed" else share.get(stage, 0.0)
             row.append(f"{value:8.3f}")
         print(f"{stage:>18} " + " ".join(row))
-    print("\nrows per engine call (code predictor / code2wav): " + "; ".join(
-        f"n={r['n']}: {r['rows_per_call'].get('code_predictor', float('nan')):.2f} / "
-        f"{r['rows_per_call'].get('code2wav', float('nan')):.2f}" for r in results))
-    print("\nspeculative replies by outcome: " + "; ".join(
-        f"n={r['n']}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["spec_outcomes"].items())) for r in results))
+    print(
+        "\nrows per engine call (code predictor / code2wav): "
+        + "; ".join(
+            f"n={r['n']}: {r['rows_per_call'].get('code_predictor', float('nan')):.2f} / "
+            f"{r['rows_per_call'].get('code2wav', float('nan')):.2f}"
+            for r in results
+        )
+    )
+    print(
+        "\nspeculative replies by outcome: "
+        + "; ".join(
+            f"n={r['n']}: " + ", ".join(f"{k} {v}" for k, v in sorted(r["spec_outcomes"].items())) for r in results
+        )
+    )
 
 
 async def main_async(args: argparse.Namespace) -> None:
@@ -406,17 +485,34 @@ async def main_async(args: argparse.Namespace) -> None:
         silence_s, limit_s = args.silence_ms / 1000, args.level_timeout_s
         # --transcription: every client also asks for live input transcription (partials while
         # it speaks, the final transcript at the end of its turn).
-        session = ({"type": "realtime", "audio": {"input": {"transcription": {"model": "thinker"}}}}
-                   if args.transcription else None)
+        session = (
+            {"type": "realtime", "audio": {"input": {"transcription": {"model": "thinker"}}}}
+            if args.transcription
+            else None
+        )
         if args.warmup_turns:
-            await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
-                                                     video_fps=args.video_fps, session=session),
-                            max(args.levels), args.warmup_turns, limit_s, silence_s)
+            await run_level(
+                url,
+                lambda: AgentClient(
+                    url, wav, video=True, repeat_after_s=args.gap_s, video_fps=args.video_fps, session=session
+                ),
+                max(args.levels),
+                args.warmup_turns,
+                limit_s,
+                silence_s,
+            )
             print(f"  warm-up: {max(args.levels)} sessions x {args.warmup_turns} turns (not measured)", flush=True)
         for n in args.levels:
-            r = await run_level(url, lambda: AgentClient(url, wav, video=True, repeat_after_s=args.gap_s,
-                                                         video_fps=args.video_fps, session=session),
-                                n, args.turns, limit_s, silence_s)
+            r = await run_level(
+                url,
+                lambda: AgentClient(
+                    url, wav, video=True, repeat_after_s=args.gap_s, video_fps=args.video_fps, session=session
+                ),
+                n,
+                args.turns,
+                limit_s,
+                silence_s,
+            )
             results.append(r)
             print(f"  level {n}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
         transports = {}
@@ -424,11 +520,21 @@ async def main_async(args: argparse.Namespace) -> None:
             # Same agent, same speech, one session at a time, no video on either: only the
             # transport differs.
             transports["webrtc"] = await run_level(
-                url, lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s),
-                1, args.transport_turns, limit_s, silence_s)
+                url,
+                lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s),
+                1,
+                args.transport_turns,
+                limit_s,
+                silence_s,
+            )
             transports["websocket"] = await run_level(
-                url, lambda: WsAgentClient(url, wav, repeat_after_s=args.gap_s),
-                1, args.transport_turns, limit_s, silence_s)
+                url,
+                lambda: WsAgentClient(url, wav, repeat_after_s=args.gap_s),
+                1,
+                args.transport_turns,
+                limit_s,
+                silence_s,
+            )
             for name, r in transports.items():
                 print(f"  {name}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
         speculation = {}
@@ -441,8 +547,9 @@ async def main_async(args: argparse.Namespace) -> None:
             # alternate in blocks, so that a drift in the machine's load hits both alike.
             make = {
                 "off": lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s),
-                "on": lambda: AgentClient(url, wav, repeat_after_s=args.gap_s,
-                                          video_source=PatternVideoTrack(640, 480, fps=4)),
+                "on": lambda: AgentClient(
+                    url, wav, repeat_after_s=args.gap_s, video_source=PatternVideoTrack(640, 480, fps=4)
+                ),
             }
             blocks = max(1, min(args.camera_blocks, args.camera_turns))
             parts: dict[str, list[dict]] = {"off": [], "on": []}
@@ -471,17 +578,25 @@ async def main_async(args: argparse.Namespace) -> None:
             server.wait(timeout=30)
 
     ms = lambda v: f"{v * 1000:7.0f}"  # noqa: E731
-    print(f"\nrunner={args.runner} silence={args.silence_ms} ms  (voice-to-voice at the client; "
-          "TTFT/TTFA from the server)")
-    print(f"{'sessions':>8} {'turns':>5} {'v2v p50':>8} {'v2v p95':>8} {'v2v p99':>8} {'TTFT p50':>8} "
-          f"{'TTFA p50':>8} {'TTFA p95':>8} {'/metrics p95':>12} {'ovh p50':>8} {'glitch':>6} {'underrun':>8}")
+    print(
+        f"\nrunner={args.runner} silence={args.silence_ms} ms  (voice-to-voice at the client; "
+        "TTFT/TTFA from the server)"
+    )
+    print(
+        f"{'sessions':>8} {'turns':>5} {'v2v p50':>8} {'v2v p95':>8} {'v2v p99':>8} {'TTFT p50':>8} "
+        f"{'TTFA p50':>8} {'TTFA p95':>8} {'/metrics p95':>12} {'ovh p50':>8} {'glitch':>6} {'underrun':>8}"
+    )
     for r in results:
-        print(f"{r['n']:>8} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
-              f"{ms(pct(r['v2v'], 99)):>8} {ms(pct(r['ttft'], 50)):>8} {ms(pct(r['ttfa'], 50)):>8} "
-              f"{ms(pct(r['ttfa'], 95)):>8} {ms(r['server_ttfa_p95']):>12} {ms(pct(r['overhead'], 50)):>8} "
-              f"{r['glitches']:>6} {r['underruns']:>8.0f}")
-    print("\nunderrun share (20 ms frames the track ran short of audio, over the reply frames made): " + "; ".join(
-        f"n={r['n']}: {underrun_share(r):.2%}" for r in results))
+        print(
+            f"{r['n']:>8} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
+            f"{ms(pct(r['v2v'], 99)):>8} {ms(pct(r['ttft'], 50)):>8} {ms(pct(r['ttfa'], 50)):>8} "
+            f"{ms(pct(r['ttfa'], 95)):>8} {ms(r['server_ttfa_p95']):>12} {ms(pct(r['overhead'], 50)):>8} "
+            f"{r['glitches']:>6} {r['underruns']:>8.0f}"
+        )
+    print(
+        "\nunderrun share (20 ms frames the track ran short of audio, over the reply frames made): "
+        + "; ".join(f"n={r['n']}: {underrun_share(r):.2%}" for r in results)
+    )
     print_cpu(results)
     by_n = {r["n"]: r for r in results}
     share = lambda n: underrun_share(by_n[n]) if n in by_n else float("nan")  # noqa: E731
@@ -493,43 +608,55 @@ async def main_async(args: argparse.Namespace) -> None:
     # CPU contention on this shared 2-core machine (the table shows it per level).
     overhead = pct(by_n[1]["overhead"] if 1 in by_n else [o for r in results for o in r["overhead"]], 50)
     if transports:
-        print("\ntransport (1 session, audio only; end of speech → first audio at the client, "
-              "TTFA from the server)")
+        print("\ntransport (1 session, audio only; end of speech → first audio at the client, TTFA from the server)")
         print(f"{'transport':>9} {'turns':>5} {'e2e p50':>8} {'e2e p95':>8} {'TTFA p50':>8} {'e2e-TTFA':>8}")
         for name, r in transports.items():
-            print(f"{name:>9} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
-                  f"{ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['v2v'], 50) - pct(r['ttfa'], 50)):>8}")
-    ws_minus = (pct(transports["websocket"]["v2v"], 50) - pct(transports["webrtc"]["v2v"], 50)
-                if transports else float("nan"))
+            print(
+                f"{name:>9} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
+                f"{ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['v2v'], 50) - pct(r['ttfa'], 50)):>8}"
+            )
+    ws_minus = (
+        pct(transports["websocket"]["v2v"], 50) - pct(transports["webrtc"]["v2v"], 50) if transports else float("nan")
+    )
     spec_ratio, spec_share = float("nan"), float("nan")
     if speculation:
         print("\nspeculative start (1 session, audio only; server TTFA: end of turn → first audio frame sent)")
-        print(f"{'agent':>9} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'e2e p50':>8} {'from spec':>9} "
-              f"{'glitch':>6} {'underrun':>8}")
+        print(
+            f"{'agent':>9} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'e2e p50':>8} {'from spec':>9} "
+            f"{'glitch':>6} {'underrun':>8}"
+        )
         for name, r in speculation.items():
-            print(f"{'spec ' + name:>9} {len(r['ttfa']):>5} {ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['ttfa'], 95)):>8} "
-                  f"{ms(pct(r['v2v'], 50)):>8} {r['speculative']:>9} {r['glitches']:>6} {r['underruns']:>8.0f}")
+            print(
+                f"{'spec ' + name:>9} {len(r['ttfa']):>5} {ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['ttfa'], 95)):>8} "
+                f"{ms(pct(r['v2v'], 50)):>8} {r['speculative']:>9} {r['glitches']:>6} {r['underruns']:>8.0f}"
+            )
         spec_ratio = pct(speculation["on"]["ttfa"], 50) / pct(speculation["off"]["ttfa"], 50)
         spec_share = speculation["on"]["speculative"] / max(1, speculation["on"]["dones"])
     camera_ratio = camera_v2v_ratio = camera_ttfa_delta = image_tokens = float("nan")
     if camera:
         print("\ncamera (1 session; 640x480 at 4 fps vs none; TTFA from the server, image tokens from usage)")
-        print(f"{'camera':>6} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'v2v p50':>8} {'img tok':>7} "
-              f"{'vision':>8} {'prefill':>8} {'late frames':>11}   (vision, prefill: mean per call at the end of a turn)")
+        print(
+            f"{'camera':>6} {'turns':>5} {'TTFA p50':>8} {'TTFA p95':>8} {'v2v p50':>8} {'img tok':>7} "
+            f"{'vision':>8} {'prefill':>8} {'late frames':>11}   (vision, prefill: mean per call at the end of a turn)"
+        )
         for name, r in camera.items():
-            print(f"{name:>6} {len(r['ttfa']):>5} {ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['ttfa'], 95)):>8} "
-                  f"{ms(pct(r['v2v'], 50)):>8} {pct(r['image_tokens'], 50):>7.0f} "
-                  f"{ms(r['stages']['vision_encoder']):>8} {ms(r['stages']['thinker_prefill']):>8} {r['late_frames']:>11}")
+            print(
+                f"{name:>6} {len(r['ttfa']):>5} {ms(pct(r['ttfa'], 50)):>8} {ms(pct(r['ttfa'], 95)):>8} "
+                f"{ms(pct(r['v2v'], 50)):>8} {pct(r['image_tokens'], 50):>7.0f} "
+                f"{ms(r['stages']['vision_encoder']):>8} {ms(r['stages']['thinker_prefill']):>8} {r['late_frames']:>11}"
+            )
         camera_ratio = pct(camera["on"]["ttfa"], 50) / pct(camera["off"]["ttfa"], 50)
         camera_v2v_ratio = pct(camera["on"]["v2v"], 50) / pct(camera["off"]["v2v"], 50)
         camera_ttfa_delta = pct(camera["on"]["ttfa"], 50) - pct(camera["off"]["ttfa"], 50)
         image_tokens = pct(camera["on"]["image_tokens"], 50)
-    print(f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "
-          f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f} speculative_ttfa_ratio={spec_ratio:.2f} "
-          f"speculative_share={spec_share:.2f} camera_ttfa_ratio={camera_ratio:.2f} "
-          f"camera_ttfa_delta_ms={camera_ttfa_delta * 1000:.1f} camera_v2v_ratio={camera_v2v_ratio:.2f} "
-          f"image_tokens={image_tokens:.0f} underrun_share_2={share(2):.4f} underrun_share_4={share(4):.4f} "
-          f"engine_cpu_per_session_s={engine_cpu(4):.3f} engine_cpu_ratio_4_vs_1={engine_cpu(4) / engine_cpu(1):.2f}")
+    print(
+        f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "
+        f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f} speculative_ttfa_ratio={spec_ratio:.2f} "
+        f"speculative_share={spec_share:.2f} camera_ttfa_ratio={camera_ratio:.2f} "
+        f"camera_ttfa_delta_ms={camera_ttfa_delta * 1000:.1f} camera_v2v_ratio={camera_v2v_ratio:.2f} "
+        f"image_tokens={image_tokens:.0f} underrun_share_2={share(2):.4f} underrun_share_4={share(4):.4f} "
+        f"engine_cpu_per_session_s={engine_cpu(4):.3f} engine_cpu_ratio_4_vs_1={engine_cpu(4) / engine_cpu(1):.2f}"
+    )
 
 
 def main() -> None:
@@ -544,18 +671,30 @@ def main() -> None:
     p.add_argument("--ladder", action="store_true", help="leave the degradation ladder on (default: off)")
     p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
     p.add_argument("--cpu-graphs", action="store_true", help="run the agent with --cpu-graphs (docs/load.md)")
-    p.add_argument("--warmup-turns", type=int, default=0,
-                   help="turns per client at the largest level first, not measured (e.g. to trace CPU graphs)")
-    p.add_argument("--transcription", action="store_true",
-                   help="the load levels' clients ask for input transcription too")
-    p.add_argument("--transport-turns", type=int, default=5,
-                   help="turns each for the WebRTC vs WebSocket comparison (0: skip it)")
-    p.add_argument("--spec-turns", type=int, default=5,
-                   help="turns each with speculative start on and off (0: skip the comparison)")
-    p.add_argument("--camera-turns", type=int, default=5,
-                   help="turns each for the camera on vs off comparison (0: skip it)")
-    p.add_argument("--camera-blocks", type=int, default=2,
-                   help="off/on blocks the camera turns are split into, alternated")
+    p.add_argument(
+        "--warmup-turns",
+        type=int,
+        default=0,
+        help="turns per client at the largest level first, not measured (e.g. to trace CPU graphs)",
+    )
+    p.add_argument(
+        "--transcription", action="store_true", help="the load levels' clients ask for input transcription too"
+    )
+    p.add_argument(
+        "--transport-turns", type=int, default=5, help="turns each for the WebRTC vs WebSocket comparison (0: skip it)"
+    )
+    p.add_argument(
+        "--spec-turns",
+        type=int,
+        default=5,
+        help="turns each with speculative start on and off (0: skip the comparison)",
+    )
+    p.add_argument(
+        "--camera-turns", type=int, default=5, help="turns each for the camera on vs off comparison (0: skip it)"
+    )
+    p.add_argument(
+        "--camera-blocks", type=int, default=2, help="off/on blocks the camera turns are split into, alternated"
+    )
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
     p.add_argument("--ray", action="store_true", help="compare single process with Ray Serve replicas")
     p.add_argument("--replicas", type=int, default=2, help="with --ray: Serve replicas")

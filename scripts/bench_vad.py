@@ -6,7 +6,7 @@ at -23 dBFS) over continuous background at a given SNR (speech RMS over backgrou
   babble  six other espeak-ng voices talking at once (different sentences)
   music   synthetic chords (triads with harmonics and a bass line, a chord per half second) and
           a noise hi-hat on the beat
-plus the clean utterances. The Endpointer (agent/vad.py, default settings: 120 ms to start, 300 ms
+plus the clean utterances. The Endpointer (agent/media/vad.py, default settings: 120 ms to start, 300 ms
 silence to end) runs over the mixture in 80 ms chunks with each detector, and every SpeechStarted
 is scored against the utterances' true spans:
   false starts / min   a turn whose onset is in no utterance (or more than 200 ms before one)
@@ -39,10 +39,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.ingest import AudioChunk  # noqa: E402
-from agent.turn_events import SpeechStarted  # noqa: E402
-from agent.vad import Endpointer  # noqa: E402
-from agent.voice import VAD_KINDS, make_detector  # noqa: E402
+from agent.media.ingest import AudioChunk  # noqa: E402
+from agent.media.turn_events import SpeechStarted  # noqa: E402
+from agent.media.vad import Endpointer  # noqa: E402
+from agent.media.voice import VAD_KINDS, make_detector  # noqa: E402
 
 RATE = 16_000
 SPEECH_DBFS = -23.0
@@ -192,9 +192,11 @@ def versions() -> str:
             return "absent"
 
     espeak_v = subprocess.run(["espeak-ng", "--version"], capture_output=True, text=True).stdout.split()[3]
-    return (f"onnxruntime {v('onnxruntime')}, silero-vad {v('silero-vad')} (silero_vad.onnx), "
-            f"webrtcvad-wheels {v('webrtcvad-wheels')}, numpy {v('numpy')}, espeak-ng {espeak_v}, "
-            f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    return (
+        f"onnxruntime {v('onnxruntime')}, silero-vad {v('silero-vad')} (silero_vad.onnx), "
+        f"webrtcvad-wheels {v('webrtcvad-wheels')}, numpy {v('numpy')}, espeak-ng {espeak_v}, "
+        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+    )
 
 
 def main() -> int:
@@ -214,8 +216,10 @@ def main() -> int:
         lines.append(line)
 
     say(f"# bench_vad {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {versions()}")
-    say(f"# {args.minutes:g} min per condition, speech at {SPEECH_DBFS:g} dBFS, Endpointer defaults "
-        f"(120 ms to start, 300 ms silence to end), silero threshold 0.5, webrtcvad mode 2")
+    say(
+        f"# {args.minutes:g} min per condition, speech at {SPEECH_DBFS:g} dBFS, Endpointer defaults "
+        f"(120 ms to start, 300 ms silence to end), silero threshold 0.5, webrtcvad mode 2"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         rng = np.random.default_rng(args.seed)
@@ -229,8 +233,10 @@ def main() -> int:
                 conditions.append((name, snr, tl.speech + scale_to(bg, 20 * np.log10(speech_rms) - snr)))
         minutes = n / RATE / 60
         say(f"# {len(tl.spans)} utterances per condition ({minutes:.2f} min)")
-        say(f"{'background':<10} {'SNR':>5} {'vad':<7} {'starts':>6} {'false/min':>9} {'missed/min':>10} "
-            f"{'missed %':>8} {'ms/20ms':>8}")
+        say(
+            f"{'background':<10} {'SNR':>5} {'vad':<7} {'starts':>6} {'false/min':>9} {'missed/min':>10} "
+            f"{'missed %':>8} {'ms/20ms':>8}"
+        )
         totals: dict[str, list[float]] = {k: [0.0, 0.0, 0.0, 0] for k in VAD_KINDS}  # type: ignore[misc]
         for name, snr, mix in conditions:
             for kind in VAD_KINDS:
@@ -239,8 +245,10 @@ def main() -> int:
                 false, missed = score(onsets, tl.spans)
                 cpu = detector_cpu_ms(kind, mix)
                 snr_s = "-" if snr is None else f"{snr:g} dB"
-                say(f"{name:<10} {snr_s:>5} {kind:<7} {len(onsets):>6} {false / minutes:>9.2f} "
-                    f"{missed / minutes:>10.2f} {100 * missed / len(tl.spans):>7.1f}% {cpu:>8.3f}")
+                say(
+                    f"{name:<10} {snr_s:>5} {kind:<7} {len(onsets):>6} {false / minutes:>9.2f} "
+                    f"{missed / minutes:>10.2f} {100 * missed / len(tl.spans):>7.1f}% {cpu:>8.3f}"
+                )
                 if snr is not None:
                     t = totals[kind]
                     t[0] += false / minutes
@@ -249,9 +257,14 @@ def main() -> int:
                     t[3] += 1
     noisy = {k: (t[0] / t[3], t[1] / t[3], t[2] / t[3]) for k, t in totals.items()}
     best = min(VAD_KINDS, key=lambda k: noisy[k][0] + noisy[k][1])
-    say("vad_bench " + " ".join(
-        f"{k}_false_per_min={noisy[k][0]:.2f} {k}_missed_per_min={noisy[k][1]:.2f} {k}_ms_per_20ms={noisy[k][2]:.3f}"
-        for k in VAD_KINDS) + f" better={best}")
+    say(
+        "vad_bench "
+        + " ".join(
+            f"{k}_false_per_min={noisy[k][0]:.2f} {k}_missed_per_min={noisy[k][1]:.2f} {k}_ms_per_20ms={noisy[k][2]:.3f}"
+            for k in VAD_KINDS
+        )
+        + f" better={best}"
+    )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")

@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.config import Config  # noqa: E402
-from agent.engine import ensure_model  # noqa: E402
 from agent.engine.api import AudioOut, ReplyDone  # noqa: E402
-from agent.engine.model import load_model  # noqa: E402
-from agent.engine.stream import StreamingRunner  # noqa: E402
+from agent.engine.checkpoints.model import load_model  # noqa: E402
+from agent.engine.checkpoints.tiny import ensure_model  # noqa: E402
+from agent.engine.runner.streaming import StreamingRunner  # noqa: E402
 
 
 def speech_like(seconds: float, seed: int) -> np.ndarray:
@@ -41,8 +41,9 @@ def speech_like(seconds: float, seed: int) -> np.ndarray:
     return (0.2 * np.sin(2 * np.pi * 220 * t) * (t > 0.2) + noise).astype(np.float32)
 
 
-def one_turn(runner: StreamingRunner, sid: str, audio: np.ndarray, frames: list[np.ndarray],
-             mode: str) -> tuple[float, dict]:
+def one_turn(
+    runner: StreamingRunner, sid: str, audio: np.ndarray, frames: list[np.ndarray], mode: str
+) -> tuple[float, dict]:
     runner.open_session(sid)
     try:
         fed = 0
@@ -88,8 +89,13 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(ensure_model(Config(model=args.model)), device=args.device, dtype="auto")
-    runner = StreamingRunner(loaded, "You are a helpful assistant.", max_reply_tokens=8, max_reply_seconds=0.5,
-                             audio_window_s=Config().audio_window_s)
+    runner = StreamingRunner(
+        loaded,
+        "You are a helpful assistant.",
+        max_reply_tokens=8,
+        max_reply_seconds=0.5,
+        audio_window_s=Config().audio_window_s,
+    )
     audio, frames = speech_like(3.0, 1), moving(3.0)
     one_turn(runner, "warm", audio, frames, "video")
     one_turn(runner, "warm2", audio, frames, "stills")
@@ -100,20 +106,28 @@ def main() -> None:
         for mode in modes:
             first, stats = one_turn(runner, f"{mode}{turn}", audio, frames, mode)
             times[mode].append(first)
-            late[mode].append((int(stats.get("video_grids_encoded_at_end_of_turn", 0)),
-                               int(stats.get("video_grids_prefilled_at_end_of_turn", 0)),
-                               int(stats.get("input_video_tokens", 0) + stats.get("input_image_tokens", 0))))
+            late[mode].append(
+                (
+                    int(stats.get("video_grids_encoded_at_end_of_turn", 0)),
+                    int(stats.get("video_grids_prefilled_at_end_of_turn", 0)),
+                    int(stats.get("input_video_tokens", 0) + stats.get("input_image_tokens", 0)),
+                )
+            )
     med = {k: float(np.median(v)) for k, v in times.items()}
-    print(f"{'camera':>7} {'turns':>5} {'first audio p50':>15} {'grids encoded at end':>21} "
-          f"{'grids prefilled at end':>23} {'visual tokens':>14}")
+    print(
+        f"{'camera':>7} {'turns':>5} {'first audio p50':>15} {'grids encoded at end':>21} "
+        f"{'grids prefilled at end':>23} {'visual tokens':>14}"
+    )
     for mode in modes:
         enc = max(e for e, _, _ in late[mode])
         pre = max(p for _, p, _ in late[mode])
         tok = int(np.median([t for _, _, t in late[mode]]))
         print(f"{mode:>7} {len(times[mode]):>5} {med[mode] * 1000:>12.1f} ms {enc:>21} {pre:>23} {tok:>14}")
     video_tokens = int(np.median([t for _, _, t in late["video"]]))
-    print(f"eot_video_ratio={med['video'] / med['off']:.2f} eot_stills_ratio={med['stills'] / med['off']:.2f} "
-          f"video_tokens={video_tokens}")
+    print(
+        f"eot_video_ratio={med['video'] / med['off']:.2f} eot_stills_ratio={med['stills'] / med['off']:.2f} "
+        f"video_tokens={video_tokens}"
+    )
 
 
 if __name__ == "__main__":

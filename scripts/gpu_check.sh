@@ -121,7 +121,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 
 run imports 60 "$PY" -c '
 import sys, torch, transformers, aioice
-from agent.engine.stream import StreamingRunner
+from agent.engine.runner.streaming import StreamingRunner
 print("torch", torch.__version__, "transformers", transformers.__version__)
 if not torch.cuda.is_available():
     sys.exit("torch sees no CUDA device")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.engine.tiny import make_tiny  # noqa: E402
+from agent.engine.checkpoints.tiny import make_tiny  # noqa: E402
 
 
 def main() -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.ice import restrict_ice_hosts
-
+from agent.transport.ice import restrict_ice_hosts
 
 # `make test` runs two xdist workers (scripts/run_tests.sh: -n 2 --dist loadscope
 # --no-loadscope-reorder). The inductor compiles are one core's work for about ten minutes, while
@@ -23,10 +22,17 @@ from agent.ice import restrict_ice_hosts
 #   `compiled_options` fixture).
 # - Units are handed out in collection order, longest first: the compiles, then the long call
 #   loops; the short modules fill in around them.
-COMPILING = ("tests/unit/test_compiled.py", "tests/unit/test_gemv.py", "tests/unit/test_streaming_exact.py",
-             "tests/unit/test_sampling_exact.py")
-LONG = ("tests/integration/test_call_leaks.py", "tests/integration/test_ray_serve.py",
-        "tests/integration/test_real_checkpoint.py")
+COMPILING = (
+    "tests/unit/test_compiled.py",
+    "tests/unit/test_gemv.py",
+    "tests/unit/test_streaming_exact.py",
+    "tests/unit/test_sampling_exact.py",
+)
+LONG = (
+    "tests/integration/test_call_leaks.py",
+    "tests/integration/test_ray_serve.py",
+    "tests/integration/test_real_checkpoint.py",
+)
 
 
 def _module(nodeid: str) -> str:
@@ -91,7 +97,7 @@ def speech_wav(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny Qwen3-Omni written with save_pretrained, built once per test session."""
-    from agent.engine.tiny import make_tiny
+    from agent.engine.checkpoints.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("model") / "tiny-qwen3-omni")
 
@@ -101,7 +107,7 @@ def loaded(tiny_model_dir: Path):
     """The tiny model loaded the real way (from_pretrained), once per test module."""
     import torch
 
-    from agent.engine.model import load_model
+    from agent.engine.checkpoints.model import load_model
 
     torch.set_num_threads(1)
     return load_model(str(tiny_model_dir))
@@ -127,8 +133,12 @@ def compiled_options(tmp_path_factory) -> dict:
     """StreamingRunner options for the compiled per-frame path on CPU, shared by every test that
     compiles: one inductor cache for the session and the same shapes (slots, context), so that
     a step compiled by one test is an on-disk cache hit for the next."""
-    from agent.engine.graphing import GraphConfig
+    from agent.engine.compile.wiring import GraphConfig
 
     # OMNI_AGENT_TEST_COMPILE_CACHE keeps the cache across runs (a developer's re-runs: seconds).
     cache = os.environ.get("OMNI_AGENT_TEST_COMPILE_CACHE") or tmp_path_factory.mktemp("inductor")
-    return {"graphs": GraphConfig(mode="off", compile="on", compile_cache=Path(cache)), "max_sessions": 16, "context_limit": 1024}
+    return {
+        "graphs": GraphConfig(mode="off", compile="on", compile_cache=Path(cache)),
+        "max_sessions": 16,
+        "context_limit": 1024,
+    }

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from agent.engine.kv import KVState
-from agent.engine.stream import StreamingRunner
+from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.state.kv import KVState
 
 PIECE = 1280  # 80 ms of 16 kHz microphone audio: one ingest chunk
 
@@ -90,14 +90,16 @@ def assert_steps_equal_eager(thinker, talker, batch: int, gen: torch.Generator) 
 def generate_reference(loaded, inputs: dict, decoding, seed: int, tokens: int, frames: int, monkeypatch):
     """transformers' generate() on prepared inputs, sampled as `decoding` says, its
     torch.multinomial drawing from the engine's noise for the reply seeded `seed` (the stage told
-    apart by its vocabulary; agent/engine/sampling.py): (text ids without the end, codes
+    apart by its vocabulary; agent/engine/ops/sampling.py): (text ids without the end, codes
     [16, frames], waveform). Greedy stages never draw."""
-    from agent.engine.reference import generate_kwargs
-    from agent.engine.sampling import CODE_PREDICTOR, TALKER, THINKER, race_noise
+    from agent.engine.ops.sampling import CODE_PREDICTOR, TALKER, THINKER, race_noise
+    from agent.engine.runner.reference import generate_kwargs
 
-    stages = {loaded.model.thinker.lm_head.out_features: THINKER,
-              loaded.model.talker.codec_head.out_features: TALKER,
-              loaded.model.talker.code_predictor.lm_head[0].out_features: CODE_PREDICTOR}
+    stages = {
+        loaded.model.thinker.lm_head.out_features: THINKER,
+        loaded.model.talker.codec_head.out_features: TALKER,
+        loaded.model.talker.code_predictor.lm_head[0].out_features: CODE_PREDICTOR,
+    }
     assert len(stages) == 3, "the stages must be told apart by their vocabularies"
     draws = {stage: 0 for stage in stages.values()}
 
@@ -113,15 +115,20 @@ def generate_reference(loaded, inputs: dict, decoding, seed: int, tokens: int, f
     monkeypatch.setattr(torch, "multinomial", multinomial)
     try:
         sequences, wav = loaded.model.generate(
-            **inputs, speaker=loaded.speaker, return_audio=True,
-            **generate_kwargs("thinker", decoding.thinker), **generate_kwargs("talker", decoding.talker),
-            thinker_max_new_tokens=tokens, thinker_eos_token_id=loaded.thinker_eos_ids, thinker_min_new_tokens=1,
+            **inputs,
+            speaker=loaded.speaker,
+            return_audio=True,
+            **generate_kwargs("thinker", decoding.thinker),
+            **generate_kwargs("talker", decoding.talker),
+            thinker_max_new_tokens=tokens,
+            thinker_eos_token_id=loaded.thinker_eos_ids,
+            thinker_min_new_tokens=1,
             talker_max_new_tokens=frames + 1,
         )
     finally:
         hook.remove()
         monkeypatch.undo()
-    generated = sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    generated = sequences[0, inputs["input_ids"].shape[1] :].tolist()
     text = [t for t in generated if t not in loaded.thinker_eos_ids]
     codes = captured["codes"][0].cpu().numpy()
     if decoding.code_predictor.do_sample:

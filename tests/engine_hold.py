@@ -11,7 +11,8 @@ import threading
 from typing import Any
 
 from agent.config import Config
-from agent.engine import Engine, build_engine
+from agent.engine.factory import build_engine
+from agent.engine.loop import Engine
 
 
 class _Holdable:

@@ -37,7 +37,7 @@ class ReplyDone:
 
 @dataclass(frozen=True)
 class TranscriptOut:
-    """A transcript of the user's turn (agent/engine/transcribe.py): the whole text so far, of
+    """A transcript of the user's turn (agent/engine/runner/transcriber.py): the whole text so far, of
     which the first `stable_chars` characters are final; `final`: the turn's last one."""
 
     session_id: str

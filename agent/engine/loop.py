@@ -21,9 +21,19 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .. import metrics
-from .api import AudioOut, EngineBusy, Output, ReplyDone, ReplySink, Runner, StageTime, TextDelta, TranscriptOut
-from .video import LatestFrames
+from agent import metrics
+from agent.engine.api import (
+    AudioOut,
+    EngineBusy,
+    Output,
+    ReplyDone,
+    ReplySink,
+    Runner,
+    StageTime,
+    TextDelta,
+    TranscriptOut,
+)
+from agent.engine.state.latest_frames import LatestFrames
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +67,13 @@ class _Stats:
 class Engine:
     """Facade used by the asyncio side. Thread-safe methods; none of them touch torch."""
 
-    def __init__(self, runner_factory: Callable[[], Runner], inbox_size: int = 256,
-                 fallback_factory: Optional[Callable[[], Runner]] = None, frames_per_turn: int = 2) -> None:
+    def __init__(
+        self,
+        runner_factory: Callable[[], Runner],
+        inbox_size: int = 256,
+        fallback_factory: Optional[Callable[[], Runner]] = None,
+        frames_per_turn: int = 2,
+    ) -> None:
         """runner_factory builds the Omni runner; fallback_factory, when given, a text-only
         runner that serves "fallback" replies (degradation level 2). Both run in the thread.
         frames_per_turn: the newest camera frames a reply is shown."""
@@ -141,8 +156,9 @@ class Engine:
     def has_fallback(self) -> bool:
         return self._fallback_factory is not None
 
-    def begin_reply(self, session_id: str, images: list[np.ndarray], mode: str = "audio",
-                    history: tuple[tuple[str, str], ...] = ()) -> None:
+    def begin_reply(
+        self, session_id: str, images: list[np.ndarray], mode: str = "audio", history: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         """End of turn. images: the frames to show; empty: the newest taken by append_video."""
         if mode not in MODES or (mode == "fallback" and not self.has_fallback):
             raise ValueError(f"reply mode {mode!r} not available")

@@ -7,9 +7,9 @@ need while they run. So
     weights + rows x kv_per_slot(context) + reserve  <=  free device memory before the load
 
 where `rows` is every session slot (--max-sessions plus --max-transcription-sessions) plus the
-graphs' pad row (agent/engine/graphing.py: padded batch rows write into a scratch row of every
+graphs' pad row (agent/engine/compile/wiring.py: padded batch rows write into a scratch row of every
 cache), and `kv_per_slot(context)` is one row of the thinker's cache (context tokens), the
-talker's (context + a reply's frames + 16: agent/engine/stream.py's talker limit), code2wav's
+talker's (context + a reply's frames + 16: agent/engine/runner/streaming.py's talker limit), code2wav's
 per-slot ring and conv state. The code predictor's cache is one batch bucket of 17 tokens,
 counted once.
 
@@ -21,7 +21,7 @@ Where: `size_limits(config)` runs before the engine and the HTTP app are built (
 `serve`, a Ray replica's start), on the main thread before the event loop runs (a Ray replica
 runs it in a worker thread). It reads the checkpoint's config.json (weights counted on the meta
 device: nothing is loaded) and `torch.cuda.mem_get_info()`, and returns the Config with the
-resolved numbers, so admission (agent/realtime/app.py, `config.max_sessions`), the engine inbox
+resolved numbers, so admission (agent/transport/http.py, `config.max_sessions`), the engine inbox
 and the engine's caches (`config.engine_slots`, `config.context_limit`) all read the same ones.
 After the load the engine thread compares the plan with what is really free (`check_after_load`).
 """
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from agent.config import Config
-    from agent.engine.model import LoadedModel
+    from agent.engine.checkpoints.model import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class ModelMemory:
     def from_config(cls, config: Any, dtype: torch.dtype, max_reply_seconds: float) -> ModelMemory:
         """From a `Qwen3OmniMoeConfig` (complete_config applied), nothing allocated: the model is
         built on the meta device and counted."""
-        from agent.engine.presets import _build_meta, _cast_parameters
+        from agent.engine.checkpoints.presets import _build_meta, _cast_parameters
 
         return cls.of_model(_cast_parameters(_build_meta(config), dtype), max_reply_seconds)
 
@@ -103,22 +103,24 @@ class ModelMemory:
     def of_model(cls, model: torch.nn.Module, max_reply_seconds: float) -> ModelMemory:
         """From a built `Qwen3OmniMoeForConditionalGeneration` (on the meta device, or loaded:
         then one code2wav slot, ~3 MB, is made on its device to be counted)."""
-        from agent.engine.code2wav_slots import SlotCode2Wav
-        from agent.engine.model import OUTPUT_RATE
-        from agent.engine.output_audio import talker_tokens_for
+        from agent.engine.checkpoints.model import OUTPUT_RATE
+        from agent.engine.codecs.code2wav import SlotCode2Wav
+        from agent.engine.codecs.output_audio import talker_tokens_for
 
         config = model.config
         weight = model.thinker.lm_head.weight
         size = weight.element_size()
         weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         slot = SlotCode2Wav(model.code2wav, 1)
-        slot_state = sum(t.numel() * t.element_size() for t in (*slot.kv.keys, *slot.kv.values, slot.key_pos,
-                                                                *slot.states.values()))
+        slot_state = sum(
+            t.numel() * t.element_size() for t in (*slot.kv.keys, *slot.kv.values, slot.key_pos, *slot.states.values())
+        )
         del slot
         predictor = config.talker_config.code_predictor_config
         qkv_rows = (predictor.num_attention_heads + 2 * predictor.num_key_value_heads) * _head_dim(predictor)
-        engine_weights = (predictor.num_hidden_layers * (qkv_rows + 2 * predictor.intermediate_size)
-                          * predictor.hidden_size * size)
+        engine_weights = (
+            predictor.num_hidden_layers * (qkv_rows + 2 * predictor.intermediate_size) * predictor.hidden_size * size
+        )
         tokens = config.talker_config.num_code_groups + 1  # the talker's hidden state and codebook 0, then 15 codes
         return cls(
             weights=weights,
@@ -133,8 +135,11 @@ class ModelMemory:
 
     def kv_per_slot(self, context: int) -> int:
         """One slot's caches at `context` tokens (what a session, or the pad row, costs)."""
-        return (self.thinker_kv_token * context + self.talker_kv_token * (context + self.talker_extra_tokens)
-                + self.slot_state)
+        return (
+            self.thinker_kv_token * context
+            + self.talker_kv_token * (context + self.talker_extra_tokens)
+            + self.slot_state
+        )
 
     @property
     def fixed(self) -> int:
@@ -183,18 +188,26 @@ class MemoryPlan:
         m = self.memory
         free = "not derived (CPU)" if self.free is None else f"{_gib(self.free)} free before the load"
         derived = ", ".join(f"--{name.replace('_', '-')}" for name in self.derived) or "none"
-        return "\n".join([
-            f"memory plan ({self.device}, {m.dtype}): {free}",
-            (f"  weights          {_gib(self.weights)} (parameters and buffers {_gib(m.weights)}, the code "
-             f"predictor's fused projections {_gib(m.engine_weights)})"),
-            (f"  KV per session   {_gib(m.kv_per_slot(self.context))} at {self.context} tokens (a token: thinker "
-             f"{m.thinker_kv_token / KiB:.0f} KiB + talker {m.talker_kv_token / KiB:.0f} KiB)"),
-            (f"  KV, all slots    {_gib(self.kv)} ({self.rows} rows: {self.sessions} sessions + {self.transcription} "
-             f"transcription + {PAD_ROWS} pad)"),
-            f"  reserve          {_gib(self.reserve)} (activations, graph pools, workspaces)",
-            f"  needed           {_gib(self.need)}" + ("" if self.free is None else f" of {_gib(self.free)}"),
-            f"  sessions x context  {self.sessions} x {self.context} tokens (sized from memory: {derived})",
-        ])
+        return "\n".join(
+            [
+                f"memory plan ({self.device}, {m.dtype}): {free}",
+                (
+                    f"  weights          {_gib(self.weights)} (parameters and buffers {_gib(m.weights)}, the code "
+                    f"predictor's fused projections {_gib(m.engine_weights)})"
+                ),
+                (
+                    f"  KV per session   {_gib(m.kv_per_slot(self.context))} at {self.context} tokens (a token: thinker "
+                    f"{m.thinker_kv_token / KiB:.0f} KiB + talker {m.talker_kv_token / KiB:.0f} KiB)"
+                ),
+                (
+                    f"  KV, all slots    {_gib(self.kv)} ({self.rows} rows: {self.sessions} sessions + {self.transcription} "
+                    f"transcription + {PAD_ROWS} pad)"
+                ),
+                f"  reserve          {_gib(self.reserve)} (activations, graph pools, workspaces)",
+                f"  needed           {_gib(self.need)}" + ("" if self.free is None else f" of {_gib(self.free)}"),
+                f"  sessions x context  {self.sessions} x {self.context} tokens (sized from memory: {derived})",
+            ]
+        )
 
     def export(self) -> None:
         """Publish the plan on /metrics."""
@@ -254,18 +267,25 @@ def plan(
         raise MemoryPlanError(
             f"the model alone needs {_gib(memory.fixed + reserve)} (weights "
             f"{_gib(memory.weights + memory.engine_weights)} and a {_gib(reserve)} reserve) and {_gib(free)} is free: "
-            "no --max-sessions or --context-limit fits on this GPU; use one with more memory")
+            "no --max-sessions or --context-limit fits on this GPU; use one with more memory"
+        )
     if sessions is not None and context is not None:
         if rows(sessions) * memory.kv_per_slot(context) <= budget:
             return made(sessions, context)
-        raise MemoryPlanError(_too_big(made(sessions, context), most_sessions(context),
-                                       longest_context(sessions, None)))
+        raise MemoryPlanError(
+            _too_big(made(sessions, context), most_sessions(context), longest_context(sessions, None))
+        )
     if sessions is not None:  # the context is derived for the sessions asked for
         ctx = longest_context(sessions)
         if ctx >= MIN_CONTEXT:
             return made(sessions, ctx)
-        raise MemoryPlanError(_too_big(made(sessions, MIN_CONTEXT), most_sessions(MIN_CONTEXT),
-                                       other=f"give a --context-limit under {MIN_CONTEXT}"))
+        raise MemoryPlanError(
+            _too_big(
+                made(sessions, MIN_CONTEXT),
+                most_sessions(MIN_CONTEXT),
+                other=f"give a --context-limit under {MIN_CONTEXT}",
+            )
+        )
     if context is not None:  # the sessions are derived for the context asked for
         n = min(cap, most_sessions(context))
         if n >= 1:
@@ -283,13 +303,16 @@ def plan(
 
 def _too_big(asked: MemoryPlan, sessions: int = 0, context: int = 0, other: str = "") -> str:
     """The refusal: what was asked, what it needs, what is free, and the flags that would fit."""
-    flags = ([f"--max-sessions to {sessions}"] if sessions >= 1 else []) + \
-        ([f"--context-limit to {context}"] if context >= CONTEXT_STEP else [])
+    flags = ([f"--max-sessions to {sessions}"] if sessions >= 1 else []) + (
+        [f"--context-limit to {context}"] if context >= CONTEXT_STEP else []
+    )
     remedies = (["lower " + " or ".join(flags)] if flags else []) + ([other] if other else [])
     noun = "session" if asked.sessions == 1 else "sessions"
-    return (f"{asked.sessions} {noun} x {asked.context} tokens need {_gib(asked.need)} (weights {_gib(asked.weights)}, "
-            f"KV {_gib(asked.kv)}, reserve {_gib(asked.reserve)}); {_gib(asked.free or 0)} free: "
-            + (", or ".join(remedies) if remedies else "nothing fits"))
+    return (
+        f"{asked.sessions} {noun} x {asked.context} tokens need {_gib(asked.need)} (weights {_gib(asked.weights)}, "
+        f"KV {_gib(asked.kv)}, reserve {_gib(asked.reserve)}); {_gib(asked.free or 0)} free: "
+        + (", or ".join(remedies) if remedies else "nothing fits")
+    )
 
 
 def size_limits(config: Config) -> tuple[Config, MemoryPlan]:
@@ -298,8 +321,8 @@ def size_limits(config: Config) -> tuple[Config, MemoryPlan]:
     import torch
     from transformers import AutoConfig
 
-    from agent.engine import ensure_model
-    from agent.engine.model import complete_config, resolve_device, resolve_dtype
+    from agent.engine.checkpoints.model import complete_config, resolve_device, resolve_dtype
+    from agent.engine.checkpoints.tiny import ensure_model
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -309,13 +332,21 @@ def size_limits(config: Config) -> tuple[Config, MemoryPlan]:
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     given = {name: (None if name in config.sized_from_memory else getattr(config, name)) for name in LIMITS}
     # A derived limit's Config value (the default) is its cap: at most 8 sessions, 32768 tokens.
-    result = plan(memory, free, sessions=given["max_sessions"], context=given["context_limit"],
-                  transcription=config.max_transcription_sessions, cap=config.max_sessions,
-                  default_context=config.context_limit, device=str(device))
+    result = plan(
+        memory,
+        free,
+        sessions=given["max_sessions"],
+        context=given["context_limit"],
+        transcription=config.max_transcription_sessions,
+        cap=config.max_sessions,
+        default_context=config.context_limit,
+        device=str(device),
+    )
     log.info("%s", result.describe())
     if free is not None and config.fallback_model not in ("", "none"):
-        log.warning("the plan does not count --fallback-model %s: its weights share the GPU's reserve",
-                    config.fallback_model)
+        log.warning(
+            "the plan does not count --fallback-model %s: its weights share the GPU's reserve", config.fallback_model
+        )
     result.export()
     return replace(config, max_sessions=result.sessions, context_limit=result.context), result
 
@@ -330,13 +361,24 @@ def check_after_load(loaded: LoadedModel, config: Config) -> None:
     free, _ = torch.cuda.mem_get_info(loaded.device)
     free += torch.cuda.memory_reserved(loaded.device) - torch.cuda.memory_allocated(loaded.device)
     memory = ModelMemory.of_model(loaded.model, config.max_reply_seconds or 60.0)
-    wanted = plan(memory, None, sessions=config.max_sessions, context=config.context_limit,
-                  transcription=config.max_transcription_sessions)
+    wanted = plan(
+        memory,
+        None,
+        sessions=config.max_sessions,
+        context=config.context_limit,
+        transcription=config.max_transcription_sessions,
+    )
     need = wanted.kv + RESERVE_BYTES + memory.engine_weights
     if free < need:
-        log.warning("after the load %s is free on %s, the plan needs %s for %d sessions x %d tokens and the reserve: "
-                    "lower --max-sessions or --context-limit if the caches do not fit", _gib(free), loaded.device,
-                    _gib(need), config.max_sessions, config.context_limit)
+        log.warning(
+            "after the load %s is free on %s, the plan needs %s for %d sessions x %d tokens and the reserve: "
+            "lower --max-sessions or --context-limit if the caches do not fit",
+            _gib(free),
+            loaded.device,
+            _gib(need),
+            config.max_sessions,
+            config.context_limit,
+        )
 
 
 def plan_for_cards(memory: ModelMemory, cards: Sequence[Card]) -> dict[str, MemoryPlan | MemoryPlanError]:

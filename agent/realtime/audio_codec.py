@@ -9,8 +9,8 @@ from __future__ import annotations
 import av
 import numpy as np
 
-from ..config import INPUT_RATE
-from ..resample import resample
+from agent.config import INPUT_RATE
+from agent.media.resample import resample
 
 RATES = {"audio/pcm": 24_000, "audio/pcmu": 8_000, "audio/pcma": 8_000}
 
@@ -50,7 +50,7 @@ def to_frame(fmt: str, data: bytes) -> av.AudioFrame:
 
 def to_16k(fmt: str, data: bytes) -> np.ndarray:
     """float32 mono 16 kHz in [-1, 1]: a whole audio item, resampled at once with a low-pass
-    (agent/resample.py: nothing above 8 kHz folds back into the voice band), exactly
+    (agent/media/resample.py: nothing above 8 kHz folds back into the voice band), exactly
     round(len * 16000 / rate) samples."""
     pcm = to_pcm16(fmt, data).astype(np.float32) / 32768.0
     return resample(pcm, RATES[fmt], INPUT_RATE)

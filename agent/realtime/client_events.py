@@ -19,13 +19,13 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import metrics
-from ..engine import EngineBusy
-from . import audio_codec, session_config
-from .events import new_id
+from agent import metrics
+from agent.engine.api import EngineBusy
+from agent.realtime import audio_codec, session_config
+from agent.realtime.events import new_id
 
 if TYPE_CHECKING:
-    from ..session import Session
+    from agent.realtime.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +95,17 @@ def handle(session: "Session", message: str | bytes) -> None:
     event_id = event_id if isinstance(event_id, str) else None
     # Audio is not counted: a client catching up after a stall sends its backlog at once, and
     # dropping it would cut the user's words. What it costs is bounded by the audio itself.
-    carries_audio = (kind == "input_audio_buffer.append" and isinstance(event.get("audio"), str)
-                     and len(event["audio"]) >= _MIN_AUDIO_CHARS)
+    carries_audio = (
+        kind == "input_audio_buffer.append"
+        and isinstance(event.get("audio"), str)
+        and len(event["audio"]) >= _MIN_AUDIO_CHARS
+    )
     if not carries_audio and not _admit(session):
         return
     if len(message) > _MAX_EVENT_CHARS and kind not in _AUDIO_EVENTS:
-        session.emit_error(f"{kind} too large ({len(message)} bytes; at most {_MAX_EVENT_CHARS})", "event_too_large",
-                           event_id=event_id)
+        session.emit_error(
+            f"{kind} too large ({len(message)} bytes; at most {_MAX_EVENT_CHARS})", "event_too_large", event_id=event_id
+        )
         return
     if kind != "input_audio_buffer.append":
         log.debug("session %s: %s %s", session.id, kind, sorted(k for k in event if k not in ("type", "event_id")))
@@ -129,8 +133,9 @@ def _admit(session: "Session") -> bool:
     dropped = rate.report_due()  # also after a flood has stopped: the next event reports the rest
     if dropped is not None:
         metrics.ERRORS.labels(where="event_rate").inc()
-        session.emit_error(f"too many client events (more than {rate.rate:g} a second): {dropped} dropped",
-                           "rate_limited")
+        session.emit_error(
+            f"too many client events (more than {rate.rate:g} a second): {dropped} dropped", "rate_limited"
+        )
     return allowed
 
 
@@ -144,11 +149,14 @@ def _session_update(session: "Session", event: dict[str, Any]) -> None:
         raise BadEvent("session.update needs a session object", "missing_required_parameter", "session")
     update = event["session"]
     if isinstance(update, dict) and set(update) - set(session.settings):
-        log.debug("session %s: session.update fields not served: %s", session.id, sorted(set(update) - set(session.settings)))
+        log.debug(
+            "session %s: session.update fields not served: %s", session.id, sorted(set(update) - set(session.settings))
+        )
     merged = session_config.merge(session.settings, update)
     if session_config.priority_of(merged) != session.priority:
-        raise BadEvent("omni.priority is set when the session is created (the offer's ?priority=)",
-                       param="session.omni.priority")
+        raise BadEvent(
+            "omni.priority is set when the session is created (the offer's ?priority=)", param="session.omni.priority"
+        )
     session.apply_settings(merged)
 
 
@@ -183,8 +191,11 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
     if previous is not None and previous != session.conversation.last_id():
         raise BadEvent("items can only be added at the end of the conversation", "unsupported", "previous_item_id")
     if item.get("type") != "message" or item.get("role") != "user":
-        raise BadEvent("only user messages can be added (no system, assistant or function items)", "unsupported",
-                       "item.role" if item.get("type") == "message" else "item.type")
+        raise BadEvent(
+            "only user messages can be added (no system, assistant or function items)",
+            "unsupported",
+            "item.role" if item.get("type") == "message" else "item.type",
+        )
     content = item.get("content")
     if not isinstance(content, list) or len(content) != 1 or not isinstance(content[0], dict):
         raise BadEvent("a user message holds one content part", "invalid_value", "item.content")
@@ -202,8 +213,9 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
         fmt = session.settings["audio"]["input"]["format"]["type"]
         session.add_user_audio(item_id, audio_codec.to_16k(fmt, data))
     else:
-        raise BadEvent("content must be input_text with text or input_audio with audio", "unsupported",
-                       "item.content[0].type")
+        raise BadEvent(
+            "content must be input_text with text or input_audio with audio", "unsupported", "item.content[0].type"
+        )
 
 
 def _item_retrieve(session: "Session", event: dict[str, Any]) -> None:
@@ -235,17 +247,22 @@ def _response_create(session: "Session", event: dict[str, Any]) -> None:
     if not isinstance(params, dict):
         raise BadEvent("response must be an object", param="response")
     if params.get("conversation") not in (None, "auto"):
-        raise BadEvent("out-of-band responses (conversation: none) are not served", "unsupported",
-                       "response.conversation")
+        raise BadEvent(
+            "out-of-band responses (conversation: none) are not served", "unsupported", "response.conversation"
+        )
     if params.get("input") is not None:
         raise BadEvent("responses over a custom input are not served", "unsupported", "response.input")
     if "output_modalities" in params and params["output_modalities"] not in (["audio"], ["text"]):
-        raise BadEvent("output_modalities must be [\"audio\"] or [\"text\"]", param="response.output_modalities")
+        raise BadEvent('output_modalities must be ["audio"] or ["text"]', param="response.output_modalities")
     if "instructions" in params and not isinstance(params["instructions"], str):
         raise BadEvent("instructions must be a string", param="response.instructions")
     limit = params.get("max_output_tokens")
-    if limit is not None and limit != "inf" and not (isinstance(limit, int) and 1 <= limit <= session_config.MAX_OUTPUT_TOKENS):
-        raise BadEvent("max_output_tokens must be 1..4096 or \"inf\"", param="response.max_output_tokens")
+    if (
+        limit is not None
+        and limit != "inf"
+        and not (isinstance(limit, int) and 1 <= limit <= session_config.MAX_OUTPUT_TOKENS)
+    ):
+        raise BadEvent('max_output_tokens must be 1..4096 or "inf"', param="response.max_output_tokens")
     if params.get("metadata") is not None and not isinstance(params["metadata"], dict):
         raise BadEvent("metadata must be an object", param="response.metadata")
     session.replies.create_response(params, _event_id(event))
@@ -257,8 +274,9 @@ def _response_cancel(session: "Session", event: dict[str, Any]) -> None:
 
 def _output_clear(session: "Session", event: dict[str, Any]) -> None:
     if not session.webrtc:
-        raise BadEvent("output_audio_buffer.clear is for WebRTC calls (WebSocket audio is the client's)",
-                       "unsupported", "type")
+        raise BadEvent(
+            "output_audio_buffer.clear is for WebRTC calls (WebSocket audio is the client's)", "unsupported", "type"
+        )
     session.replies.clear_output()
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Callable, Optional
 
-from ..config import CODEC_FRAME_SAMPLES, OUTPUT_RATE
+from agent.config import CODEC_FRAME_SAMPLES, OUTPUT_RATE
 
 if TYPE_CHECKING:
-    from ..session import Session
-    from .response import Response
+    from agent.realtime.response import Response
+    from agent.realtime.session import Session
 
 FRAME_MS = 80  # one codec frame: the unit a truncation is counted in
 
@@ -29,13 +29,18 @@ def truncate(session: Session, item_id: str, audio_end_ms: int, event_id: Option
         session.emit_error(f"no item {item_id!r}", "item_not_found", param="item_id", event_id=event_id)
         return
     if last is None or last.item_id != item_id or not last.audio:
-        session.emit_error("only the latest spoken assistant item can be truncated", "unsupported",
-                           param="item_id", event_id=event_id)
+        session.emit_error(
+            "only the latest spoken assistant item can be truncated", "unsupported", param="item_id", event_id=event_id
+        )
         return
     produced_ms = last.samples * 1000 // OUTPUT_RATE
     if audio_end_ms > produced_ms:
-        session.emit_error(f"audio_end_ms {audio_end_ms} is past the item's audio ({produced_ms} ms)",
-                           "invalid_value", param="audio_end_ms", event_id=event_id)
+        session.emit_error(
+            f"audio_end_ms {audio_end_ms} is past the item's audio ({produced_ms} ms)",
+            "invalid_value",
+            param="audio_end_ms",
+            event_id=event_id,
+        )
         return
     cut_latest_reply(session, audio_end_ms // FRAME_MS, event_id, _announce_truncation(session, last, audio_end_ms))
 
@@ -54,8 +59,12 @@ def delete_item(session: Session, item_id: str, event_id: Optional[str]) -> None
     the KV cache holds the conversation in order and cannot drop a turn from its middle."""
     last = session.replies.last
     if last is None or last.item_id != item_id:
-        session.emit_error("only the latest assistant item can be deleted: the model's context keeps "
-                           "the conversation in order", "unsupported", param="item_id", event_id=event_id)
+        session.emit_error(
+            "only the latest assistant item can be deleted: the model's context keeps the conversation in order",
+            "unsupported",
+            param="item_id",
+            event_id=event_id,
+        )
         return
 
     def deleted(_kept_tokens: int) -> None:
@@ -66,8 +75,7 @@ def delete_item(session: Session, item_id: str, event_id: Optional[str]) -> None
     cut_latest_reply(session, 0, event_id, deleted)
 
 
-def cut_latest_reply(session: Session, audio_frames: int, event_id: Optional[str],
-                     then: Callable[[int], None]) -> None:
+def cut_latest_reply(session: Session, audio_frames: int, event_id: Optional[str], then: Callable[[int], None]) -> None:
     """Keep the latest reply's first `audio_frames` frames' text in the model's context (a reply
     still running is cancelled first), then call `then(kept_tokens)`."""
     if session.replies.last is session.replies.current:
@@ -90,7 +98,13 @@ def _announce_truncation(session: Session, reply: Response, audio_end_ms: int) -
     def truncated(kept_tokens: int) -> None:
         if reply.item_id in session.conversation:
             session.conversation.set_transcript(reply.item_id, reply.text_upto(kept_tokens))
-        session.emit({"type": "conversation.item.truncated", "item_id": reply.item_id, "content_index": 0,
-                      "audio_end_ms": audio_end_ms})
+        session.emit(
+            {
+                "type": "conversation.item.truncated",
+                "item_id": reply.item_id,
+                "content_index": 0,
+                "audio_end_ms": audio_end_ms,
+            }
+        )
 
     return truncated

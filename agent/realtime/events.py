@@ -16,28 +16,56 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
-def error_event(message: str, code: str, *, param: Optional[str] = None, event_id: Optional[str] = None,
-                kind: str = "invalid_request_error") -> dict[str, Any]:
+def error_event(
+    message: str,
+    code: str,
+    *,
+    param: Optional[str] = None,
+    event_id: Optional[str] = None,
+    kind: str = "invalid_request_error",
+) -> dict[str, Any]:
     """An `error` server event; event_id names the client event that caused it."""
-    return {"type": "error", "error": {"type": kind, "code": code, "message": message, "param": param,
-                                       "event_id": event_id}}
+    return {
+        "type": "error",
+        "error": {"type": kind, "code": code, "message": message, "param": param, "event_id": event_id},
+    }
 
 
 def user_audio_item(item_id: str) -> dict[str, Any]:
     # The audio itself is not kept (it lives in the model's cache); no transcript is made.
-    return {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
-            "content": [{"type": "input_audio", "transcript": None}]}
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "role": "user",
+        "status": "completed",
+        "content": [{"type": "input_audio", "transcript": None}],
+    }
 
 
 def user_text_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
-            "content": [{"type": "input_text", "text": text}]}
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "role": "user",
+        "status": "completed",
+        "content": [{"type": "input_text", "text": text}],
+    }
 
 
 def assistant_item(item_id: str, audio: bool, status: str, content: str | None) -> dict[str, Any]:
     """An assistant message; content None: no content part yet (the item just started)."""
     parts: list[dict[str, Any]] = []
     if content is not None:
-        parts.append({"type": "output_audio", "transcript": content} if audio else {"type": "output_text", "text": content})
-    return {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant", "status": status,
-            "content": parts}
+        parts.append(
+            {"type": "output_audio", "transcript": content} if audio else {"type": "output_text", "text": content}
+        )
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": parts,
+    }

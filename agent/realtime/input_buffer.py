@@ -9,16 +9,20 @@ from typing import Callable, Optional
 import av
 import numpy as np
 
-from ..config import Config
-from ..ingest import CHUNK_SECONDS, AudioIn
-from ..turn_events import TurnEvent
-from ..vad import Endpointer
-from .session_config import TurnDetection
+from agent.config import Config
+from agent.media.ingest import CHUNK_SECONDS, AudioIn
+from agent.media.turn_events import TurnEvent
+from agent.media.vad import Endpointer
+from agent.realtime.session_config import TurnDetection
 
 
 class InputBuffer:
-    def __init__(self, config: Config, turn_detection: Optional[TurnDetection],
-                 echo: Optional[Callable[[], Optional[float]]] = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        turn_detection: Optional[TurnDetection],
+        echo: Optional[Callable[[], Optional[float]]] = None,
+    ) -> None:
         """echo: the level the agent is playing now (None: silent), for the echo guard."""
         self.config = config
         self._echo = echo
@@ -30,11 +34,19 @@ class InputBuffer:
 
     def _endpointer(self) -> Endpointer:
         td, c = self.turn_detection, self.config
-        return Endpointer(silence_ms=td.silence_ms if td else c.vad_silence_ms, min_speech_ms=c.vad_min_speech_ms,
-                          aggressiveness=c.vad_aggressiveness, max_turn_s=c.max_turn_seconds,
-                          preroll_ms=td.prefix_padding_ms if td else 300, vad=c.vad, threshold=c.vad_threshold,
-                          barge_in_ms=c.barge_in_ms, echo_margin_db=c.echo_margin_db if c.echo_guard else None,
-                          echo=self._echo, pause_ms=c.speculation_pause_ms)
+        return Endpointer(
+            silence_ms=td.silence_ms if td else c.vad_silence_ms,
+            min_speech_ms=c.vad_min_speech_ms,
+            aggressiveness=c.vad_aggressiveness,
+            max_turn_s=c.max_turn_seconds,
+            preroll_ms=td.prefix_padding_ms if td else 300,
+            vad=c.vad,
+            threshold=c.vad_threshold,
+            barge_in_ms=c.barge_in_ms,
+            echo_margin_db=c.echo_margin_db if c.echo_guard else None,
+            echo=self._echo,
+            pause_ms=c.speculation_pause_ms,
+        )
 
     @property
     def manual(self) -> bool:

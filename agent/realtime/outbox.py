@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Any, Callable, Optional
 
-from .events import error_event, new_id
+from agent.realtime.events import error_event, new_id
 
 _SSE_QUEUE = 256  # per SSE subscriber; a subscriber that falls this far behind is dropped
 
@@ -30,8 +30,15 @@ class Outbox:
                 # A stalled reader loses its stream, not our memory.
                 self._sse.remove(q)
 
-    def error(self, message: str, code: str, *, param: Optional[str] = None, event_id: Optional[str] = None,
-              kind: str = "invalid_request_error") -> None:
+    def error(
+        self,
+        message: str,
+        code: str,
+        *,
+        param: Optional[str] = None,
+        event_id: Optional[str] = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         self.emit(error_event(message, code, param=param, event_id=event_id, kind=kind))
 
     def close(self) -> None:

@@ -16,15 +16,14 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from .. import metrics
-from ..config import OUTPUT_RATE
-from ..engine import EngineBusy
-from ..engine.api import AudioOut, ReplyDone, TextDelta
-from . import edits, session_config
-from .response import STATUS_BY_REASON, Response
+from agent import metrics
+from agent.config import OUTPUT_RATE
+from agent.engine.api import AudioOut, EngineBusy, ReplyDone, TextDelta
+from agent.realtime import edits, session_config
+from agent.realtime.response import STATUS_BY_REASON, Response
 
 if TYPE_CHECKING:
-    from ..session import Session
+    from agent.realtime.session import Session
 
 
 class Replies:
@@ -73,8 +72,9 @@ class Replies:
             if not s.admission.turns.allow():
                 metrics.TURNS_REJECTED.inc()
                 s.engine.discard_turn(s.id)
-                s.emit_error("too many turns on this engine right now; please repeat", "rate_limited",
-                             kind="server_error")
+                s.emit_error(
+                    "too many turns on this engine right now; please repeat", "rate_limited", kind="server_error"
+                )
                 return
             s.engine_call("hold_turn")  # (EngineBusy: the turn is dropped, nothing is held)
             self._held.append(item_id)
@@ -101,14 +101,21 @@ class Replies:
             s.emit_error("a transcription session does not respond", "unsupported", param="type", event_id=event_id)
             return
         if self.current is not None:
-            s.emit_error(f"a response is in progress ({self.current.id})", "conversation_already_has_active_response",
-                         event_id=event_id)
+            s.emit_error(
+                f"a response is in progress ({self.current.id})",
+                "conversation_already_has_active_response",
+                event_id=event_id,
+            )
             return
         if not held and not s.admission.turns.allow():
             metrics.TURNS_REJECTED.inc()
             s.engine.discard_turn(s.id)
-            s.emit_error("too many turns on this engine right now; please repeat", "rate_limited",
-                         kind="server_error", event_id=event_id)
+            s.emit_error(
+                "too many turns on this engine right now; please repeat",
+                "rate_limited",
+                kind="server_error",
+                event_id=event_id,
+            )
             return
         if self.playing is not None and not held:
             self.clear_output()  # a new reply does not queue behind the old one's audio
@@ -125,9 +132,15 @@ class Replies:
         s.turns += 1
         metrics.TURNS.inc()
         voice = s.settings["audio"]["output"].get("voice") or "default"
-        reply = Response(audio=mode == "audio", mode=mode, end_of_turn=time.monotonic(),
-                         conversation_id=s.conversation_id, voice=voice if isinstance(voice, str) else "default",
-                         max_tokens=limit, metadata=params.get("metadata"))
+        reply = Response(
+            audio=mode == "audio",
+            mode=mode,
+            end_of_turn=time.monotonic(),
+            conversation_id=s.conversation_id,
+            voice=voice if isinstance(voice, str) else "default",
+            max_tokens=limit,
+            metadata=params.get("metadata"),
+        )
         self.current = self.last = reply
         if s.track is not None and reply.audio:
             s.track.begin_reply()
@@ -175,8 +188,13 @@ class Replies:
     def on_first_audio(self, _wall: float) -> None:
         s = self._session
         if self.playing is not None:
-            s.emit({"type": "output_audio_buffer.started", "response_id": self.playing.id,
-                    "omni": {"ttfa_ms": None if self.playing.ttfa is None else round(self.playing.ttfa * 1000, 1)}})
+            s.emit(
+                {
+                    "type": "output_audio_buffer.started",
+                    "response_id": self.playing.id,
+                    "omni": {"ttfa_ms": None if self.playing.ttfa is None else round(self.playing.ttfa * 1000, 1)},
+                }
+            )
 
     def on_drained(self, _wall: float) -> None:
         s = self._session
@@ -249,8 +267,9 @@ class Replies:
         reason = {"length": "max_output_tokens"}.get(done.reason)
         self._finish(reply, STATUS_BY_REASON.get(done.reason, "failed"), reason, done.stats, error)
 
-    def _finish(self, reply: Response, status: str, reason: Optional[str], stats: dict,
-                error: Optional[str] = None) -> None:
+    def _finish(
+        self, reply: Response, status: str, reason: Optional[str], stats: dict, error: Optional[str] = None
+    ) -> None:
         s = self._session
         reply.engine_open = False
         if self.current is reply:

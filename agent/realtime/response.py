@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .events import PCM_FORMAT, assistant_item, new_id
+from agent.realtime.events import PCM_FORMAT, assistant_item, new_id
 
 STATUS_BY_REASON = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled", "error": "failed"}
 
@@ -53,14 +53,25 @@ class Response:
     def _part(self) -> dict[str, Any]:
         return {"type": "audio", "transcript": self.text} if self.audio else {"type": "text", "text": self.text}
 
-    def body(self, output: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None,
-             status_details: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-        return {"object": "realtime.response", "id": self.id, "status": self.status,
-                "status_details": status_details, "output": output, "conversation_id": self.conversation_id,
-                "output_modalities": ["audio"] if self.audio else ["text"],
-                "audio": {"output": {"format": dict(PCM_FORMAT), "voice": self.voice}},
-                "max_output_tokens": "inf" if self.max_tokens is None else self.max_tokens,
-                "usage": usage, "metadata": self.metadata}
+    def body(
+        self,
+        output: list[dict[str, Any]],
+        usage: Optional[dict[str, Any]] = None,
+        status_details: Optional[dict[str, Any]] = None,
+    ) -> dict[str, Any]:
+        return {
+            "object": "realtime.response",
+            "id": self.id,
+            "status": self.status,
+            "status_details": status_details,
+            "output": output,
+            "conversation_id": self.conversation_id,
+            "output_modalities": ["audio"] if self.audio else ["text"],
+            "audio": {"output": {"format": dict(PCM_FORMAT), "voice": self.voice}},
+            "max_output_tokens": "inf" if self.max_tokens is None else self.max_tokens,
+            "usage": usage,
+            "metadata": self.metadata,
+        }
 
     # ---- events ---------------------------------------------------------------------------
     def started(self, previous_item_id: Optional[str]) -> list[dict[str, Any]]:
@@ -93,8 +104,9 @@ class Response:
             text = upto
         return text
 
-    def finished(self, status: str, reason: Optional[str], stats: dict[str, Any],
-                 error: Optional[str] = None) -> list[dict[str, Any]]:
+    def finished(
+        self, status: str, reason: Optional[str], stats: dict[str, Any], error: Optional[str] = None
+    ) -> list[dict[str, Any]]:
         """The closing events; status: completed | incomplete | cancelled | failed."""
         self.status = status
         item_status = "completed" if status == "completed" else "incomplete"
@@ -114,10 +126,17 @@ class Response:
         if status != "completed":
             details = {"type": status, "reason": reason}
             if status == "failed":
-                details = {"type": "failed", "error": {"type": "server_error", "code": "engine_error", "message": error}}
+                details = {
+                    "type": "failed",
+                    "error": {"type": "server_error", "code": "engine_error", "message": error},
+                }
         body = self.body([item], usage(stats), details)
-        body["omni"] = {"ttft_ms": _ms(self.ttft), "ttfa_ms": _ms(self.ttfa), "mode": self.mode,
-                        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}}
+        body["omni"] = {
+            "ttft_ms": _ms(self.ttft),
+            "ttfa_ms": _ms(self.ttfa),
+            "mode": self.mode,
+            "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))},
+        }
         events.append({"type": "response.done", "response": body})
         return events
 
@@ -133,7 +152,11 @@ def usage(stats: dict[str, Any]) -> dict[str, Any]:
         "total_tokens": n_in + text_out + audio_out,
         "input_tokens": n_in,
         "output_tokens": text_out + audio_out,
-        "input_token_details": {"text_tokens": max(0, n_in - audio_in - image_in), "audio_tokens": audio_in,
-                                "image_tokens": image_in, "cached_tokens": 0},
+        "input_token_details": {
+            "text_tokens": max(0, n_in - audio_in - image_in),
+            "audio_tokens": audio_in,
+            "image_tokens": image_in,
+            "cached_tokens": 0,
+        },
         "output_token_details": {"text_tokens": text_out, "audio_tokens": audio_out},
     }

@@ -1,7 +1,7 @@
 """The turn the server's voice detection follows, from the endpointer's events to the session's.
 
 A `Session` owns one `ServerTurn`; it alone changes the turn's state: the user audio item being
-spoken, whether a speculative reply runs on it (agent/engine/speculation.py), and the audio held
+spoken, whether a speculative reply runs on it (agent/engine/runner/speculation.py), and the audio held
 since a pause of the turn. That audio joins the turn only if the user goes on, so a turn ends where
 its last pause began, with speculation or without, and both answer the same audio. Barge-in
 candidates pause the agent's voice (the outbound track holds its queue) until they are confirmed
@@ -19,14 +19,21 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from .. import metrics
-from ..engine import EngineBusy
-from ..turn_events import (BargeInCandidate, BargeInDropped, SpeechAudio, SpeechPaused, SpeechResumed,
-                           SpeechStarted, SpeechStopped)
-from .events import new_id
+from agent import metrics
+from agent.engine.api import EngineBusy
+from agent.media.turn_events import (
+    BargeInCandidate,
+    BargeInDropped,
+    SpeechAudio,
+    SpeechPaused,
+    SpeechResumed,
+    SpeechStarted,
+    SpeechStopped,
+)
+from agent.realtime.events import new_id
 
 if TYPE_CHECKING:
-    from ..session import Session
+    from agent.realtime.session import Session
 
 
 class ServerTurn:
@@ -55,7 +62,7 @@ class ServerTurn:
         return item_id
 
     def on_event(self, event: object) -> None:
-        """One endpointer event (agent/vad.py), in order."""
+        """One endpointer event (agent/media/vad.py), in order."""
         s = self._session
         td = s.input.turn_detection
         try:
@@ -74,8 +81,13 @@ class ServerTurn:
                 # Speech onset on the server clock: the endpointer confirms speech a little later.
                 onset = time.monotonic() - max(0.0, s.input.audio_in.clock - event.onset)
                 s.transcription.speech_started(self.item_id, onset)
-                s.emit({"type": "input_audio_buffer.speech_started", "audio_start_ms": int(event.at * 1000),
-                        "item_id": self.item_id})
+                s.emit(
+                    {
+                        "type": "input_audio_buffer.speech_started",
+                        "audio_start_ms": int(event.at * 1000),
+                        "item_id": self.item_id,
+                    }
+                )
             elif isinstance(event, SpeechAudio):
                 if self.after_pause is not None:
                     self.after_pause.append(event.chunk.pcm)
@@ -100,8 +112,13 @@ class ServerTurn:
                 # The rest of the silence is not part of the turn; create_response commits the
                 # speculation (a refusal discards the turn, and it with it).
                 self.speculating, self.after_pause = False, None
-                s.emit({"type": "input_audio_buffer.speech_stopped",
-                        "audio_end_ms": int(event.end_of_speech * 1000), "item_id": item_id})
+                s.emit(
+                    {
+                        "type": "input_audio_buffer.speech_stopped",
+                        "audio_end_ms": int(event.end_of_speech * 1000),
+                        "item_id": item_id,
+                    }
+                )
                 s.commit_item(item_id, None)
                 s.transcription.speech_stopped(item_id, event.end_of_speech - self.speech_at)
                 if s.transcription_only:
@@ -119,8 +136,13 @@ class ServerTurn:
         it would stutter the reply."""
         s = self._session
         td = s.input.turn_detection
-        if (s.track is not None and s.config.barge_in_pause and s.config.echo_guard
-                and td is not None and td.interrupt_response):
+        if (
+            s.track is not None
+            and s.config.barge_in_pause
+            and s.config.echo_guard
+            and td is not None
+            and td.interrupt_response
+        ):
             s.track.pause(s.config.barge_in_pause_max_ms / 1000)
 
     def _speculate(self) -> None:
@@ -129,9 +151,15 @@ class ServerTurn:
         by itself (server VAD creating responses), none is running, and the ladder allows it."""
         s = self._session
         td = s.input.turn_detection
-        if (self.speculating or s.transcription_only or not s.config.speculative_start or td is None
-                or not td.create_response
-                or s.replies.in_flight or not s.admission.ladder.speculate):
+        if (
+            self.speculating
+            or s.transcription_only
+            or not s.config.speculative_start
+            or td is None
+            or not td.create_response
+            or s.replies.in_flight
+            or not s.admission.ladder.speculate
+        ):
             return
         mode = s.reply_mode(s.settings["output_modalities"])
         if mode == "fallback":

@@ -14,9 +14,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .. import priority
-from ..config import Config
-from .events import PCM_FORMAT, new_id
+from agent.config import Config
+from agent.gate import priority
+from agent.realtime.events import PCM_FORMAT, new_id
 
 # The voices OpenAI's Realtime API names; a client that sends one (most do, by default) is served by
 # the model's default speaker.
@@ -92,8 +92,14 @@ def default_transcription_session(config: Config) -> dict[str, Any]:
     realtime = default_session(config)
     audio_in = realtime["audio"]["input"]
     audio_in["transcription"] = dict(DEFAULT_TRANSCRIPTION)
-    return {"type": "transcription", "object": "realtime.transcription_session", "id": new_id("sess"),
-            "audio": {"input": audio_in}, "include": None, "omni": realtime["omni"]}
+    return {
+        "type": "transcription",
+        "object": "realtime.transcription_session",
+        "id": new_id("sess"),
+        "audio": {"input": audio_in},
+        "include": None,
+        "omni": realtime["omni"],
+    }
 
 
 def base_session(config: Config, kind: Any) -> dict[str, Any]:
@@ -109,8 +115,10 @@ def transcribes(session: dict[str, Any]) -> bool:
 
 def interpret_instructions(language: str) -> str:
     """The interpreter preset's instructions (docs/realtime.md, "Interpreter mode")."""
-    return (f"You are a simultaneous interpreter. Translate everything the user says into {language}. "
-            f"Answer only with the translation, spoken in {language}: no comments, no answers, no questions.")
+    return (
+        f"You are a simultaneous interpreter. Translate everything the user says into {language}. "
+        f"Answer only with the translation, spoken in {language}: no comments, no answers, no questions."
+    )
 
 
 def interpret_to(session: dict[str, Any]) -> Optional[str]:
@@ -145,9 +153,11 @@ def merge(session: dict[str, Any], update: Any) -> dict[str, Any]:
         raise ConfigError("session must be an object", "session")
     kind = session.get("type", "realtime")
     if update.get("type", kind) != kind:
-        raise ConfigError(f"this is a {kind} session: its type is set when it is created (a transcription "
-                          "session: ?intent=transcription or an offer's session with type transcription)",
-                          "session.type")
+        raise ConfigError(
+            f"this is a {kind} session: its type is set when it is created (a transcription "
+            "session: ?intent=transcription or an offer's session with type transcription)",
+            "session.type",
+        )
     # Unknown top-level fields (beta-era `modalities`, `voice`, …) are dropped, not echoed.
     merged = _merge(session, {k: v for k, v in update.items() if k in session})
     # Fields that are the server's, whatever the client says.
@@ -166,74 +176,119 @@ def _check(ok: bool, message: str, param: str) -> None:
 def validate(s: dict[str, Any]) -> None:
     if s.get("type") == "transcription":
         audio = s.get("audio")
-        _check(isinstance(audio, dict) and isinstance(audio.get("input"), dict), "audio must hold an input object",
-               "session.audio")
+        _check(
+            isinstance(audio, dict) and isinstance(audio.get("input"), dict),
+            "audio must hold an input object",
+            "session.audio",
+        )
         _validate_input(audio["input"])
         _validate_omni(s)
         return
     modalities = s.get("output_modalities")
-    _check(modalities in (["audio"], ["text"]), "output_modalities must be [\"audio\"] or [\"text\"]",
-           "session.output_modalities")
+    _check(
+        modalities in (["audio"], ["text"]),
+        'output_modalities must be ["audio"] or ["text"]',
+        "session.output_modalities",
+    )
     _check(isinstance(s.get("instructions"), str), "instructions must be a string", "session.instructions")
     _check(isinstance(s.get("model"), str), "model must be a string", "session.model")
     limit = s.get("max_output_tokens")
-    _check(limit == "inf" or (isinstance(limit, int) and not isinstance(limit, bool) and 1 <= limit <= MAX_OUTPUT_TOKENS),
-           f"max_output_tokens must be 1..{MAX_OUTPUT_TOKENS} or \"inf\"", "session.max_output_tokens")
+    _check(
+        limit == "inf" or (isinstance(limit, int) and not isinstance(limit, bool) and 1 <= limit <= MAX_OUTPUT_TOKENS),
+        f'max_output_tokens must be 1..{MAX_OUTPUT_TOKENS} or "inf"',
+        "session.max_output_tokens",
+    )
     _check(isinstance(s.get("tools"), list), "tools must be a list", "session.tools")
     audio = s.get("audio")
-    _check(isinstance(audio, dict) and isinstance(audio.get("input"), dict) and isinstance(audio.get("output"), dict),
-           "audio must hold input and output objects", "session.audio")
+    _check(
+        isinstance(audio, dict) and isinstance(audio.get("input"), dict) and isinstance(audio.get("output"), dict),
+        "audio must hold input and output objects",
+        "session.audio",
+    )
     _validate_input(audio["input"])
     out = audio["output"]
     fmt = out.get("format")
-    _check(isinstance(fmt, dict) and fmt.get("type") == "audio/pcm" and fmt.get("rate", 24000) == 24000,
-           "audio.output.format must be audio/pcm at 24000 Hz", "session.audio.output.format")
+    _check(
+        isinstance(fmt, dict) and fmt.get("type") == "audio/pcm" and fmt.get("rate", 24000) == 24000,
+        "audio.output.format must be audio/pcm at 24000 Hz",
+        "session.audio.output.format",
+    )
     speed = out.get("speed", 1.0)
     _check(speed in (None, 1, 1.0), "only speed 1.0 is served", "session.audio.output.speed")
-    _check(out.get("voice") is None or isinstance(out.get("voice"), (str, dict)), "voice must be a string",
-           "session.audio.output.voice")
+    _check(
+        out.get("voice") is None or isinstance(out.get("voice"), (str, dict)),
+        "voice must be a string",
+        "session.audio.output.voice",
+    )
     _validate_omni(s)
 
 
 def _validate_input(inp: dict[str, Any]) -> None:
     fmt = inp.get("format")
-    _check(isinstance(fmt, dict) and fmt.get("type") in _INPUT_FORMATS,
-           "audio.input.format.type must be audio/pcm, audio/pcmu or audio/pcma", "session.audio.input.format")
+    _check(
+        isinstance(fmt, dict) and fmt.get("type") in _INPUT_FORMATS,
+        "audio.input.format.type must be audio/pcm, audio/pcmu or audio/pcma",
+        "session.audio.input.format",
+    )
     if fmt["type"] == "audio/pcm":
         _check(fmt.get("rate", 24000) == 24000, "audio/pcm input is 24000 Hz only", "session.audio.input.format.rate")
     tr = inp.get("transcription")
-    _check(tr is None or (isinstance(tr, dict) and all(isinstance(tr.get(k), (str, type(None)))
-                                                       for k in ("model", "language", "prompt"))),
-           "transcription must be null or an object with string model, language, prompt",
-           "session.audio.input.transcription")
+    _check(
+        tr is None
+        or (
+            isinstance(tr, dict)
+            and all(isinstance(tr.get(k), (str, type(None))) for k in ("model", "language", "prompt"))
+        ),
+        "transcription must be null or an object with string model, language, prompt",
+        "session.audio.input.transcription",
+    )
     td = inp.get("turn_detection")
     if td is not None:
-        _check(isinstance(td, dict) and td.get("type") in ("server_vad", "semantic_vad"),
-               "turn_detection.type must be server_vad or semantic_vad (or turn_detection null)",
-               "session.audio.input.turn_detection.type")
+        _check(
+            isinstance(td, dict) and td.get("type") in ("server_vad", "semantic_vad"),
+            "turn_detection.type must be server_vad or semantic_vad (or turn_detection null)",
+            "session.audio.input.turn_detection.type",
+        )
         silence = td.get("silence_duration_ms")
-        _check(silence is None or (isinstance(silence, int) and 20 <= silence <= 10_000),
-               "silence_duration_ms must be 20..10000", "session.audio.input.turn_detection.silence_duration_ms")
+        _check(
+            silence is None or (isinstance(silence, int) and 20 <= silence <= 10_000),
+            "silence_duration_ms must be 20..10000",
+            "session.audio.input.turn_detection.silence_duration_ms",
+        )
         padding = td.get("prefix_padding_ms")
-        _check(padding is None or (isinstance(padding, int) and 0 <= padding <= 2000),
-               "prefix_padding_ms must be 0..2000", "session.audio.input.turn_detection.prefix_padding_ms")
+        _check(
+            padding is None or (isinstance(padding, int) and 0 <= padding <= 2000),
+            "prefix_padding_ms must be 0..2000",
+            "session.audio.input.turn_detection.prefix_padding_ms",
+        )
         for flag in ("create_response", "interrupt_response"):
-            _check(td.get(flag) is None or isinstance(td.get(flag), bool), f"{flag} must be a boolean",
-                   f"session.audio.input.turn_detection.{flag}")
-        _check(td.get("idle_timeout_ms") is None, "idle_timeout_ms is not supported",
-               "session.audio.input.turn_detection.idle_timeout_ms")
+            _check(
+                td.get(flag) is None or isinstance(td.get(flag), bool),
+                f"{flag} must be a boolean",
+                f"session.audio.input.turn_detection.{flag}",
+            )
+        _check(
+            td.get("idle_timeout_ms") is None,
+            "idle_timeout_ms is not supported",
+            "session.audio.input.turn_detection.idle_timeout_ms",
+        )
 
 
 def _validate_omni(s: dict[str, Any]) -> None:
     omni = s.get("omni", {})
     _check(isinstance(omni, dict), "omni must be an object", "session.omni")
-    _check(omni.get("priority", priority.NORMAL) in priority.PRIORITIES,
-           f"omni.priority must be one of {', '.join(priority.PRIORITIES)}", "session.omni.priority")
+    _check(
+        omni.get("priority", priority.NORMAL) in priority.PRIORITIES,
+        f"omni.priority must be one of {', '.join(priority.PRIORITIES)}",
+        "session.omni.priority",
+    )
     _check(isinstance(omni.get("video", True), bool), "omni.video must be true or false", "session.omni.video")
     lang = omni.get("interpret_to")
-    _check(lang is None or (isinstance(lang, str) and 0 < len(lang.strip()) <= 64 and s["type"] == "realtime"),
-           "omni.interpret_to is a language name (1-64 characters), in realtime sessions only",
-           "session.omni.interpret_to")
+    _check(
+        lang is None or (isinstance(lang, str) and 0 < len(lang.strip()) <= 64 and s["type"] == "realtime"),
+        "omni.interpret_to is a language name (1-64 characters), in realtime sessions only",
+        "session.omni.interpret_to",
+    )
 
 
 def video_on(session: dict[str, Any]) -> bool:
@@ -250,11 +305,15 @@ def offer_priority(session: dict[str, Any], requested: Optional[str], fixed: Opt
     """The session with the offer's `?priority=` applied; `fixed`: the priority an ephemeral key's
     session carries, which the offer may not change. Raises ConfigError."""
     if requested is not None:
-        _check(requested in priority.PRIORITIES, f"priority must be one of {', '.join(priority.PRIORITIES)}",
-               "priority")
+        _check(
+            requested in priority.PRIORITIES, f"priority must be one of {', '.join(priority.PRIORITIES)}", "priority"
+        )
         session = {**session, "omni": {**(session.get("omni") or {}), "priority": requested}}
-    _check(fixed is None or priority_of(session) == fixed,
-           f"this key's session has priority {fixed}; the offer cannot change it", "priority")
+    _check(
+        fixed is None or priority_of(session) == fixed,
+        f"this key's session has priority {fixed}; the offer cannot change it",
+        "priority",
+    )
     return session
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from ..ladder import TurnRateLimiter
-from .bridge import Refusal
+from agent.gate.ladder import TurnRateLimiter
+from agent.serve.relay import Refusal
 
 
 class OfferGate:
@@ -25,8 +25,12 @@ class OfferGate:
     def __call__(self) -> Optional[Refusal]:
         self.offers += 1
         if self.draining:
-            return Refusal(503, "this replica is shutting down; retry (another replica takes the call)",
-                           "draining", retry_after_s=1)
+            return Refusal(
+                503,
+                "this replica is shutting down; retry (another replica takes the call)",
+                "draining",
+                retry_after_s=1,
+            )
         if not self._bucket.allow():
             return Refusal(503, "too many new calls per second on this replica", "rate_limited", retry_after_s=1)
         return None

@@ -18,11 +18,11 @@ import ray
 from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
-from ..config import Config
-from .autoscaling import CallsAndGpuPolicy
-from .options import ServeOptions, options_from
-from .replica import AgentReplica, replica_options
-from .router import OwnerPinnedRouter
+from agent.config import Config
+from agent.serve.autoscaling import CallsAndGpuPolicy
+from agent.serve.options import ServeOptions, options_from
+from agent.serve.replica import AgentReplica, replica_options
+from agent.serve.router import OwnerPinnedRouter
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,10 @@ def deployment_settings(options: ServeOptions, has_gpu: bool) -> dict[str, Any]:
             metrics_interval_s=min(10.0, options.look_back_s / 2),
             policy=AutoscalingPolicy(
                 policy_function=POLICY_PATH,
-                policy_kwargs={"target_calls_per_replica": options.target_calls_per_replica,
-                               "gpu_util_high": options.gpu_util_high},
+                policy_kwargs={
+                    "target_calls_per_replica": options.target_calls_per_replica,
+                    "gpu_util_high": options.gpu_util_high,
+                },
             ),
         )
     else:

@@ -40,10 +40,18 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=d.replicas, help="with --ray: agent replicas (one per GPU)")
     p.add_argument("--autoscale", action="store_true", help="with --ray: add/remove replicas on calls and GPU load")
     p.add_argument("--max-replicas", type=int, default=d.max_replicas, help="with --autoscale: ceiling")
-    p.add_argument("--target-calls-per-replica", type=float, default=d.target_calls_per_replica,
-                   help="with --autoscale: calls per replica above which one is added")
-    p.add_argument("--max-offers-per-s", type=float, default=d.max_offers_per_s,
-                   help="with --ray: new calls per second a replica accepts (503 + Retry-After beyond)")
+    p.add_argument(
+        "--target-calls-per-replica",
+        type=float,
+        default=d.target_calls_per_replica,
+        help="with --autoscale: calls per replica above which one is added",
+    )
+    p.add_argument(
+        "--max-offers-per-s",
+        type=float,
+        default=d.max_offers_per_s,
+        help="with --ray: new calls per second a replica accepts (503 + Retry-After beyond)",
+    )
 
 
 def options_from(values: Mapping[str, Any]) -> ServeOptions:

@@ -1,7 +1,7 @@
 """One Serve replica = one whole agent: its engine thread, its aiortc peers, its calls.
 
 The replica builds the same aiohttp application the single-process agent serves, on a Unix
-socket of its own, and hands Serve an ASGI bridge to it (agent/serve/bridge.py). Everything
+socket of its own, and hands Serve an ASGI bridge to it (agent/serve/relay.py). Everything
 runs on the replica's user event loop: the bridge, the aiohttp app, aiortc's peers, so media
 flows between the client and this replica's node and never through the proxy. The replica
 names its calls `<replica id>.<call>` (Config.call_id_prefix), reports its active calls to the
@@ -24,16 +24,16 @@ from aiohttp import web
 from ray import serve
 from ray.serve import metrics as serve_metrics
 
-from .. import metrics
-from ..config import Config
-from ..engine import build_engine
-from ..engine.memory_plan import size_limits
-from ..ice import restrict_ice_hosts
-from ..realtime.app import ENGINE_START, SESSIONS
-from ..server import create_app, liveness
-from .admission import OfferGate
-from .bridge import AsgiBridge
-from .options import ServeOptions
+from agent import metrics
+from agent.config import Config
+from agent.engine.factory import build_engine
+from agent.engine.memory_plan import size_limits
+from agent.serve.admission import OfferGate
+from agent.serve.options import ServeOptions
+from agent.serve.relay import AsgiBridge
+from agent.server import create_app, liveness
+from agent.transport.http import ENGINE_START, SESSIONS
+from agent.transport.ice import restrict_ice_hosts
 
 log = logging.getLogger(__name__)
 
@@ -134,5 +134,3 @@ def replica_options(options: ServeOptions, has_gpu: bool) -> dict[str, Any]:
     """Ray actor options for one replica: a whole GPU where there are GPUs."""
     gpus = options.num_gpus if options.num_gpus >= 0 else (1.0 if has_gpu else 0.0)
     return {"num_gpus": gpus, "num_cpus": options.num_cpus} if gpus else {"num_cpus": options.num_cpus}
-
-

@@ -3,7 +3,7 @@
 Serve's consistent-hash router keeps a session on one replica only while the replica set
 does not change, and its multiplexing falls back to other replicas after a second; a WebRTC
 call cannot move at all (its peer lives in one process). So the owner is not hashed but
-read: the call id names it (agent/serve/keys.py). The id is found in Serve's session header
+read: the call id names it (agent/serve/ownership.py). The id is found in Serve's session header
 (`x-session-id`, also set by `handle.options(session_id=…)`) or in the request itself: the
 proxy hands the router the ASGI scope it will send, pickled, and the path carries the id
 (`/v1/realtime/calls/{id}/events`: EventSource cannot send headers).
@@ -25,7 +25,7 @@ from typing import Any, List, Optional
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
-from .keys import is_offer, owner_from_request, owner_of
+from agent.serve.ownership import is_offer, owner_from_request, owner_of
 
 
 def request_scope(pending: Optional[PendingRequest]) -> Optional[dict[str, Any]]:
@@ -74,8 +74,9 @@ class OwnerPinnedRouter(ConsistentHashRouter):
     def by_load(self, replicas: List[RunningReplica]) -> List[RunningReplica]:
         return sorted(replicas, key=self._load)
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
         if not candidate_replicas:
             return []
         if pending_request is not None:
@@ -84,8 +85,11 @@ class OwnerPinnedRouter(ConsistentHashRouter):
         owner = request_owner(pending_request, scope)
         ranked = self.by_load(candidate_replicas)
         if owner is None:
-            if pending_request is not None and scope is not None and is_offer(scope.get("method", ""),
-                                                                               scope.get("path", "")):
+            if (
+                pending_request is not None
+                and scope is not None
+                and is_offer(scope.get("method", ""), scope.get("path", ""))
+            ):
                 self._count_when_placed(pending_request)
             return [[r] for r in ranked]
         for replica in candidate_replicas:

@@ -45,6 +45,7 @@ CHROMIUM_FLAGS = [
 
 # One atomic look at the page: everything the assertions need, read in a single evaluate
 
+
 def loopback_only() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]
 
@@ -119,8 +120,21 @@ def serve(tiny_model_dir: Path, log_dir: Path, *extra: str):
     """The agent on a free loopback port; yields its base URL and stops it afterwards."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
-    cmd = [sys.executable, "-m", "agent", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--ice-host", "127.0.0.1", "--model", str(tiny_model_dir), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ice-host",
+        "127.0.0.1",
+        "--model",
+        str(tiny_model_dir),
+        *extra,
+    ]
     proc = start_server(cmd, url, log_dir / "server.log")
     try:
         yield url
@@ -137,8 +151,10 @@ def _require_loopback_namespace():
     # a browser would say nothing. A developer's machine skips with the reason.
     missing = pytest.fail if os.environ.get("CI") == "true" else pytest.skip
     if not loopback_only():
-        missing("browser tests send ICE checks to every interface: run them inside "
-                "`unshare -n sh -c 'ip link set lo up && pytest -m browser'` (make test does)")
+        missing(
+            "browser tests send ICE checks to every interface: run them inside "
+            "`unshare -n sh -c 'ip link set lo up && pytest -m browser'` (make test does)"
+        )
     if shutil.which("chromium") is None or shutil.which("sox") is None:
         missing("needs Debian's chromium and sox (make test installs them: apt-get install chromium sox)")
 

@@ -31,13 +31,26 @@ CALL_TIMEOUT_S = 90
 
 # GA server events the agent sends over WebRTC; each must survive the SDK's strict parse.
 STRICT_TYPES = [
-    "session.created", "session.updated", "input_audio_buffer.speech_started",
-    "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "conversation.item.added",
-    "conversation.item.done", "conversation.item.retrieved", "response.created",
-    "response.output_item.added", "response.output_item.done", "response.content_part.added",
-    "response.content_part.done", "response.output_audio_transcript.delta", "response.output_audio.done",
-    "response.output_audio_transcript.done", "output_audio_buffer.started", "output_audio_buffer.stopped",
-    "response.done", "error",
+    "session.created",
+    "session.updated",
+    "input_audio_buffer.speech_started",
+    "input_audio_buffer.speech_stopped",
+    "input_audio_buffer.committed",
+    "conversation.item.added",
+    "conversation.item.done",
+    "conversation.item.retrieved",
+    "response.created",
+    "response.output_item.added",
+    "response.output_item.done",
+    "response.content_part.added",
+    "response.content_part.done",
+    "response.output_audio_transcript.delta",
+    "response.output_audio.done",
+    "response.output_audio_transcript.done",
+    "output_audio_buffer.started",
+    "output_audio_buffer.stopped",
+    "response.done",
+    "error",
 ]
 
 HARNESS = """<!doctype html>
@@ -105,8 +118,7 @@ def serve_vendor(route) -> None:
     """The harness and the SDK's files, fulfilled by the browser itself on the agent's origin."""
     name = route.request.url.rsplit("/", 1)[-1].split("?")[0]
     if name == "harness.html":
-        route.fulfill(status=200, content_type="text/html",
-                      body=HARNESS.replace("STRICT_TYPES", repr(STRICT_TYPES)))
+        route.fulfill(status=200, content_type="text/html", body=HARNESS.replace("STRICT_TYPES", repr(STRICT_TYPES)))
     elif name.endswith(".mjs") and (VENDOR / name).is_file():
         route.fulfill(status=200, content_type="text/javascript", body=(VENDOR / name).read_bytes())
     else:
@@ -124,8 +136,13 @@ def test_agents_sdk_connects_hears_the_reply_and_gets_the_transcript(page, agent
     while time.monotonic() < deadline:
         snap = page.evaluate(SNAPSHOT_JS) or {}
         assert not snap.get("errors"), f"client-side errors: {snap['errors']}"
-        if (snap.get("connected") and snap["transcript"] and snap["audible"] and snap["raw"].get("response.done")
-                and any(i["role"] == "assistant" for i in snap["history"])):
+        if (
+            snap.get("connected")
+            and snap["transcript"]
+            and snap["audible"]
+            and snap["raw"].get("response.done")
+            and any(i["role"] == "assistant" for i in snap["history"])
+        ):
             break
         time.sleep(0.3)
     else:
@@ -133,8 +150,11 @@ def test_agents_sdk_connects_hears_the_reply_and_gets_the_transcript(page, agent
 
     assert snap["callId"] and snap["callId"].startswith("rtc_"), snap
     assert snap["raw"].get("session.updated") and snap["energy"] > 0, snap
-    rejected = {t: (snap["raw"][t], snap["strict"].get(t, 0)) for t in STRICT_TYPES
-                if snap["raw"].get(t, 0) != snap["strict"].get(t, 0)}
+    rejected = {
+        t: (snap["raw"][t], snap["strict"].get(t, 0))
+        for t in STRICT_TYPES
+        if snap["raw"].get(t, 0) != snap["strict"].get(t, 0)
+    }
     assert not rejected, f"events the SDK's schemas rejected (raw, parsed): {rejected}"
     assert not console, f"console errors/warnings: {console}"
     print(f"\nAgents SDK transcript: {snap['transcript']!r}; events: {snap['raw']}")

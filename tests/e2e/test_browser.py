@@ -89,8 +89,16 @@ def drive_call(page, base_url: str, out_dir: Path, timeout_s: float = CALL_TIMEO
     """
     page.goto(base_url)
     page.get_by_role("button", name="Start the call").click()
-    need = ["connected", "session.updated", "transcript delta", "caption", "audio packets", "audio energy",
-            "response.done", "audible"]
+    need = [
+        "connected",
+        "session.updated",
+        "transcript delta",
+        "caption",
+        "audio packets",
+        "audio energy",
+        "response.done",
+        "audible",
+    ]
     seen: dict[str, dict] = {}
     snap: dict = {}
     deadline = time.monotonic() + timeout_s
@@ -125,11 +133,14 @@ def drive_call(page, base_url: str, out_dir: Path, timeout_s: float = CALL_TIMEO
 def switch_to_text(page, timeout_s: float = CALL_TIMEOUT_S) -> dict:
     """Tick "Text replies only" mid-call and wait for a whole text reply (the fake mic loops)."""
     page.get_by_label("Text replies only").check()
-    page.wait_for_function("""() => {
+    page.wait_for_function(
+        """() => {
       const o = window.omni;
       const at = o.events.findIndex((e) => e.type === "session.updated" && e.session.output_modalities[0] === "text");
       return at >= 0 && o.events.slice(at).some((e) => e.type === "response.done" && e.response.omni?.mode === "text");
-    }""", timeout=timeout_s * 1000)
+    }""",
+        timeout=timeout_s * 1000,
+    )
     return page.evaluate("""() => {
       const o = window.omni;
       const text = (id) => document.getElementById(id).innerText.trim();
@@ -184,8 +195,10 @@ def test_call_shows_captions_and_plays_the_agents_voice(page, agent_url, tmp_pat
     keep.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(snap["screenshot"], keep)
     print(f"\nscreenshot: {snap['screenshot']} (copy: {keep})")
-    print(f"caption: {snap['caption']!r}; latency: {snap['latency']}; "
-          f"audio packets {snap['audioPackets']}, energy {snap['audioEnergy']:.4f}")
+    print(
+        f"caption: {snap['caption']!r}; latency: {snap['latency']}; "
+        f"audio packets {snap['audioPackets']}, energy {snap['audioEnergy']:.4f}"
+    )
 
     text = switch_to_text(page)
     assert text["textDeltas"] > 0 and text["audioDeltas"] == 0, text
@@ -211,9 +224,14 @@ def test_refused_offer_is_shown_to_the_user(page, agent_url):
 
 def test_keyed_server_page_mints_an_ephemeral_key(page, keyed_agent_url, api_key):
     calls: list[dict] = []
-    page.on("request", lambda r: calls.append({"url": r.url, "method": r.method,
-                                                "auth": r.headers.get("authorization", "")})
-            if "/v1/realtime/calls" in r.url else None)
+    page.on(
+        "request",
+        lambda r: (
+            calls.append({"url": r.url, "method": r.method, "auth": r.headers.get("authorization", "")})
+            if "/v1/realtime/calls" in r.url
+            else None
+        ),
+    )
     page.goto(keyed_agent_url)
     key_field = page.get_by_label("API key")
     key_field.wait_for(state="visible", timeout=10_000)
@@ -230,7 +248,8 @@ def test_keyed_server_page_mints_an_ephemeral_key(page, keyed_agent_url, api_key
     page.get_by_role("button", name="Start the call").click()
     page.wait_for_function(
         "window.omni.state === 'connected' && window.omni.events.some((e) => e.type === 'session.updated')",
-        timeout=CALL_TIMEOUT_S * 1000)
+        timeout=CALL_TIMEOUT_S * 1000,
+    )
     posts = [c for c in calls if c["method"] == "POST"]
     assert len(posts) == 1 and posts[0]["auth"].startswith("Bearer ek_"), calls
     assert api_key not in str(calls)

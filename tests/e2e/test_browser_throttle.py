@@ -20,13 +20,12 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from engine_hold import HeldEngine
+from loopback import free_port
 
 from agent.config import Config
-from agent.realtime.app import SESSIONS
 from agent.server import create_app
-from engine_hold import HeldEngine
-
-from loopback import free_port
+from agent.transport.http import SESSIONS
 
 pytestmark = pytest.mark.browser
 
@@ -45,9 +44,17 @@ class ThreadedAgent:
     def __init__(self, tiny_model_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
-        self.config = Config(port=self.port, ice_hosts=("127.0.0.1",), model=str(tiny_model_dir),
-                             fallback_model="none", threads=1, max_reply_seconds=1.0,
-                             video_throttle_hold_s=1.0, video_pause_after_s=2.0, engine_inbox=1024)
+        self.config = Config(
+            port=self.port,
+            ice_hosts=("127.0.0.1",),
+            model=str(tiny_model_dir),
+            fallback_model="none",
+            threads=1,
+            max_reply_seconds=1.0,
+            video_throttle_hold_s=1.0,
+            video_pause_after_s=2.0,
+            engine_inbox=1024,
+        )
         self.held = HeldEngine()
         self.engine = self.held(self.config)
         self.app = create_app(self.config, self.engine)

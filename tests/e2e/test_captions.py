@@ -42,11 +42,14 @@ def test_overlay_follows_a_call(page, chromium, agent_url, tmp_path):
         overlay.goto(f"{agent_url}captions.html?session={call_id}")
         overlay.wait_for_function("window.captions.connected", timeout=30_000)
         # Both speakers on screen at once (the fake mic loops: a turn, a reply, the next turn).
-        overlay.wait_for_function("""() => {
+        overlay.wait_for_function(
+            """() => {
           const shown = [...document.querySelectorAll('#lines .line')];
           const said = (who) => shown.some((p) => p.dataset.speaker === who && p.innerText.trim().length > who.length);
           return said('user') && said('agent');
-        }""", timeout=TIMEOUT_MS)
+        }""",
+            timeout=TIMEOUT_MS,
+        )
         lines = overlay.evaluate(LINES_JS)
         assert 2 <= len(lines) <= 3, lines
         assert {line["speaker"] for line in lines} <= {"user", "agent"}

@@ -10,11 +10,12 @@ from typing import Any, Callable, Optional
 import aiohttp
 import pytest
 from aiohttp import web
-
 from loopback import free_port
-from agent.client import NotReady, wait_ready
+
+from agent.client.client import NotReady, wait_ready
 from agent.config import Config
-from agent.engine import Engine, build_engine
+from agent.engine.factory import build_engine
+from agent.engine.loop import Engine
 from agent.server import create_app
 
 
@@ -32,15 +33,22 @@ class RunningAgent:
 
 def agent_config(tiny_model_dir: Path, **overrides: Any) -> Config:
     """The tests' agent: loopback, the tiny model, one torch thread, no fallback model."""
-    values: dict[str, Any] = dict(host="127.0.0.1", port=free_port(), ice_hosts=("127.0.0.1",),
-                                  model=str(tiny_model_dir), threads=1, fallback_model="none",
-                                  max_calls_per_minute=0)  # the suite opens calls faster than people do
+    values: dict[str, Any] = dict(
+        host="127.0.0.1",
+        port=free_port(),
+        ice_hosts=("127.0.0.1",),
+        model=str(tiny_model_dir),
+        threads=1,
+        fallback_model="none",
+        max_calls_per_minute=0,
+    )  # the suite opens calls faster than people do
     values.update(overrides)
     return Config(**values)
 
 
-async def start_agent(tiny_model_dir: Path, engine: Optional[Callable[[Config], Engine]] = None,
-                      **overrides: Any) -> RunningAgent:
+async def start_agent(
+    tiny_model_dir: Path, engine: Optional[Callable[[Config], Engine]] = None, **overrides: Any
+) -> RunningAgent:
     """Serve an agent on a free loopback port and wait (bounded: 60 s) until its engine is ready;
     fail the test with the reason otherwise. `engine` builds a custom engine from the config
     (e.g. a runner wrapped to be slow); default: the real one."""

@@ -20,10 +20,10 @@ import aiohttp
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 from aiortc.mediastreams import AudioStreamTrack
+from realtime_helpers import start_agent
 
 from agent.__main__ import _serve_parser, config_from_args
-from agent.ice import IceServer, parse_ice_server, rtc_configuration
-from realtime_helpers import start_agent
+from agent.transport.ice import IceServer, parse_ice_server, rtc_configuration
 
 SECRET = "top-secret-outside-web"
 
@@ -55,10 +55,23 @@ def web_dir(tmp_path: Path) -> Path:
 async def test_static_files_cannot_leave_web(tiny_model_dir: Path, web_dir: Path) -> None:
     running = await start_agent(tiny_model_dir, web_dir=web_dir)
     port = running.config.port
-    attempts = ["/../secret.txt", "/..%2fsecret.txt", "/%2e%2e/secret.txt", "/%2e%2e%2fsecret.txt",
-                "/%252e%252e%252fsecret.txt", "/..\\secret.txt", "/..%5csecret.txt", "/client.js/../../secret.txt",
-                "/./../secret.txt", "//../secret.txt", "/link.txt", "/linkdir/secret.txt",
-                "/%2Fetc%2Fpasswd", "/../../../../../../etc/passwd", "/static/../../secret.txt"]
+    attempts = [
+        "/../secret.txt",
+        "/..%2fsecret.txt",
+        "/%2e%2e/secret.txt",
+        "/%2e%2e%2fsecret.txt",
+        "/%252e%252e%252fsecret.txt",
+        "/..\\secret.txt",
+        "/..%5csecret.txt",
+        "/client.js/../../secret.txt",
+        "/./../secret.txt",
+        "//../secret.txt",
+        "/link.txt",
+        "/linkdir/secret.txt",
+        "/%2Fetc%2Fpasswd",
+        "/../../../../../../etc/passwd",
+        "/static/../../secret.txt",
+    ]
     try:
         loop = asyncio.get_running_loop()
         statuses = []
@@ -76,8 +89,11 @@ async def test_static_files_cannot_leave_web(tiny_model_dir: Path, web_dir: Path
 
 async def test_no_cors_unless_asked(tiny_model_dir: Path) -> None:
     running = await start_agent(tiny_model_dir)
-    preflight = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "content-type"}
+    preflight = {
+        "Origin": "https://evil.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
     try:
         async with aiohttp.ClientSession() as http:
             async with http.options(f"{running.url}/v1/realtime/calls", headers=preflight) as resp:
@@ -92,20 +108,27 @@ async def test_cors_for_the_named_origin_only(tiny_model_dir: Path) -> None:
     running = await start_agent(tiny_model_dir, cors_origins=("https://app.example",), api_key="k")
     try:
         async with aiohttp.ClientSession() as http:
-            good = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-                    "Access-Control-Request-Headers": "authorization, content-type"}
+            good = {
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            }
             async with http.options(f"{running.url}/v1/realtime/calls", headers=good) as resp:
                 assert resp.status == 204  # answered before the key check: preflights carry no key
                 assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example"
                 assert "POST" in resp.headers["Access-Control-Allow-Methods"]
                 assert "authorization" in resp.headers["Access-Control-Allow-Headers"].lower()
-            async with http.options(f"{running.url}/v1/realtime/calls",
-                                    headers={**good, "Origin": "https://evil.example"}) as resp:
+            async with http.options(
+                f"{running.url}/v1/realtime/calls", headers={**good, "Origin": "https://evil.example"}
+            ) as resp:
                 assert resp.status == 403 and "Access-Control-Allow-Origin" not in resp.headers
                 assert (await resp.json())["error"]["code"] == "cors_forbidden"
             # Replies carry the header for the allowed origin, errors included (so the page can read them).
-            async with http.post(f"{running.url}/v1/realtime/calls", data=b"v=0",
-                                 headers={"Origin": "https://app.example", "Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                f"{running.url}/v1/realtime/calls",
+                data=b"v=0",
+                headers={"Origin": "https://app.example", "Content-Type": "application/sdp"},
+            ) as resp:
                 assert resp.status == 401
                 assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example"
             async with http.get(f"{running.url}/v1/omni/config", headers={"Origin": "https://evil.example"}) as resp:
@@ -131,8 +154,9 @@ async def test_calls_per_minute_per_address(tiny_model_dir: Path) -> None:
     try:
         async with aiohttp.ClientSession() as http:
             for _ in range(4):
-                async with http.post(f"{running.url}/v1/realtime/calls", data=offer,
-                                     headers={"Content-Type": "application/sdp"}) as resp:
+                async with http.post(
+                    f"{running.url}/v1/realtime/calls", data=offer, headers={"Content-Type": "application/sdp"}
+                ) as resp:
                     statuses.append(resp.status)
                     if resp.status == 201:
                         async with http.delete(running.url + resp.headers["Location"]) as gone:
@@ -147,8 +171,9 @@ async def test_calls_per_minute_per_address(tiny_model_dir: Path) -> None:
             async with http.get(f"{running.url}/v1/realtime?model=x") as resp:
                 assert resp.status == 429 and (await resp.json())["error"]["code"] == "rate_limited"
             # A refused offer is not a bad one: bad input is still told apart (400), not counted.
-            async with http.post(f"{running.url}/v1/realtime/calls", data=b"garbage",
-                                 headers={"Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                f"{running.url}/v1/realtime/calls", data=b"garbage", headers={"Content-Type": "application/sdp"}
+            ) as resp:
                 assert resp.status == 400
     finally:
         await running.stop()
@@ -160,18 +185,28 @@ def test_ice_server_flags() -> None:
 
     parser = argparse.ArgumentParser()
     _serve_parser(parser)
-    ns = parser.parse_args(["--ice-server", "stun:stun.example.com:3478",
-                            "--ice-server", "turn:turn.example.com:3478?transport=udp,alice,s3cret",
-                            "--cors-origin", "https://app.example"])
+    ns = parser.parse_args(
+        [
+            "--ice-server",
+            "stun:stun.example.com:3478",
+            "--ice-server",
+            "turn:turn.example.com:3478?transport=udp,alice,s3cret",
+            "--cors-origin",
+            "https://app.example",
+        ]
+    )
     config = config_from_args(ns)
-    assert config.ice_servers == (IceServer("stun:stun.example.com:3478"),
-                                  IceServer("turn:turn.example.com:3478?transport=udp", "alice", "s3cret"))
+    assert config.ice_servers == (
+        IceServer("stun:stun.example.com:3478"),
+        IceServer("turn:turn.example.com:3478?transport=udp", "alice", "s3cret"),
+    )
     assert "s3cret" not in repr(config)
     assert config.cors_origins == ("https://app.example",)
     servers = rtc_configuration(config.ice_servers).iceServers
     assert [(s.urls, s.username, s.credential) for s in servers] == [
         ("stun:stun.example.com:3478", None, None),
-        ("turn:turn.example.com:3478?transport=udp", "alice", "s3cret")]
+        ("turn:turn.example.com:3478?transport=udp", "alice", "s3cret"),
+    ]
     assert rtc_configuration(()).iceServers == []  # never aiortc's default public STUN server
     for bad in ("http://turn.example.com", "turn:turn.example.com", "turn:t.example.com,alice", "stun:"):
         with pytest.raises(ValueError):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-
-from agent.client import AgentClient
 from realtime_helpers import start_agent, wait_no_sessions
+
+from agent.client.client import AgentClient
 
 
 @pytest.fixture
@@ -89,13 +89,18 @@ async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wa
         (b"garbage", "application/sdp", 400),
         (b"v=0\r\n", "application/sdp", 400),
         (b"x" * 70_000, "application/sdp", 413),
-        (b'--b\r\nContent-Disposition: form-data; name="session"\r\n\r\n{"type": "realtime"}\r\n--b--\r\n',
-         "multipart/form-data; boundary=b", 400),
+        (
+            b'--b\r\nContent-Disposition: form-data; name="session"\r\n\r\n{"type": "realtime"}\r\n--b--\r\n',
+            "multipart/form-data; boundary=b",
+            400,
+        ),
     ],
 )
 async def test_bad_offers_get_4xx_with_reason(agent_url: str, body: bytes, content_type: str, status: int) -> None:
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{agent_url}/v1/realtime/calls", data=body, headers={"Content-Type": content_type}) as resp:
+        async with http.post(
+            f"{agent_url}/v1/realtime/calls", data=body, headers={"Content-Type": content_type}
+        ) as resp:
             assert resp.status == status
             payload = await resp.json()
             assert isinstance(payload["error"]["message"], str) and payload["error"]["message"]
@@ -156,7 +161,7 @@ async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: P
     # complete with its remaining audio dropped).
     stopped_index = r.events.index(stopped)
     flushed = [i for i, e in enumerate(r.events) if e["type"] == "output_audio_buffer.cleared" and mark <= i]
-    assert flushed and flushed[0] < stopped_index, [e["type"] for e in r.events[mark:stopped_index + 1]]
+    assert flushed and flushed[0] < stopped_index, [e["type"] for e in r.events[mark : stopped_index + 1]]
     assert first_done[0]["response"]["status"] in ("cancelled", "completed", "incomplete"), first_done[0]
     # What is still heard after the barge-in is what was in flight (aiortc and jitter buffers),
     # never the rest of the reply: a wide bound, a quarter of the window (an unstopped reply
@@ -180,7 +185,7 @@ async def _next_event(client: AgentClient, kind: str, after: int, timeout: float
 async def _event_after(client: AgentClient, kind: str, index: int, timeout: float) -> dict:
     """The first event of this kind after position `index` in the client's events (bounded)."""
     for _ in range(int(timeout * 20)):
-        for event in client.result.events[index + 1:]:
+        for event in client.result.events[index + 1 :]:
             if event["type"] == kind:
                 return event
         await asyncio.sleep(0.05)
@@ -195,9 +200,14 @@ async def test_data_channel_errors_and_text_only_mode(agent_url: str, speech_wav
         await client.connect()
         await client.wait_event("session.created", timeout=10)
         await client.wait_open()
-        for bad in ("garbage", "[1, 2]", '{"type": 7}', '{"type": "no.such.event"}',
-                    '{"type": "session.update", "session": [1]}',
-                    '{"type": "session.update", "event_id": "ev_bad", "session": {"output_modalities": ["smell"]}}'):
+        for bad in (
+            "garbage",
+            "[1, 2]",
+            '{"type": 7}',
+            '{"type": "no.such.event"}',
+            '{"type": "session.update", "session": [1]}',
+            '{"type": "session.update", "event_id": "ev_bad", "session": {"output_modalities": ["smell"]}}',
+        ):
             client.channel.send(bad)
         client.send({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"]}})
         await client.wait_event("session.updated", timeout=10)

@@ -11,21 +11,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.client import AgentClient
-from agent.metrics import REGISTRY
 from realtime_helpers import start_agent
+
+from agent.client.client import AgentClient
+from agent.metrics import REGISTRY
 
 
 def pauses() -> dict[str, float]:
-    return {o: REGISTRY.get_sample_value("agent_barge_in_pauses_total", {"outcome": o}) or 0.0
-            for o in ("flushed", "resumed", "expired")}
+    return {
+        o: REGISTRY.get_sample_value("agent_barge_in_pauses_total", {"outcome": o}) or 0.0
+        for o in ("flushed", "resumed", "expired")
+    }
 
 
 async def talk_over_reply(tiny_model_dir: Path, speech_wav: Path, **overrides) -> tuple[dict, dict[str, float]]:
     # The tiny model's random voice is louder than the test speech: a -20 dB margin lets that
     # speech count as a barge-in over it (the echo guard's level rule is not what is tested here).
-    agent = await start_agent(tiny_model_dir, max_sessions=1, max_reply_tokens=200, max_reply_seconds=8.0,
-                              speculative_start=False, echo_margin_db=-20.0, **overrides)
+    agent = await start_agent(
+        tiny_model_dir,
+        max_sessions=1,
+        max_reply_tokens=200,
+        max_reply_seconds=8.0,
+        speculative_start=False,
+        echo_margin_db=-20.0,
+        **overrides,
+    )
     client = AgentClient(agent.url, speech_wav, video=False)
     before = pauses()
     try:

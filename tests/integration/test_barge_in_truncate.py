@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from agent.client import AgentClient
 from realtime_helpers import long_replies_engine, start_agent
+
+from agent.client.client import AgentClient
 
 
 async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_wav: Path, strict_event) -> None:
@@ -21,8 +22,15 @@ async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_
     # Echo guard's level rule off: this client plays espeak speech quieter than the tiny model's
     # voice and never plays the reply back (the guard has its own tests: test_echo_rtc.py).
     # Replies run to their 4 s cap: a random talker ending after a second would leave nothing to cut.
-    agent = await start_agent(tiny_model_dir, engine=long_replies_engine, max_sessions=1, max_reply_tokens=48,
-                              max_reply_seconds=4.0, speculative_start=False, echo_guard=False)
+    agent = await start_agent(
+        tiny_model_dir,
+        engine=long_replies_engine,
+        max_sessions=1,
+        max_reply_tokens=48,
+        max_reply_seconds=4.0,
+        speculative_start=False,
+        echo_guard=False,
+    )
     client = AgentClient(agent.url, speech_wav, video=False)
     try:
         await client.connect()
@@ -31,8 +39,23 @@ async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_
         # From here the server VAD still interrupts but creates no reply: the barge-in speech
         # must not start a reply of its own before the slot is inspected (a state race on a
         # loaded machine, not something to skip on).
-        client.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
-            "turn_detection": {"type": "server_vad", "create_response": False, "interrupt_response": True}}}}})
+        client.send(
+            {
+                "type": "session.update",
+                "session": {
+                    "type": "realtime",
+                    "audio": {
+                        "input": {
+                            "turn_detection": {
+                                "type": "server_vad",
+                                "create_response": False,
+                                "interrupt_response": True,
+                            }
+                        }
+                    },
+                },
+            }
+        )
         updated = await client.wait_event("session.updated", timeout=30)
         assert updated["session"]["audio"]["input"]["turn_detection"]["create_response"] is False
         for _ in range(100):  # some of the reply is heard, far from all of it (4 s)

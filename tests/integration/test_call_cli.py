@@ -19,7 +19,6 @@ import wave
 from pathlib import Path
 
 import numpy as np
-
 from loopback import free_port
 from realtime_helpers import start_agent, wait_no_sessions
 
@@ -42,9 +41,20 @@ def make_video(path: Path, width: int = 320, height: int = 240, frames: int = 30
 
 async def _spawn(url: str, *args: str) -> asyncio.subprocess.Process:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return await asyncio.create_subprocess_exec(sys.executable, "-m", "agent", "call", url, "--ice-host", "127.0.0.1",
-                                                *args, cwd=REPO, env=env,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "agent",
+        "call",
+        url,
+        "--ice-host",
+        "127.0.0.1",
+        *args,
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
 
 
 async def _collect(stream: asyncio.StreamReader, lines: list[str]) -> None:
@@ -60,15 +70,30 @@ def _wav_rms(path: Path) -> tuple[int, float]:
 
 
 async def test_call_reconnects_until_the_agent_answers_then_prints_text_and_writes_audio(
-        tiny_model_dir: Path, speech_wav: Path, tmp_path: Path) -> None:
+    tiny_model_dir: Path, speech_wav: Path, tmp_path: Path
+) -> None:
     port = free_port()
     out_wav = tmp_path / "agent.wav"
     video = make_video(tmp_path / "camera.y4m")
-    proc = await _spawn(f"http://127.0.0.1:{port}", "--audio", str(speech_wav), "--video", str(video),
-                        "--out", str(out_wav), "--max-replies", "1", "--max-seconds", "150")
+    proc = await _spawn(
+        f"http://127.0.0.1:{port}",
+        "--audio",
+        str(speech_wav),
+        "--video",
+        str(video),
+        "--out",
+        str(out_wav),
+        "--max-replies",
+        "1",
+        "--max-seconds",
+        "150",
+    )
     stdout: list[str] = []
     stderr: list[str] = []
-    readers = [asyncio.ensure_future(_collect(proc.stdout, stdout)), asyncio.ensure_future(_collect(proc.stderr, stderr))]
+    readers = [
+        asyncio.ensure_future(_collect(proc.stdout, stdout)),
+        asyncio.ensure_future(_collect(proc.stderr, stderr)),
+    ]
     agent = None
     try:
         for _ in range(100):  # nothing listens yet: the client must be retrying
@@ -96,11 +121,23 @@ async def test_call_reconnects_until_the_agent_answers_then_prints_text_and_writ
 async def test_ctrl_c_hangs_up_and_leaves_a_valid_wav(tiny_model_dir: Path, speech_wav: Path, tmp_path: Path) -> None:
     agent = await start_agent(tiny_model_dir, max_reply_seconds=2.0)
     out_wav = tmp_path / "agent.wav"
-    proc = await _spawn(agent.url, "--audio", str(speech_wav), "--video", str(make_video(tmp_path / "camera.y4m")),
-                        "--out", str(out_wav), "--max-seconds", "150")
+    proc = await _spawn(
+        agent.url,
+        "--audio",
+        str(speech_wav),
+        "--video",
+        str(make_video(tmp_path / "camera.y4m")),
+        "--out",
+        str(out_wav),
+        "--max-seconds",
+        "150",
+    )
     stdout: list[str] = []
     stderr: list[str] = []
-    readers = [asyncio.ensure_future(_collect(proc.stdout, stdout)), asyncio.ensure_future(_collect(proc.stderr, stderr))]
+    readers = [
+        asyncio.ensure_future(_collect(proc.stdout, stdout)),
+        asyncio.ensure_future(_collect(proc.stderr, stderr)),
+    ]
     try:
         for _ in range(1200):  # bounded: 120 s for the first words of the reply
             if any(line.startswith("agent: ") for line in stdout) or proc.returncode is not None:

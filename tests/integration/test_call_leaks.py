@@ -37,17 +37,25 @@ import aioice.ice
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from aiortc import (RTCDataChannel, RTCDtlsTransport, RTCIceTransport, RTCPeerConnection, RTCRtpReceiver,
-                    RTCRtpSender, RTCRtpTransceiver, RTCSctpTransport)
+from aiortc import (
+    RTCDataChannel,
+    RTCDtlsTransport,
+    RTCIceTransport,
+    RTCPeerConnection,
+    RTCRtpReceiver,
+    RTCRtpSender,
+    RTCRtpTransceiver,
+    RTCSctpTransport,
+)
 from aiortc.rtcrtpreceiver import RemoteStreamTrack
+from realtime_helpers import start_agent
 
 from agent import metrics
-from agent.client import AgentClient, PatternVideoTrack, WavTrack
-from agent.playout import AgentAudioTrack
-from agent.realtime.rtc import RtcCall
+from agent.client.client import AgentClient, PatternVideoTrack, WavTrack
+from agent.media.playout import AgentAudioTrack
+from agent.realtime.session import Session
 from agent.server import SESSIONS
-from agent.session import Session
-from realtime_helpers import start_agent
+from agent.transport.rtc import RtcCall
 
 # One agent (one event loop) serves every test here.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -65,9 +73,23 @@ WARMUP_CALLS = 40
 ENDED_EARLY: Counter = Counter()  # calls the agent ended before their reply began, per ending
 # What a call creates and must not outlive it, on either end of the loopback. Matched by
 # exact type: isinstance() against ABCs over every object would grow the ABC caches.
-PER_CALL = {RTCPeerConnection, RTCRtpTransceiver, RTCRtpReceiver, RTCRtpSender, RTCDtlsTransport, RTCIceTransport,
-            RTCSctpTransport, RTCDataChannel, RemoteStreamTrack, AgentAudioTrack, WavTrack, PatternVideoTrack,
-            Session, RtcCall, AgentClient}
+PER_CALL = {
+    RTCPeerConnection,
+    RTCRtpTransceiver,
+    RTCRtpReceiver,
+    RTCRtpSender,
+    RTCDtlsTransport,
+    RTCIceTransport,
+    RTCSctpTransport,
+    RTCDataChannel,
+    RemoteStreamTrack,
+    AgentAudioTrack,
+    WavTrack,
+    PatternVideoTrack,
+    Session,
+    RtcCall,
+    AgentClient,
+}
 
 
 def _native_threads() -> int:
@@ -87,9 +109,21 @@ def _rss_mb() -> float:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap_in_use_mb() -> float:
@@ -124,7 +158,8 @@ async def agent(tiny_model_dir: Path, short_wav: Path):
     # sends after the far end vanished) with its traceback, whose frames hold that peer:
     # report such errors in one line instead, so the test does not keep what it counts.
     asyncio.get_running_loop().set_exception_handler(
-        lambda loop, context: print(f"asyncio: {context['message']}: {context.get('exception')!r}"))
+        lambda loop, context: print(f"asyncio: {context['message']}: {context.get('exception')!r}")
+    )
     # The connect timeout ends the never-connecting calls; 10 s, since on a loaded machine eight
     # peers at once may need several seconds for ICE and DTLS.
     running = await start_agent(tiny_model_dir, max_sessions=10, connect_timeout_s=10.0, max_turns_per_s=1000.0)
@@ -206,8 +241,9 @@ async def _settle(app: web.Application, threads_at_most: int) -> None:
 
 
 @pytest.mark.parametrize("ending", ["abrupt", "polite", "hangup", "never_connects"])
-async def test_calls_leave_no_threads_objects_or_memory(agent, short_wav: Path, ending: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_calls_leave_no_threads_objects_or_memory(
+    agent, short_wav: Path, ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, app = agent
     if ending == "abrupt":
         _quick_consent(monkeypatch)
@@ -245,14 +281,16 @@ async def test_calls_leave_no_threads_objects_or_memory(agent, short_wav: Path, 
     rss_after, heap_after, blocks_after = _rss_mb(), heap_rounds[-1], sys.getallocatedblocks()
     measured = CALLS[ending] - CONCURRENCY  # calls after the first round
     tasks_after = len(asyncio.all_tasks())
-    print(f"\nleaks: {CALLS[ending]} {ending} calls in {time.monotonic() - started:.0f} s, "
-          f"threads {threads_at_start}→{threads_first}→{threads_after} "
-          f"({sorted(Counter(t.name.rstrip('0123456789_') for t in threading.enumerate()).items())}), "
-          f"RSS {rss_first:.1f}→{rss_after:.1f} MB, asyncio tasks {tasks_first}→{tasks_after}, "
-          f"ended early (consent lost under load): {ENDED_EARLY[ending]}, "
-          f"alive after a round: {dict(alive) or 'none'}; RSS per round {[round(r) for r in rss_rounds]}; "
-          f"native heap in use {heap_first:.1f}→{heap_after:.1f} MB, per round {[round(h, 1) for h in heap_rounds]}; "
-          f"Python blocks {blocks_first}→{blocks_after}")
+    print(
+        f"\nleaks: {CALLS[ending]} {ending} calls in {time.monotonic() - started:.0f} s, "
+        f"threads {threads_at_start}→{threads_first}→{threads_after} "
+        f"({sorted(Counter(t.name.rstrip('0123456789_') for t in threading.enumerate()).items())}), "
+        f"RSS {rss_first:.1f}→{rss_after:.1f} MB, asyncio tasks {tasks_first}→{tasks_after}, "
+        f"ended early (consent lost under load): {ENDED_EARLY[ending]}, "
+        f"alive after a round: {dict(alive) or 'none'}; RSS per round {[round(r) for r in rss_rounds]}; "
+        f"native heap in use {heap_first:.1f}→{heap_after:.1f} MB, per round {[round(h, 1) for h in heap_rounds]}; "
+        f"Python blocks {blocks_first}→{blocks_after}"
+    )
     assert not app[SESSIONS], "the agent still holds sessions"
     assert ENDED_EARLY[ending] <= CALLS[ending] // 10, f"{ENDED_EARLY[ending]} calls ended before their reply"
     active = [metrics.REGISTRY.get_sample_value("agent_sessions_active", {"priority": p}) for p in ("high", "normal")]
@@ -273,9 +311,11 @@ async def test_calls_leave_no_threads_objects_or_memory(agent, short_wav: Path, 
     steps = [after - before for before, after in zip([heap_first] + heap_rounds, heap_rounds)]
     median_kb, heap_growth = statistics.median(steps) * 1024, heap_after - heap_first
     block_growth = blocks_after - blocks_first
-    assert median_kb < CONCURRENCY * 20, (f"native heap in use grew {median_kb:.0f} KB in the median round; "
-                                          f"per round (MB) {[round(x, 2) for x in steps]}")
+    assert median_kb < CONCURRENCY * 20, (
+        f"native heap in use grew {median_kb:.0f} KB in the median round; per round (MB) {[round(x, 2) for x in steps]}"
+    )
     assert heap_growth < 16.0, f"native heap in use grew {heap_growth:.1f} MB in {measured} calls"
     assert block_growth < 1000 + measured * 20, f"Python allocator blocks grew by {block_growth} in {measured} calls"
-    assert rss_after - rss_first < 96.0, (f"resident memory grew {rss_after - rss_first:.1f} MB; "
-                                          f"per round {[round(r, 1) for r in rss_rounds]}")
+    assert rss_after - rss_first < 96.0, (
+        f"resident memory grew {rss_after - rss_first:.1f} MB; per round {[round(r, 1) for r in rss_rounds]}"
+    )

@@ -26,15 +26,15 @@ import av
 import numpy as np
 from aiohttp import web
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-
-from agent.client import AgentClient
-from agent.client_media import SEND_FRAME
-from agent.config import Config
-from agent.engine import build_engine
-from agent.engine.api import AudioOut
-from agent.server import create_app
 from loopback import free_port
 from realtime_helpers import talker_never_ends
+
+from agent.client.client import AgentClient
+from agent.client.media import SEND_FRAME
+from agent.config import Config
+from agent.engine.api import AudioOut
+from agent.engine.factory import build_engine
+from agent.server import create_app
 
 ECHO_GAIN = 10 ** (-10 / 20)
 ECHO_DELAY_S = 0.1
@@ -110,8 +110,9 @@ class EchoMic(MediaStreamTrack):
         pcm = frame.to_ndarray().reshape(-1).astype(np.float64)
         take = min(SEND_FRAME, len(self._echo))
         echo = np.array([self._echo.popleft() for _ in range(take)] + [0.0] * (SEND_FRAME - take))
-        out = av.AudioFrame.from_ndarray(np.clip(pcm + echo, -32768, 32767).astype(np.int16).reshape(1, -1),
-                                         format="s16", layout="mono")
+        out = av.AudioFrame.from_ndarray(
+            np.clip(pcm + echo, -32768, 32767).astype(np.int16).reshape(1, -1), format="s16", layout="mono"
+        )
         out.sample_rate, out.pts, out.time_base = frame.sample_rate, frame.pts, frame.time_base
         return out
 
@@ -134,13 +135,23 @@ class SpeakerphoneClient(AgentClient):
             self.result.received_samples += frame.samples
 
 
-async def speakerphone_call(folder: Path, tiny_model_dir: Path, wav: Path, *, echo_guard: bool,
-                            interrupt_after_s: float | None) -> list[dict[str, Any]]:
+async def speakerphone_call(
+    folder: Path, tiny_model_dir: Path, wav: Path, *, echo_guard: bool, interrupt_after_s: float | None
+) -> list[dict[str, Any]]:
     port = free_port()
-    config = Config(port=port, ice_hosts=("127.0.0.1",), model=str(tiny_model_dir), fallback_model="none",
-                    threads=1, max_reply_tokens=48, max_reply_seconds=4.0, echo_guard=echo_guard)
-    speech = espeak_24k(folder, "Sure. Tomorrow will be sunny in the morning, then rain comes in from the west "
-                                "later in the afternoon.")
+    config = Config(
+        port=port,
+        ice_hosts=("127.0.0.1",),
+        model=str(tiny_model_dir),
+        fallback_model="none",
+        threads=1,
+        max_reply_tokens=48,
+        max_reply_seconds=4.0,
+        echo_guard=echo_guard,
+    )
+    speech = espeak_24k(
+        folder, "Sure. Tomorrow will be sunny in the morning, then rain comes in from the west later in the afternoon."
+    )
     engine = build_engine(config, wrap=lambda runner: SpeaksSpeech(runner, speech))
     app_runner = web.AppRunner(create_app(config, engine))
     await app_runner.setup()
@@ -159,8 +170,11 @@ async def speakerphone_call(folder: Path, tiny_model_dir: Path, wav: Path, *, ec
         await client.wait_event("response.done", timeout=60)
         # Let the reply play out (and its echo come back) before judging.
         deadline = time.monotonic() + 8
-        while time.monotonic() < deadline and not client.result.of_type("output_audio_buffer.stopped") \
-                and not client.result.of_type("output_audio_buffer.cleared"):
+        while (
+            time.monotonic() < deadline
+            and not client.result.of_type("output_audio_buffer.stopped")
+            and not client.result.of_type("output_audio_buffer.cleared")
+        ):
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.6)
     finally:
@@ -183,8 +197,9 @@ def barged_in(events: list[dict[str, Any]]) -> bool:
     return cancelled or (bool(cleared) and not played_out)
 
 
-async def test_own_voice_does_not_barge_in_but_the_user_does(tmp_path: Path, tiny_model_dir: Path,
-                                                             speech_wav: Path) -> None:
+async def test_own_voice_does_not_barge_in_but_the_user_does(
+    tmp_path: Path, tiny_model_dir: Path, speech_wav: Path
+) -> None:
     events = await speakerphone_call(tmp_path, tiny_model_dir, speech_wav, echo_guard=True, interrupt_after_s=None)
     assert len(kinds(events, "input_audio_buffer.speech_started")) == 1, "the agent's own voice started a turn"
     done = kinds(events, "response.done")
@@ -196,8 +211,9 @@ async def test_own_voice_does_not_barge_in_but_the_user_does(tmp_path: Path, tin
     assert barged_in(events)
 
 
-async def test_without_the_level_guard_the_echo_barges_in(tmp_path: Path, tiny_model_dir: Path,
-                                                          speech_wav: Path) -> None:
+async def test_without_the_level_guard_the_echo_barges_in(
+    tmp_path: Path, tiny_model_dir: Path, speech_wav: Path
+) -> None:
     events = await speakerphone_call(tmp_path, tiny_model_dir, speech_wav, echo_guard=False, interrupt_after_s=None)
     assert len(kinds(events, "input_audio_buffer.speech_started")) >= 2
     assert barged_in(events)

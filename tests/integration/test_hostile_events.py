@@ -20,7 +20,6 @@ from typing import Any, Optional
 import aiohttp
 import pytest
 import pytest_asyncio
-
 from realtime_helpers import RunningAgent, start_agent
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -31,8 +30,9 @@ FLOOD = 5000
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, max_reply_seconds=1.0, max_reply_tokens=8,
-                                max_events_per_s=EVENTS_PER_S)
+    running = await start_agent(
+        tiny_model_dir, max_reply_seconds=1.0, max_reply_tokens=8, max_events_per_s=EVENTS_PER_S
+    )
     yield running
     await running.stop()
 
@@ -86,13 +86,18 @@ BAD = [
     ("audio not a string", '{"type": "input_audio_buffer.append", "audio": 12}', "invalid_value"),
     ("audio not base64", '{"type": "input_audio_buffer.append", "audio": "!!!"}', "invalid_value"),
     ("item not an object", '{"type": "conversation.item.create", "item": "hi"}', "missing_required_parameter"),
-    ("audio_end_ms a string", '{"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": "9"}',
-     "invalid_value"),
+    (
+        "audio_end_ms a string",
+        '{"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": "9"}',
+        "invalid_value",
+    ),
     ("response a list", '{"type": "response.create", "response": []}', "invalid_value"),
-    ("max_output_tokens wrong", '{"type": "response.create", "response": {"max_output_tokens": -3}}',
-     "invalid_value"),
-    ("huge event", json.dumps({"type": "session.update", "session": {"instructions": "x" * 400_000}}),
-     "event_too_large"),
+    ("max_output_tokens wrong", '{"type": "response.create", "response": {"max_output_tokens": -3}}', "invalid_value"),
+    (
+        "huge event",
+        json.dumps({"type": "session.update", "session": {"instructions": "x" * 400_000}}),
+        "event_too_large",
+    ),
 ]
 
 
@@ -127,10 +132,21 @@ async def test_a_flood_is_rate_limited_and_slows_no_one(agent: RunningAgent) -> 
             for flood in (False, True):
                 mark = len(other.events)
                 started = time.monotonic()
-                await other.ws.send_str(json.dumps({"type": "conversation.item.create", "item": {
-                    "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello."}]}}))
-                await other.ws.send_str(json.dumps({"type": "response.create",
-                                                    "response": {"output_modalities": ["text"]}}))
+                await other.ws.send_str(
+                    json.dumps(
+                        {
+                            "type": "conversation.item.create",
+                            "item": {
+                                "type": "message",
+                                "role": "user",
+                                "content": [{"type": "input_text", "text": "Hello."}],
+                            },
+                        }
+                    )
+                )
+                await other.ws.send_str(
+                    json.dumps({"type": "response.create", "response": {"output_modalities": ["text"]}})
+                )
                 if flood:
                     # An empty append does nothing and answers nothing: only the limit can speak.
                     noop = json.dumps({"type": "input_audio_buffer.append", "audio": ""})
@@ -149,13 +165,18 @@ async def test_a_flood_is_rate_limited_and_slows_no_one(agent: RunningAgent) -> 
             await flooder.ws.send_str(json.dumps({"type": "session.update", "session": {"instructions": "Hi."}}))
             await flooder.wait("session.updated", 10, after=mark)
             errors = flooder.of("error")
-            dropped = sum(int(e["error"]["message"].rsplit(": ", 1)[1].split()[0]) for e in errors
-                          if e["error"]["code"] == "rate_limited")
+            dropped = sum(
+                int(e["error"]["message"].rsplit(": ", 1)[1].split()[0])
+                for e in errors
+                if e["error"]["code"] == "rate_limited"
+            )
         finally:
             await flooder.close()
             await other.close()
-    print(f"\nflood: {FLOOD} events at a limit of {EVENTS_PER_S}/s: {len(errors)} rate_limited errors reporting "
-          f"{dropped} dropped; other session's turn {durations[0]:.2f} s alone, {durations[1]:.2f} s during the flood")
+    print(
+        f"\nflood: {FLOOD} events at a limit of {EVENTS_PER_S}/s: {len(errors)} rate_limited errors reporting "
+        f"{dropped} dropped; other session's turn {durations[0]:.2f} s alone, {durations[1]:.2f} s during the flood"
+    )
     assert len(errors) <= 10, "a flood must not be answered event for event"
     assert dropped >= FLOOD // 2
     # Wide: the flood costs the loop a JSON parse per event at most, never seconds.

@@ -13,10 +13,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
-from agent.client import AgentClient
-from agent.server import SESSIONS
 from realtime_helpers import start_agent
+
+from agent.client.client import AgentClient
+from agent.server import SESSIONS
 
 SILENT_S = 10.0
 

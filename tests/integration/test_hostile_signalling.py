@@ -28,7 +28,6 @@ from aiortc import RTCConfiguration, RTCPeerConnection
 from aiortc.mediastreams import AudioStreamTrack, VideoStreamTrack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from realtime_helpers import start_agent, wait_no_sessions
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -79,9 +78,12 @@ def _bodies(offer: str, audio_only: str, answer: str) -> list[tuple[str, bytes, 
     only_video = head + "".join(m for m in re.split(r"(?=^m=)", offer, flags=re.M)[1:] if m.startswith("m=video"))
     bad_codecs = re.sub(r"(a=rtpmap:\d+ )(opus|G722|PCMU|PCMA)/", r"\1X-NOPE/", audio_only)
     bad_codecs = re.sub(r"^(m=audio \d+ \S+) .*$", r"\1 96 9 97 98", bad_codecs, flags=re.M)
-    multipart = (b'--b\r\nContent-Disposition: form-data; name="session"\r\n\r\n{"type": "realtime"}\r\n--b--\r\n')
-    bad_session = (b'--b\r\nContent-Disposition: form-data; name="sdp"\r\n\r\n' + offer.encode()
-                   + b'\r\n--b\r\nContent-Disposition: form-data; name="session"\r\n\r\n{nope\r\n--b--\r\n')
+    multipart = b'--b\r\nContent-Disposition: form-data; name="session"\r\n\r\n{"type": "realtime"}\r\n--b--\r\n'
+    bad_session = (
+        b'--b\r\nContent-Disposition: form-data; name="sdp"\r\n\r\n'
+        + offer.encode()
+        + b'\r\n--b\r\nContent-Disposition: form-data; name="session"\r\n\r\n{nope\r\n--b--\r\n'
+    )
     return [
         ("no body", b"", "application/sdp", 400),
         ("non-JSON as JSON", b"{this is not json", "application/json", 415),
@@ -130,25 +132,40 @@ async def test_bad_offers_get_4xx_json_and_the_server_keeps_serving(agent) -> No
                 for _ in range(40):
                     yield b"a=x" * 1000 + b"\r\n"
 
-            async with http.post(running.url + route, data=chunked(), headers={"Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                running.url + route, data=chunked(), headers={"Content-Type": "application/sdp"}
+            ) as resp:
                 assert resp.status == 413, await resp.text()
                 await _refused_cleanly(http, resp)
                 tried[resp.status] += 1
             # Still serving: health, and a real offer is answered.
             async with http.get(f"{running.url}/healthz") as resp:
                 assert resp.status == 200
-            async with http.post(running.url + route, data=audio_only, headers={"Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                running.url + route, data=audio_only, headers={"Content-Type": "application/sdp"}
+            ) as resp:
                 assert resp.status == 201, await resp.text()
                 location = resp.headers["Location"]
             async with http.delete(running.url + location) as resp:
                 assert resp.status == 204
     await wait_no_sessions(running.url, "a refused or hung-up offer kept a session")
-    print(f"\nsignalling: {sum(tried.values())} bad offers on {len(ROUTES)} routes, statuses {dict(tried)}, "
-          f"0 server errors, server still answering")
+    print(
+        f"\nsignalling: {sum(tried.values())} bad offers on {len(ROUTES)} routes, statuses {dict(tried)}, "
+        f"0 server errors, server still answering"
+    )
 
 
-_CONTENT_TYPES = st.sampled_from(["application/sdp", "application/sdp", "text/plain", "application/json",
-                                  "multipart/form-data; boundary=b", "image/png", ""])
+_CONTENT_TYPES = st.sampled_from(
+    [
+        "application/sdp",
+        "application/sdp",
+        "text/plain",
+        "application/json",
+        "multipart/form-data; boundary=b",
+        "image/png",
+        "",
+    ]
+)
 
 
 @st.composite
@@ -190,10 +207,18 @@ async def test_fuzzed_offers_never_break_the_server(agent) -> None:
     running, offer = agent
     statuses: Counter = Counter()
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(body=st.one_of(_mutated(offer), st.binary(max_size=3000), st.text(max_size=500).map(str.encode)),
-           content_type=_CONTENT_TYPES, route=st.sampled_from(ROUTES))
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        body=st.one_of(_mutated(offer), st.binary(max_size=3000), st.text(max_size=500).map(str.encode)),
+        content_type=_CONTENT_TYPES,
+        route=st.sampled_from(ROUTES),
+    )
     def fuzz(body: bytes, content_type: str, route: str) -> None:
         status, headers, answer = _post(running.url + route, body, content_type)
         statuses[status] += 1
@@ -214,6 +239,8 @@ async def test_fuzzed_offers_never_break_the_server(agent) -> None:
             assert resp.status == 200
     await wait_no_sessions(running.url, "a fuzzed offer left a session behind")
     total = sum(statuses.values())
-    print(f"\nfuzz: {total} offers, statuses {dict(sorted(statuses.items()))}, "
-          f"{sum(n for s, n in statuses.items() if s >= 500)} server errors")
+    print(
+        f"\nfuzz: {total} offers, statuses {dict(sorted(statuses.items()))}, "
+        f"{sum(n for s, n in statuses.items() if s >= 500)} server errors"
+    )
     assert total >= FUZZ_EXAMPLES

@@ -25,17 +25,18 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-
-from agent.client import NotReady, wait_ready
 from loopback import free_port
+
+from agent.client.client import NotReady, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 WEB = REPO / "agent" / "web"
 
 
 def _run(*cmd: str | Path, cwd: Path, timeout: float = 120) -> str:
-    out = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                         env=_clean_env(cwd))
+    out = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_clean_env(cwd)
+    )
     assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     return out.stdout
 
@@ -55,8 +56,21 @@ def _build_wheel(tmp: Path) -> Path:
     shutil.copy2(REPO / "pyproject.toml", src)
     shutil.copytree(REPO / "agent", src / "agent", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = tmp / "dist"
-    _run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-         "-w", dist, src, cwd=tmp, timeout=180)
+    _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-q",
+        "-w",
+        dist,
+        src,
+        cwd=tmp,
+        timeout=180,
+    )
     (wheel,) = dist.glob("omni_agent-*.whl")
     return wheel
 
@@ -71,8 +85,7 @@ def _fresh_venv(tmp: Path, wheel: Path) -> Path:
     ours = [p for p in site.getsitepackages() if Path(p).is_dir()]
     # Sorted after the venv's own site-packages (a .pth appends): the installed `agent` wins.
     Path(purelib, "zz_project_deps.pth").write_text("\n".join(ours) + "\n")
-    _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel,
-         cwd=tmp)
+    _run(sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", wheel, cwd=tmp)
     return venv / "bin"
 
 
@@ -94,9 +107,25 @@ async def test_a_wheel_install_serves_the_page(tiny_model_dir: Path, tmp_path: P
     log = tmp_path / "agent.log"  # a file, not a pipe nobody reads: a full pipe would stall the agent
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [str(bin_dir / "omni-agent"), "serve", "--port", str(port), "--model", str(tiny_model_dir), "--threads",
-             "1", "--fallback-model", "none", "--ice-host", "127.0.0.1"],
-            cwd=outside, env=_clean_env(outside), stdout=out, stderr=subprocess.STDOUT)
+            [
+                str(bin_dir / "omni-agent"),
+                "serve",
+                "--port",
+                str(port),
+                "--model",
+                str(tiny_model_dir),
+                "--threads",
+                "1",
+                "--fallback-model",
+                "none",
+                "--ice-host",
+                "127.0.0.1",
+            ],
+            cwd=outside,
+            env=_clean_env(outside),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         try:

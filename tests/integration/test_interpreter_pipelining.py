@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
-
-from agent.config import Config
-from agent.engine import Engine, fallback_factory, inbox_size, runner_factory
 from realtime_helpers import RunningAgent, start_agent, talker_never_ends
 from test_realtime_ws import Events, pcm24, stream_realtime
+
+from agent.config import Config
+from agent.engine.factory import fallback_factory, inbox_size, runner_factory
+from agent.engine.loop import Engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 FRAME_DELAY_S = 0.05  # per talker step: a 4 s reply takes >= 2.5 s to make, longer than a gap
@@ -39,14 +40,19 @@ def slow_long_replies(config: Config) -> Engine:
         runner.loaded.model.talker.codec_head.register_forward_hook(lambda *_: time.sleep(FRAME_DELAY_S))
         return runner
 
-    return Engine(make, inbox_size=inbox_size(config), fallback_factory=fallback_factory(config),
-                  frames_per_turn=config.video_frames_per_turn)
+    return Engine(
+        make,
+        inbox_size=inbox_size(config),
+        fallback_factory=fallback_factory(config),
+        frames_per_turn=config.video_frames_per_turn,
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, engine=slow_long_replies, max_reply_seconds=4.0,
-                                max_reply_tokens=24, speculative_start=False)
+    running = await start_agent(
+        tiny_model_dir, engine=slow_long_replies, max_reply_seconds=4.0, max_reply_tokens=24, speculative_start=False
+    )
     yield running
     await running.stop()
 
@@ -58,17 +64,27 @@ async def test_three_utterances_back_to_back(agent: RunningAgent, speech_wav: Pa
     ev = Events(conn, strict_event)
     try:
         await ev.wait("session.created")
-        await conn.send({"type": "session.update", "session": {
-            "type": "realtime", "omni": {"interpret_to": "French"},
-            "audio": {"input": {"transcription": {"model": "thinker"}}}}})
+        await conn.send(
+            {
+                "type": "session.update",
+                "session": {
+                    "type": "realtime",
+                    "omni": {"interpret_to": "French"},
+                    "audio": {"input": {"transcription": {"model": "thinker"}}},
+                },
+            }
+        )
         await ev.wait("session.updated")
         speech = pcm24(speech_wav)
         for _ in range(3):  # 0.8 s gaps: > the 300 ms of silence that ends a turn
             await stream_realtime(conn, speech, tail_silence_s=0.8)
         for n in range(1, 4):
             await ev.wait("response.done", 120, where=lambda e, n=n: len(ev.of("response.done")) >= n)
-        await ev.wait("conversation.item.input_audio_transcription.completed", 30,
-                      where=lambda e: len(ev.of("conversation.item.input_audio_transcription.completed")) >= 3)
+        await ev.wait(
+            "conversation.item.input_audio_transcription.completed",
+            30,
+            where=lambda e: len(ev.of("conversation.item.input_audio_transcription.completed")) >= 3,
+        )
     finally:
         ev.close()
         await manager.__aexit__(None, None, None)
@@ -115,4 +131,3 @@ def _items_order(events: list[dict[str, Any]]) -> list[str]:
         at = order.index(previous) + 1 if previous in order else (0 if previous is None else len(order))
         order.insert(at, item_id)
     return order
-

@@ -19,11 +19,11 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-
-from agent.client import AgentClient
-from agent.engine.fallback import make_tiny_text
-from agent.realtime.app import ADMISSION
 from realtime_helpers import start_agent
+
+from agent.client.client import AgentClient
+from agent.engine.runner.fallback import make_tiny_text
+from agent.transport.http import ADMISSION
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +62,18 @@ SLOW_S, SLOWER_S = 20.0, 60.0
 
 async def test_ladder_degrades_and_recovers(tiny_model_dir: Path, short_wav: Path, tmp_path: Path) -> None:
     fallback_dir = make_tiny_text(tmp_path / "tiny-text", tokenizer_dir=tiny_model_dir)
-    running = await start_agent(tiny_model_dir, fallback_model=str(fallback_dir),
-                                max_reply_tokens=12, max_reply_seconds=1.0,
-                                text_only_p95_ms=TEXT_ONLY_MS, fallback_p95_ms=FALLBACK_MS, ladder_margin_ms=50,
-                                ladder_recover_s=1.0, ladder_min_samples=2, ladder_window=3)
+    running = await start_agent(
+        tiny_model_dir,
+        fallback_model=str(fallback_dir),
+        max_reply_tokens=12,
+        max_reply_seconds=1.0,
+        text_only_p95_ms=TEXT_ONLY_MS,
+        fallback_p95_ms=FALLBACK_MS,
+        ladder_margin_ms=50,
+        ladder_recover_s=1.0,
+        ladder_min_samples=2,
+        ladder_window=3,
+    )
     delay = [0.0]
     admission = running.app[ADMISSION]
     measured = admission.observe

@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 import aiohttp
-
-from agent.client import AgentClient
-from agent.config import Config
-from agent.engine import Engine, build_engine
-from agent.engine.api import AudioOut
 from realtime_helpers import start_agent
+
+from agent.client.client import AgentClient
+from agent.config import Config
+from agent.engine.api import AudioOut
+from agent.engine.factory import build_engine
+from agent.engine.loop import Engine
 
 
 class StallAfterFirstAudio:
@@ -82,7 +83,9 @@ async def test_metrics_exist_and_move(tiny_model_dir: Path, speech_wav: Path) ->
     async with aiohttp.ClientSession() as http:
         try:
             before = await _scrape(http, url)
-            async with http.post(f"{url}/v1/realtime/calls", data=b"", headers={"Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                f"{url}/v1/realtime/calls", data=b"", headers={"Content-Type": "application/sdp"}
+            ) as resp:
                 assert resp.status == 400
             await client.connect()
             deadline = time.monotonic() + 60

@@ -17,7 +17,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-
 from realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -56,8 +55,15 @@ async def test_reserved_slot_and_per_class_metrics(agent: RunningAgent) -> None:
         async with http.get(ws_url + "&priority=high") as full:
             assert full.status == 503
 
-        await high.send_str(json.dumps({"type": "session.update", "event_id": "e1",
-                                        "session": {"type": "realtime", "omni": {"priority": "normal"}}}))
+        await high.send_str(
+            json.dumps(
+                {
+                    "type": "session.update",
+                    "event_id": "e1",
+                    "session": {"type": "realtime", "omni": {"priority": "normal"}},
+                }
+            )
+        )
         error = await first_event(high)
         assert error["type"] == "error" and error["error"]["param"] == "session.omni.priority"
 
@@ -72,6 +78,9 @@ async def test_bad_priority_is_a_400(agent: RunningAgent) -> None:
     async with aiohttp.ClientSession() as http:
         async with http.get(agent.url + "/v1/realtime?model=x&priority=urgent") as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "priority"
-        async with http.post(agent.url + "/v1/realtime/calls?priority=urgent", data="v=0\r\n",
-                             headers={"Content-Type": "application/sdp"}) as resp:
+        async with http.post(
+            agent.url + "/v1/realtime/calls?priority=urgent",
+            data="v=0\r\n",
+            headers={"Content-Type": "application/sdp"},
+        ) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "priority"

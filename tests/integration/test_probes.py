@@ -22,11 +22,11 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-
-from agent.engine import build_engine
-from agent.realtime.app import ENGINE_START
-from agent.server import create_app, drain
 from realtime_helpers import agent_config, start_agent
+
+from agent.engine.factory import build_engine
+from agent.server import create_app, drain
+from agent.transport.http import ENGINE_START
 
 _HOLD_S = 60.0  # a held load gives up after this, so a failing test never leaves a thread waiting
 

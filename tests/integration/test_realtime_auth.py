@@ -19,12 +19,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-from websockets.exceptions import InvalidStatus
 from openai import AsyncOpenAI
 from realtime_helpers import RunningAgent, start_agent
+from websockets.exceptions import InvalidStatus
 
-from agent.client import AgentClient
-from agent.realtime.app import KEYS
+from agent.client.client import AgentClient
+from agent.transport.http import KEYS
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 API_KEY = "sk-omni-test-key"
@@ -38,8 +38,9 @@ async def agent(tiny_model_dir: Path):
 
 
 async def _mint(http: aiohttp.ClientSession, url: str, key: str, body: dict) -> tuple[int, dict]:
-    async with http.post(f"{url}/v1/realtime/client_secrets", json=body,
-                         headers={"Authorization": f"Bearer {key}"}) as resp:
+    async with http.post(
+        f"{url}/v1/realtime/client_secrets", json=body, headers={"Authorization": f"Bearer {key}"}
+    ) as resp:
         return resp.status, await resp.json()
 
 
@@ -53,10 +54,17 @@ async def test_missing_or_wrong_keys_get_401(agent: RunningAgent, speech_wav: Pa
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{agent.url}/v1/omni/config") as resp:
             assert resp.status == 200 and await resp.json() == {"auth_required": True}
-        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Bearer ek_00_11"},
-                        {"Authorization": "Basic " + API_KEY}):
-            for method, path in (("POST", "/v1/realtime/calls"), ("GET", "/v1/realtime?model=x"),
-                                 ("POST", "/v1/realtime/client_secrets")):
+        for headers in (
+            {},
+            {"Authorization": "Bearer sk-wrong"},
+            {"Authorization": "Bearer ek_00_11"},
+            {"Authorization": "Basic " + API_KEY},
+        ):
+            for method, path in (
+                ("POST", "/v1/realtime/calls"),
+                ("GET", "/v1/realtime?model=x"),
+                ("POST", "/v1/realtime/client_secrets"),
+            ):
                 async with http.request(method, f"{agent.url}{path}", headers=headers, data=b"v=0") as resp:
                     assert resp.status == 401, (method, path, headers)
                     assert (await resp.json())["error"]["code"] == "invalid_api_key"
@@ -78,9 +86,15 @@ async def test_ephemeral_keys(agent: RunningAgent) -> None:
     async with aiohttp.ClientSession() as http:
         status, body = await _mint(http, agent.url, API_KEY, {"expires_after": {"anchor": "created_at", "seconds": 5}})
         assert status == 400 and body["error"]["param"] == "expires_after.seconds"
-        status, body = await _mint(http, agent.url, API_KEY, {
-            "expires_after": {"anchor": "created_at", "seconds": 60},
-            "session": {"type": "realtime", "instructions": "Speak like a sailor.", "output_modalities": ["text"]}})
+        status, body = await _mint(
+            http,
+            agent.url,
+            API_KEY,
+            {
+                "expires_after": {"anchor": "created_at", "seconds": 60},
+                "session": {"type": "realtime", "instructions": "Speak like a sailor.", "output_modalities": ["text"]},
+            },
+        )
         assert status == 200, body
         ek = body["value"]
         assert ek.startswith("ek_") and 55 <= body["expires_at"] - time.time() <= 61
@@ -93,8 +107,9 @@ async def test_ephemeral_keys(agent: RunningAgent) -> None:
     assert created["session"]["output_modalities"] == ["text"]
     # A browser's WebSocket passes the key as a subprotocol; the agent echoes `realtime`.
     async with aiohttp.ClientSession() as http:
-        async with http.ws_connect(f"{agent.url}/v1/realtime?model=qwen3-omni",
-                                   protocols=("realtime", f"openai-insecure-api-key.{ek}")) as ws:
+        async with http.ws_connect(
+            f"{agent.url}/v1/realtime?model=qwen3-omni", protocols=("realtime", f"openai-insecure-api-key.{ek}")
+        ) as ws:
             assert ws.protocol == "realtime"
             assert json.loads((await ws.receive()).data)["type"] == "session.created"
 

@@ -24,7 +24,7 @@ import pytest_asyncio
 from openai import AsyncOpenAI
 from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
 
-from agent.client import AgentClient
+from agent.client.client import AgentClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -51,7 +51,8 @@ async def test_sdk_calls_create_and_a_spoken_turn(agent: RunningAgent, speech_wa
 
     async def signal(offer: str) -> tuple[str, str]:
         raw = await sdk.realtime.calls.with_raw_response.create(
-            sdp=offer, session={"type": "realtime", "model": "qwen3-omni", "instructions": "Be brief."})
+            sdp=offer, session={"type": "realtime", "model": "qwen3-omni", "instructions": "Be brief."}
+        )
         seen.update(status=raw.status_code, content_type=raw.headers["content-type"])
         return raw.text, raw.headers["location"]
 
@@ -92,11 +93,15 @@ async def test_sdk_calls_create_and_a_spoken_turn(agent: RunningAgent, speech_wa
     started = r.of_type("output_audio_buffer.started")[0]
     assert started["response_id"] == done["response"]["id"] and started["omni"]["ttfa_ms"] is not None
     assert r.of_type("output_audio_buffer.stopped")[0]["response_id"] == done["response"]["id"]
-    assert types.index("input_audio_buffer.speech_stopped") < types.index("response.created") < types.index("response.done")
+    assert (
+        types.index("input_audio_buffer.speech_stopped")
+        < types.index("response.created")
+        < types.index("response.done")
+    )
     assert done["response"]["usage"]["output_tokens"] > 0
     sse_types = [e["type"] for e in sse]
     assert "response.done" in sse_types
-    assert sse_types == [t for t in types if t in set(sse_types)][-len(sse_types):]
+    assert sse_types == [t for t in types if t in set(sse_types)][-len(sse_types) :]
 
 
 @pytest.mark.parametrize("path", ["/v1/realtime/calls?model=qwen3-omni", "/v1/realtime?model=qwen3-omni"])
@@ -107,8 +112,11 @@ async def test_raw_sdp_url_forms_and_delete(agent: RunningAgent, speech_wav: Pat
     await client.pc.setLocalDescription(await client.pc.createOffer())
     try:
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"{agent.url}{path}", data=client.pc.localDescription.sdp,
-                                 headers={"Content-Type": "application/sdp", "Accept": "application/sdp"}) as resp:
+            async with http.post(
+                f"{agent.url}{path}",
+                data=client.pc.localDescription.sdp,
+                headers={"Content-Type": "application/sdp", "Accept": "application/sdp"},
+            ) as resp:
                 assert resp.status == 201 and resp.content_type == "application/sdp"
                 assert (await resp.text()).startswith("v=0")
                 location = resp.headers["Location"]
@@ -116,8 +124,9 @@ async def test_raw_sdp_url_forms_and_delete(agent: RunningAgent, speech_wav: Pat
             # A sideband WebSocket on the call: client events in, the call's events out.
             call_id = location.rsplit("/", 1)[-1]
             async with http.ws_connect(f"{agent.url.replace('http', 'ws')}/v1/realtime?call_id={call_id}") as ws:
-                await ws.send_str(json.dumps({"type": "conversation.item.retrieve", "item_id": "item_none",
-                                              "event_id": "evt_side"}))
+                await ws.send_str(
+                    json.dumps({"type": "conversation.item.retrieve", "item_id": "item_none", "event_id": "evt_side"})
+                )
                 reply = json.loads((await ws.receive(timeout=10)).data)
                 assert reply["type"] == "error" and reply["error"]["event_id"] == "evt_side"
             async with http.delete(f"{agent.url}{location}") as resp:

@@ -17,7 +17,7 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
   deleting it answers conversation.item.deleted (it is gone); deleting an earlier item is refused;
 - server VAD with create_response false commits a turn without answering it, and with
   interrupt_response false speaking over a reply does not cancel it;
-- agent.client.WsAgentClient (the benchmark's WebSocket client) times a turn;
+- agent.client.client.WsAgentClient (the benchmark's WebSocket client) times a turn;
 - every server event validates strictly against the SDK's GA pydantic models.
 """
 
@@ -35,7 +35,6 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
-
 from realtime_helpers import RunningAgent, start_agent
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -83,8 +82,9 @@ class Events:
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.all if e["type"] == kind]
 
-    async def wait(self, kind: str, timeout: float = 60, after: int = 0,
-                   where: Optional[Callable[[dict], bool]] = None) -> dict[str, Any]:
+    async def wait(
+        self, kind: str, timeout: float = 60, after: int = 0, where: Optional[Callable[[dict], bool]] = None
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             for event in self.all[after:]:
@@ -141,19 +141,29 @@ async def test_session_update_and_spoken_turn(agent: RunningAgent, speech_wav: P
     try:
         created = await ev.wait("session.created", 10)
         assert created["session"]["type"] == "realtime" and created["session"]["model"] == MODEL
-        await conn.session.update(session={
-            "type": "realtime",
-            "instructions": "You are terse.",
-            "output_modalities": ["audio"],
-            "tracing": "auto",
-            "tools": [],
-            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
-                                "transcription": {"model": "gpt-4o-mini-transcribe"},
-                                "noise_reduction": {"type": "near_field"},
-                                "turn_detection": {"type": "server_vad", "silence_duration_ms": 300,
-                                                   "create_response": True, "interrupt_response": True}},
-                      "output": {"voice": "marin"}},
-        })
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "instructions": "You are terse.",
+                "output_modalities": ["audio"],
+                "tracing": "auto",
+                "tools": [],
+                "audio": {
+                    "input": {
+                        "format": {"type": "audio/pcm", "rate": 24000},
+                        "transcription": {"model": "gpt-4o-mini-transcribe"},
+                        "noise_reduction": {"type": "near_field"},
+                        "turn_detection": {
+                            "type": "server_vad",
+                            "silence_duration_ms": 300,
+                            "create_response": True,
+                            "interrupt_response": True,
+                        },
+                    },
+                    "output": {"voice": "marin"},
+                },
+            }
+        )
         updated = await ev.wait("session.updated", 10)
         session = updated["session"]
         assert session["instructions"] == "You are terse." and session["tracing"] == "auto"
@@ -169,11 +179,20 @@ async def test_session_update_and_spoken_turn(agent: RunningAgent, speech_wav: P
 
     assert not ev.of("error"), ev.of("error")  # the instructions were taken, nothing refused
     types = [e["type"] for e in ev.all]
-    order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-             "input_audio_buffer.committed", "response.created", "response.output_item.added",
-             "response.content_part.added", "response.output_audio.delta", "response.output_audio.done",
-             "response.output_audio_transcript.done", "response.content_part.done",
-             "response.output_item.done", "response.done"]
+    order = [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "response.created",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_audio.delta",
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.done",
+    ]
     positions = [types.index(t) for t in order]
     assert positions == sorted(positions), types
     stopped = ev.of("input_audio_buffer.speech_stopped")[0]
@@ -203,8 +222,13 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         await conn.send({"type": "no.such.event", "event_id": "evt_bad_1"})
         err = await ev.wait("error", 10)
         assert err["error"]["event_id"] == "evt_bad_1" and err["error"]["type"] == "invalid_request_error"
-        await conn.send({"type": "session.update", "event_id": "evt_bad_2",
-                         "session": {"type": "realtime", "audio": {"output": {"format": {"type": "audio/pcmu"}}}}})
+        await conn.send(
+            {
+                "type": "session.update",
+                "event_id": "evt_bad_2",
+                "session": {"type": "realtime", "audio": {"output": {"format": {"type": "audio/pcmu"}}}},
+            }
+        )
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_bad_2")
         assert err["error"]["param"] == "session.audio.output.format"
         # A voice the model has not: refused by the engine, with the speakers it has.
@@ -213,10 +237,17 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         assert "chelsie" in err["error"]["message"]
         await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "chelsie"}}})
         # Manual turns.
-        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}},
-                                           "prompt": None, "include": ["item.input_audio_transcription.logprobs"]})
-        updated = await ev.wait("session.updated", 10,
-                                where=lambda e: e["session"]["audio"]["input"]["turn_detection"] is None)
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "audio": {"input": {"turn_detection": None}},
+                "prompt": None,
+                "include": ["item.input_audio_transcription.logprobs"],
+            }
+        )
+        updated = await ev.wait(
+            "session.updated", 10, where=lambda e: e["session"]["audio"]["input"]["turn_detection"] is None
+        )
         assert updated["session"]["audio"]["output"]["voice"] == "chelsie"
         assert updated["session"]["audio"]["input"]["turn_detection"] is None
         await conn.send({"type": "input_audio_buffer.commit", "event_id": "evt_empty"})
@@ -239,8 +270,9 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
 
         # A text turn, answered in text.
         mark = len(ev.all)
-        await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                  "content": [{"type": "input_text", "text": "What can you see?"}]})
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What can you see?"}]}
+        )
         added = await ev.wait("conversation.item.added", 10, after=mark)
         assert added["item"]["content"][0]["text"] == "What can you see?"
         await conn.response.create(response={"output_modalities": ["text"]})
@@ -253,8 +285,9 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
 
         # A whole audio message as an item, answered with per-response instructions.
         mark = len(ev.all)
-        await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                  "content": [{"type": "input_audio", "audio": b64(pcm)}]})
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": b64(pcm)}]}
+        )
         added = await ev.wait("conversation.item.added", 10, after=mark)
         assert added["item"]["content"][0]["type"] == "input_audio"
         await conn.response.create(response={"output_modalities": ["text"], "instructions": "One word only."})
@@ -276,8 +309,9 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
     manager, conn, ev = await _connect(agent, strict_event)
     try:
         await ev.wait("session.created", 10)
-        await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                  "content": [{"type": "input_text", "text": "Tell me a story."}]})
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}
+        )
         await conn.response.create()
         first = await ev.wait("response.output_audio.delta", 90)
         await conn.response.cancel()
@@ -286,19 +320,28 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
         assert done["response"]["status_details"]["reason"] == "client_cancelled"
         await asyncio.sleep(0.5)
         at_done = ev.all.index(done)
-        assert not [e for e in ev.all[at_done:] if e.get("response_id") == first["response_id"]
-                    and e["type"].endswith(".delta")], "deltas of a cancelled response"
+        assert not [
+            e for e in ev.all[at_done:] if e.get("response_id") == first["response_id"] and e["type"].endswith(".delta")
+        ], "deltas of a cancelled response"
 
         # Still usable: a full reply, then cut it to the first 160 ms heard.
         mark = len(ev.all)
-        await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                  "content": [{"type": "input_text", "text": "Again please."}]})
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Again please."}]}
+        )
         await conn.response.create()
         done = await ev.wait("response.done", 90, after=mark)
         item_id = done["response"]["output"][0]["id"]
         full = done["response"]["output"][0]["content"][0]["transcript"]
-        await conn.send({"type": "conversation.item.truncate", "event_id": "evt_far", "item_id": item_id,
-                         "content_index": 0, "audio_end_ms": 600_000})
+        await conn.send(
+            {
+                "type": "conversation.item.truncate",
+                "event_id": "evt_far",
+                "item_id": item_id,
+                "content_index": 0,
+                "audio_end_ms": 600_000,
+            }
+        )
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_far")
         assert err["error"]["param"] == "audio_end_ms"
         await conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=160)
@@ -308,8 +351,9 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
         cut = item["content"][0]["transcript"]
         assert full.startswith(cut) and len(cut) < len(full)
         # An earlier item cannot be deleted (the model's context keeps the turns in order) ...
-        user_item = next(e["item"]["id"] for e in ev.all if e["type"] == "conversation.item.added"
-                         and e["item"]["role"] == "user")
+        user_item = next(
+            e["item"]["id"] for e in ev.all if e["type"] == "conversation.item.added" and e["item"]["role"] == "user"
+        )
         await conn.send({"type": "conversation.item.delete", "event_id": "evt_del", "item_id": user_item})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_del")
         assert err["error"]["code"] == "unsupported"
@@ -331,18 +375,27 @@ async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: 
     manager, conn, ev = await _connect(agent, strict_event)
     try:
         await ev.wait("session.created", 10)
-        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
-            "type": "server_vad", "create_response": False, "interrupt_response": False}}}})
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "audio": {
+                    "input": {
+                        "turn_detection": {"type": "server_vad", "create_response": False, "interrupt_response": False}
+                    }
+                },
+            }
+        )
         await ev.wait("session.updated", 10)
-        await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                  "content": [{"type": "input_text", "text": "Talk to me."}]})
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk to me."}]}
+        )
         # Speak at once (the WAV's lead-in silence cut off) while the reply is being made, so the
         # speech starts during the reply and not only after it has been generated.
         pcm = pcm24(speech_wav)
         voiced = np.flatnonzero(np.abs(pcm) > 500)
         await conn.response.create()
         await ev.wait("response.created", 30)
-        await stream_realtime(conn, pcm[max(0, voiced[0] - 480):], tail_silence_s=1.0)
+        await stream_realtime(conn, pcm[max(0, voiced[0] - 480) :], tail_silence_s=1.0)
         committed = await ev.wait("input_audio_buffer.committed", 30)
         first = await ev.wait("response.done", 90)
         started = ev.of("input_audio_buffer.speech_started")[0]
@@ -361,8 +414,8 @@ async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: 
 
 
 async def test_ws_agent_client_times_a_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
-    """agent.client.WsAgentClient (what the benchmark uses) hears a reply after its speech ended."""
-    from agent.client import WsAgentClient
+    """agent.client.client.WsAgentClient (what the benchmark uses) hears a reply after its speech ended."""
+    from agent.client.client import WsAgentClient
 
     client = WsAgentClient(agent.url, speech_wav)
     try:

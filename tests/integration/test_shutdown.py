@@ -27,10 +27,10 @@ import aiohttp
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 from aiortc.mediastreams import AudioStreamTrack
-
-from agent.client import NotReady, wait_ready
 from loopback import free_port
 from realtime_helpers import start_agent
+
+from agent.client.client import NotReady, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,8 +66,9 @@ async def test_a_dead_engine_fails_health_and_refuses_calls(tiny_model_dir: Path
             async with http.get(f"{running.url}/healthz") as resp:
                 body = await resp.json()
                 assert resp.status == 503 and body["status"] == "failed" and "loop broke" in body["error"], body
-            async with http.post(f"{running.url}/v1/realtime/calls", data=await _offer(),
-                                 headers={"Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                f"{running.url}/v1/realtime/calls", data=await _offer(), headers={"Content-Type": "application/sdp"}
+            ) as resp:
                 assert resp.status == 503 and (await resp.json())["error"]["code"] == "engine_failed"
                 assert "Retry-After" in resp.headers
             async with http.get(f"{running.url}/v1/realtime?model=x") as resp:
@@ -79,9 +80,31 @@ async def test_a_dead_engine_fails_health_and_refuses_calls(tiny_model_dir: Path
 def _spawn(tiny_model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "agent", "serve", "--port", str(port), "--model", str(tiny_model_dir), "--threads", "1",
-         "--fallback-model", "none", "--ice-host", "127.0.0.1", "--max-calls-per-minute", "0", *flags],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "agent",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            str(tiny_model_dir),
+            "--threads",
+            "1",
+            "--fallback-model",
+            "none",
+            "--ice-host",
+            "127.0.0.1",
+            "--max-calls-per-minute",
+            "0",
+            *flags,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -120,8 +143,18 @@ async def _exit_status(proc: subprocess.Popen, timeout: float = 60) -> tuple[int
 async def _start_reply(http: aiohttp.ClientSession, url: str) -> tuple[aiohttp.ClientWebSocketResponse, list]:
     ws = await http.ws_connect(f"{url}/v1/realtime?model=x", protocols=("realtime",))
     events: list[dict] = []
-    await ws.send_str(json.dumps({"type": "conversation.item.create", "item": {
-        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}}))
+    await ws.send_str(
+        json.dumps(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "Tell me a story."}],
+                },
+            }
+        )
+    )
     await ws.send_str(json.dumps({"type": "response.create"}))
     async for msg in ws:
         events.append({**json.loads(msg.data), "_t": time.monotonic()})
@@ -145,8 +178,9 @@ async def test_sigterm_refuses_new_calls_lets_the_reply_finish_and_exits_0(tiny_
         proc.send_signal(signal.SIGTERM)
         refused = None
         for _ in range(100):  # until the signal is handled (bounded: 10 s)
-            async with http.post(f"{url}/v1/realtime/calls", data=await _offer(),
-                                 headers={"Content-Type": "application/sdp"}) as resp:
+            async with http.post(
+                f"{url}/v1/realtime/calls", data=await _offer(), headers={"Content-Type": "application/sdp"}
+            ) as resp:
                 if resp.status == 503:
                     refused, refused_at = await resp.json(), time.monotonic()
                     break
@@ -167,8 +201,10 @@ async def test_sigterm_refuses_new_calls_lets_the_reply_finish_and_exits_0(tiny_
     assert status == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert "omni-agent: stopped" in output
-    print(f"\nSIGTERM: new calls 503 shutting_down, reply {done[0]['response']['status']} "
-          f"with {types.count('response.output_audio.delta')} audio deltas, exit status {status}")
+    print(
+        f"\nSIGTERM: new calls 503 shutting_down, reply {done[0]['response']['status']} "
+        f"with {types.count('response.output_audio.delta')} audio deltas, exit status {status}"
+    )
 
 
 async def test_sigint_on_an_idle_agent_exits_0(tiny_model_dir: Path) -> None:

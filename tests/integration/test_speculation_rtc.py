@@ -17,10 +17,10 @@ import wave
 from pathlib import Path
 
 import numpy as np
+from realtime_helpers import start_agent
 
 from agent import metrics
-from agent.client import AgentClient
-from realtime_helpers import start_agent
+from agent.client.client import AgentClient
 
 
 def counter(outcome: str) -> float:
@@ -61,8 +61,9 @@ def reply_of(client: AgentClient) -> tuple[str, int]:
     return done["output"][0]["content"][0]["transcript"], done["usage"]["output_tokens"]
 
 
-async def test_mid_sentence_pause_is_invisible_and_changes_nothing(tiny_model_dir: Path, speech_wav: Path,
-                                                                    tmp_path: Path, strict_event) -> None:
+async def test_mid_sentence_pause_is_invisible_and_changes_nothing(
+    tiny_model_dir: Path, speech_wav: Path, tmp_path: Path, strict_event
+) -> None:
     wav = paused_wav(speech_wav, tmp_path / "paused.wav")
     on = await start_agent(tiny_model_dir, max_sessions=1)
     try:
@@ -75,7 +76,9 @@ async def test_mid_sentence_pause_is_invisible_and_changes_nothing(tiny_model_di
     for event in r.events:
         strict_event(event)
     types = [e["type"] for e in r.events]
-    assert types.count("input_audio_buffer.speech_started") == 1 and types.count("input_audio_buffer.speech_stopped") == 1
+    assert (
+        types.count("input_audio_buffer.speech_started") == 1 and types.count("input_audio_buffer.speech_stopped") == 1
+    )
     stopped = types.index("input_audio_buffer.speech_stopped")
     assert not [t for t in types[:stopped] if t.startswith(("response.", "output_audio_buffer."))], types[:stopped]
     stopped_at = r.of_type("input_audio_buffer.speech_stopped")[0]["_t"]
@@ -107,8 +110,14 @@ async def test_end_of_turn_commits_the_held_reply(tiny_model_dir: Path, speech_w
     for event in r.events:
         strict_event(event)
     types = [e["type"] for e in r.events]
-    order = ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "response.created",
-             "response.output_audio_transcript.delta", "output_audio_buffer.started", "response.done"]
+    order = [
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "response.created",
+        "response.output_audio_transcript.delta",
+        "output_audio_buffer.started",
+        "response.done",
+    ]
     positions = [types.index(kind) for kind in order]
     assert positions == sorted(positions), types
     done = r.of_type("response.done")[0]["response"]

@@ -37,8 +37,8 @@ from openai import APIStatusError, AsyncOpenAI
 from realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
 from test_realtime_ws import pcm24
 
-from agent.client import AgentClient
-from agent.engine import build_engine
+from agent.client.client import AgentClient
+from agent.engine.factory import build_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 COMPLETED = "conversation.item.input_audio_transcription.completed"
@@ -46,8 +46,9 @@ COMPLETED = "conversation.item.input_audio_transcription.completed"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, max_sessions=1, max_transcription_sessions=2,
-                                max_reply_seconds=1.0, max_reply_tokens=8)
+    running = await start_agent(
+        tiny_model_dir, max_sessions=1, max_transcription_sessions=2, max_reply_seconds=1.0, max_reply_tokens=8
+    )
     yield running
     await running.stop()
 
@@ -95,10 +96,14 @@ async def test_transcription_sessions_have_their_own_limit(agent: RunningAgent, 
                 assert await metric(http, agent.url, "agent_sessions_active{") == 3
 
                 # WebRTC asks the same question: its offer is refused before any peer is made.
-                sdk = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent", max_retries=0)  # a 503 is the answer
+                sdk = AsyncOpenAI(
+                    base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent", max_retries=0
+                )  # a 503 is the answer
 
                 async def signal(offer: str) -> tuple[str, str]:
-                    raw = await sdk.realtime.calls.with_raw_response.create(sdp=offer, session={"type": "transcription"})
+                    raw = await sdk.realtime.calls.with_raw_response.create(
+                        sdp=offer, session={"type": "transcription"}
+                    )
                     return raw.text, raw.headers["location"]
 
                 client = AgentClient(agent.url, speech_wav, video=False)
@@ -112,8 +117,9 @@ async def test_transcription_sessions_have_their_own_limit(agent: RunningAgent, 
 
                 # Both have an engine slot: both transcribe a turn, spoken at the same time.
                 pcm = pcm24(speech_wav)
-                seen = await asyncio.gather(*(asyncio.gather(speak(ws, pcm), events_until(ws, COMPLETED, 60))
-                                              for ws in captions))
+                seen = await asyncio.gather(
+                    *(asyncio.gather(speak(ws, pcm), events_until(ws, COMPLETED, 60)) for ws in captions)
+                )
                 for _, events in seen:
                     assert not [e for e in events if e["type"] == "error"], events
                     assert events[-1]["transcript"] is not None
@@ -144,8 +150,9 @@ async def test_without_a_limit_transcription_sessions_share_max_sessions(tiny_mo
 
 async def test_a_session_the_engine_cannot_open_ends_with_an_error(tiny_model_dir: Path, speech_wav: Path) -> None:
     # Admission lets in 2, the engine has 1 slot: the second session is admitted, then refused.
-    short = await start_agent(tiny_model_dir, engine=lambda config: build_engine(replace(config, max_sessions=1)),
-                              max_sessions=2)
+    short = await start_agent(
+        tiny_model_dir, engine=lambda config: build_engine(replace(config, max_sessions=1)), max_sessions=2
+    )
     try:
         async with aiohttp.ClientSession() as http:
             first = await http.ws_connect(ws_url(short))
@@ -173,8 +180,9 @@ async def test_a_session_the_engine_cannot_open_ends_with_an_error(tiny_model_di
                 finally:
                     await client.close()
                 # The first session is untouched: it still answers a client event.
-                await first.send_str(json.dumps({"type": "session.update", "session": {"type": "realtime",
-                                                                                         "instructions": "Be brief."}}))
+                await first.send_str(
+                    json.dumps({"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}})
+                )
                 updated = (await events_until(first, "session.updated", 15))[-1]
                 assert updated["session"]["instructions"] == "Be brief."
             finally:

@@ -1,6 +1,6 @@
 """A transcription-only WebRTC call: the offer's session part has `type: "transcription"`.
 
-Pins, with a real aiortc peer (agent.client.AgentClient) and the official SDK's calls.create:
+Pins, with a real aiortc peer (agent.client.client.AgentClient) and the official SDK's calls.create:
 - the answer sends no audio back (its audio section is recvonly) and no audio arrives;
 - the user's turn is transcribed (input_audio_transcription.delta/completed on the data
   channel, after speech_stopped for the completed) and never answered: no response.* and no
@@ -18,7 +18,7 @@ import pytest_asyncio
 from openai import AsyncOpenAI
 from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
 
-from agent.client import AgentClient
+from agent.client.client import AgentClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -26,7 +26,6 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
-
 from realtime_helpers import RunningAgent, start_agent
 from test_realtime_ws import Events, pcm24, stream_realtime
 
@@ -41,9 +40,19 @@ def long_speech(tmp_path_factory) -> Path:
     if shutil.which("espeak-ng") is None:
         pytest.fail("espeak-ng is missing: `make test` installs it")
     raw = tmp_path_factory.mktemp("speech4") / "raw.wav"
-    subprocess.run(["espeak-ng", "-v", "en-us", "-s", "160", "-w", str(raw),
-                    "Good evening everyone, welcome to the live caption test of this small agent today."],
-                   check=True)
+    subprocess.run(
+        [
+            "espeak-ng",
+            "-v",
+            "en-us",
+            "-s",
+            "160",
+            "-w",
+            str(raw),
+            "Good evening everyone, welcome to the live caption test of this small agent today.",
+        ],
+        check=True,
+    )
     with wave.open(str(raw)) as w:
         rate = w.getframerate()
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
@@ -95,7 +104,7 @@ async def test_transcription_session(agent: RunningAgent, long_speech: Path, str
         created = await ev.wait("session.created")
         assert created["session"]["type"] == "transcription"
         assert created["session"]["audio"]["input"]["transcription"] is not None
-        for turn in range(2):
+        for _turn in range(2):
             start = len(ev.all)
             await stream_realtime(conn, pcm24(long_speech), tail_silence_s=1.2)
             stopped = await ev.wait("input_audio_buffer.speech_stopped", after=start)
@@ -129,8 +138,9 @@ async def test_conversation_with_input_transcription(agent: RunningAgent, speech
         await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
         await ev.wait("response.done")
         assert not ev.of(DELTA) and not ev.of(COMPLETED)  # not asked for
-        await conn.session.update(session={"type": "realtime",
-                                           "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}})
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}
+        )
         await ev.wait("session.updated")
         start = len(ev.all)
         await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)

@@ -1,6 +1,6 @@
 """Back-pressure on the camera over a real call: the Python client obeys the agent's throttle.
 
-Pins, with the aiortc client (agent/client.py) sending a 10 fps camera pattern to the agent
+Pins, with the aiortc client (agent/client/client.py) sending a 10 fps camera pattern to the agent
 (tiny model, streaming engine) on loopback: while the engine keeps up nothing is throttled and
 the client sends its full rate; when the engine thread is stalled the session's video backlog
 reaches its high-water mark, the client receives `input_video.throttle` on the data channel and
@@ -18,13 +18,13 @@ import asyncio
 import time
 from pathlib import Path
 
-
-from agent.client import AgentClient
-from agent.metrics import REGISTRY
-from agent.realtime.app import SESSIONS
-from agent.video_feed import MAX_IN_FLIGHT
 from engine_hold import HeldEngine
 from realtime_helpers import start_agent
+
+from agent.client.client import AgentClient
+from agent.media.video_feed import MAX_IN_FLIGHT
+from agent.metrics import REGISTRY
+from agent.transport.http import SESSIONS
 
 
 def _metric(name: str, **labels: str) -> float:
@@ -42,8 +42,9 @@ async def _until(predicate, timeout: float, step: float = 0.1) -> bool:
 
 async def test_python_client_obeys_throttle_from_a_stalled_engine(tiny_model_dir: Path, speech_wav: Path) -> None:
     held = HeldEngine()
-    agent = await start_agent(tiny_model_dir, engine=held, max_reply_seconds=1.0, video_throttle_hold_s=1.0,
-                              video_pause_after_s=2.0)
+    agent = await start_agent(
+        tiny_model_dir, engine=held, max_reply_seconds=1.0, video_throttle_hold_s=1.0, video_pause_after_s=2.0
+    )
     config, engine, url = agent.config, agent.engine, agent.url
     client = AgentClient(url, speech_wav, video=True, video_fps=10)
     events_before = {s: _metric("agent_video_throttle_events_total", state=s) for s in ("throttled", "open")}
@@ -91,8 +92,9 @@ async def test_python_client_obeys_throttle_from_a_stalled_engine(tiny_model_dir
         await agent.stop()
 
 
-async def test_omni_video_off_pauses_the_python_client_and_on_resumes_it(tiny_model_dir: Path,
-                                                                          speech_wav: Path) -> None:
+async def test_omni_video_off_pauses_the_python_client_and_on_resumes_it(
+    tiny_model_dir: Path, speech_wav: Path
+) -> None:
     """The session's camera switch reaches the sender: `omni.video: false` in a session.update
     pauses the client's camera (it sends no frames, the engine is handed none), `true` restores it."""
     agent = await start_agent(tiny_model_dir)

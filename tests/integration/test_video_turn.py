@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.client import AgentClient, PatternVideoTrack
 from realtime_helpers import start_agent
+
+from agent.client.client import AgentClient, PatternVideoTrack
 
 
 async def _one_turn(url: str, speech_wav: Path, camera: bool) -> dict:
@@ -28,7 +29,8 @@ async def _one_turn(url: str, speech_wav: Path, camera: bool) -> dict:
 
 
 async def test_camera_turn_is_video_reports_its_tokens_and_encodes_little_at_the_end(
-        tiny_model_dir: Path, speech_wav: Path) -> None:
+    tiny_model_dir: Path, speech_wav: Path
+) -> None:
     agent = await start_agent(tiny_model_dir, max_reply_seconds=1.0)
     try:
         with_camera = await _one_turn(agent.url, speech_wav, camera=True)

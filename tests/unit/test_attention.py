@@ -1,4 +1,4 @@
-"""Attention backends over the static slot caches (agent/engine/attention.py).
+"""Attention backends over the static slot caches (agent/engine/ops/attention.py).
 
 Pins:
 - flex attention, reading the cache in place with a block mask built from the rows' cache
@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.engine.attention import BLOCK, flex_attend, kv_traffic, sdpa_attend, select_backend
-from agent.engine.slots import Rows, SlotKV, decoder_forward
+from agent.engine.ops.attention import BLOCK, flex_attend, kv_traffic, sdpa_attend, select_backend
+from agent.engine.ops.slots import Rows, SlotKV, decoder_forward
 
 
 def sdpa_reference(q, cache_k, cache_v, slots, index, scale):
@@ -122,8 +122,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["flex", "flash"])
 def test_gpu_backends_equal_sdpa_and_replay_in_a_cuda_graph(backend, dtype):
-    from agent.engine.attention import attend, flash_available
-    from agent.engine.graphs import CUDAGraphed
+    from agent.engine.compile.capture import CUDAGraphed
+    from agent.engine.ops.attention import attend, flash_available
 
     device = torch.device("cuda")
     if backend == "flash" and not flash_available(device, dtype, 128):
@@ -156,8 +156,12 @@ def test_a_slot_cache_reports_its_backend_traffic(loaded):
         kv = SlotKV(lm, 2, 1024, loaded.device, loaded.dtype, backend=backend)
         got = kv.traffic([300, 700])
         want = kv_traffic(
-            backend, [300, 700], layers=len(lm.layers), kv_heads=lm.config.num_key_value_heads,
-            q_heads=lm.config.num_attention_heads, head_dim=kv.head_dim,
+            backend,
+            [300, 700],
+            layers=len(lm.layers),
+            kv_heads=lm.config.num_key_value_heads,
+            q_heads=lm.config.num_attention_heads,
+            head_dim=kv.head_dim,
             dtype_bytes=torch.finfo(loaded.dtype).bits // 8,
         )
         assert got == want and got.backend == backend

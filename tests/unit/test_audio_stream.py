@@ -30,7 +30,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     _get_feat_extract_output_lengths,
 )
 
-from agent.engine.audio_stream import (
+from agent.engine.stages.audio_stream import (
     AudioBlockEncoder,
     AudioStream,
     StreamingLogMel,
@@ -207,7 +207,7 @@ def test_audio_stream_end_to_end(extractor, encoder, n_window_infer) -> None:
     assert after.shape[0] == 13
     torch.testing.assert_close(torch.cat([during, after]), expected, rtol=0, atol=TOL)
     stream.reset()
-    again = torch.cat([stream.push(pcm[:PIECE * 20]), stream.finish()])
+    again = torch.cat([stream.push(pcm[: PIECE * 20]), stream.finish()])
     assert again.shape[0] == num_audio_tokens(PIECE * 20)
 
 
@@ -233,8 +233,9 @@ def test_provisional_tokens_are_the_open_block_as_if_it_ended(extractor, encoder
         checked += 1
     assert checked > 10
     # Peeking changed nothing: the same final tokens, the same tail.
-    torch.testing.assert_close(torch.cat(peeked_finals + [peeked.finish()]), torch.cat(finals + [plain.finish()]),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.cat(peeked_finals + [peeked.finish()]), torch.cat(finals + [plain.finish()]), rtol=0, atol=0
+    )
     n_final = sum(f.shape[0] for f in finals)
     torch.testing.assert_close(torch.cat(finals), expected[:n_final], rtol=0, atol=TOL)
     assert peeked.provisional().shape[0] == 0  # a finished stream has nothing open

@@ -27,11 +27,11 @@ import av
 import numpy as np
 
 from agent import metrics
-from agent.backpressure import SenderThrottle
 from agent.config import Config
-from agent.engine import Engine
 from agent.engine.api import Output, ReplyDone
-from agent.video_feed import MAX_IN_FLIGHT, VideoFeed
+from agent.engine.loop import Engine
+from agent.media.backpressure import SenderThrottle
+from agent.media.video_feed import MAX_IN_FLIGHT, VideoFeed
 
 
 def _count(name: str, **labels: str) -> float:
@@ -90,9 +90,13 @@ def test_throttle_phases_and_hold() -> None:
     assert t.observe(3, 0.0) is None and t.phase == "open"
     state = t.observe(6, 1.0)
     assert state is not None and state.phase == "throttled"
-    assert state.event("ingest_backlog") == {"type": "input_video.throttle", "max_fps": 1.0,
-                                             "scale_resolution_down_by": 2.0, "paused": False,
-                                             "reason": "ingest_backlog"}
+    assert state.event("ingest_backlog") == {
+        "type": "input_video.throttle",
+        "max_fps": 1.0,
+        "scale_resolution_down_by": 2.0,
+        "paused": False,
+        "reason": "ingest_backlog",
+    }
     assert t.observe(8, 2.0) is None  # still high, but not for pause_after_s yet
     paused = t.observe(8, 4.5)
     assert paused is not None and paused.paused and paused.phase == "paused"
@@ -166,8 +170,14 @@ async def test_feed_throttles_a_stalled_engine_and_restores_it() -> None:
     runner = HoldingRunner()
     engine = Engine(lambda: runner, frames_per_turn=2)
     await engine.start()
-    config = Config(video_fps=4.0, ingest_buffer_frames=8, video_high_water=6, video_low_water=1,
-                    video_throttle_hold_s=1.0, video_pause_after_s=1.0)
+    config = Config(
+        video_fps=4.0,
+        ingest_buffer_frames=8,
+        video_high_water=6,
+        video_low_water=1,
+        video_throttle_hold_s=1.0,
+        video_pause_after_s=1.0,
+    )
     now = [0.0]
     events: list[dict] = []
     feed = VideoFeed(config, engine, "s1", events.append, clock=lambda: now[0])
@@ -209,8 +219,13 @@ async def test_feed_throttles_a_stalled_engine_and_restores_it() -> None:
         assert feed.throttle.phase == "paused", "restored before the hold time"
         now[0] += 1.1
         await asyncio.sleep(0.4)  # the feed's own recheck timer sees the hold has passed
-        assert events[-1] == {"type": "input_video.throttle", "max_fps": 4.0, "scale_resolution_down_by": 1.0,
-                              "paused": False, "reason": "recovered"}
+        assert events[-1] == {
+            "type": "input_video.throttle",
+            "max_fps": 4.0,
+            "scale_resolution_down_by": 1.0,
+            "paused": False,
+            "reason": "recovered",
+        }
         assert [e["reason"] for e in events] == ["ingest_backlog", "ingest_backlog", "recovered"]
 
         engine.begin_reply("s1", [])

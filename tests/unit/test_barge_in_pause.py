@@ -21,15 +21,15 @@ import argparse
 
 import numpy as np
 import pytest
+from test_echo_guard import FakeClock, LoudIsVoiced, gap, speakerphone, tone, voices  # noqa: F401 (voices: a fixture)
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.config import Config
-from agent.ingest import AudioChunk
+from agent.media.ingest import AudioChunk
+from agent.media.playout import AgentAudioTrack
+from agent.media.turn_events import BargeInCandidate, BargeInDropped, SpeechStarted, TurnEvent
+from agent.media.vad import Endpointer
 from agent.metrics import REGISTRY
-from agent.playout import AgentAudioTrack
-from agent.turn_events import BargeInCandidate, BargeInDropped, SpeechStarted, TurnEvent
-from agent.vad import Endpointer
-from test_echo_guard import FakeClock, LoudIsVoiced, gap, speakerphone, tone, voices  # noqa: F401 (voices: a fixture)
 
 N = 480  # samples per outbound frame
 
@@ -161,8 +161,12 @@ def test_no_candidate_while_the_agent_is_silent_or_under_the_echo_level():
 # ---- over the echo: the real track, the real InputBuffer and detector -----------------------
 
 
-async def speakerphone_pausing(voices, *, user_at_s: float | None, vad: str,
-                               ) -> tuple[list[tuple[int, TurnEvent]], list[bool]]:
+async def speakerphone_pausing(
+    clips,
+    *,
+    user_at_s: float | None,
+    vad: str,  # noqa: F811 (the imported fixture)
+) -> tuple[list[tuple[int, TurnEvent]], list[bool]]:
     """test_echo_guard's speakerphone, with the track paused / resumed / flushed on the events
     as Session does."""
     config = Config(vad=vad)
@@ -175,11 +179,11 @@ async def speakerphone_pausing(voices, *, user_at_s: float | None, vad: str,
         elif isinstance(event, SpeechStarted):
             track.flush()
 
-    return await speakerphone(voices, config=config, user_at_s=user_at_s, on_event=drive)
+    return await speakerphone(clips, config=config, user_at_s=user_at_s, on_event=drive)
 
 
 @pytest.mark.parametrize("vad", ["silero", "webrtc"])
-async def test_own_echo_at_minus_10_db_never_pauses_the_agent(voices, vad):
+async def test_own_echo_at_minus_10_db_never_pauses_the_agent(voices, vad):  # noqa: F811 (the imported fixture)
     events, audible = await speakerphone_pausing(voices, user_at_s=None, vad=vad)
     assert candidates_of(events) == []
     # The reply played without a hole: audible from its first frame to its last.
@@ -188,7 +192,7 @@ async def test_own_echo_at_minus_10_db_never_pauses_the_agent(voices, vad):
 
 
 @pytest.mark.parametrize("vad", ["silero", "webrtc"])
-async def test_talking_over_the_reply_silences_it_at_the_candidate(voices, vad):
+async def test_talking_over_the_reply_silences_it_at_the_candidate(voices, vad):  # noqa: F811 (the imported fixture)
     events, audible = await speakerphone_pausing(voices, user_at_s=1.0, vad=vad)
     kinds = candidates_of(events)
     assert "SpeechStarted" in kinds

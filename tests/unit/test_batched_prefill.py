@@ -1,4 +1,4 @@
-"""Batched, bucketed prefill (agent/engine/prefill.py) and its use at end of turn.
+"""Batched, bucketed prefill (agent/engine/stages/bucketed_prefill.py) and its use at end of turn.
 
 Pins, on the tiny model:
 - three sessions with ragged histories and ragged new tokens, prefilled in ONE thinker forward
@@ -16,13 +16,13 @@ Pins, on the tiny model:
 from __future__ import annotations
 
 import torch
-
-from agent.engine.prefill import PREFILL_BUCKETS
-from agent.engine.kv import KVState
-from agent.engine.stream import StreamingRunner
-from agent.engine.talker import TalkerOps
-from agent.engine.thinker import ThinkerOps
 from engine_drive import make_audio
+
+from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.stages.bucketed_prefill import PREFILL_BUCKETS
+from agent.engine.stages.talker import TalkerOps
+from agent.engine.stages.thinker import ThinkerOps
+from agent.engine.state.kv import KVState
 
 HISTORY = (20, 37, 130)  # tokens already in each session's cache
 NEW = (9, 25, 60)  # end-of-turn tokens per session (bucket 64)
@@ -142,8 +142,14 @@ def test_three_talker_prefixes_in_one_forward_equal_three_separate(loaded):
 
 @torch.inference_mode()
 def test_turns_ending_in_one_tick_share_one_prefill_forward(loaded):
-    runner = StreamingRunner(loaded, "You are a helpful voice assistant.", max_reply_tokens=4, max_reply_seconds=0.4,
-                             audio_window_s=1.0, max_sessions=3)
+    runner = StreamingRunner(
+        loaded,
+        "You are a helpful voice assistant.",
+        max_reply_tokens=4,
+        max_reply_seconds=0.4,
+        audio_window_s=1.0,
+        max_sessions=3,
+    )
     sids = ["a", "b", "c"]
     for i, sid in enumerate(sids):
         runner.open_session(sid)

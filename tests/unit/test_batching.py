@@ -25,14 +25,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_drive import PIECE, make_audio, speak
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav, Qwen3OmniMoeConvNeXtBlock
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime
-from agent.engine.code2wav_slots import SlotCode2Wav
-from agent.engine.scheduler import PlayoutClock, ReplyView, SchedulerConfig, idle_s, plan_tick
-from agent.engine.stream import StreamingRunner
-from engine_drive import PIECE, make_audio, speak
+from agent.engine.codecs.code2wav import SlotCode2Wav
+from agent.engine.runner.scheduler import PlayoutClock, ReplyView, SchedulerConfig, idle_s, plan_tick
+from agent.engine.runner.streaming import StreamingRunner
 
 SYSTEM = "You are a helpful voice assistant."
 OPTIONS = dict(max_reply_tokens=12, max_reply_seconds=1.6, audio_window_s=1.0, record=True)
@@ -185,8 +185,14 @@ def test_speaking_sessions_step_together_and_wait_while_ahead(loaded):
 
 def test_far_ahead_session_yields_to_one_near_underrun(loaded):
     clock = FakeClock()
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=48, max_reply_seconds=4.0, clock=clock,
-                             schedule=SchedulerConfig(batch_fill_s=1.0))
+    runner = StreamingRunner(
+        loaded,
+        SYSTEM,
+        max_reply_tokens=48,
+        max_reply_seconds=4.0,
+        clock=clock,
+        schedule=SchedulerConfig(batch_fill_s=1.0),
+    )
     start_speaking(runner, clock, ["far"], ticks=16)  # ~1.2 s of audio made in no time
     runner.open_session("near")
     speak(runner, "near", make_audio(0.8, 300, 40))
@@ -210,8 +216,16 @@ def test_far_ahead_session_yields_to_one_near_underrun(loaded):
 def test_plan_tick_rules():
     config = SchedulerConfig(low_water_s=0.16, high_water_s=1.0, max_batch=3)
     view = lambda sid, buffer, first=False, started=0.0: ReplyView(sid, started, first, buffer)  # noqa: E731
-    plan = plan_tick([view("new2", None, True, 2.0), view("new1", None, True, 1.0), view("low", 0.05),
-                      view("ok", 0.5), view("lower", -0.2)], config)
+    plan = plan_tick(
+        [
+            view("new2", None, True, 2.0),
+            view("new1", None, True, 1.0),
+            view("low", 0.05),
+            view("ok", 0.5),
+            view("lower", -0.2),
+        ],
+        config,
+    )
     assert plan.first == ["new1", "new2"] and plan.decode == ["lower"] and not plan.audio_prefill
     plan = plan_tick([view("far", 2.0), view("ok", 0.5), view("low", 0.1), view("text", None)], config)
     assert plan.decode == ["low", "text", "ok"] and not plan.audio_prefill
@@ -251,9 +265,18 @@ def test_playout_clock_follows_the_track_through_an_underrun():
 def code2wav() -> Qwen3OmniMoeCode2Wav:
     torch.manual_seed(0)
     config = Qwen3OmniMoeCode2WavConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
-        num_hidden_layers=2, decoder_dim=64, codebook_size=256, num_quantizers=16, sliding_window=72,
-        upsample_rates=(8, 5, 4, 3), upsampling_ratios=(2, 2), layer_scale_initial_scale=0.1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        decoder_dim=64,
+        codebook_size=256,
+        num_quantizers=16,
+        sliding_window=72,
+        upsample_rates=(8, 5, 4, 3),
+        upsampling_ratios=(2, 2),
+        layer_scale_initial_scale=0.1,
     )
     model = Qwen3OmniMoeCode2Wav(config).eval()
     with torch.no_grad():

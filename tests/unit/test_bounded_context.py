@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from agent.engine.api import ReplyDone
-from agent.engine.stream import StreamingRunner
+from agent.engine.runner.streaming import StreamingRunner
 
 PIECE = 1280
 

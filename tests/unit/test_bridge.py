@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from agent.bridge import AsyncFrameRing, FrameRing
+from agent.media.rings import AsyncFrameRing, FrameRing
 from agent.metrics import REGISTRY
 
 
@@ -17,10 +17,7 @@ def buffered(kind: str) -> float:
 
 
 def dropped(kind: str) -> float:
-    return (
-        REGISTRY.get_sample_value("agent_ingest_dropped_frames_total", {"kind": kind, "reason": "full"})
-        or 0.0
-    )
+    return REGISTRY.get_sample_value("agent_ingest_dropped_frames_total", {"kind": kind, "reason": "full"}) or 0.0
 
 
 @pytest.mark.parametrize("capacity", [0, 4, 11, 64])

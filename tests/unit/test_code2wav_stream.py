@@ -21,7 +21,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeConvNeXtBlock,
 )
 
-from agent.engine.code2wav_stream import Code2WavStream, conv_receptive_field
+from agent.engine.instruments.code2wav_stream import Code2WavStream, conv_receptive_field
 
 N_FRAMES = 90  # > sliding window (72): the cache must evict
 QUANTIZERS = 16

@@ -1,4 +1,4 @@
-"""The compiled per-frame path (agent/engine/compiled.py) equals the eager one, on the tiny model.
+"""The compiled per-frame path (agent/engine/compile/inductor.py) equals the eager one, on the tiny model.
 
 Pins:
 - each compiled step function (thinker decode, talker step, the whole code-predictor loop,
@@ -22,14 +22,14 @@ import argparse
 
 import pytest
 import torch
+from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
 from torch._dynamo.utils import counters
 
 from agent.__main__ import _serve_parser, config_from_args
-from agent.engine.compiled import CompiledStep, CompileSettings, PaddedBackend
-from agent.engine.graphs import GraphPool
-from agent.engine.prefill import PrefillRow
-from agent.engine.stream import StreamingRunner
-from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
+from agent.engine.compile.capture import GraphPool
+from agent.engine.compile.inductor import CompiledStep, CompileSettings, PaddedBackend
+from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.stages.bucketed_prefill import PrefillRow
 
 BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4
 
@@ -50,7 +50,12 @@ def test_start_up_compiles_each_step_once_for_every_bucket(runner):
     assert compiler is not None and runner.graphing.batch_sizes == (1, 2, 4, 8, 16)
     seconds = compiler.compile_seconds()
     assert set(seconds) == {
-        "thinker_decode", "talker_step", "code_predictor", "code2wav", "thinker_prefill", "talker_prefill"
+        "thinker_decode",
+        "talker_step",
+        "code_predictor",
+        "code2wav",
+        "thinker_prefill",
+        "talker_prefill",
     }
     assert all(list(s) == [0] for s in seconds.values()), seconds  # 0: one function for all buckets
     # ... and one graph each: no batch size (1, or conv's >= 16 on CPU) traced a graph of its own.

@@ -7,7 +7,7 @@ under a mask); every per-frame pool replays traces (captured once per bucket, th
 the decode steps' traces all made at start-up (every batch bucket and attention length);
 state a step writes without taking it as an input (code2wav's conv states and window positions)
 survives replays: consecutive pushes equal the eager ones exactly (a trace drops writes to
-tensors it does not return, which cpu_graphs.py guards against); and `--cpu-graphs` is how
+tensors it does not return, which agent/engine/compile/cpu_traces.py guards against); and `--cpu-graphs` is how
 serve turns them on.
 """
 
@@ -17,19 +17,27 @@ import argparse
 
 import numpy as np
 import torch
+from engine_drive import make_audio, speak
 
 from agent.__main__ import _serve_parser, config_from_args
-from agent.engine.code2wav_slots import SlotCode2Wav
-from agent.engine.graphing import GraphConfig, Graphing
-from agent.engine.stream import StreamingRunner
-from engine_drive import make_audio, speak
+from agent.engine.codecs.code2wav import SlotCode2Wav
+from agent.engine.compile.wiring import GraphConfig, Graphing
+from agent.engine.runner.streaming import StreamingRunner
 
 SYSTEM = "You are a helpful voice assistant."
 
 
 def _replies(loaded, graphs: GraphConfig) -> tuple[StreamingRunner, dict]:
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=16, max_reply_seconds=1.6, record=True,
-                             graphs=graphs, max_sessions=4, context_limit=2048)
+    runner = StreamingRunner(
+        loaded,
+        SYSTEM,
+        max_reply_tokens=16,
+        max_reply_seconds=1.6,
+        record=True,
+        graphs=graphs,
+        max_sessions=4,
+        context_limit=2048,
+    )
     for i, sid in enumerate(["a", "b", "c"]):
         runner.open_session(sid)
         speak(runner, sid, make_audio(0.8 + 0.3 * i, 200 + 50 * i, 10 + i))

@@ -38,8 +38,9 @@ def test_promtool_accepts_rules() -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool missing: `make test` installs Debian's prometheus package")
-    out = subprocess.run([promtool, "check", "rules", str(DEPLOY / "prometheus-rules.yml")],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [promtool, "check", "rules", str(DEPLOY / "prometheus-rules.yml")], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
 
@@ -47,8 +48,12 @@ def test_promtool_accepts_rules() -> None:
 def test_rules_and_dashboard_query_exported_metrics() -> None:
     # Labelled metrics export samples only once a label is used: touch each family with a
     # probe label, and take the probes out again so that no later scrape sees them.
-    probes = [(metrics.STAGE, ("probe",)), (metrics.INGEST_BUFFER, ("probe",)),
-              (metrics.INGEST_DROPPED, ("probe", "probe")), (metrics.OFFERS_REJECTED, ("probe",))]
+    probes = [
+        (metrics.STAGE, ("probe",)),
+        (metrics.INGEST_BUFFER, ("probe",)),
+        (metrics.INGEST_DROPPED, ("probe", "probe")),
+        (metrics.OFFERS_REJECTED, ("probe",)),
+    ]
     for family, labels in probes:
         family.labels(*labels)
     try:

@@ -41,8 +41,11 @@ def _project() -> dict:
 
 def _instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(line for line in DOCKERFILE.read_text().splitlines()
-                                          if not line.lstrip().startswith("#")))
+    text = re.sub(
+        r"\\\n",
+        " ",
+        "\n".join(line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")),
+    )
     out = []
     for line in text.splitlines():
         if line.strip():
@@ -112,8 +115,11 @@ def test_the_caches_lie_in_a_volume_and_the_entrypoint_serves_on_all_interfaces(
 
 
 def test_dockerignore_keeps_what_the_image_copies() -> None:
-    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    lines = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     copied = {shlex.split(rest)[0].rstrip("/") for word, rest in _instructions() if word == "COPY"}
     assert copied == {"pyproject.toml", "agent"}
     if "*" in lines:  # everything ignored, then the copied paths let back in
@@ -136,7 +142,9 @@ def test_every_gpu_worker_mounts_the_model_cache_where_hf_home_points() -> None:
     hf_home = PurePosixPath(_env()["HF_HOME"])
     for group in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         pod = group["template"]["spec"]
-        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v
+        }
         (container,) = pod["containers"]
         mounts = [m for m in container["volumeMounts"] if claims.get(m["name"]) == claim["metadata"]["name"]]
         assert any(hf_home.is_relative_to(m["mountPath"]) for m in mounts), (hf_home, mounts)

@@ -34,8 +34,10 @@ def _rayservice() -> dict:
 
 
 def _serve_configs() -> list[dict]:
-    return [yaml.safe_load((DEPLOY / "ray" / "serve.yaml").read_text()),
-            yaml.safe_load(_rayservice()["spec"]["serveConfigV2"])]
+    return [
+        yaml.safe_load((DEPLOY / "ray" / "serve.yaml").read_text()),
+        yaml.safe_load(_rayservice()["spec"]["serveConfigV2"]),
+    ]
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["serve.yaml", "rayservice"])

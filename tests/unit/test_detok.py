@@ -11,8 +11,8 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from agent.engine.api import ReplyDone, TextDelta
-from agent.engine.detok import IncrementalDecoder
-from agent.engine.stream import StreamingRunner
+from agent.engine.codecs.detok import IncrementalDecoder
+from agent.engine.runner.streaming import StreamingRunner
 
 
 def test_split_characters_are_held_until_whole(tiny_model_dir) -> None:

@@ -26,14 +26,14 @@ import pytest
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.config import Config
-from agent.echo import PlayoutLevel
-from agent.ingest import AudioChunk
-from agent.playout import AgentAudioTrack
+from agent.media.echo import PlayoutLevel
+from agent.media.ingest import AudioChunk
+from agent.media.playout import AgentAudioTrack
+from agent.media.turn_events import SpeechStarted, TurnEvent
+from agent.media.vad import Endpointer
+from agent.media.voice import SileroDetector, WebrtcDetector, make_detector
 from agent.realtime import session_config
 from agent.realtime.input_buffer import InputBuffer
-from agent.turn_events import SpeechStarted, TurnEvent
-from agent.vad import Endpointer
-from agent.voice import SileroDetector, WebrtcDetector, make_detector
 
 DELAY_FRAMES = 6  # 120 ms from the track's send to the microphone
 ECHO_DB = -10.0
@@ -70,7 +70,9 @@ def at_dbfs(x: np.ndarray, dbfs: float) -> np.ndarray:
 @pytest.fixture(scope="module")
 def voices(tmp_path_factory) -> dict[str, np.ndarray]:
     folder = tmp_path_factory.mktemp("echo")
-    reply = espeak(folder, "Sure. The weather tomorrow will be sunny in the morning and rainy later on.", "en-gb", 24000)
+    reply = espeak(
+        folder, "Sure. The weather tomorrow will be sunny in the morning and rainy later on.", "en-gb", 24000
+    )
     user = espeak(folder, "No wait, stop, I asked about Sunday instead.", "en-us+f3", 16000)
     return {"reply": at_dbfs(reply, -18.0), "user": at_dbfs(user, -18.0)}
 
@@ -84,9 +86,14 @@ def mic_frame(pcm16k: np.ndarray, index: int) -> av.AudioFrame:
     return frame
 
 
-async def speakerphone(voices, *, config: Config, tell_playing: bool = True, user_at_s: float | None = None,
-                       on_event: Callable[[AgentAudioTrack, TurnEvent], None] | None = None,
-                       ) -> tuple[list[tuple[int, TurnEvent]], list[bool]]:
+async def speakerphone(
+    voices,
+    *,
+    config: Config,
+    tell_playing: bool = True,
+    user_at_s: float | None = None,
+    on_event: Callable[[AgentAudioTrack, TurnEvent], None] | None = None,
+) -> tuple[list[tuple[int, TurnEvent]], list[bool]]:
     """The reply on a real track, its echo DELAY_FRAMES later at ECHO_DB into a real InputBuffer
     (plus the user from `user_at_s`). Returns each turn event with its 20 ms frame index, and
     whether each played frame was audible; `on_event` lets the caller drive the track on the

@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 import torch
 
-from agent.engine import Engine
 from agent.engine.api import AudioOut, ReplyDone, TextDelta
-from agent.engine.stream import StreamingRunner
+from agent.engine.loop import Engine
+from agent.engine.runner.streaming import StreamingRunner
 
 SYSTEM = "You are a helpful assistant."
 
@@ -125,8 +125,7 @@ async def test_a_fault_in_one_sessions_work_ends_only_its_reply(engine: Engine, 
     say(engine, "b")
     await asyncio.wait_for(b.first_audio.wait(), 60)
     # A's end of turn (its audio tail, its frames) fails once, while B speaks.
-    runner.turns.reply_chunk = _once(runner.turns.reply_chunk, fault,
-                                     lambda args: args[0] is runner._sessions.get("a"))
+    runner.turns.reply_chunk = _once(runner.turns.reply_chunk, fault, lambda args: args[0] is runner._sessions.get("a"))
     say(engine, "a")
     failed = await a.wait_done(1)
     b_done = await b.wait_done(1)
@@ -140,8 +139,10 @@ async def test_a_fault_in_one_sessions_work_ends_only_its_reply(engine: Engine, 
     again = await a.wait_done(2)
     assert again.reason in ("stop", "length") and again.stats["audio_frames"] > 0 and a.audio > 0
     assert engine.alive and engine.failed is None
-    print(f"\nfault ({type(fault).__name__}): A error, B {b.audio} frames of {b_done.stats['audio_frames']}, "
-          f"A's next turn {again.stats['audio_frames']} frames")
+    print(
+        f"\nfault ({type(fault).__name__}): A error, B {b.audio} frames of {b_done.stats['audio_frames']}, "
+        f"A's next turn {again.stats['audio_frames']} frames"
+    )
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=["exception", "cuda_oom"])
@@ -153,7 +154,7 @@ async def test_a_fault_in_a_batched_stage_ends_that_tick_and_turns_go_on(engine:
     runner.frames.render = _once(runner.frames.render, fault, lambda args: len(args[0]) > 0)
     first = [await a.wait_done(1), await b.wait_done(1)]
     assert "error" in [d.reason for d in first], first
-    for sink, sid in ((a, "a"), (b, "b")):
+    for sid in ("a", "b"):
         say(engine, sid)
     for sink in (a, b):
         again = await sink.wait_done(2)
@@ -165,8 +166,11 @@ async def test_a_failing_close_still_forgets_the_session(engine: Engine) -> None
     runner: StreamingRunner = engine.runner  # type: ignore[attr-defined]
     a, b = Sink(), Sink()
     engine.open_session("a", a)
-    runner.close_session = _once(runner.close_session, RuntimeError("injected close fault"),  # type: ignore[method-assign]
-                                 lambda args: args[0] == "a")
+    runner.close_session = _once(
+        runner.close_session,
+        RuntimeError("injected close fault"),  # type: ignore[method-assign]
+        lambda args: args[0] == "a",
+    )
     held = weakref.ref(a)
     engine.close_session("a")
     del a

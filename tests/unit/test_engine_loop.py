@@ -15,8 +15,8 @@ import threading
 import numpy as np
 import pytest
 
-from agent.engine import Engine, EngineBusy
-from agent.engine.api import AudioOut, Output, ReplyDone, StageTime, TextDelta
+from agent.engine.api import AudioOut, EngineBusy, Output, ReplyDone, StageTime, TextDelta
+from agent.engine.loop import Engine
 
 
 class ScriptedRunner:
@@ -67,8 +67,12 @@ class ScriptedRunner:
             raise RuntimeError("kernel exploded")
         sid = self.pending.pop(0)
         n = self.audio[sid]
-        return [StageTime("generate", 0.001), TextDelta(sid, f"heard {n}"),
-                AudioOut(sid, np.full(1920, n, np.int16)), ReplyDone(sid, "stop")]
+        return [
+            StageTime("generate", 0.001),
+            TextDelta(sid, f"heard {n}"),
+            AudioOut(sid, np.full(1920, n, np.int16)),
+            ReplyDone(sid, "stop"),
+        ]
 
 
 class Sink:

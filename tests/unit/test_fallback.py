@@ -1,4 +1,4 @@
-"""The level-2 fallback runner (agent/engine/fallback.py) on the tiny Qwen3 text model.
+"""The level-2 fallback runner (agent/engine/runner/fallback.py) on the tiny Qwen3 text model.
 
 Pins: the tiny build is deterministic, complete and survives a from_pretrained round trip
 exactly; the prompt is the system prompt, the history and the spoken-duration notice in ChatML
@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from agent.engine.api import ReplyDone, StageTime, TextDelta
-from agent.engine.fallback import (
+from agent.engine.checkpoints.tiny import build_tokenizer
+from agent.engine.runner.fallback import (
     DEFAULT_SYSTEM_PROMPT,
     MARKER_FILE,
     FallbackRunner,
@@ -27,7 +28,6 @@ from agent.engine.fallback import (
     build_tiny_text,
     make_tiny_text,
 )
-from agent.engine.tiny import build_tokenizer
 
 HISTORIES = {
     "a": [],
@@ -238,9 +238,15 @@ def test_matches_hf_generate(text_model_dir):
     runner = make_runner(text_model_dir, max_reply_tokens=16)
     open_with_history(runner, "c")
     prompt = torch.tensor([runner.prompt_ids("c")[0]])
-    ref = runner.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
-                                eos_token_id=sorted(runner.stop_ids), pad_token_id=runner.pad_id)
-    expected = [t for t in ref[0, prompt.shape[1]:].tolist() if t not in runner.stop_ids]
+    ref = runner.model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=sorted(runner.stop_ids),
+        pad_token_id=runner.pad_id,
+    )
+    expected = [t for t in ref[0, prompt.shape[1] :].tolist() if t not in runner.stop_ids]
     done = [o for o in per_session(drive(runner, {"c": 0}))["c"] if isinstance(o, ReplyDone)][0]
     assert list(done.stats["token_ids"]) == expected
 
@@ -250,7 +256,7 @@ def test_deltas_concatenate_to_final_text(text_model_dir):
     for sid in HISTORIES:
         open_with_history(runner, sid)
     outs = per_session(drive(runner, {"a": 0, "b": 0, "c": 1}))
-    for sid, items in outs.items():
+    for items in outs.values():
         deltas = [o for o in items if isinstance(o, TextDelta)]
         done = items[-1]
         assert isinstance(done, ReplyDone) and done.reason in ("stop", "length")
@@ -370,7 +376,7 @@ class IdleOmni:
 
 
 async def test_serves_fallback_replies_inside_the_engine(text_model_dir):
-    from agent.engine import Engine
+    from agent.engine.loop import Engine
 
     class Sink:
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Fused q/k/v projections (agent/engine/fusion.py): one matmul, the same numbers, no copies.
+"""Fused q/k/v projections (agent/engine/ops/fusion.py): one matmul, the same numbers, no copies.
 
 Pins: on a real Qwen3-Omni thinker attention block (the config class, tiny widths, GQA), after
 `fuse_qkv` the module's own q/k/v projections read views of `qkv_weight` (one storage, the
@@ -14,7 +14,7 @@ from torch import nn
 from transformers import Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
-from agent.engine.fusion import QKV, fuse_decoder, fuse_qkv, qkv
+from agent.engine.ops.fusion import QKV, fuse_decoder, fuse_qkv, qkv
 
 torch.set_num_threads(1)
 

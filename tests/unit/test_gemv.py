@@ -1,4 +1,4 @@
-"""Decode projections as reductions (agent/engine/gemv.py): equal to the library path, fused when compiled.
+"""Decode projections as reductions (agent/engine/ops/gemv.py): equal to the library path, fused when compiled.
 
 Pins:
 - compiled, `normed_gemv` equals `F.linear(RMSNorm(x), W)` and `gemv` equals `F.linear`, for one
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
 from torch import nn
 from torch.nn import functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeRMSNorm
 
-from agent.engine.gemv import check_norm, gemv, normed_gemv
-from agent.engine.kernel_count import KernelCounter, wrapper_launches
-from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
+from agent.engine.instruments.kernel_count import KernelCounter, wrapper_launches
+from agent.engine.ops.gemv import check_norm, gemv, normed_gemv
 
 K, N = 64, 96
 
@@ -95,7 +95,7 @@ def test_check_norm_refuses_other_norms():
 
 
 def test_fused_projections_default_to_cuda_only():
-    from agent.engine.graphing import GraphConfig, Graphing
+    from agent.engine.compile.wiring import GraphConfig, Graphing
 
     cpu = torch.device("cpu")
     assert Graphing(GraphConfig(compile="on"), cpu, 4).fused_gemv is False
@@ -105,15 +105,21 @@ def test_fused_projections_default_to_cuda_only():
 def fused_per_batch(loaded, compiled_options):
     """The engine's graphing as CUDA sets it up, on CPU: one compile per batch bucket (4 only,
     so one compile each) with fused projections."""
-    from agent.engine.graphing import GraphConfig, Graphing
+    from agent.engine.compile.wiring import GraphConfig, Graphing
 
-    config = GraphConfig(mode="off", compile="on", compile_cache=compiled_options["graphs"].compile_cache,
-                         batch_sizes=(4,), compile_dynamic_batch=False, fused_gemv=True)
+    config = GraphConfig(
+        mode="off",
+        compile="on",
+        compile_cache=compiled_options["graphs"].compile_cache,
+        batch_sizes=(4,),
+        compile_dynamic_batch=False,
+        fused_gemv=True,
+    )
     return Graphing(config, loaded.device, 4)
 
 
 def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, compiled_options):
-    from agent.engine.code_predictor import CodePredictorOps
+    from agent.engine.stages.code_predictor import CodePredictorOps
 
     graphing = fused_per_batch(loaded, compiled_options)
     ops = CodePredictorOps(loaded.model.talker, loaded.device, loaded.dtype, graphing)
@@ -128,10 +134,10 @@ def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, com
 def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded, compiled_options):
     """Their decode steps compiled per batch with fused projections and MoE experts (as CUDA
     compiles them) against the eager steps (library matmuls, grouped experts), ragged rows."""
-    from agent.engine.fusion import fuse_decoder
-    from agent.engine.moe import fuse_moe
-    from agent.engine.talker import TalkerOps
-    from agent.engine.thinker import ThinkerOps
+    from agent.engine.ops.fusion import fuse_decoder
+    from agent.engine.ops.moe import fuse_moe
+    from agent.engine.stages.talker import TalkerOps
+    from agent.engine.stages.thinker import ThinkerOps
 
     model = loaded.model
     fuse_moe(model)  # what the runner does first (no-ops when already done)
@@ -152,9 +158,9 @@ def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded,
 def test_a_decoder_the_fused_path_would_get_wrong_is_refused(loaded):
     """At start-up, not as wrong numbers: code2wav's transformer (dense MLPs, layer scales), and
     a thinker layer whose norm is not the Qwen3 RMSNorm; the thinker as it is passes."""
-    from agent.engine.fusion import fuse_decoder
-    from agent.engine.moe import fuse_moe
-    from agent.engine.slots import check_fused_decoder
+    from agent.engine.ops.fusion import fuse_decoder
+    from agent.engine.ops.moe import fuse_moe
+    from agent.engine.ops.slots import check_fused_decoder
 
     with pytest.raises(ValueError, match="fused MoE block"):
         check_fused_decoder(loaded.model.code2wav.pre_transformer)

@@ -2,7 +2,7 @@
 
 Pins, on the tiny model (greedy unless said), a runner with `graphs=fake_graph_config()` (the GPU wiring:
 fused MoE, reserved slot caches, static device-tensor inputs, fixed-length masked attention,
-GraphPool padding, capture/replay; agent/engine/fake_graphs.py makes capture execute nothing,
+GraphPool padding, capture/replay; agent/engine/instruments/fake_graphs.py makes capture execute nothing,
 refuse host syncs and check that every replay issues the captured ops on the same memory):
 - gives the SAME text ids and codec codes, and audio within 1e-5, as the eager runner, for one
   session over two turns and for three sessions batched (rows padded to the bucket of 4);
@@ -10,7 +10,7 @@ refuse host syncs and check that every replay issues the captured ops on the sam
   the 3-row ticks replay the bucket-4 graphs;
 - sampled (every stage, a thinker repetition penalty, agent/decoding.py), the same replies as
   the eager runner from the same seed, the thinker's and talker's token choice replayed as graphs
-  of their own (agent/engine/token_choice.py) and sampling inside the code-predictor graph;
+  of their own (agent/engine/stages/token_choice.py) and sampling inside the code-predictor graph;
 - longer contexts get their own attention-length graphs, each captured once, same outputs;
 - a batch above the largest bucket runs eagerly (refused, not captured) with the same outputs;
 - `config.cuda_graphs=False` (--no-cuda-graphs) never captures nor fuses, whatever the graph
@@ -29,16 +29,16 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from engine_drive import make_audio, speak
 
 from agent.config import Config
 from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, Decoding, Sampling
-from agent.engine.fake_graphs import FakeCaptureBackend, fake_graph_config
-from agent.engine.graphs import CUDAGraphed, GraphPool
-from agent.engine.model import load_model
-from agent.engine.moe import FusedSparseMoeBlock
-from agent.engine.prefill import PREFILL_BUCKETS
-from agent.engine.stream import StreamingRunner
-from engine_drive import make_audio, speak
+from agent.engine.checkpoints.model import load_model
+from agent.engine.compile.capture import CUDAGraphed, GraphPool
+from agent.engine.instruments.fake_graphs import FakeCaptureBackend, fake_graph_config
+from agent.engine.ops.moe import FusedSparseMoeBlock
+from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.stages.bucketed_prefill import PREFILL_BUCKETS
 
 SYSTEM = "You are a helpful voice assistant."
 OPTIONS = dict(max_reply_tokens=10, max_reply_seconds=1.2, audio_window_s=1.0, record=True, context_limit=1024)
@@ -123,7 +123,8 @@ def test_three_sessions_padded_to_four_equal_eager_and_reuse_one_graph_per_size(
     assert sizes == (1, 2, 4, 8)
     at_start = graph_stats(runner)
     assert {name: c for name, (c, _, _) in at_start.items()} == {
-        **{name: len(sizes) for name in STAGES}, **{name: len(sizes) * len(PREFILL_BUCKETS) for name in PREFILLS}
+        **{name: len(sizes) for name in STAGES},
+        **{name: len(sizes) * len(PREFILL_BUCKETS) for name in PREFILLS},
     }
 
     assert_same(converse(runner, ["a", "b", "c"]), eager_three)
@@ -170,7 +171,7 @@ def test_batches_above_the_largest_bucket_run_eagerly(graph_loaded, eager_three)
     runner = StreamingRunner(graph_loaded, SYSTEM, graphs=replace(FAKE, batch_sizes=(1, 2)), **OPTIONS)
     assert runner.graphing.batch_sizes == (1, 2)
     assert_same(converse(runner, ["a", "b", "c"]), eager_three)
-    for name, (captures, replays, refused) in graph_stats(runner).items():
+    for name, (captures, _replays, refused) in graph_stats(runner).items():
         per_bucket = len(PREFILL_BUCKETS) if name in PREFILLS else 1
         assert captures == 2 * per_bucket and refused > 0, name  # the 3-row calls ran eagerly
 

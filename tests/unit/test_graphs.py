@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 
-from agent.engine.graphs import CUDAGraphed, GraphPool
+from agent.engine.compile.capture import CUDAGraphed, GraphPool
 
 torch.set_num_threads(1)
 
@@ -77,7 +77,7 @@ def test_warmup_then_one_capture_then_replays_equal_the_plain_function():
     mlp = _mlp()
     backend = FakeBackend()
     graphed = CUDAGraphed(mlp, warmup_iters=2, backend=backend)
-    for i in range(6):
+    for _i in range(6):
         x = torch.randn(3, 8)
         torch.testing.assert_close(graphed(x), mlp(x), rtol=0, atol=0)
     assert backend.warmups == 2
@@ -255,7 +255,9 @@ class TalkerLikeStep(torch.nn.Module):
     def __init__(self, hidden=64, vocab=96, max_len=32, batch=2):
         super().__init__()
         self.q, self.k, self.v = (torch.nn.Linear(hidden, hidden) for _ in range(3))
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.SiLU(), torch.nn.Linear(4 * hidden, hidden))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(hidden, 4 * hidden), torch.nn.SiLU(), torch.nn.Linear(4 * hidden, hidden)
+        )
         self.head = torch.nn.Linear(hidden, vocab)
         self.embed = torch.nn.Embedding(vocab, hidden)
         self.register_buffer("k_cache", torch.zeros(batch, max_len, hidden))

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_transcribe import PIECE, SYSTEM, audio, run
 
 from agent.engine.api import ReplyDone, TranscriptOut
-from agent.engine.audio_stream import num_audio_tokens
-from agent.engine.stream import StreamingRunner
-from test_transcribe import PIECE, SYSTEM, audio, run
+from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.stages.audio_stream import num_audio_tokens
 
 
 @pytest.fixture
 def runner(loaded):
-    return StreamingRunner(loaded, SYSTEM, max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0,
-                           max_sessions=3)
+    return StreamingRunner(
+        loaded, SYSTEM, max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0, max_sessions=3
+    )
 
 
 def feed(runner: StreamingRunner, sid: str, wav: np.ndarray, step: bool) -> list:

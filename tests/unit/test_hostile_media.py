@@ -18,10 +18,10 @@ import av
 import numpy as np
 
 from agent.config import Config
-from agent.ingest import VideoSampler
+from agent.media.ingest import VideoSampler
+from agent.media.turn_events import SpeechStarted, SpeechStopped
 from agent.realtime.input_buffer import InputBuffer
 from agent.realtime.session_config import TurnDetection
-from agent.turn_events import SpeechStarted, SpeechStopped
 
 
 def _audio(rate: int, layout: str, fmt: str, samples: int, pts: int | None, tone: float = 0.0) -> av.AudioFrame:
@@ -41,11 +41,18 @@ def _audio(rate: int, layout: str, fmt: str, samples: int, pts: int | None, tone
 
 
 def _buffer() -> InputBuffer:
-    return InputBuffer(Config(), TurnDetection(silence_ms=300, prefix_padding_ms=300, create_response=True, interrupt_response=True))
+    return InputBuffer(
+        Config(), TurnDetection(silence_ms=300, prefix_padding_ms=300, create_response=True, interrupt_response=True)
+    )
 
 
-SOURCES = [(8_000, "mono", "s16"), (96_000, "5.1", "fltp"), (44_100, "stereo", "s16"), (48_000, "stereo", "fltp"),
-           (16_000, "mono", "s16")]
+SOURCES = [
+    (8_000, "mono", "s16"),
+    (96_000, "5.1", "fltp"),
+    (44_100, "stereo", "s16"),
+    (48_000, "stereo", "fltp"),
+    (16_000, "mono", "s16"),
+]
 
 
 def test_any_rate_layout_and_zero_length_frames_keep_the_clock() -> None:
@@ -86,8 +93,10 @@ def test_pts_jumps_and_missing_pts() -> None:
         elif step == 150:
             pts += rate * 10  # forwards 10 s: a peer that stopped sending
     a = buf.audio_in
-    print(f"\npts: {fed} frames, resyncs {a.resyncs}, gaps filled {a.gaps_filled}, clock jumps {a.clock_jumps}, "
-          f"clock {a.clock:.2f} s")
+    print(
+        f"\npts: {fed} frames, resyncs {a.resyncs}, gaps filled {a.gaps_filled}, clock jumps {a.clock_jumps}, "
+        f"clock {a.clock:.2f} s"
+    )
     assert a.resyncs >= 1 and a.gaps_filled >= 1 and a.clock_jumps >= 1
     # 6 s of audio, 0.5 s of filled silence, 10 s skipped (by whole chunks, never allocated).
     assert 6.0 <= a.clock <= 17.5

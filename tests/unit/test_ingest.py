@@ -10,7 +10,7 @@ import av
 import numpy as np
 import pytest
 
-from agent.ingest import CHUNK_SECONDS, AudioChunk, AudioIn
+from agent.media.ingest import CHUNK_SECONDS, AudioChunk, AudioIn
 from agent.metrics import REGISTRY
 
 
@@ -105,9 +105,7 @@ def test_gap_in_pts_is_filled_with_silence_and_clock_stays_true():
 
 
 def test_huge_gap_moves_clock_by_whole_chunks_without_allocating():
-    before = REGISTRY.get_sample_value(
-        "agent_ingest_dropped_frames_total", {"kind": "audio", "reason": "gap"}
-    ) or 0.0
+    before = REGISTRY.get_sample_value("agent_ingest_dropped_frames_total", {"kind": "audio", "reason": "gap"}) or 0.0
     rate = 48000
     pcm = tone(0.4, rate)
     fs = frames(pcm[: 960 * 10], rate, 960)  # 0.0 - 0.2 s
@@ -124,9 +122,7 @@ def test_huge_gap_moves_clock_by_whole_chunks_without_allocating():
     for c in chunks:
         assert c.start == pytest.approx(c.index * 0.08)
     assert np.all(chunks[2].pcm[640 + 4 :] == 0.0)
-    after = REGISTRY.get_sample_value(
-        "agent_ingest_dropped_frames_total", {"kind": "audio", "reason": "gap"}
-    )
+    after = REGISTRY.get_sample_value("agent_ingest_dropped_frames_total", {"kind": "audio", "reason": "gap"})
     assert after - before == 30  # chunks 3..32 never existed
     # 2.7 s + 0.2 s of audio = 2.9 s of source time; the clock is within one chunk of it.
     assert 2.9 - CHUNK_SECONDS <= ain.clock <= 2.9

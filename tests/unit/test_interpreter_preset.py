@@ -31,8 +31,14 @@ def test_preset_fills_instructions_and_turns_off_barge_in():
 
 def test_same_update_overrides_the_preset():
     base = sc.default_session(Config())
-    s = sc.merge(base, {"instructions": "Mine.", "omni": {"interpret_to": "Spanish"},
-                        "audio": {"input": {"turn_detection": {"type": "server_vad", "interrupt_response": True}}}})
+    s = sc.merge(
+        base,
+        {
+            "instructions": "Mine.",
+            "omni": {"interpret_to": "Spanish"},
+            "audio": {"input": {"turn_detection": {"type": "server_vad", "interrupt_response": True}}},
+        },
+    )
     assert s["instructions"] == "Mine."
     assert s["audio"]["input"]["turn_detection"]["interrupt_response"] is True
 

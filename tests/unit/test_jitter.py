@@ -19,8 +19,8 @@ from aiortc.rtcicetransport import RTCIceGatherer, RTCIceTransport
 from aiortc.rtcrtpreceiver import RTCRtpReceiver
 from aiortc.rtp import RtpPacket
 
-from agent.jitter import ImmediateAudioJitterBuffer, lower_audio_jitter_hold
-from agent.playout import AgentAudioTrack
+from agent.media.playout import AgentAudioTrack
+from agent.transport.jitter import ImmediateAudioJitterBuffer, lower_audio_jitter_hold
 
 ATTR = "_RTCRtpReceiver__jitter_buffer"
 

@@ -1,4 +1,4 @@
-"""The kernel counter (agent/engine/kernel_count.py) counts what a GPU would launch.
+"""The kernel counter (agent/engine/instruments/kernel_count.py) counts what a GPU would launch.
 
 Pins: in eager code every non-view aten op is one kernel and views / bare allocations are none
 (3 pointwise ops + 1 matmul, around transposes, reshapes and slices, count 4); kernels go to
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.engine.kernel_count import (
+from agent.engine.instruments.kernel_count import (
     SCHEDULED_MARK,
     KernelCounter,
     is_view,
@@ -40,7 +40,9 @@ def test_eager_ops_count_one_kernel_each_and_views_none():
         three_pointwise_one_matmul(x, w)
     assert counter.total == 4, counter.ops
     assert sum(n for op, n in counter.ops.items() if "mm" in op) == 1
-    assert not any(is_view(getattr(torch.ops.aten, op.split(".")[1]).default) for op in counter.ops if op.endswith("default"))
+    assert not any(
+        is_view(getattr(torch.ops.aten, op.split(".")[1]).default) for op in counter.ops if op.endswith("default")
+    )
 
 
 def test_kernels_go_to_the_innermost_stage():

@@ -9,7 +9,7 @@ gauge follows; the token bucket admits its rate and refuses the excess.
 from __future__ import annotations
 
 from agent import metrics
-from agent.ladder import DegradationLadder, LadderSettings, TurnRateLimiter, p95
+from agent.gate.ladder import DegradationLadder, LadderSettings, TurnRateLimiter, p95
 
 
 class Clock:

@@ -5,12 +5,13 @@ stay off."""
 
 from __future__ import annotations
 
-from agent.ladder import DegradationLadder, LadderSettings
+from agent.gate.ladder import DegradationLadder, LadderSettings
 
 
 def test_speculation_is_the_first_rung() -> None:
-    ladder = DegradationLadder(LadderSettings(window=10, min_samples=5, speculation_p95_s=0.2, margin_s=0.05),
-                               clock=lambda: 1000.0)
+    ladder = DegradationLadder(
+        LadderSettings(window=10, min_samples=5, speculation_p95_s=0.2, margin_s=0.05), clock=lambda: 1000.0
+    )
     for _ in range(5):
         ladder.observe(0.1)
     assert ladder.speculate and ladder.level == 0

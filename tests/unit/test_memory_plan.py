@@ -27,6 +27,7 @@ from agent import metrics
 from agent.__main__ import _serve_parser, config_from_args, main
 from agent.config import Config
 from agent.engine import memory_plan
+from agent.engine.checkpoints.presets import REAL, preset_config
 from agent.engine.memory_plan import (
     H100_80G,
     H200,
@@ -39,7 +40,6 @@ from agent.engine.memory_plan import (
     ModelMemory,
     plan,
 )
-from agent.engine.presets import REAL, preset_config
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_the_command_line_records_the_limits_it_left_out() -> None:
 
 def test_serve_exits_with_the_plans_message_when_it_cannot_fit(tiny_model_dir: Path, monkeypatch, capsys) -> None:
     """A GPU faked by its free memory: the tiny model with 2 GiB free leaves no room for the reserve."""
-    from agent.engine import model
+    from agent.engine.checkpoints import model
 
     monkeypatch.setattr(model, "resolve_device", lambda device: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * GiB, 2 * GiB))

@@ -26,21 +26,25 @@ import torch
 from transformers import Qwen3OmniMoeTalkerConfig, Qwen3OmniMoeThinkerConfig
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
-from agent.engine.moe import FusedSparseMoeBlock, experts_grouped, fuse_moe, rank_by_expert
+from agent.engine.ops.moe import FusedSparseMoeBlock, experts_grouped, fuse_moe, rank_by_expert
 
 torch.set_num_threads(1)
 
 
 def _thinker_block(hidden=64, experts=8, top_k=2, inter=32, seed=0):
     cfg = Qwen3OmniMoeThinkerConfig(
-        text_config=dict(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k)
+        text_config=dict(
+            hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k
+        )
     ).text_config
     return _init(hf.Qwen3OmniMoeThinkerTextSparseMoeBlock(cfg), cfg, seed)
 
 
 def _talker_block(hidden=64, experts=8, top_k=3, inter=32, shared=48, seed=0):
     cfg = Qwen3OmniMoeTalkerConfig(
-        text_config=dict(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k)
+        text_config=dict(
+            hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k
+        )
     ).text_config
     # Read by the block but not declared by the config class (docs/model-facts.md).
     cfg.shared_expert_intermediate_size = shared
@@ -161,14 +165,21 @@ def _prompt(tokenizer) -> torch.Tensor:
 def _generate(model, tokenizer, input_ids):
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     return model.generate(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), speaker="chelsie", return_audio=True,
-        thinker_do_sample=False, talker_do_sample=False, thinker_max_new_tokens=6, thinker_min_new_tokens=1,
-        thinker_eos_token_id=[im_end], talker_max_new_tokens=6,
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        speaker="chelsie",
+        return_audio=True,
+        thinker_do_sample=False,
+        talker_do_sample=False,
+        thinker_max_new_tokens=6,
+        thinker_min_new_tokens=1,
+        thinker_eos_token_id=[im_end],
+        talker_max_new_tokens=6,
     )
 
 
 def test_fuse_moe_swaps_every_block_and_keeps_greedy_outputs():
-    from agent.engine.tiny import build_model
+    from agent.engine.checkpoints.tiny import build_model
 
     model, tokenizer = build_model()
     model.set_experts_implementation("eager")  # the reference is transformers' loop
@@ -179,7 +190,8 @@ def test_fuse_moe_swaps_every_block_and_keeps_greedy_outputs():
     assert list(model.state_dict()) == keys
     fused_blocks = [m for m in model.modules() if isinstance(m, FusedSparseMoeBlock)]
     assert len(fused_blocks) == 6 and {b.source_class for b in fused_blocks} == {
-        "Qwen3OmniMoeThinkerTextSparseMoeBlock", "Qwen3OmniMoeTalkerTextSparseMoeBlock"
+        "Qwen3OmniMoeThinkerTextSparseMoeBlock",
+        "Qwen3OmniMoeTalkerTextSparseMoeBlock",
     }
     ids = _prompt(tokenizer)
     seq_ref, wav_ref = _generate(reference, tokenizer, ids)
@@ -206,8 +218,10 @@ def test_decode_micro_benchmark_prints_speedup():
         return (time.perf_counter() - start) / n * 1e3
 
     loop_ms, fused_ms = per_call(block), per_call(fused)
-    print(f"\n1-token talker MoE decode (CPU, 1 thread): loop {loop_ms:.2f} ms, fused {fused_ms:.2f} ms, "
-          f"speedup {loop_ms / fused_ms:.2f}x")
+    print(
+        f"\n1-token talker MoE decode (CPU, 1 thread): loop {loop_ms:.2f} ms, fused {fused_ms:.2f} ms, "
+        f"speedup {loop_ms / fused_ms:.2f}x"
+    )
     torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
 
 
@@ -221,14 +235,14 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
 @torch.no_grad()
 def test_gpu_fused_block_bf16_equals_loop_and_replays_in_a_graph(kind):
-    from agent.engine.graphs import CUDAGraphed
+    from agent.engine.compile.capture import CUDAGraphed
 
     exact = BLOCKS[kind](hidden=256, experts=16, inter=128).to("cuda")  # fp32 loop: the truth
     block = copy.deepcopy(exact).to(torch.bfloat16)
     fused = FusedSparseMoeBlock(block)
     assert fused.method == ("grouped" if torch.cuda.get_device_capability() >= (8, 0) else "gather")
     graphed = CUDAGraphed(fused, warmup_iters=2, clone_outputs=True)
-    for step in range(5):
+    for _step in range(5):
         x = torch.randn(4, 1, 256, device="cuda")
         truth = exact(x)
         xb = x.to(torch.bfloat16)

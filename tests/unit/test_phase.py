@@ -1,4 +1,4 @@
-"""The reply phase machine (agent/engine/phase.py): every legal transition is taken, every
+"""The reply phase machine (agent/engine/state/phase.py): every legal transition is taken, every
 other pair of phases raises IllegalTransition, and the terminal phases have no way out."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from agent.engine.phase import TRANSITIONS, IllegalTransition, ReplyPhase
+from agent.engine.state.phase import TRANSITIONS, IllegalTransition, ReplyPhase
 
 LEGAL = {
     (ReplyPhase.SPECULATING, ReplyPhase.HELD),

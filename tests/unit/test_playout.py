@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from aiortc.mediastreams import MediaStreamError
 
+from agent.media.playout import AgentAudioTrack
 from agent.metrics import REGISTRY
-from agent.playout import AgentAudioTrack
 
 RATE = 24000
 N = 480
@@ -306,7 +306,7 @@ async def test_outside_a_reply_audio_waits_for_its_slot():
 def test_upsampler_streams_exactly_and_keeps_voice_band() -> None:
     """Upsampler2x: any chunking equals one-shot; input samples pass through on even
     outputs; a 1 kHz tone keeps its level and its image near 23 kHz is suppressed."""
-    from agent.playout import Upsampler2x
+    from agent.media.playout import Upsampler2x
 
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(2400) * 3000).astype(np.int16)

@@ -8,7 +8,7 @@ the classes' own initial values (norms 1, biases 0, layer scales, SnakeBeta log-
 RoPE/sinusoid/code-offset buffers; weights normal(0, 0.02), the talker's experts and router
 included), is deterministic per seed, keeps buffers' dtypes under bf16, and every submodule
 (audio encoder, vision encoder, thinker, talker, code predictor, code2wav) runs a finite forward,
-code2wav at an audible level. The "tiny" preset delegates to agent.engine.tiny. On a CUDA device
+code2wav at an audible level. The "tiny" preset delegates to agent.engine.checkpoints.tiny. On a CUDA device
 with room for it (`-m gpu`), the full-size model builds in bf16 and decodes.
 """
 
@@ -17,20 +17,41 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.engine.presets import GUESSED_FIELDS, REAL, build_random, count_parameters, preset_config, scaled_overrides
+from agent.engine.checkpoints.presets import (
+    GUESSED_FIELDS,
+    REAL,
+    build_random,
+    count_parameters,
+    preset_config,
+    scaled_overrides,
+)
 
 torch.set_num_threads(1)
 
 
 def test_real_config_has_the_published_dimensions():
     cfg = preset_config(REAL)
-    text, audio, vision = cfg.thinker_config.text_config, cfg.thinker_config.audio_config, cfg.thinker_config.vision_config
+    text, audio, vision = (
+        cfg.thinker_config.text_config,
+        cfg.thinker_config.audio_config,
+        cfg.thinker_config.vision_config,
+    )
     talker, cp, c2w = cfg.talker_config.text_config, cfg.talker_config.code_predictor_config, cfg.code2wav_config
-    assert (text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.num_key_value_heads) == (48, 2048, 32, 4)
+    assert (text.num_hidden_layers, text.hidden_size, text.num_attention_heads, text.num_key_value_heads) == (
+        48,
+        2048,
+        32,
+        4,
+    )
     assert (text.head_dim, text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size) == (128, 128, 8, 768)
     assert text.vocab_size == 152064
     assert (audio.encoder_layers, audio.d_model, vision.depth, vision.hidden_size) == (32, 1280, 27, 1152)
-    assert (talker.num_hidden_layers, talker.hidden_size, talker.num_experts, talker.num_experts_per_tok) == (20, 1024, 128, 6)
+    assert (talker.num_hidden_layers, talker.hidden_size, talker.num_experts, talker.num_experts_per_tok) == (
+        20,
+        1024,
+        128,
+        6,
+    )
     assert (talker.moe_intermediate_size, talker.shared_expert_intermediate_size) == (384, 768)
     # Both routers renormalise their top-k weights (released config.json; the talker class defaults to False).
     assert text.norm_topk_prob is True and talker.norm_topk_prob is True
@@ -121,7 +142,9 @@ def test_every_submodule_runs_a_forward(scaled):
     gen = torch.Generator().manual_seed(0)
     audio = scaled.thinker.model.audio_tower(torch.randn(128, 200, generator=gen), feature_lens=torch.tensor([200]))
     assert audio.last_hidden_state.shape == (26, width)  # 2 s of mel at 13 tokens/s
-    vision = scaled.thinker.model.visual(torch.randn(16, 3 * 2 * 16 * 16, generator=gen), grid_thw=torch.tensor([[1, 4, 4]]))
+    vision = scaled.thinker.model.visual(
+        torch.randn(16, 3 * 2 * 16 * 16, generator=gen), grid_thw=torch.tensor([[1, 4, 4]])
+    )
     assert vision.pooler_output.shape == (4, width)
     ids = torch.randint(0, 4000, (1, 7), generator=gen)
     thinker = scaled.thinker(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True)
@@ -174,14 +197,16 @@ def test_load_random_drives_a_scaled_preset_with_the_tiny_tokenizer(tiny_model_d
     a streamed reply produces text and audio."""
     import numpy as np
 
-    from agent.engine import presets
     from agent.engine.api import AudioOut, ReplyDone
-    from agent.engine.stream import StreamingRunner
+    from agent.engine.checkpoints import presets
+    from agent.engine.runner.streaming import StreamingRunner
 
     real_build = presets.build_random
 
     def scaled(preset, device, dtype=None, *, overrides=None, seed=0):
-        return real_build(preset, device, dtype, overrides=presets._merge(presets.scaled_overrides(), overrides or {}), seed=seed)
+        return real_build(
+            preset, device, dtype, overrides=presets._merge(presets.scaled_overrides(), overrides or {}), seed=seed
+        )
 
     presets.build_random = scaled
     try:

@@ -19,11 +19,11 @@ import time
 import numpy as np
 import pytest
 
-from agent import priority
 from agent.config import Config
 from agent.engine.api import AudioOut
-from agent.engine.scheduler import ReplyView, SchedulerConfig, plan_tick
-from agent.engine.stream import StreamingRunner
+from agent.engine.runner.scheduler import ReplyView, SchedulerConfig, plan_tick
+from agent.engine.runner.streaming import StreamingRunner
+from agent.gate import priority
 from agent.realtime import session_config
 
 SYSTEM = "You are a helpful voice assistant."
@@ -35,8 +35,9 @@ def view(sid: str, buffer: float | None, first: bool = False, started: float = 0
 
 def test_first_audio_high_before_earlier_normal():
     config = SchedulerConfig(max_batch=2)
-    plan = plan_tick([view("n1", None, True, 1.0), view("n2", None, True, 2.0), view("h", None, True, 3.0, prio=1)],
-                     config)
+    plan = plan_tick(
+        [view("n1", None, True, 1.0), view("n2", None, True, 2.0), view("h", None, True, 3.0, prio=1)], config
+    )
     assert plan.first == ["h", "n1"]
     same = plan_tick([view("n1", None, True, 1.0), view("n2", None, True, 2.0), view("h", None, True, 3.0)], config)
     assert same.first == ["n1", "n2"]  # equal priority: earliest end of turn first, as before
@@ -45,8 +46,9 @@ def test_first_audio_high_before_earlier_normal():
 def test_speaking_rows_urgent_first_then_priority():
     config = SchedulerConfig(low_water_s=0.16, high_water_s=1.0, max_batch=2)
     # Two urgent sessions and one row each: the high one gets it although it has more buffered.
-    plan = plan_tick([view("n", 0.02, prio=0), view("h", 0.1, prio=1), view("far", 0.5, prio=1)],
-                     SchedulerConfig(max_batch=1))
+    plan = plan_tick(
+        [view("n", 0.02, prio=0), view("h", 0.1, prio=1), view("far", 0.5, prio=1)], SchedulerConfig(max_batch=1)
+    )
     assert plan.decode == ["h"]
     # A high session with audio to spare does not take the row of a normal one about to run dry.
     plan = plan_tick([view("h", 0.5, prio=1), view("n", 0.05)], SchedulerConfig(max_batch=1))
@@ -55,8 +57,10 @@ def test_speaking_rows_urgent_first_then_priority():
     plan = plan_tick([view("n", 0.3), view("h", 0.6, prio=1), view("n2", 0.4)], config)
     assert plan.decode == ["h", "n"]
     # First-audio ticks: only urgent speaking sessions join, high first.
-    plan = plan_tick([view("new", None, True), view("n", 0.05), view("h", 0.1, prio=1), view("ok", 0.5, prio=1)],
-                     SchedulerConfig(max_batch=2))
+    plan = plan_tick(
+        [view("new", None, True), view("n", 0.05), view("h", 0.1, prio=1), view("ok", 0.5, prio=1)],
+        SchedulerConfig(max_batch=2),
+    )
     assert plan.first == ["new"] and plan.decode == ["h"]
 
 
@@ -94,8 +98,15 @@ def test_session_priority_field():
 def saturated_run(loaded, with_priority: bool) -> tuple[dict[str, float], dict[str, int]]:
     """Six replies end in the same tick, one row per tick: TTFA (s) and first-audio tick per session.
     Normal sessions end their turns first, so deadline order alone would serve them first."""
-    runner = StreamingRunner(loaded, SYSTEM, max_sessions=6, max_reply_tokens=6, max_reply_seconds=0.8,
-                             audio_window_s=1.0, schedule=SchedulerConfig(max_batch=1, prefill_chunk_tokens=64))
+    runner = StreamingRunner(
+        loaded,
+        SYSTEM,
+        max_sessions=6,
+        max_reply_tokens=6,
+        max_reply_seconds=0.8,
+        audio_window_s=1.0,
+        schedule=SchedulerConfig(max_batch=1, prefill_chunk_tokens=64),
+    )
     sids = ["n0", "n1", "n2", "h0", "h1", "h2"]
     rng = np.random.default_rng(0)
     for sid in sids:

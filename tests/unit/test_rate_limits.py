@@ -9,7 +9,7 @@ and a report still comes after the flood has stopped (with the next event).
 
 from __future__ import annotations
 
-from agent.access import CallRate
+from agent.gate.access import CallRate
 from agent.realtime.client_events import EventRate
 
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from agent.engine.api import AudioOut, ReplyDone
-from agent.engine.model import assistant_start_ids, system_turn_ids
-from agent.engine.stream import StreamingRunner
+from agent.engine.checkpoints.model import assistant_start_ids, system_turn_ids
+from agent.engine.runner.streaming import StreamingRunner
 
 SYSTEM = "You are a helpful voice assistant."
 
@@ -73,7 +73,7 @@ def test_instructions_replace_then_queue(runner, loaded) -> None:
     run_reply(runner, "s", text_only=True)
     assert runner.set_instructions("s", "Be brief.") == "appended"
     message = system_turn_ids(loaded.ids, loaded.tokenizer, "Be brief.")
-    assert state.closing[-len(message):] == message
+    assert state.closing[-len(message) :] == message
     runner.add_user_text("s", "Again")
     done = run_reply(runner, "s", text_only=True)
     assert done.stats["prefill_tokens"] >= len(message) + 2  # the queued message went in with the turn

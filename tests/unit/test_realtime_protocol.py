@@ -18,21 +18,35 @@ import pytest
 from openai.types.realtime import RealtimeSessionCreateRequest
 
 from agent.config import Config
+from agent.gate.api_keys import KeyStore, bearer_token
 from agent.realtime import audio_codec, session_config
-from agent.realtime.keys import KeyStore, bearer_token
+
 
 def test_default_session_is_a_ga_session() -> None:
     s = session_config.default_session(Config(), model="m")
     RealtimeSessionCreateRequest.model_validate(s)
     assert s["type"] == "realtime" and s["id"].startswith("sess_") and s["output_modalities"] == ["audio"]
 
+
 def test_merge_tolerates_refuses_and_maps() -> None:
     base = session_config.default_session(Config(vad_silence_ms=300))
-    merged = session_config.merge(base, {
-        "type": "realtime", "tracing": "auto", "tools": [{"type": "function", "name": "f"}], "modalities": ["text"],
-        "audio": {"input": {"transcription": {"model": "gpt-4o-mini-transcribe"}, "noise_reduction": {"type": "far_field"},
-                            "turn_detection": {"type": "server_vad", "silence_duration_ms": 700, "create_response": False}},
-                  "output": {"voice": "marin"}}})
+    merged = session_config.merge(
+        base,
+        {
+            "type": "realtime",
+            "tracing": "auto",
+            "tools": [{"type": "function", "name": "f"}],
+            "modalities": ["text"],
+            "audio": {
+                "input": {
+                    "transcription": {"model": "gpt-4o-mini-transcribe"},
+                    "noise_reduction": {"type": "far_field"},
+                    "turn_detection": {"type": "server_vad", "silence_duration_ms": 700, "create_response": False},
+                },
+                "output": {"voice": "marin"},
+            },
+        },
+    )
     assert merged["tracing"] == "auto" and merged["tools"][0]["name"] == "f" and "modalities" not in merged
     assert merged["audio"]["input"]["format"] == base["audio"]["input"]["format"]  # untouched sibling kept
     assert merged["audio"]["output"]["voice"] == "marin" and merged["id"] == base["id"]
@@ -41,7 +55,9 @@ def test_merge_tolerates_refuses_and_maps() -> None:
     assert (td.silence_ms, td.create_response, td.interrupt_response) == (700, False, True)
     manual = session_config.merge(merged, {"audio": {"input": {"turn_detection": None}}})
     assert session_config.turn_detection(manual, 300) is None
-    semantic = session_config.merge(base, {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "low"}}}})
+    semantic = session_config.merge(
+        base, {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "low"}}}}
+    )
     assert session_config.turn_detection(semantic, 300).silence_ms == 800
     for update, param in [
         ({"output_modalities": ["audio", "text"]}, "session.output_modalities"),
@@ -56,6 +72,7 @@ def test_merge_tolerates_refuses_and_maps() -> None:
             session_config.merge(base, update)
         assert info.value.param == param
     assert base == session_config.default_session(Config(vad_silence_ms=300)) | {"id": base["id"]}
+
 
 def test_keys() -> None:
     assert KeyStore("").check(None) is not None  # open
@@ -73,8 +90,12 @@ def test_keys() -> None:
         with pytest.raises(ValueError):
             keys.mint(ttl, {})
     assert bearer_token({"Authorization": "Bearer abc"}) == "abc"
-    assert bearer_token({"Sec-WebSocket-Protocol": "realtime, openai-insecure-api-key.ek_x, openai-agents-sdk.1"}) == "ek_x"
+    assert (
+        bearer_token({"Sec-WebSocket-Protocol": "realtime, openai-insecure-api-key.ek_x, openai-agents-sdk.1"})
+        == "ek_x"
+    )
     assert bearer_token({}) is None
+
 
 def test_g711_decoding() -> None:
     # Reference points of ITU-T G.711 (as the C reference and Python's audioop decode them).

@@ -1,7 +1,7 @@
 """Audio items are resampled to 16 kHz with a low-pass, whole and time-aligned.
 
 Pins, for `conversation.item.create` audio (agent/realtime/audio_codec.py::to_16k) and the
-client's WAV loader (agent/client_media.py::load_wav_mono), both on agent/resample.py:
+client's WAV loader (agent/client/media.py::load_wav_mono), both on agent/media/resample.py:
 - a 10 kHz tone in 24 kHz pcm16 is removed (RMS under 1% of the input's), where linear
   interpolation keeps it at full strength as a 6 kHz alias;
 - a 1 kHz tone survives: amplitude within 3%, spectrum peak at 1 kHz;
@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.client_media import load_wav_mono
+from agent.client.media import load_wav_mono
+from agent.media.resample import resample, resampled_length
 from agent.realtime.audio_codec import RATES, to_16k
-from agent.resample import resample, resampled_length
 
 
 def _tone(freq: float, rate: int, seconds: float = 1.0, amplitude: float = 0.5) -> np.ndarray:
@@ -44,7 +44,7 @@ def _peak_hz(x: np.ndarray, rate: int) -> float:
 
 def _middle(x: np.ndarray, rate: int) -> np.ndarray:
     # The edges hold the filter's ramp in and out (a tone starting abruptly): judge the steady part.
-    return x[rate // 10: -rate // 10]
+    return x[rate // 10 : -rate // 10]
 
 
 def test_a_10khz_tone_at_24khz_is_filtered_out_not_aliased_to_6khz() -> None:

@@ -1,4 +1,4 @@
-"""The byte model behind the predicted H200 time (agent/engine/roofline.py).
+"""The byte model behind the predicted H200 time (agent/engine/instruments/roofline.py).
 
 Pins: the expected number of distinct MoE experts is k for one token, grows with the batch and
 approaches E; at the real preset (meta device, nothing allocated) one batch-1 thinker decode
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.engine.presets import REAL, _build_meta, count_parameters, depth_overrides, preset_config
-from agent.engine.roofline import H200, ByteModel, expected_experts
+from agent.engine.checkpoints.presets import REAL, _build_meta, count_parameters, depth_overrides, preset_config
+from agent.engine.instruments.roofline import H200, ByteModel, expected_experts
 
 
 def test_expected_experts_spread():
@@ -59,7 +59,13 @@ def test_depth_overrides_keep_every_per_layer_size(real):
     assert (two.thinker.layers, two.talker.layers) == (2, 2)
     for a, b in ((two.thinker, full.thinker), (two.talker, full.talker)):
         assert (a.dense_per_layer, a.expert, a.experts, a.top_k, a.head, a.embed_row) == (
-            b.dense_per_layer, b.expert, b.experts, b.top_k, b.head, b.embed_row)
+            b.dense_per_layer,
+            b.expert,
+            b.experts,
+            b.top_k,
+            b.head,
+            b.embed_row,
+        )
     # Stacks without a per-layer split: 1 layer plus (depth - 1) x the 1 -> 2 difference is the full size.
     assert one.predictor_layers + 4 * (two.predictor_layers - one.predictor_layers) == full.predictor_layers
     assert one.audio_encoder + 31 * (two.audio_encoder - one.audio_encoder) == full.audio_encoder

@@ -1,4 +1,4 @@
-"""The engine's token choice (agent/engine/sampling.py) against transformers' own processors.
+"""The engine's token choice (agent/engine/ops/sampling.py) against transformers' own processors.
 
 Pins:
 - on the same logits, the project's filtered scores equal transformers' logits processors
@@ -37,11 +37,12 @@ from agent.decoding import (
     Sampling,
     defaults_for,
 )
-from agent.engine.sampling import CODE_PREDICTOR, TALKER, THINKER, choose, penalize, race_noise, warp
+from agent.engine.ops.sampling import CODE_PREDICTOR, TALKER, THINKER, choose, penalize, race_noise, warp
 
 
-def reference(sampling: Sampling, input_ids: torch.Tensor, logits: torch.Tensor, suppress=(), eos=None,
-              first=False) -> torch.Tensor:
+def reference(
+    sampling: Sampling, input_ids: torch.Tensor, logits: torch.Tensor, suppress=(), eos=None, first=False
+) -> torch.Tensor:
     """What generate() does to the scores, in its order (_get_logits_processor)."""
     procs = LogitsProcessorList()
     if sampling.repetition_penalty != 1.0:
@@ -60,8 +61,9 @@ def reference(sampling: Sampling, input_ids: torch.Tensor, logits: torch.Tensor,
     return procs(input_ids, logits.clone())
 
 
-def ours(sampling: Sampling, input_ids: torch.Tensor, logits: torch.Tensor, suppress=(), eos=None,
-         first=False) -> torch.Tensor:
+def ours(
+    sampling: Sampling, input_ids: torch.Tensor, logits: torch.Tensor, suppress=(), eos=None, first=False
+) -> torch.Tensor:
     seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, input_ids, True)
     scores = penalize(logits, seen, sampling.repetition_penalty)
     if first:
@@ -73,13 +75,16 @@ def ours(sampling: Sampling, input_ids: torch.Tensor, logits: torch.Tensor, supp
     return warp(scores, sampling) if sampling.do_sample else scores
 
 
-@pytest.mark.parametrize("stage,sampling,vocab,suppress,first", [
-    ("thinker", Sampling(True, 0.6, 20, 0.95, 1.05), 1200, (), True),
-    ("thinker", QWEN_THINKER, 1200, (), False),
-    ("talker", QWEN_TALKER, 3072, tuple(i for i in range(2048, 3072) if i != 2150), False),
-    ("code_predictor", QWEN_CODE_PREDICTOR, 2048, (), False),
-    ("greedy_talker", Sampling(repetition_penalty=1.05), 3072, tuple(range(2048, 3072)), False),
-])
+@pytest.mark.parametrize(
+    "stage,sampling,vocab,suppress,first",
+    [
+        ("thinker", Sampling(True, 0.6, 20, 0.95, 1.05), 1200, (), True),
+        ("thinker", QWEN_THINKER, 1200, (), False),
+        ("talker", QWEN_TALKER, 3072, tuple(i for i in range(2048, 3072) if i != 2150), False),
+        ("code_predictor", QWEN_CODE_PREDICTOR, 2048, (), False),
+        ("greedy_talker", Sampling(repetition_penalty=1.05), 3072, tuple(range(2048, 3072)), False),
+    ],
+)
 def test_filtered_scores_equal_transformers_processors(stage, sampling, vocab, suppress, first) -> None:
     gen = torch.Generator().manual_seed(hash(stage) % 1000)
     logits = torch.randn(4, vocab, generator=gen) * 3
@@ -146,10 +151,20 @@ def test_model_defaults_come_from_its_generation_config(tmp_path, tiny_model_dir
     assert real.decoding == Decoding(QWEN_THINKER, QWEN_TALKER, QWEN_CODE_PREDICTOR)
     assert "voice assistant" in real.system_prompt
 
-    (tmp_path / "generation_config.json").write_text(json.dumps({
-        "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
-        "max_new_tokens": 300, "talker_temperature": 0.8, "talker_max_new_tokens": 251,
-    }))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "do_sample": True,
+                "temperature": 0.7,
+                "top_p": 0.8,
+                "top_k": 20,
+                "repetition_penalty": 1.05,
+                "max_new_tokens": 300,
+                "talker_temperature": 0.8,
+                "talker_max_new_tokens": 251,
+            }
+        )
+    )
     real = defaults_for(str(tmp_path))
     assert real.decoding.thinker == Sampling(True, 0.7, 20, 0.8, 1.05)
     assert real.decoding.talker == Sampling(True, 0.8, 50, 1.0, 1.05)

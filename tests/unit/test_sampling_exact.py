@@ -1,7 +1,7 @@
 """Sampled replies: the streaming engine equals generate(do_sample=True) from the same seed.
 
 generate() draws with `torch.multinomial`; here it is patched to draw from the same noise the
-engine uses (agent/engine/sampling.py: a race over transformers' own softmax, i.e. a multinomial
+engine uses (agent/engine/ops/sampling.py: a race over transformers' own softmax, i.e. a multinomial
 draw whose randomness is a function of the reply's seed, stage and draw index). Everything else
 is transformers' own: its logits processors (repetition penalty over the whole prompt for the
 thinker, suppressed codec ids, temperature, top-k, top-p) and its loop. Pins:
@@ -20,13 +20,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+from engine_drive import generate_reference, make_audio, speak
 
 from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, Decoding, Sampling
 from agent.engine.api import ReplyDone
-from agent.engine.model import HistoryTurn, build_inputs
-from agent.engine.reference import SAMPLES_PER_FRAME
-from agent.engine.stream import StreamingRunner
-from engine_drive import generate_reference, make_audio, speak
+from agent.engine.checkpoints.model import HistoryTurn, build_inputs
+from agent.engine.runner.reference import SAMPLES_PER_FRAME
+from agent.engine.runner.streaming import StreamingRunner
 
 SYSTEM = "You are a helpful voice assistant."
 TOKENS, FRAMES = 8, 24
@@ -66,8 +66,9 @@ def reply(runner: StreamingRunner, sid: str, audio, images) -> ReplyDone:
 def test_sampled_turns_equal_generate_from_the_same_seed(loaded, monkeypatch) -> None:
     audio1, image1 = make_audio(1.4, 230, 21), make_image(3)
     audio2 = make_audio(1.1, 310, 22)
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True,
-                             decoding=SAMPLED)
+    runner = StreamingRunner(
+        loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, decoding=SAMPLED
+    )
     runner.open_session("s")
     done1 = reply(runner, "s", audio1, [image1])
     first = runner.records["s"]
@@ -80,8 +81,9 @@ def test_sampled_turns_equal_generate_from_the_same_seed(loaded, monkeypatch) ->
 
     # Sampling samples: the same seed replays the reply, another seed and greedy do not.
     def first_reply(decoding: Decoding):
-        other = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True,
-                                decoding=decoding)
+        other = StreamingRunner(
+            loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, decoding=decoding
+        )
         other.open_session("s")
         reply(other, "s", audio1, [image1])
         return other.records["s"]
@@ -93,8 +95,15 @@ def test_sampled_turns_equal_generate_from_the_same_seed(loaded, monkeypatch) ->
 
 
 def test_sampled_sessions_in_every_batch_bucket_equal_generate_compiled(loaded, monkeypatch, compiled_options):
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True,
-                             decoding=SAMPLED, **compiled_options)
+    runner = StreamingRunner(
+        loaded,
+        SYSTEM,
+        max_reply_tokens=TOKENS,
+        max_reply_seconds=SECONDS,
+        record=True,
+        decoding=SAMPLED,
+        **compiled_options,
+    )
     batches: list[int] = []
     run = runner.frames.predictor.run
 
@@ -103,8 +112,10 @@ def test_sampled_sessions_in_every_batch_bucket_equal_generate_compiled(loaded, 
         return run(hidden, code0, seeds, frames)
 
     runner.frames.predictor.run = counted
-    inputs = {f"s{i}": (make_audio(0.9 + 0.05 * i, 180 + 25 * i, 40 + i), [make_image(i)] if i % 3 == 0 else [])
-              for i in range(9)}
+    inputs = {
+        f"s{i}": (make_audio(0.9 + 0.05 * i, 180 + 25 * i, 40 + i), [make_image(i)] if i % 3 == 0 else [])
+        for i in range(9)
+    }
     for sid, (audio, _) in inputs.items():
         runner.open_session(sid)
         speak(runner, sid, audio)

@@ -30,16 +30,16 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from agent.gate.api_keys import KeyStore
 from agent.serve.autoscaling import CallsAndGpuPolicy
-from agent.realtime.keys import KeyStore
-from agent.serve.keys import call_id, is_offer, owner_from_request, owner_of
+from agent.serve.ownership import call_id, is_offer, owner_from_request, owner_of
 
 try:
     from ray.serve._private.common import DeploymentID, RequestMetadata, StreamingHTTPRequest
     from ray.serve.request_router import PendingRequest, ReplicaID
 
     from agent.serve.admission import OfferGate
-    from agent.serve.bridge import AsgiBridge, Refusal
+    from agent.serve.relay import AsgiBridge, Refusal
     from agent.serve.router import OwnerPinnedRouter, request_owner
 except ImportError:  # pragma: no cover - depends on the environment
     if os.environ.get("CI") == "true":
@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 # -- call ids ---------------------------------------------------------------------------------
+
 
 def test_call_ids_name_their_owner() -> None:
     cid = call_id("abc123", "rtc_0f")
@@ -80,9 +81,9 @@ def test_owner_is_read_from_path_query_and_header() -> None:
 
 # -- autoscaling policy -----------------------------------------------------------------------
 
+
 def _ctx(current: int, calls: dict[str, float], gpu: dict[str, float]) -> Any:
-    return SimpleNamespace(current_num_replicas=current,
-                           aggregated_metrics={"active_calls": calls, "gpu_util": gpu})
+    return SimpleNamespace(current_num_replicas=current, aggregated_metrics={"active_calls": calls, "gpu_util": gpu})
 
 
 def test_policy_adds_one_replica_past_90_percent_gpu() -> None:
@@ -110,7 +111,10 @@ def test_policy_never_gives_up_a_replica_with_calls() -> None:
 
 # -- router -------------------------------------------------------------------------------------
 
-def _pending(method: str, path: str, query: bytes = b"", headers: list | None = None, session: str = "") -> PendingRequest:
+
+def _pending(
+    method: str, path: str, query: bytes = b"", headers: list | None = None, session: str = ""
+) -> PendingRequest:
     scope = {"type": "http", "method": method, "path": path, "query_string": query, "headers": headers or []}
     request = pickle.dumps(StreamingHTTPRequest(asgi_scope=scope, proxy_actor_name="proxy"))
     meta = RequestMetadata(request_id="r", internal_request_id=secrets.token_hex(4), session_id=session)
@@ -118,8 +122,10 @@ def _pending(method: str, path: str, query: bytes = b"", headers: list | None = 
 
 
 def _replica(rid: str, calls: int = 0, offers: int = 0, draining: bool = False) -> Any:
-    return SimpleNamespace(replica_id=ReplicaID(rid, DeploymentID("agent", "omni-agent")),
-                           routing_stats={"active_calls": calls, "offers": offers, "draining": draining})
+    return SimpleNamespace(
+        replica_id=ReplicaID(rid, DeploymentID("agent", "omni-agent")),
+        routing_stats={"active_calls": calls, "offers": offers, "draining": draining},
+    )
 
 
 def _router() -> OwnerPinnedRouter:
@@ -138,11 +144,15 @@ async def test_router_pins_follow_ups_to_the_owner() -> None:
     router = _router()
     a, b = _replica("aaa", calls=0), _replica("bbb", calls=5)
     assert request_owner(_pending("GET", "/v1/realtime/calls/bbb.rtc_1/events")) == "bbb"
-    assert _ids(await router.choose_replicas([a, b], _pending("GET", "/v1/realtime/calls/bbb.rtc_1/events"))) == [["bbb"]]
+    assert _ids(await router.choose_replicas([a, b], _pending("GET", "/v1/realtime/calls/bbb.rtc_1/events"))) == [
+        ["bbb"]
+    ]
     assert _ids(await router.choose_replicas([a, b], _pending("DELETE", "/v1/realtime/calls/bbb.rtc_1"))) == [["bbb"]]
     assert _ids(await router.choose_replicas([a, b], _pending("GET", "/healthz", session="bbb.rtc_1"))) == [["bbb"]]
     # Owner gone: one live replica, which answers 410 (the bridge), instead of waiting.
-    assert _ids(await router.choose_replicas([a, b], _pending("GET", "/v1/realtime/calls/zzz.rtc_1/events"))) == [["aaa"]]
+    assert _ids(await router.choose_replicas([a, b], _pending("GET", "/v1/realtime/calls/zzz.rtc_1/events"))) == [
+        ["aaa"]
+    ]
 
 
 async def test_router_places_offers_on_the_fewest_calls() -> None:
@@ -183,6 +193,7 @@ async def test_router_sends_health_probes_to_any_replica_by_load() -> None:
 
 # -- offer gate ---------------------------------------------------------------------------------
 
+
 def test_gate_limits_offer_rate_and_refuses_while_draining() -> None:
     now = [0.0]
     gate = OfferGate(max_offers_per_s=2, clock=lambda: now[0])
@@ -201,9 +212,18 @@ def test_gate_limits_offer_rate_and_refuses_while_draining() -> None:
 
 # -- ASGI bridge --------------------------------------------------------------------------------
 
-async def _asgi(bridge: AsgiBridge, method: str, path: str, body: bytes = b"", query: bytes = b"") -> tuple[int, dict, list[bytes]]:
-    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": query,
-             "headers": [(b"content-type", b"application/sdp"), (b"host", b"proxy")]}
+
+async def _asgi(
+    bridge: AsgiBridge, method: str, path: str, body: bytes = b"", query: bytes = b""
+) -> tuple[int, dict, list[bytes]]:
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "headers": [(b"content-type", b"application/sdp"), (b"host", b"proxy")],
+    }
     sent: list[dict] = []
     messages = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -227,8 +247,12 @@ async def test_bridge_relays_streams_and_refuses(tmp_path) -> None:
     async def offer(request: web.Request) -> web.Response:
         seen.append(await request.text())
         in_flight.append(bridge.offers_in_flight)  # while it is being answered, it counts
-        return web.Response(status=201, text="answer", content_type="application/sdp",
-                            headers={"Location": "/v1/realtime/calls/me.rtc_1"})
+        return web.Response(
+            status=201,
+            text="answer",
+            content_type="application/sdp",
+            headers={"Location": "/v1/realtime/calls/me.rtc_1"},
+        )
 
     async def events(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

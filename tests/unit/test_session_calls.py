@@ -13,9 +13,9 @@ import asyncio
 import gc
 
 from agent.config import Config
-from agent.ladder import Admission
+from agent.gate.ladder import Admission
 from agent.realtime import edits
-from agent.session import Session
+from agent.realtime.session import Session
 
 
 class SlowEngine:
@@ -38,8 +38,9 @@ def _truncating_session() -> tuple[SlowEngine, Session, list[int]]:
     kept tokens once the engine answers."""
     config = Config()
     engine = SlowEngine()
-    session = Session(config, engine, Admission.from_config(config), send=lambda _: None,
-                      on_closed=lambda _: None, webrtc=False)
+    session = Session(
+        config, engine, Admission.from_config(config), send=lambda _: None, on_closed=lambda _: None, webrtc=False
+    )
     announced: list[int] = []
     # The parts hand the session on as their weak proxy (agent/realtime/replies.py does).
     edits.cut_latest_reply(session.replies._session, 3, None, announced.append)
@@ -51,7 +52,7 @@ async def test_a_call_answered_after_close_runs_nothing_of_the_session() -> None
     errors: list[dict] = []
     loop.set_exception_handler(lambda _loop, context: errors.append(context))
     engine, session, announced = _truncating_session()
-    (method, future), = engine.calls
+    ((method, future),) = engine.calls
     assert method == "truncate_reply"
     await session.close()
     assert future.cancelled()
@@ -65,7 +66,7 @@ async def test_a_call_answered_after_close_runs_nothing_of_the_session() -> None
 
 async def test_a_call_answered_in_time_still_announces() -> None:
     engine, session, announced = _truncating_session()
-    (_, future), = engine.calls
+    ((_, future),) = engine.calls
     future.set_result({"kept_tokens": 2})
     await asyncio.sleep(0.01)
     assert announced == [2]

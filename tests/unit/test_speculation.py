@@ -17,12 +17,12 @@ Pins:
 from __future__ import annotations
 
 import numpy as np
+from engine_drive import PIECE, make_audio, speak
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
-from agent.engine.phase import ReplyPhase
-from agent.engine.scheduler import ReplyView, SchedulerConfig, plan_tick
-from agent.engine.stream import StreamingRunner
-from engine_drive import PIECE, make_audio, speak
+from agent.engine.runner.scheduler import ReplyView, SchedulerConfig, plan_tick
+from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.state.phase import ReplyPhase
 
 SYSTEM = "You are a helpful voice assistant."
 OPTIONS = dict(max_reply_tokens=8, max_reply_seconds=0.8, audio_window_s=1.0, record=True)

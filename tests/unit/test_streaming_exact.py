@@ -11,10 +11,10 @@ Pins, under greedy decoding with audio + an image as input:
 - a reply whose model wants to end at once still speaks one token (same rule as GenerateRunner);
 - a full context drops the session's history, says so in ReplyDone.stats, and the reply then
   equals generate() on the fresh single-turn prompt;
-- with the per-frame steps compiled (agent/engine/compiled.py) a reply, and two sessions
+- with the per-frame steps compiled (agent/engine/compile/inductor.py) a reply, and two sessions
   stepped together, still equal generate().
 The audio starts with its loudest sample: the streamed log-mel clamps with a running maximum
-(agent/engine/audio_stream.py), which equals the extractor's once the maximum has been seen.
+(agent/engine/stages/audio_stream.py), which equals the extractor's once the maximum has been seen.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
-from agent.engine.model import HistoryTurn, build_inputs
-from agent.engine.reference import SAMPLES_PER_FRAME
-from agent.engine.stream import StreamingRunner
+from agent.engine.checkpoints.model import HistoryTurn, build_inputs
+from agent.engine.runner.reference import SAMPLES_PER_FRAME
+from agent.engine.runner.streaming import StreamingRunner
 
 SYSTEM = "You are a helpful voice assistant."
 TOKENS = 8
@@ -101,7 +101,9 @@ def compiled(request, compiled_options) -> dict:
 def test_single_turn_equals_generate_and_audio_starts_at_once(loaded, compiled):
     audio, image = make_audio(1.5, 220, 1), make_image(0)
     ref = reference(loaded, audio, [image])
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **compiled)
+    runner = StreamingRunner(
+        loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **compiled
+    )
     runner.open_session("s")
     steps, done = stream_turn(runner, "s", audio, [image])
     assert_same(runner.records["s"], ref)
@@ -109,7 +111,12 @@ def test_single_turn_equals_generate_and_audio_starts_at_once(loaded, compiled):
     first = steps[0]
     assert any(isinstance(o, AudioOut) for o in first), "no audio in the first step"
     assert {o.stage for o in first if isinstance(o, StageTime)} >= {
-        "thinker_prefill", "audio_encoder", "vision_encoder", "talker_step", "code_predictor", "code2wav",
+        "thinker_prefill",
+        "audio_encoder",
+        "vision_encoder",
+        "talker_step",
+        "code_predictor",
+        "code2wav",
     }
     chunks = [o.pcm for step in steps for o in step if isinstance(o, AudioOut)]
     assert all(c.dtype == np.int16 and len(c) <= SAMPLES_PER_FRAME for c in chunks)
@@ -242,8 +249,10 @@ def test_discard_turn_rolls_back_the_prefilled_audio(loaded):
 
 def test_two_sessions_stepped_together_stay_independent(loaded, compiled):
     inputs = {"a": (make_audio(1.2, 220, 13), [make_image(5)]), "b": (make_audio(1.0, 400, 14), [])}
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **compiled)
-    for sid, (audio, images) in inputs.items():
+    runner = StreamingRunner(
+        loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **compiled
+    )
+    for sid, (audio, _) in inputs.items():
         runner.open_session(sid)
         runner.append_audio(sid, audio)
     runner.begin_reply("a", inputs["a"][1])

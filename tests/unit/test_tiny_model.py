@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
-from agent.engine.model import build_inputs
-from agent.engine.reference import SAMPLES_PER_FRAME, GenerateRunner, to_pcm16
-from agent.engine.tiny import ADDED_TOKENS, BUILD_VERSION, MARKER_FILE, build_model, make_tiny
+from agent.engine.checkpoints.model import build_inputs
+from agent.engine.checkpoints.tiny import ADDED_TOKENS, BUILD_VERSION, MARKER_FILE, build_model, make_tiny
+from agent.engine.runner.reference import SAMPLES_PER_FRAME, GenerateRunner, to_pcm16
 
 
 def dbfs(pcm16: np.ndarray) -> float:
@@ -37,8 +37,6 @@ def make_audio(seconds: float = 1.5) -> np.ndarray:
 def make_image() -> np.ndarray:
     y, x = np.mgrid[0:64, 0:64]
     return np.stack([x * 4, y * 4, (x + y) * 2], axis=-1).astype(np.uint8)
-
-
 
 
 def test_build_is_deterministic_and_round_trips_exactly(loaded):
@@ -79,7 +77,9 @@ def test_tokenizer_specials_and_roles(loaded):
     prompt = tok.decode(build_inputs(loaded, make_audio(), [make_image()], "Be brief.")["input_ids"][0])
     # Audio first (prefilled while the user speaks), then the frames known at end of turn.
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n<|audio_start|>")
-    assert prompt.endswith("<|audio_end|><|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|><|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.endswith(
+        "<|audio_end|><|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+    )
     text = "Hello agent, what do you see?"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 

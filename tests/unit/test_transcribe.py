@@ -1,4 +1,4 @@
-"""Live input transcription in the streaming runner (agent/engine/transcribe.py), tiny model.
+"""Live input transcription in the streaming runner (agent/engine/runner/transcriber.py), tiny model.
 
 Pins (the tiny model's words are random: the protocol and the prefix property, not words):
 - while the user speaks, a partial comes for every half second of speech (new final tokens, or
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from agent.engine.api import ReplyDone, TranscriptOut
-from agent.engine.stream import StreamingRunner
+from agent.engine.runner.streaming import StreamingRunner
 
 SYSTEM = "You are a helpful voice assistant."
 PIECE = 1280  # 80 ms
@@ -61,8 +61,9 @@ def check_prefixes(partials: list[TranscriptOut], final: TranscriptOut) -> None:
 
 @pytest.fixture
 def runner(loaded):
-    return StreamingRunner(loaded, SYSTEM, max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0,
-                           max_sessions=3)
+    return StreamingRunner(
+        loaded, SYSTEM, max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0, max_sessions=3
+    )
 
 
 def test_transcription_only_session(runner):
@@ -139,14 +140,15 @@ def test_partials_wait_for_first_audio(runner):
 def test_graph_wiring_gives_the_same_transcripts(loaded, tiny_model_dir):
     """The GPU path (captured decode and prefill graphs, run on CPU by fake_graphs) transcribes
     exactly as the eager one: the transcript rows go through the same graphs as replies."""
-    from agent.engine.fake_graphs import fake_graph_config
-    from agent.engine.model import load_model
+    from agent.engine.checkpoints.model import load_model
+    from agent.engine.instruments.fake_graphs import fake_graph_config
 
     options = dict(max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0, max_sessions=3, context_limit=1024)
     texts = []
-    for runner in (StreamingRunner(loaded, SYSTEM, **options),
-                   StreamingRunner(load_model(str(tiny_model_dir), device="cpu"), SYSTEM, graphs=fake_graph_config(),
-                                   **options)):
+    for runner in (
+        StreamingRunner(loaded, SYSTEM, **options),
+        StreamingRunner(load_model(str(tiny_model_dir), device="cpu"), SYSTEM, graphs=fake_graph_config(), **options),
+    ):
         runner.open_session("a")
         runner.open_session("b")
         runner.set_transcription("a", "only")
@@ -192,6 +194,5 @@ def test_partials_come_at_each_half_second_mark(runner):
         runner.append_audio("c", wav[i : i + frame])
         if any(isinstance(o, TranscriptOut) for o in run(runner)):
             at.append(i + frame)
-    marks = [next(n for n in range(frame, len(wav) + frame, frame) if mel.frames_for(n) >= 50 * k)
-             for k in range(1, 5)]
+    marks = [next(n for n in range(frame, len(wav) + frame, frame) if mel.frames_for(n) >= 50 * k) for k in range(1, 5)]
     assert at == marks

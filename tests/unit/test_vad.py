@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.ingest import AudioChunk
-from agent.turn_events import SpeechAudio, SpeechStarted, SpeechStopped, TurnEvent
-from agent.vad import Endpointer
+from agent.media.ingest import AudioChunk
+from agent.media.turn_events import SpeechAudio, SpeechStarted, SpeechStopped, TurnEvent
+from agent.media.vad import Endpointer
 
 RATE = 16000
 

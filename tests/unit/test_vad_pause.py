@@ -11,9 +11,9 @@ import wave
 import numpy as np
 import pytest
 
-from agent.ingest import AudioChunk
-from agent.turn_events import SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
-from agent.vad import Endpointer
+from agent.media.ingest import AudioChunk
+from agent.media.turn_events import SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
+from agent.media.vad import Endpointer
 
 RATE = 16000
 

@@ -21,12 +21,12 @@ import fractions
 import av
 import numpy as np
 import pytest
-
-from agent.engine.stream import StreamingRunner
-from agent.engine.video_grid import PatchSpec, grid_threshold, patch_frames, resize
-from agent.engine.video_turn import TurnVideo, VideoPolicy
-from agent.ingest import VideoSampler
 from test_video_exact import SYSTEM, make_audio
+
+from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.stages.video_clock import TurnVideo, VideoPolicy
+from agent.engine.stages.video_grid import PatchSpec, grid_threshold, patch_frames, resize
+from agent.media.ingest import VideoSampler
 
 REAL_PPS = 13  # the real checkpoint's positions per second (the tiny one's 25 outrun its audio)
 
@@ -70,8 +70,14 @@ class Recorder:
 
 def test_30fps_720p_reaches_the_model_as_4fps_grids_at_their_times(loaded):
     seconds = 3.0
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=4, max_reply_seconds=0.4, audio_window_s=1.0,
-                             video=VideoPolicy(fps=4.0, window_s=2.0, max_tokens=768))
+    runner = StreamingRunner(
+        loaded,
+        SYSTEM,
+        max_reply_tokens=4,
+        max_reply_seconds=0.4,
+        audio_window_s=1.0,
+        video=VideoPolicy(fps=4.0, window_s=2.0, max_tokens=768),
+    )
     runner.turns.video.pps = REAL_PPS
     rec = Recorder(runner.thinker)
     runner.open_session("s")
@@ -102,14 +108,18 @@ def test_30fps_720p_reaches_the_model_as_4fps_grids_at_their_times(loaded):
     kinds, pps = runner.turns.video.kinds, REAL_PPS
     spec = PatchSpec.from_processor(loaded.image_processor)
     per_grid = stats["input_video_tokens"] // stats["video_grids"]
-    size = next((h, w) for h in range(32, 253, 32) for w in range(32, 449, 32)
-                if (h // 32) * (w // 32) == per_grid and abs(w / h - 448 / 252) < 0.15)
+    size = next(
+        (h, w)
+        for h in range(32, 253, 32)
+        for w in range(32, 449, 32)
+        if (h // 32) * (w // 32) == per_grid and abs(w / h - 448 / 252) < 0.15
+    )
     assert stats["video_grids"] == 6 and stats["video_grids_dropped"] == 0
     assert len(rec.pixels) == 6
     for j, pixels in enumerate(rec.pixels):
         expected, _ = patch_frames([resize(samples[2 * j].image, size), resize(samples[2 * j + 1].image, size)], spec)
         assert pixels.shape == expected.shape
-        assert np.allclose(pixels.numpy(), expected.numpy(), atol=1e-5), f"grid {j} is not samples {2*j}, {2*j+1}"
+        assert np.allclose(pixels.numpy(), expected.numpy(), atol=1e-5), f"grid {j} is not samples {2 * j}, {2 * j + 1}"
     assert marker_x(samples[0].image) < marker_x(samples[2].image) < marker_x(samples[4].image)
     # Positions: the block's tokens in order, each grid at its time, before the audio token of its time.
     ids = [t for job_ids, _ in rec.jobs for t in job_ids]
@@ -160,8 +170,14 @@ def test_the_cap_holds_over_a_20s_turn(loaded):
 
 @pytest.mark.parametrize("how", ["session", "runner"])
 def test_video_off_means_no_video_tokens(loaded, how):
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=4, max_reply_seconds=0.4, audio_window_s=1.0,
-                             video=None if how == "runner" else VideoPolicy())
+    runner = StreamingRunner(
+        loaded,
+        SYSTEM,
+        max_reply_tokens=4,
+        max_reply_seconds=0.4,
+        audio_window_s=1.0,
+        video=None if how == "runner" else VideoPolicy(),
+    )
     runner.open_session("s")
     if how == "session":
         runner.set_video("s", False)
@@ -197,7 +213,9 @@ def test_flags_reach_the_config_and_refuse_non_positive_values():
 
     parser = argparse.ArgumentParser()
     _serve_parser(parser)
-    config = config_from_args(parser.parse_args(["--video-fps", "2", "--video-window", "3", "--video-turn-tokens", "500"]))
+    config = config_from_args(
+        parser.parse_args(["--video-fps", "2", "--video-window", "3", "--video-turn-tokens", "500"])
+    )
     assert (config.video_fps, config.video_window_s, config.video_turn_tokens) == (2.0, 3.0, 500)
     for flag in ("--video-fps", "--video-window", "--video-turn-tokens"):
         with pytest.raises(SystemExit):

@@ -23,12 +23,25 @@ import pytest
 import torch
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
-from agent.engine.model import assistant_start_ids, audio_token_count, closing_ids, encode_audio, system_turn_ids
-from agent.engine.stream import StreamingRunner
-from agent.engine.video_grid import (
-    GridPlace, PatchSpec, TokenKinds, av_positions, grid_threshold, interleave, patch_frames, resize,
+from agent.engine.checkpoints.model import (
+    assistant_start_ids,
+    audio_token_count,
+    closing_ids,
+    encode_audio,
+    system_turn_ids,
 )
-from agent.engine.video_turn import VideoPolicy
+from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.stages.video_clock import VideoPolicy
+from agent.engine.stages.video_grid import (
+    GridPlace,
+    PatchSpec,
+    TokenKinds,
+    av_positions,
+    grid_threshold,
+    interleave,
+    patch_frames,
+    resize,
+)
 
 SYSTEM = "You are a helpful voice assistant."
 TOKENS = 6
@@ -63,15 +76,26 @@ class _ProcessorStandIn:
 
 def processor_block(n_audio: int, grid_thw: tuple[int, int, int], pps: float) -> str:
     return Qwen3OmniMoeProcessor.replace_video_with_audio_token(
-        _ProcessorStandIn(), {"video_grid_thw": torch.tensor([grid_thw]), "video_second_per_grid": [0.5]}, 0,
-        {"num_audio_tokens": [n_audio]}, 0, position_id_per_seconds=pps,
+        _ProcessorStandIn(),
+        {"video_grid_thw": torch.tensor([grid_thw]), "video_second_per_grid": [0.5]},
+        0,
+        {"num_audio_tokens": [n_audio]},
+        0,
+        position_id_per_seconds=pps,
     )
 
 
 def kinds_of(loaded) -> TokenKinds:
     ids = loaded.ids
-    return TokenKinds(ids.vision_start, ids.vision_end, ids.audio_start, ids.audio_end, ids.audio_pad,
-                      ids.image_pad, loaded.model.config.thinker_config.video_token_id)
+    return TokenKinds(
+        ids.vision_start,
+        ids.vision_end,
+        ids.audio_start,
+        ids.audio_end,
+        ids.audio_pad,
+        ids.image_pad,
+        loaded.model.config.thinker_config.video_token_id,
+    )
 
 
 def test_pair_patches_equal_the_image_processor_on_a_still_frame(loaded):
@@ -118,15 +142,31 @@ def test_positions_equal_get_rope_index(loaded):
     n_audio, grids, (gh, gw) = 40, 3, (2, 3)  # every grid before the last audio token
     assert grid_threshold(0.5 * (grids - 1), pps) < n_audio
     block = interleave(n_audio, [0.5 * j for j in range(grids)], gh * gw, pps, ids.audio_pad, kinds.video_pad)
-    prompt = [*system_turn_ids(ids, loaded.tokenizer, SYSTEM), ids.im_start, *ids.user, *ids.newline,
-              ids.vision_start, ids.audio_start, *block, ids.audio_end, ids.vision_end,
-              ids.im_end, *ids.newline, *assistant_start_ids(ids)]
+    prompt = [
+        *system_turn_ids(ids, loaded.tokenizer, SYSTEM),
+        ids.im_start,
+        *ids.user,
+        *ids.newline,
+        ids.vision_start,
+        ids.audio_start,
+        *block,
+        ids.audio_end,
+        ids.vision_end,
+        ids.im_end,
+        *ids.newline,
+        *assistant_start_ids(ids),
+    ]
     frames = n_audio * 100 // 13 + 1
     while audio_token_count(frames, 50) != n_audio:
         frames += 1
     expected, _ = thinker.get_rope_index(
-        torch.tensor([prompt]), None, torch.tensor([[grids, 2 * gh, 2 * gw]]), torch.ones(1, len(prompt)),
-        use_audio_in_video=True, audio_seqlens=torch.tensor([frames]), second_per_grids=torch.tensor([0.5]),
+        torch.tensor([prompt]),
+        None,
+        torch.tensor([[grids, 2 * gh, 2 * gw]]),
+        torch.ones(1, len(prompt)),
+        use_audio_in_video=True,
+        audio_seqlens=torch.tensor([frames]),
+        second_per_grids=torch.tensor([0.5]),
     )
     places = [GridPlace(0.5 * j, gh, gw) for j in range(grids)]
     # Whole, and in three parts carrying the open block (as the turn is prefilled).
@@ -159,8 +199,17 @@ def reference(loaded, turns):
         grids.append(list(thw))
         n_audios.append(audio_token_count(int(frames), n_window))
         block = loaded.tokenizer.encode(processor_block(n_audios[-1], thw, pps), add_special_tokens=False)
-        prompt += [ids.im_start, *ids.user, *ids.newline, ids.vision_start, *block, ids.vision_end,
-                   ids.im_end, *ids.newline, *assistant_start_ids(ids)]
+        prompt += [
+            ids.im_start,
+            *ids.user,
+            *ids.newline,
+            ids.vision_start,
+            *block,
+            ids.vision_end,
+            ids.im_end,
+            *ids.newline,
+            *assistant_start_ids(ids),
+        ]
         if reply is not None:
             prompt += closing_ids(ids, reply)
     input_ids = torch.tensor([prompt])
@@ -170,17 +219,26 @@ def reference(loaded, turns):
     saved, tower.n_window_infer = tower.n_window_infer, 100  # the streamed turn's 1 s window
     try:
         sequences, _ = loaded.model.generate(
-            input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **feats,
-            pixel_values_videos=torch.cat(pixels), video_grid_thw=torch.tensor(grids),
-            video_second_per_grid=torch.tensor([0.5] * len(turns)), use_audio_in_video=True,
-            speaker=loaded.speaker, return_audio=True, thinker_do_sample=False, talker_do_sample=False,
-            thinker_max_new_tokens=TOKENS, thinker_eos_token_id=loaded.thinker_eos_ids, thinker_min_new_tokens=1,
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            **feats,
+            pixel_values_videos=torch.cat(pixels),
+            video_grid_thw=torch.tensor(grids),
+            video_second_per_grid=torch.tensor([0.5] * len(turns)),
+            use_audio_in_video=True,
+            speaker=loaded.speaker,
+            return_audio=True,
+            thinker_do_sample=False,
+            talker_do_sample=False,
+            thinker_max_new_tokens=TOKENS,
+            thinker_eos_token_id=loaded.thinker_eos_ids,
+            thinker_min_new_tokens=1,
             talker_max_new_tokens=FRAMES + 1,
         )
     finally:
         hook.remove()
         tower.n_window_infer = saved
-    generated = sequences[0, len(prompt):].tolist()
+    generated = sequences[0, len(prompt) :].tolist()
     text = [t for t in generated if t not in loaded.thinker_eos_ids]
     return text, captured["codes"][0].numpy(), n_audios[-1], grids[-1][1] * grids[-1][2] // 4
 
@@ -210,7 +268,7 @@ def stream_with_camera(runner, sid, audio, frames, fps=4.0, speculation=""):
 
 def frame_pairs(frames: list[np.ndarray], size: tuple[int, int]) -> list[tuple[np.ndarray, np.ndarray]]:
     """The turn's frames as the grids' pairs: an odd last frame pairs with itself (the engine
-    pads a grid that has one frame by repeating it, agent/engine/video_turn.py)."""
+    pads a grid that has one frame by repeating it, agent/engine/stages/video_clock.py)."""
     sized = [resize(f, size) for f in frames]
     return [(sized[i], sized[min(i + 1, len(sized) - 1)]) for i in range(0, len(sized), 2)]
 
@@ -221,8 +279,15 @@ def test_streaming_with_camera_equals_generate_and_leaves_only_the_last_grid(loa
     audio = make_audio(seconds, 1)
     frames = [marker_frame(i) for i in range(int(seconds * 4))]
     policy = VideoPolicy(fps=4.0, window_s=2.0, max_tokens=768)
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=FRAMES * 0.08,
-                             audio_window_s=1.0, record=True, video=policy)
+    runner = StreamingRunner(
+        loaded,
+        SYSTEM,
+        max_reply_tokens=TOKENS,
+        max_reply_seconds=FRAMES * 0.08,
+        audio_window_s=1.0,
+        record=True,
+        video=policy,
+    )
     runner.open_session("s")
     done = stream_with_camera(runner, "s", audio, frames, speculation=speculation)
     assert done.stats["speculative"] == (speculation == "commit")
@@ -251,8 +316,15 @@ def test_streaming_with_camera_equals_generate_and_leaves_only_the_last_grid(loa
 def test_a_second_camera_turn_reuses_the_cache_and_equals_generate(loaded):
     """Two turns with the camera: the second prefills only its own tokens and still equals
     generate() on the two-turn prompt (two audio-in-video blocks, the first reply between)."""
-    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=FRAMES * 0.08,
-                             audio_window_s=1.0, record=True, video=VideoPolicy())
+    runner = StreamingRunner(
+        loaded,
+        SYSTEM,
+        max_reply_tokens=TOKENS,
+        max_reply_seconds=FRAMES * 0.08,
+        audio_window_s=1.0,
+        record=True,
+        video=VideoPolicy(),
+    )
     runner.open_session("s")
     size = (96, 128)
     turns = []

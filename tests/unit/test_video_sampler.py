@@ -12,7 +12,7 @@ import av
 import numpy as np
 import pytest
 
-from agent.ingest import VideoSample, VideoSampler
+from agent.media.ingest import VideoSample, VideoSampler
 from agent.metrics import REGISTRY
 
 TB = fractions.Fraction(1, 90000)
@@ -74,9 +74,7 @@ def test_four_fps_from_any_input_rate_evenly_spaced(fps, jitter):
 
 
 def test_dropped_frames_are_never_converted_and_are_counted():
-    before = REGISTRY.get_sample_value(
-        "agent_ingest_dropped_frames_total", {"kind": "video", "reason": "rate"}
-    ) or 0.0
+    before = REGISTRY.get_sample_value("agent_ingest_dropped_frames_total", {"kind": "video", "reason": "rate"}) or 0.0
     CountingFrame.conversions = 0
     sampler = VideoSampler(fps=4.0)
     kept = 0
@@ -86,9 +84,7 @@ def test_dropped_frames_are_never_converted_and_are_counted():
     assert kept == 12
     assert CountingFrame.conversions == kept
     assert sampler.kept == 12 and sampler.dropped == 78
-    after = REGISTRY.get_sample_value(
-        "agent_ingest_dropped_frames_total", {"kind": "video", "reason": "rate"}
-    )
+    after = REGISTRY.get_sample_value("agent_ingest_dropped_frames_total", {"kind": "video", "reason": "rate"})
     assert after - before == 78
 
 
@@ -112,9 +108,11 @@ def test_4k_input_is_capped_then_resized_for_the_model():
         def __getattr__(self, name: str) -> Any:
             attr = super().__getattr__(name)
             if name == "to_ndarray":
+
                 def spy(**kwargs: Any) -> np.ndarray:
                     seen.append(kwargs)
                     return attr(**kwargs)
+
                 return spy
             return attr
 

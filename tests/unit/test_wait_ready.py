@@ -1,4 +1,4 @@
-"""The readiness wait every test and benchmark uses before talking to an agent (agent.client.wait_ready).
+"""The readiness wait every test and benchmark uses before talking to an agent (agent.client.client.wait_ready).
 
 Pins: it returns once /healthz answers 200; it never falls through against an agent that is not
 there: no answer by the deadline, an engine that reports "failed" (at once, not at the deadline),
@@ -13,9 +13,9 @@ import time
 
 import pytest
 from aiohttp import web
-
 from loopback import free_port
-from agent.client import NotReady, wait_ready
+
+from agent.client.client import NotReady, wait_ready
 
 
 async def _serve(status: int, body: dict) -> tuple[web.AppRunner, str]:

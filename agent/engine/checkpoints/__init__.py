@@ -1,0 +1,1 @@
+"""Checkpoints: loading Qwen3-Omni, the tiny model, hub-shaped builds, presets of the real sizes."""

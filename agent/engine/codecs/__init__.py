@@ -1,0 +1,1 @@
+"""From codes to output: code2wav over slots, incremental detokenization, PCM."""

@@ -1,0 +1,1 @@
+"""Instruments for benchmarks and tests (kernel counts, roofline, fake graph capture). Serving code never imports this package."""

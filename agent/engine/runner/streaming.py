@@ -1,0 +1,448 @@
+"""StreamingRunner: Qwen3-Omni replies, one codec frame (80 ms of audio) per engine tick, for
+many sessions at once (continuous batching).
+
+Per session: the system prompt is prefilled at open; the user's audio is encoded and
+prefilled as it becomes final (AudioStream); at end of turn only the tail of the audio, the
+frames and the assistant header are left. Then, per tick, every reply the scheduler picks
+advances one frame, each stage one batched call over those sessions (agent/engine/stages/frame_batch.py):
+the thinker stays exactly one token ahead of the talker, the talker makes codebook 0, the code
+predictor the 15 residual codes, and code2wav renders that frame's samples, which go out at
+once. Sessions keep their state in rows (slots) of static caches, so sessions at any point of
+their replies share a call, and a session joins or leaves the batch between any two ticks.
+
+Scheduling, each tick (policy in agent/engine/runner/scheduler.py, estimates from `playout()`):
+1. cancelled replies end;
+2. first-audio deadlines: replies still to be prefilled, earliest end of turn first, prefilled
+   within `prefill_chunk_tokens` per tick (a long prefill spans ticks, other sessions' frames
+   get out in between), all of the tick's chunks in one batched forward padded to a token
+   bucket (agent/engine/stages/bucketed_prefill.py), and the talker prefixes of those that finish in another;
+   one whose prefill completes renders its first frame in the same tick,
+   and in such a tick only speaking sessions under the low-water mark (160 ms buffered) also
+   step: everyone else's next frame comes after the new reply's first one;
+3. playout: speaking sessions, least buffered first, `max_batch` rows at most; a session more
+   than 1 s ahead of real time skips the tick when anything else is to be done;
+4. microphone audio of users still speaking is encoded and prefilled (bounded) only in ticks
+   with no first-audio work and no session under the low-water mark. An idle engine (no reply
+   in flight) does it at once in append_audio: there is nothing to schedule it against.
+5. speculative replies (agent/engine/runner/speculation.py: started on a pause of the user, output
+   held until the turn ends) are prefilled in those same ticks, last; once their first frame is
+   made they are parked and take no ticks until their commit.
+
+The runner's other parts are mixins, each a module of its own: intake.py (what sessions send
+between replies: frames, audio, held or discarded turns, switches), estimates.py (what the
+scheduler sees), speculation.py, edits.py (truncate, delete, instructions) and agent/engine/runner/transcriber.py.
+
+A reply's phase (agent/engine/state/phase.py) is moved only here and in speculation.py, through
+ReplyState.move(); what each stage has made is kept by the stage's module (turns.PrefillStage,
+frames.TextStage / VoiceStage).
+
+The result equals transformers' generate() on the same prompt (same text ids, same codec
+codes, same waveform up to float rounding), greedy (tests/unit/test_streaming_exact.py) and
+sampled from the same seed (tests/unit/test_sampling_exact.py);
+and a batched tick equals the same sessions stepped alone: tests/unit/test_batching.py.
+
+GPU path (agent/engine/compile/wiring.py; on by default on CUDA, off with `--no-cuda-graphs`): the
+MoE experts are fused (agent/engine/ops/moe.py), the slot caches reserved at their limit, and the
+thinker decode, talker step, code-predictor loop and code2wav step compiled with torch.compile
+(agent/engine/compile/inductor.py; `--compile`, on CUDA by default) and captured as CUDA graphs per
+batch bucket, here in the constructor (so compiling happens at start-up, never in a reply),
+i.e. on the engine thread that builds the runner; only that thread may replay them. Tests and
+the CPU kernel benchmark run the same wiring on CPU by passing agent/engine/instruments/fake_graphs.py's
+`fake_graph_config()` (tests/unit/test_graph_wiring.py); production never imports it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agent.decoding import Decoding
+from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
+from agent.engine.checkpoints.model import LoadedModel
+from agent.engine.codecs.detok import IncrementalDecoder
+from agent.engine.codecs.output_audio import talker_tokens_for
+from agent.engine.compile.wiring import GraphConfig, Graphing, GraphMode
+from agent.engine.ops.fusion import fuse_decoder
+from agent.engine.ops.moe import fuse_moe
+from agent.engine.ops.slots import SlotPool
+from agent.engine.runner.edits import ConversationEdits
+from agent.engine.runner.estimates import Estimates
+from agent.engine.runner.intake import Intake
+from agent.engine.runner.scheduler import SchedulerConfig, idle_s, plan_tick
+from agent.engine.runner.speculation import Speculation
+from agent.engine.runner.transcriber import Transcriber, Transcription
+from agent.engine.stages.frame_batch import FrameBatcher, Row, TextStage, VoiceStage
+from agent.engine.stages.talker import TalkerOps
+from agent.engine.stages.thinker import PrefillOut, ThinkerOps
+from agent.engine.stages.turn_prefill import PrefillStage, SpeculationRefused, TurnPrefill
+from agent.engine.stages.video_clock import VideoPolicy
+from agent.engine.state.kv import KVState
+from agent.engine.state.phase import ReplyPhase
+from agent.engine.state.session import LastReply, ReplyRecord, ReplyState, SessionState
+
+
+class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcription):
+    @torch.inference_mode()
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        system_prompt: str,
+        max_reply_tokens: int = 48,
+        max_reply_seconds: float = 4.0,
+        context_limit: int = 32768,
+        audio_window_s: float | None = None,
+        record: bool = False,
+        max_sessions: int = 8,
+        schedule: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        graphs: GraphConfig | GraphMode = "auto",
+        video: VideoPolicy | None = VideoPolicy(),
+        decoding: Decoding = Decoding.greedy(),
+    ) -> None:
+        """audio_window_s: the audio encoder's attention window (n_window_infer) for the
+        incremental prefill; None keeps the checkpoint's (8 s), which is what generate() uses.
+        record: keep each session's last reply (codes, float waveform) in `records`.
+        max_sessions: slots in the static caches (open sessions at most).
+        clock: the scheduler's time source (seconds), injectable for tests.
+        graphs: CUDA graph mode or settings ("auto": graphs on a CUDA device, eager elsewhere;
+        "off"; "cuda"; a GraphConfig, e.g. fake_graphs.fake_graph_config(): the graph wiring on
+        CPU). video: the camera as video on the audio clock (agent/engine/stages/video_clock.py); None:
+        frames are not looked at. decoding: each stage's token choice (agent/decoding.py;
+        default greedy, what generate(do_sample=False) does); a reply draws from its own seed,
+        taken from `decoding.seed` when given. With graphs on, this fuses the MoE
+        experts of `loaded.model` in place and captures here."""
+        if max_reply_tokens < 2:
+            raise ValueError("max_reply_tokens must be >= 2 (a reply is one text token plus its end)")
+        self.loaded = loaded
+        self.max_reply_tokens = max_reply_tokens
+        self.talker_max_tokens = talker_tokens_for(max_reply_seconds, loaded.output_rate)
+        self.schedule = schedule or SchedulerConfig()
+        self.clock = clock
+        self.eos = set(loaded.thinker_eos_ids)
+        self.decoding = decoding
+        # Reply seeds: reproducible from decoding.seed, else fresh from the OS.
+        self._seeds = random.Random(decoding.seed) if decoding.seed is not None else random.SystemRandom()
+        self.record = record
+        self.records: dict[str, ReplyRecord] = {}
+        n_window_infer = None if audio_window_s is None else int(round(audio_window_s * 100))
+        config = graphs if isinstance(graphs, GraphConfig) else GraphConfig(mode=graphs)
+        self.graphing = Graphing(config, loaded.device, max_sessions)
+        if self.graphing.enabled:
+            # transformers picks the experts' implementation at run time and may pick a loop
+            # with host syncs; the fused block is graph-safe, the same function (bit for bit on
+            # CPU, to bf16 rounding on CUDA: tests/unit/test_moe.py).
+            fuse_moe(loaded.model)
+        # q/k/v as one matmul in every thinker and talker layer (views: no second copy).
+        fuse_decoder(loaded.model.thinker.model.language_model)
+        fuse_decoder(loaded.model.talker.model)
+        self.thinker = ThinkerOps(
+            loaded, max_sessions, context_limit, self.graphing, track_ids=decoding.thinker.repetition_penalty != 1.0
+        )
+        # The talker holds every user turn plus the reply's frames (one per codec frame).
+        talker_limit = context_limit + self.talker_max_tokens + 16
+        self.talker = TalkerOps(loaded, max_sessions, talker_limit, sampling=decoding.talker, graphing=self.graphing)
+        self.turns = TurnPrefill(
+            loaded, self.thinker, self.talker, system_prompt, max_reply_tokens, context_limit, n_window_infer, video
+        )
+        self.frames = FrameBatcher(
+            loaded, self.thinker, self.talker, max_sessions, max_reply_tokens, record, self.graphing, decoding
+        )
+        # Every cache is in place (reserved): capture now, on the thread that will replay.
+        self.thinker.capture_graphs()
+        self.talker.capture_graphs()
+        self.frames.capture_graphs()
+        self._slots = SlotPool(max_sessions)
+        self.transcriber = Transcriber(loaded, self.thinker)  # live input transcription
+        self._sessions: dict[str, SessionState] = {}
+        self._priority: dict[str, int] = {}  # session -> scheduler priority (set_priority); default 0
+        self._ready: list[Output] = []  # released outside a step (take_ready)
+
+    @classmethod
+    def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
+        """From agent.config.Config (system_prompt, max_reply_tokens, max_reply_seconds,
+        audio_window_s, engine_slots, context_limit, cuda_graphs, compile, cache_dir). `graphs`: graph
+        settings (default "auto": graphs on a CUDA device); `config.cuda_graphs=False`
+        (--no-cuda-graphs) turns them off whatever they say; `config.compile` decides compilation."""
+        graphs = graphs or GraphConfig()
+        if graphs.mode == "auto" and loaded.device.type == "cpu" and config.cpu_graphs:
+            # On CPU the per-frame steps replay as TorchScript traces, off the GIL (agent/engine/compile/cpu_traces.py).
+            graphs = replace(graphs, mode="cpu")
+        if not config.cuda_graphs:
+            graphs = replace(graphs, mode="off")
+        # --compile, its cache beside the tiny model's (a restart does not recompile from scratch).
+        graphs = replace(graphs, compile=config.compile, compile_cache=Path(config.cache_dir) / "compile")
+        return cls(
+            loaded,
+            system_prompt=config.system_prompt,
+            max_reply_tokens=config.max_reply_tokens,
+            max_reply_seconds=config.max_reply_seconds,
+            audio_window_s=config.audio_window_s,
+            max_sessions=config.engine_slots,  # transcription sessions' slots included
+            context_limit=config.context_limit,
+            graphs=graphs,
+            video=VideoPolicy(config.video_fps, config.video_window_s, config.video_turn_tokens)
+            if config.video
+            else None,
+            decoding=config.sampling,
+        )
+
+    # ---- Runner protocol -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def open_session(self, session_id: str) -> None:
+        slot = self.take_session_slot()
+        state = SessionState(slot=slot, thinker=KVState(slot), talker=KVState(slot), turn=self.turns.new_turn())
+        self._sessions[session_id] = state
+        self.turns.prefill_system(state)
+
+    def close_session(self, session_id: str) -> None:
+        state = self._sessions.pop(session_id, None)
+        if state is not None:
+            self._slots.give(state.slot)
+        slot = self.transcriber.close(session_id)
+        if slot is not None:
+            self._slots.give(slot)
+        self.records.pop(session_id, None)
+        self._priority.pop(session_id, None)
+
+    @torch.inference_mode()
+    def begin_reply(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> None:
+        state = self._sessions[session_id]
+        if state.captions_only:
+            raise RuntimeError("a transcription-only session has no replies")
+        held = bool(state.held_turns)
+        self._begin_reply(state, images, text_only)
+        if not held:  # (a held turn's transcript ended when it was held)
+            # The turn is answered: its transcript ends once the reply's prefill has its audio tail.
+            self.transcriber.ended(session_id, state.reply.turn)
+
+    def _begin_reply(self, state: SessionState, images: list[np.ndarray], text_only: bool) -> None:
+        held = state.reply
+        if held is not None and held.phase.speculative:
+            if held.text_only == text_only:
+                self._commit(state)
+                return
+            self._discard(state)
+        if state.held_turns:  # an utterance that ended during the last reply comes first
+            turn = state.held_turns.pop(0)
+        else:  # the turn is answered from now on: audio that comes later belongs to the next one
+            turn, state.turn = state.turn, self.turns.new_turn()
+            self.turns.video.seed(state, self.clock())
+        state.reply = self._new_reply(ReplyPhase.PREFILLING, turn, images, text_only)
+        state.last_reply = None  # the previous reply can no longer be truncated
+        if not text_only:
+            self.frames.start_reply(state)
+
+    def cancel_reply(self, session_id: str) -> None:
+        state = self._sessions.get(session_id)
+        if state is None or state.reply is None:
+            return
+        if state.reply.phase.speculative:
+            self._discard(state)  # nothing of it was seen: nothing to end
+        elif state.reply.phase in (ReplyPhase.PREFILLING, ReplyPhase.STREAMING):
+            state.reply.move(ReplyPhase.CANCELLING)
+
+    def _new_reply(self, phase: ReplyPhase, turn, images: list[np.ndarray], text_only: bool) -> ReplyState:
+        return ReplyState(
+            phase=phase,
+            text_only=text_only,
+            turn=turn,
+            started=self.clock(),
+            prefill=PrefillStage(),
+            text=TextStage(IncrementalDecoder(self.loaded.tokenizer)),
+            voice=VoiceStage(self.talker_max_tokens),
+            images=list(images),
+            seed=self._seeds.getrandbits(32),
+        )
+
+    def has_work(self) -> bool:
+        return (
+            bool(self._ready)
+            or self._busy()
+            or any(self.turns.pcm_queued(s) for s in self._sessions.values())
+            or self.transcriber.has_work(self._sessions)
+        )
+
+    def idle_s(self) -> float:
+        """Seconds until a step is of use (0: now). Replies far enough ahead of real time are
+        not stepped before they need to be (agent/engine/runner/scheduler.py); other work is due now."""
+        states = self._sessions.values()
+        if self._ready or any(s.reply is not None and s.reply.phase is ReplyPhase.CANCELLING for s in states):
+            return 0.0
+        if self._other_work():
+            return 0.0
+        now = self.clock()
+        return idle_s(
+            [
+                self._view(sid, st, now)
+                for sid, st in self._sessions.items()
+                if st.reply is not None and st.reply.phase is not ReplyPhase.HELD
+            ],
+            self.schedule,
+        )
+
+    @torch.inference_mode()
+    def step(self) -> list[Output]:
+        """One tick: the scheduler's pick of replies advances by one codec frame (text-only
+        replies: one token); first-audio replies get their prefill (chunk) and first frame;
+        speculative ones too, when nothing else needs the tick, their output held."""
+        outputs: list[Output] = self.take_ready()
+        for session_id, state in list(self._sessions.items()):
+            if state.reply is not None and state.reply.phase is ReplyPhase.CANCELLING:
+                outputs += self._finish(session_id, state, "cancelled")
+        now = self.clock()
+        # A held speculation is parked: it waits for its commit, not for the scheduler.
+        replies = {
+            sid: st
+            for sid, st in self._sessions.items()
+            if st.reply is not None and st.reply.phase is not ReplyPhase.HELD
+        }
+        views = [self._view(sid, st, now) for sid, st in replies.items()]
+        plan = plan_tick(views, self.schedule, other_work=self._other_work())
+
+        # First-audio replies share the prefill budget in deadline order, and all their chunks
+        # run in one batched forward (as do the talker prefixes of those that finish);
+        # speculative ones come last, in ticks that have nothing more urgent (plan.speculate).
+        chunks: list[tuple[str, SessionState, int]] = []
+        budget = self.schedule.prefill_chunk_tokens
+        for session_id in plan.first + plan.speculate:
+            if budget <= 0:
+                break
+            state = replies[session_id]
+            try:
+                take = self.turns.reply_chunk(state, budget)
+            except SpeculationRefused:  # it would drop the history: that cannot be undone
+                self._discard(state)
+                continue
+            except Exception as exc:
+                # This session's own end-of-turn work (its audio tail, its frames) failed, e.g.
+                # out of memory on a huge image: its reply ends with an error, the others go on.
+                outputs += self._fail(session_id, state, exc)
+                continue
+            chunks.append((session_id, state, take))
+            budget -= take
+        done = self.turns.run_replies([(state, take) for _, state, take in chunks]) if chunks else []
+        finished = [(sid, state, out) for (sid, state, _), out in zip(chunks, done) if out is not None]
+        outputs += self._first_tokens(finished)
+        started: list[Row] = [(sid, state) for sid, state, _ in finished]
+        decoding = [(sid, replies[sid]) for sid in plan.decode]
+        outputs += self.frames.decode(decoding)
+        # Row order puts the new replies' first frames first.
+        outputs += self.frames.render(started + decoding, self.clock())
+        for _, state in started:
+            reply = state.reply
+            reply.move(ReplyPhase.HELD if reply.phase is ReplyPhase.SPECULATING else ReplyPhase.STREAMING)
+        for session_id, state in started + decoding:
+            # A held reply cannot be finished: its first token is never the end and it stops at one frame.
+            if state.reply.phase is ReplyPhase.STREAMING and state.reply.finished:
+                outputs += self._finish(session_id, state, "")
+        if plan.audio_prefill:
+            self._prefill_speaking(self.schedule.prefill_chunk_tokens)
+            # Transcription last of all: under load the partials are what slows down first.
+            outputs += self.transcriber.step(self._sessions)
+        # Stage times first: callers (and tests) read a reply's ReplyDone as the last output.
+        return self._stage_times() + self._hold(outputs)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _other_work(self) -> bool:
+        """Work besides the replies: microphone audio to encode and prefill, transcription."""
+        return any(self.turns.pcm_queued(s) for s in self._sessions.values()) or self.transcriber.has_work(
+            self._sessions
+        )
+
+    def _busy(self) -> bool:
+        """A reply needs engine work (a held speculation does not: it waits for its commit)."""
+        return any(s.reply is not None and s.reply.phase is not ReplyPhase.HELD for s in self._sessions.values())
+
+    def _first_tokens(self, finished: list[tuple[str, SessionState, PrefillOut]]) -> list[Output]:
+        """First text token of every reply whose prefill just finished, then the talker prefixes
+        of the spoken ones in one batched forward and their first codebook-0 tokens."""
+        outputs: list[Output] = []
+        if finished:
+            # A reply has at least one text token: the end is held back for the first step.
+            logits = torch.stack([out.last_logits for _, _, out in finished])
+            tokens = self.frames.pick_tokens([state for _, state, _ in finished], logits, first=True)
+            for (session_id, state, _), token in zip(finished, tokens):
+                outputs += self.frames.take_token(session_id, state, token)
+        spoken = [state for _, state, _ in finished if not state.reply.text_only]
+        if spoken:
+            self.frames.take_code0(spoken, self.turns.talker_prefills(spoken))
+        return outputs
+
+    def _stage_times(self) -> list[Output]:
+        outputs: list[Output] = []
+        for session_id, state in self._sessions.items():
+            outputs += [StageTime(name, s, session_id) for name, s in state.pending_stages]
+            state.pending_stages.clear()
+        outputs += self.frames.stage_times
+        self.frames.stage_times = []
+        return outputs
+
+    def _fail(self, session_id: str, state: SessionState, exc: Exception) -> list[Output]:
+        """End a reply whose own work raised: its half-started prefill is abandoned and its turn
+        dropped, so the session's next turn starts clean."""
+        if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the failed allocation left cached is no one's
+        if state.reply.phase.speculative:
+            self._discard(state)  # unseen, like any dropped speculation; the turn goes on
+            return []
+        if state.reply.phase is not ReplyPhase.CANCELLING:
+            state.reply.move(ReplyPhase.CANCELLING)  # its work is abandoned, then it ends
+        outputs = self._finish(session_id, state, "error")
+        self.discard_turn(session_id)
+        done = outputs[-1]
+        assert isinstance(done, ReplyDone)
+        return outputs[:-1] + [replace(done, stats={**done.stats, "error": f"{type(exc).__name__}: {exc}"})]
+
+    def _finish(self, session_id: str, state: SessionState, reason: str) -> list[Output]:
+        reply, turn = state.reply, state.reply.turn
+        reply.move(ReplyPhase.ENDED)
+        if not reason:
+            capped = "length" in (reply.text.reason, reply.voice.reason)
+            reason = "length" if capped else "stop"
+        text_ids = [t for t in reply.text.tokens if t not in self.eos]
+        if reply.prefill.done:
+            # The history keeps this reply as text: what the thinker has not fed yet, then the end.
+            state.closing = [t for t in reply.text.tokens[reply.text.fed :] if t not in self.eos]
+            state.closing += [self.loaded.ids.im_end, *self.loaded.ids.newline]
+            fed = min(reply.text.fed, len(text_ids))
+            state.last_reply = LastReply(state.thinker.length - fed, state.thinker.next_pos - fed, tuple(text_ids), fed)
+            state.closing += state.pending_system  # instructions changed during the reply
+            state.pending_system = []
+            if not reply.voice.started:  # its user turn is not in the talker cache yet
+                state.talker_backlog.append(turn.talker)
+        else:
+            self.turns.abandon_reply(state)
+        stats = {
+            "prefill_tokens": turn.prefill_tokens if reply.prefill.done else 0,
+            "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefill.done else 0,
+            "input_image_tokens": turn.ids.count(self.loaded.ids.image_pad) if reply.prefill.done else 0,
+            "input_video_tokens": turn.ids.count(self.turns.video.kinds.video_pad) if reply.prefill.done else 0,
+            **self.turns.video.stats(turn, reply.frames_encoded_at_end),
+            "history_reset": turn.history_reset if reply.prefill.done else False,
+            "text_tokens": len(text_ids),
+            "audio_frames": len(reply.voice.frame_codes),
+            "audio_samples": reply.voice.samples_out,
+            "context_tokens": state.thinker.length,
+            "first_audio_seconds": reply.first_audio,
+            "reply_seconds": self.clock() - reply.started,
+            "stage_seconds": dict(reply.stage_seconds),
+            "speculative": reply.from_speculation,  # committed from a speculative start
+            "seed": reply.seed,  # its sampling stream: the same seed and input give the same reply
+        }
+        if self.record:
+            codes = np.array(reply.voice.frame_codes, dtype=np.int64).T.reshape(self.talker.num_groups, -1)
+            wav = np.concatenate(reply.voice.wav) if reply.voice.wav else np.zeros(0, dtype=np.float32)
+            self.records[session_id] = ReplyRecord(tuple(text_ids), codes, wav, stats["prefill_tokens"])
+        state.reply = None
+        assert reply.text.decoder is not None
+        tail = reply.text.decoder.finish()  # a split character held back at the very end
+        outputs: list[Output] = [TextDelta(session_id, tail, ())] if tail else []
+        return outputs + [ReplyDone(session_id, reason, text=reply.text.decoder.text, stats=stats)]

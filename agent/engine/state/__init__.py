@@ -1,0 +1,1 @@
+"""Engine-side state per session and per reply, owned by the streaming runner's sessions table."""

@@ -1,0 +1,245 @@
+"""Per-session streaming state: one resettable dataclass per session, one per reply (its phase
+in agent/engine/state/phase.py, its stages' state in the modules that advance them).
+
+Everything a session carries between engine steps lives here (its slot in the batched KV
+caches and code2wav state, position counters, the talker's view of the user turns, the reply's
+codec history), so that a session can be dropped or reset in one assignment. The tensors
+themselves are rows of the runner's slot tensors (agent/engine/ops/slots.py, agent/engine/codecs/code2wav.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from agent.engine.api import Output
+from agent.engine.runner.scheduler import PlayoutClock
+from agent.engine.stages.audio_stream import AudioStream
+from agent.engine.stages.video_clock import TurnVideo
+from agent.engine.stages.video_grid import AVBlock, GridPlace
+from agent.engine.state.kv import KVState
+from agent.engine.state.phase import ReplyPhase
+
+if TYPE_CHECKING:  # the stages' own modules build on this one: annotations only
+    from agent.engine.stages.frame_batch import TextStage, VoiceStage
+    from agent.engine.stages.turn_prefill import PrefillStage
+
+
+@dataclass
+class TalkerTurn:
+    """One user turn as the talker sees it: the thinker's token ids and the talker inputs
+    (text_projection of embeddings at text positions, hidden_projection of the thinker's
+    accept layer at media positions), as generate() builds them."""
+
+    ids: list[int] = field(default_factory=list)
+    embeds: list[torch.Tensor] = field(default_factory=list)  # [1, n_i, hidden] pieces
+    image_grids: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class TurnState:
+    """The user turn being spoken: audio in, prefill as the audio becomes final."""
+
+    audio: AudioStream
+    pcm: list[np.ndarray] = field(default_factory=list)  # mic audio not yet encoded (busy engine)
+    header_done: bool = False  # <|im_start|>user\n (and the previous reply's closing) prefilled
+    audio_open: bool = False  # <|audio_start|> prefilled
+    pending_audio: list[torch.Tensor] = field(default_factory=list)  # final tokens not yet prefilled
+    audio_tokens: int = 0
+    samples: int = 0
+    # For a rollback (discard_turn) or a context reset: where the turn started, and what it
+    # prefilled so far (token ids and the audio features that fill its audio pads).
+    start_length: int = 0
+    start_pos: int = 0
+    ids: list[int] = field(default_factory=list)  # user-role ids prefilled (no closing, no assistant header)
+    audio_feats: list[torch.Tensor] = field(default_factory=list)
+    talker: TalkerTurn = field(default_factory=TalkerTurn)
+    prefill_tokens: int = 0  # thinker tokens prefilled for this turn (closing and header included)
+    history_reset: bool = False  # the context filled up and the history was dropped
+    # Realtime API additions: user text items (after the audio, inside the same user message)
+    # and a per-response system message put right before the assistant header.
+    text_ids: list[int] = field(default_factory=list)
+    reply_system_ids: list[int] = field(default_factory=list)
+    # The camera as video (agent/engine/stages/video_clock.py): the turn's grids, the audio-in-video
+    # block while it is open, and the grids prefilled so far (features and places, for a replay).
+    video: TurnVideo | None = None
+    av_block: AVBlock | None = None
+    video_feats: list = field(default_factory=list)  # ImageFeatures per placed grid
+    video_places: list[GridPlace] = field(default_factory=list)
+
+    @property
+    def queued_seconds(self) -> float:
+        """The turn's audio the engine has so far (encoded or queued): the clock frames are put on."""
+        return (self.samples + sum(len(p) for p in self.pcm)) / 16000
+
+    def fork(self) -> TurnState:
+        """A copy to answer speculatively: the speculation may prefill, finish the encoder and
+        record the talker's view on it, while this one goes on receiving the user's audio."""
+        talker = TalkerTurn(list(self.talker.ids), list(self.talker.embeds), list(self.talker.image_grids))
+        return replace(
+            self,
+            audio=self.audio.fork(),
+            pcm=list(self.pcm),
+            pending_audio=list(self.pending_audio),
+            ids=list(self.ids),
+            audio_feats=list(self.audio_feats),
+            talker=talker,
+            text_ids=list(self.text_ids),
+            reply_system_ids=list(self.reply_system_ids),
+            video=self.video.fork() if self.video is not None else None,
+            av_block=replace(self.av_block) if self.av_block is not None else None,
+            video_feats=list(self.video_feats),
+            video_places=list(self.video_places),
+        )
+
+
+@dataclass
+class ReplyState:
+    """One reply in flight. The runner (agent/engine/runner/streaming.py) owns it and is the only one to move `phase`
+    (agent/engine/state/phase.py); each stage keeps what it has made in its own object, advanced by
+    its own module: `prefill` by agent/engine/stages/turn_prefill.py, `text` (thinker) and `voice` (talker, code predictor,
+    code2wav) by agent/engine/stages/frame_batch.py."""
+
+    phase: ReplyPhase
+    text_only: bool
+    turn: TurnState  # the user turn answered (from begin_reply on, state.turn is the next one)
+    started: float  # runner clock at begin_reply (a speculation: at its commit)
+    prefill: PrefillStage
+    text: TextStage
+    voice: VoiceStage
+    images: list[np.ndarray] = field(default_factory=list)
+    frames_encoded_at_end: int = 0  # of `images`, those not encoded on arrival (agent/engine/state/latest_frames.py)
+    first_audio: float | None = None  # seconds from begin_reply to the first audio
+    playout: PlayoutClock = field(default_factory=PlayoutClock)  # the client's buffer, estimated
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    held: list[Output] = field(default_factory=list)  # a speculation's output, until its commit
+    rollback: Rollback | None = None  # a speculation: how to undo it
+    from_speculation: bool = False  # committed from a speculative start
+    seed: int = 0  # the reply's sampling stream (agent/engine/ops/sampling.py): its draws depend on nothing else
+
+    def move(self, phase: ReplyPhase) -> None:
+        self.phase = self.phase.to(phase)
+
+    @property
+    def finished(self) -> bool:
+        """Both stages are done: nothing left to make."""
+        return self.text.done and (self.text_only or self.voice.done)
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """What a speculative reply may change in its session, as it was before the reply began: a
+    discard puts these back. The KV caches need no copy: their rows are static, and lowering
+    a length forgets everything past it (KVState.crop). The answered turn needs none either:
+    the speculation works on a fork of it (TurnState.fork) while the original keeps listening."""
+
+    thinker: tuple[int, int]  # (length, next_pos)
+    talker: tuple[int, int]
+    talker_backlog: tuple[TalkerTurn, ...]
+    talker_history: tuple[int, int]  # (talker_history_length, talker_history_pos)
+    closing: tuple[int, ...]
+    last_reply: LastReply | None
+
+    @classmethod
+    def of(cls, state: SessionState) -> Rollback:
+        return cls(
+            (state.thinker.length, state.thinker.next_pos),
+            (state.talker.length, state.talker.next_pos),
+            tuple(state.talker_backlog),
+            (state.talker_history_length, state.talker_history_pos),
+            tuple(state.closing),
+            state.last_reply,
+        )
+
+    def restore(self, state: SessionState) -> None:
+        state.thinker.crop(*self.thinker)
+        state.talker.crop(*self.talker)
+        state.talker_backlog = list(self.talker_backlog)
+        state.talker_history_length, state.talker_history_pos = self.talker_history
+        state.closing = list(self.closing)
+        state.last_reply = self.last_reply
+
+
+@dataclass(frozen=True)
+class ReplyRecord:
+    """What a finished reply produced, kept for tests and benchmarks (record=True)."""
+
+    text_ids: tuple[int, ...]
+    codes: np.ndarray  # [num_quantizers, frames]
+    wav: np.ndarray  # float32 at 24 kHz
+    prefill_tokens: int  # thinker tokens prefilled for this turn (its own, not the history's)
+
+
+@dataclass(frozen=True)
+class LastReply:
+    """Where the session's latest finished reply sits in the thinker cache, for a truncation:
+    its tokens start at (start_length, start_pos); `fed` of them are in the cache."""
+
+    start_length: int
+    start_pos: int
+    tokens: tuple[int, ...]  # text tokens (no end token)
+    fed: int
+
+
+@dataclass
+class SessionState:
+    slot: int  # the session's row in every slot tensor (thinker, talker, code2wav)
+    thinker: KVState
+    talker: KVState
+    turn: TurnState
+    # The talker cache starts with every earlier user turn (generate() gives the talker all user
+    # turns of the prompt); a turn answered text-only waits in the backlog until the next spoken reply.
+    talker_backlog: list[TalkerTurn] = field(default_factory=list)
+    talker_history_length: int = 0  # talker cache length covering the earlier user turns
+    talker_history_pos: int = 0
+    closing: list[int] = field(default_factory=list)  # the previous reply's unfed tail + <|im_end|>\n
+    reply: ReplyState | None = None
+    pending_stages: list[tuple[str, float]] = field(default_factory=list)  # emitted by the next step()
+    system_prompt: str | None = None  # the session's own instructions (None: the runner's)
+    voice: str = ""  # the talker speaker of the session's replies ("": the loaded one)
+    pending_system: list[int] = field(default_factory=list)  # a system message for the next turn's start
+    last_reply: LastReply | None = None  # until the next reply begins
+    max_turns: int = 0  # a bounded context (interpreter mode): answered turns kept at most; 0: no bound
+    context_turns: int = 0  # answered turns in the thinker cache since its last history reset
+    captions_only: bool = False  # a transcription-only session: no replies, its turns never prefilled
+    video: bool = True  # the camera enters its turns as video (the session's switch; --no-video: off for all)
+    last_frame: tuple[float, np.ndarray] | None = None  # (engine clock, frame): seeds the next turn's first grid
+    # Turns that ended while a reply was in flight (interpreter mode), oldest first: each is
+    # answered by the next begin_reply, in order; none is prefilled before its reply starts.
+    held_turns: list[TurnState] = field(default_factory=list)
+
+
+@contextmanager
+def timed(state: SessionState, stage: str) -> Iterator[None]:
+    """Time one session's work: a StageTime of the next step() output and the reply's totals."""
+    started = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - started
+    state.pending_stages.append((stage, elapsed))
+    if state.reply is not None:
+        state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed
+
+
+@contextmanager
+def timed_all(states: Sequence[SessionState], stage: str) -> Iterator[None]:
+    """`timed` for a batched call: every session in it waited for all of it."""
+    started = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - started
+    for state in states:
+        state.pending_stages.append((stage, elapsed))
+        if state.reply is not None:
+            state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed
+
+
+def add_batch_time(states: Sequence[SessionState], stage: str, elapsed: float) -> None:
+    """A batched stage's wall time counts in full for every reply in the batch (each waited for it)."""
+    for state in states:
+        if state.reply is not None:
+            state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed

@@ -1,0 +1,107 @@
+"""Live input transcription as GA events: conversation.item.input_audio_transcription.*.
+
+Owned by the Session. It tells the engine whether to transcribe (StreamingRunner
+set_transcription) and which user item the turn being spoken is, and turns the engine's
+transcripts (agent/engine/runner/transcriber.py) into events:
+
+- `…delta` while the user speaks (about one per half second of speech): `delta` is only text that
+  has become stable, so a client that appends deltas (as the GA API's do) never shows words
+  that are later taken back; the project extra `omni` carries the whole hypothesis,
+  `{"text", "stable_chars", "since_speech_ms"}` (server time since the speech onset): its first `stable_chars` characters are final,
+  the rest may still change. The last delta of an item brings the deltas up to the transcript.
+- `…completed` with the final `transcript` at the end of the turn (after speech_stopped),
+  with `usage` (the seconds of audio) and `omni.after_end_ms` (server time from the end of
+  speech to the transcript).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Optional
+
+from agent.engine.api import TranscriptOut
+from agent.realtime import session_config
+
+if TYPE_CHECKING:
+    from agent.realtime.session import Session
+
+
+class InputTranscription:
+    def __init__(self, session: "Session") -> None:
+        # Weak: the session owns this object, and a cycle would keep a finished call alive until
+        # a full GC (tests/integration/test_call_leaks.py).
+        self._session = weakref.ref(session)
+        self.on = False
+        self._sent: dict[str, int] = {}  # item -> characters already sent as delta
+        self._started: dict[str, float] = {}  # item -> monotonic time of its speech onset
+        self._ended: dict[str, float] = {}  # item -> monotonic time of its end of speech
+        self._seconds: dict[str, float] = {}  # item -> seconds of its audio
+
+    @property
+    def session(self) -> "Session":
+        session = self._session()
+        assert session is not None, "the session owns its transcription"
+        return session
+
+    def apply(self, settings: dict[str, Any]) -> None:
+        """Start or stop transcribing to match the session (at start and on session.update)."""
+        want = session_config.transcribes(settings)
+        if want == self.on:
+            return
+        self.on = want
+        mode = ("only" if self.session.transcription_only else "on") if want else "off"
+        self.session.engine_call("set_transcription", mode, param="session.audio.input.transcription")
+
+    def speech_started(self, item_id: str, onset: Optional[float] = None) -> None:
+        """A user turn begins (before its audio goes to the engine): transcribe it as item_id.
+        onset: time.monotonic() of the speech onset (default: now)."""
+        if self.on:
+            self._started[item_id] = time.monotonic() if onset is None else onset
+            self.session.engine_call("set_transcript_item", item_id)
+
+    def speech_stopped(self, item_id: str, audio_seconds: float) -> None:
+        if self.on:
+            self._ended[item_id] = time.monotonic()
+            self._seconds[item_id] = audio_seconds
+
+    def on_transcript(self, out: TranscriptOut) -> None:
+        item_id = out.item_id
+        if item_id is None or self.session.closed:
+            return
+        now = time.monotonic()
+        sent = self._sent.get(item_id, 0)
+        upto = len(out.text) if out.final else out.stable_chars
+        started = self._started.get(item_id)
+        if upto > sent or not out.final:
+            self.session.emit(
+                {
+                    "type": "conversation.item.input_audio_transcription.delta",
+                    "item_id": item_id,
+                    "content_index": 0,
+                    "delta": out.text[sent:upto],
+                    "omni": {"text": out.text, "stable_chars": out.stable_chars, "since_speech_ms": _ms(now, started)},
+                }
+            )
+            self._sent[item_id] = max(sent, upto)
+        if not out.final:
+            return
+        self.session.conversation.set_input_transcript(item_id, out.text)
+        ended = self._ended.pop(item_id, None)
+        seconds = self._seconds.pop(item_id, None)
+        self.session.emit(
+            {
+                "type": "conversation.item.input_audio_transcription.completed",
+                "item_id": item_id,
+                "content_index": 0,
+                "transcript": out.text,
+                "usage": {"type": "duration", "seconds": round(seconds, 3) if seconds is not None else 0},
+                "omni": {"after_end_ms": _ms(now, ended)},
+            }
+        )
+        self._sent.pop(item_id, None)
+        self._started.pop(item_id, None)
+
+
+def _ms(now: float, since: Optional[float]) -> Optional[float]:
+    return None if since is None else round((now - since) * 1000, 1)

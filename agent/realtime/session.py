@@ -1,0 +1,375 @@
+"""One Realtime session: audio in, turns, the engine's replies out as GA server events.
+
+Transport-neutral: a WebRTC call (agent/transport/rtc.py) or a WebSocket (agent/transport/ws.py)
+feeds it audio frames and client events and gives it a `send` for serialized server events.
+Spoken replies go to `track` on WebRTC (paced media) or out as response.output_audio.delta on
+a WebSocket. Everything here runs on the asyncio loop; engine output arrives through the
+ReplySink methods (scheduled with call_soon_threadsafe by the engine thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from typing import Any, Awaitable, Callable, Optional
+
+import av
+import numpy as np
+
+from agent import metrics
+from agent.config import INPUT_FRAME_SAMPLES, Config
+from agent.engine.api import AudioOut, EngineBusy, ReplyDone, TextDelta, TranscriptOut
+from agent.engine.loop import Engine
+from agent.gate import priority
+from agent.gate.ladder import LEVEL_NAMES, Admission
+from agent.media.playout import AgentAudioTrack
+from agent.media.video_feed import VideoFeed
+from agent.realtime import client_events, edits, session_config
+from agent.realtime.conversation import Conversation
+from agent.realtime.events import new_id, user_audio_item, user_text_item
+from agent.realtime.input_buffer import InputBuffer
+from agent.realtime.input_transcription import InputTranscription
+from agent.realtime.outbox import Outbox
+from agent.realtime.replies import Replies
+from agent.realtime.server_turn import ServerTurn
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    def __init__(
+        self,
+        config: Config,
+        engine: Engine,
+        admission: Admission,
+        send: Callable[[str], None],
+        on_closed: Callable[["Session"], None],
+        webrtc: bool,
+        settings: Optional[dict[str, Any]] = None,
+    ) -> None:
+        self.id = new_id("sess")
+        self.config, self.engine, self.admission = config, engine, admission
+        self.outbox = Outbox(send)  # server events: the transport, and SSE subscribers
+        self._on_closed = on_closed
+        self.webrtc = webrtc
+        self.settings = settings or session_config.default_session(config)
+        self.settings["id"] = self.id
+        self.priority = session_config.priority_of(self.settings)  # fixed for the session's life
+        # A transcription session (GA type "transcription"): the user's speech is transcribed,
+        # nothing is answered, nothing is sent back on the audio track. Fixed for its life.
+        self.transcription_only = self.settings["type"] == "transcription"
+        self.transcription = InputTranscription(self)
+        self.conversation = Conversation()
+        self.conversation_id = new_id("conv")
+        self.replies = Replies(self)  # responses, from response.create to response.done
+        # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
+        self.track: Optional[AgentAudioTrack] = (
+            AgentAudioTrack(
+                upsample_to_48k=True, on_first_audio=self.replies.on_first_audio, on_drained=self.replies.on_drained
+            )
+            if webrtc and not self.transcription_only
+            else None
+        )
+        self.video = VideoFeed(config, engine, self.id, self.emit)  # camera → engine, throttle → sender
+        self.input = InputBuffer(
+            config,
+            session_config.turn_detection(self.settings, config.vad_silence_ms),
+            echo=_weakly(self._playing_level),
+        )
+        self.turn = ServerTurn(self)  # the turn server VAD follows (agent/realtime/server_turn.py)
+        self._unlisten: Optional[Callable[[], None]] = None
+        self._closed = False
+        # Engine calls not answered yet: cancelled at close, so that no callback chained on one
+        # (a truncation's announcement, an error report) runs after the session is gone.
+        self._calls: set[asyncio.Future] = set()
+        self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
+        self.turns = 0
+        self.events_in = client_events.EventRate(config.max_events_per_s)  # client events' rate limit
+        self.opened: Optional[asyncio.Future] = None  # start(): the engine's open of this session
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self.opened = self.engine.open_session(self.id, self)  # settled once the engine has it
+        self._unlisten = self.admission.listen(self._on_level)
+        self.transcription.apply(self.settings)
+        if self.transcription_only:
+            self.video.set_enabled(False)  # captions look at no camera: its sender may stop
+            self.emit({"type": "session.created", "session": self.settings})
+            return
+        if self.settings["instructions"] != self.config.system_prompt:
+            self.engine_call("set_instructions", self.settings["instructions"])
+        if session_config.interpret_to(self.settings):  # interpreter mode: a bounded context
+            self.engine_call("set_context_turns", session_config.INTERPRET_TURNS)
+        if not session_config.video_on(self.settings):
+            self.engine_call("set_video", False, param="session.omni.video")
+            self.video.set_enabled(False)
+        if self.priority != priority.NORMAL:
+            # A runner without a scheduler (--runner reference) has nothing to order: not an error
+            # the client could act on, so the future's failure is only retrieved, never reported.
+            self.engine.call(self.id, "set_priority", priority.RANK[self.priority]).add_done_callback(
+                lambda f: f.cancelled() or f.exception()
+            )
+        if self.settings["audio"]["output"].get("voice") not in (None, "default", self.config.speaker):
+            self._set_voice(self.settings["audio"]["output"]["voice"])  # from the offer's session
+        self.emit(
+            {
+                "type": "session.created",
+                "session": self.settings,
+                "omni": {"mode": LEVEL_NAMES[self.admission.ladder.level]},
+            }
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for call in list(self._calls):  # their callbacks see a cancelled call and leave
+            call.cancel()
+        self._calls.clear()
+        # The ladder's listener holds our bound method: drop it so nothing refers back here.
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
+        try:
+            self.engine.close_session(self.id)
+        except EngineBusy:
+            log.warning("session %s: engine inbox full on close", self.id)
+        self.outbox.close()
+        self.video.close()
+        if self.track is not None:
+            self.track.stop()
+        # Its FFmpeg filter graph owns one worker thread per core: free it now, not at a GC.
+        self.input.audio_in.close()
+        for hook in self.on_close:
+            await hook()
+        self._on_closed(self)
+        # Drop every callback that refers back to this session or its transport (track hooks,
+        # the transport's teardown, pending engine-idle work): with no cycle left, reference
+        # counting frees the call now instead of at a rare full GC (issue 14).
+        self.on_close.clear()
+        self.replies.close()
+        self._on_closed = _closed_already
+        if self.track is not None:
+            self.track.on_first_audio = self.track.on_drained = None
+
+    # ---- audio and video in ------------------------------------------------------------
+    def push_audio(self, frame: av.AudioFrame) -> None:
+        """Microphone audio, any rate and layout (a WebRTC track's frames, decoded WebSocket appends)."""
+        for event in self.input.push(frame):
+            self.turn.on_event(event)
+
+    def _playing_level(self) -> Optional[float]:
+        """For the echo guard (agent/media/vad.py): the level the agent plays now, None while silent."""
+        if self.track is not None:
+            return self.track.level.level()
+        # WebSocket: the client plays the deltas at its own pace; all we know is that a spoken
+        # reply is under way (level 0: the duration rule applies, the threshold is not raised).
+        return 0.0 if self.replies.current is not None and self.replies.current.audio else None
+
+    def push_video(self, frame: av.VideoFrame) -> None:
+        self.video.push(frame, self.input.audio_in.clock)
+
+    def reply_mode(self, modalities: list[str]) -> str:
+        level = self.admission.ladder.level
+        if level >= 2 and self.engine.has_fallback:
+            return "fallback"
+        if level >= 1 or modalities == ["text"]:
+            return "text"
+        return "audio"
+
+    def commit_item(self, item_id: str, event_id: Optional[str]) -> None:
+        previous = self.conversation.last_id()
+        self.emit({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": previous})
+        self._add_item(user_audio_item(item_id))
+
+    def _add_item(self, item: dict[str, Any]) -> None:
+        previous = self.conversation.add(item)
+        self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
+        self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
+
+    def commit_audio(self, event_id: Optional[str]) -> None:
+        """input_audio_buffer.commit: the buffered audio becomes a user item (no reply by itself)."""
+        if not self.input.manual:
+            if not self.input.in_turn:
+                self.emit_error("the input audio buffer is empty", "input_audio_buffer_commit_empty", event_id=event_id)
+                return
+            self.input.reset()
+            self.commit_item(self.turn.commit(), event_id)
+            if self.transcription_only:
+                self.engine_call("end_turn")
+            return
+        if self.input.buffered_ms() < 100:
+            self.emit_error(
+                "commit needs at least 100 ms of audio", "input_audio_buffer_commit_empty", event_id=event_id
+            )
+            return
+        item_id = new_id("item")
+        try:
+            self.transcription.speech_started(item_id)  # the audio below is this item's
+            for pcm in self.input.take():
+                self.engine.append_audio(self.id, pcm)
+        except EngineBusy:
+            self.emit_error(
+                "engine is overloaded; the audio was dropped", "engine_busy", kind="server_error", event_id=event_id
+            )
+            return
+        self.commit_item(item_id, event_id)
+        if self.transcription_only:
+            self.engine_call("end_turn")
+
+    def clear_audio(self) -> None:
+        """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
+        if self.input.in_turn:
+            self.engine.discard_turn(self.id)
+        self.input.reset()
+        self.turn.reset()
+        self.emit({"type": "input_audio_buffer.cleared"})
+
+    def apply_settings(self, merged: dict[str, Any]) -> None:
+        """A validated session.update: act on what changed, then answer session.updated."""
+        old, self.settings = self.settings, merged
+        self.transcription.apply(merged)
+        if self.transcription_only:
+            pass  # no instructions, no voice: nothing is answered
+        elif merged["instructions"] != old["instructions"]:
+            self.engine_call("set_instructions", merged["instructions"])
+        if session_config.interpret_to(merged) != session_config.interpret_to(old):
+            on = bool(session_config.interpret_to(merged))
+            self.engine_call("set_context_turns", session_config.INTERPRET_TURNS if on else 0)
+        if not self.transcription_only and session_config.video_on(merged) != session_config.video_on(old):
+            self.engine_call("set_video", session_config.video_on(merged), param="session.omni.video")
+            self.video.set_enabled(session_config.video_on(merged))  # and the sender stops or resumes
+        voice = None if self.transcription_only else merged["audio"]["output"].get("voice")
+        if not self.transcription_only and voice != old["audio"]["output"].get("voice"):
+            self._set_voice(voice)
+        td = session_config.turn_detection(merged, self.config.vad_silence_ms)
+        if td != self.input.turn_detection:
+            if self.input.in_turn:  # the turn so far cannot be judged by new rules
+                self.engine.discard_turn(self.id)
+            self.input.set_turn_detection(td)
+            self.turn.reset()
+        self.emit({"type": "session.updated", "session": merged})
+
+    # ---- engine output (ReplySink) -----------------------------------------------------
+    def on_text(self, delta: TextDelta) -> None:
+        self.replies.on_text(delta)
+
+    def on_audio(self, audio: AudioOut) -> None:
+        self.replies.on_audio(audio)
+
+    def on_transcript(self, out: TranscriptOut) -> None:
+        self.transcription.on_transcript(out)
+
+    def on_done(self, done: ReplyDone) -> None:
+        self.replies.on_done(done)
+
+    def on_open_failed(self, message: str) -> None:
+        """The engine could not open this session (no slot left: two offers passed admission
+        at once): say so, then end it, rather than live on with nothing behind it."""
+        if self._closed:
+            return
+        metrics.ERRORS.labels(where="engine").inc()
+        self.emit_error(f"the engine could not open this session: {message}", "session_failed", kind="server_error")
+        asyncio.ensure_future(self.close())
+
+    # ---- conversation items ------------------------------------------------------------
+    def add_user_text(self, item_id: str, text: str, event_id: Optional[str]) -> None:
+        """A user text message: it joins the user turn being spoken, after its audio."""
+        self.engine_call("add_user_text", text, event_id=event_id)
+        self.replies.remember("user", text)
+        self._add_item(user_text_item(item_id, text))
+
+    def add_user_audio(self, item_id: str, pcm16k: np.ndarray) -> None:
+        """A user audio message given whole (conversation.item.create with input_audio)."""
+        for start in range(0, len(pcm16k), INPUT_FRAME_SAMPLES):
+            self.engine.append_audio(self.id, pcm16k[start : start + INPUT_FRAME_SAMPLES])
+        self._add_item(user_audio_item(item_id))
+
+    def truncate(self, item_id: str, audio_end_ms: int, event_id: Optional[str]) -> None:
+        """conversation.item.truncate (agent/realtime/edits.py)."""
+        edits.truncate(self, item_id, audio_end_ms, event_id)
+
+    def delete_item(self, item_id: str, event_id: Optional[str]) -> None:
+        """conversation.item.delete (agent/realtime/edits.py)."""
+        edits.delete_item(self, item_id, event_id)
+
+    def _on_level(self, level: int) -> None:
+        p95 = self.admission.ladder.current_p95()
+        self.emit(
+            {
+                "type": "omni.response.mode",
+                "mode": LEVEL_NAMES[level],
+                "reason": f"p95 first-response latency {p95 * 1000:.0f} ms" if p95 is not None else "recovered",
+            }
+        )
+
+    def _set_voice(self, voice: Any) -> None:
+        if not isinstance(voice, str):  # a custom-voice object: this model has none
+            self.emit_error(
+                "this model has no custom voices; name one of its speakers",
+                "invalid_value",
+                param="session.audio.output.voice",
+            )
+            return
+        # OpenAI's own voice names are what stock clients send by default: they get this model's
+        # default speaker rather than an error, so a client works with only its base URL changed.
+        if voice.lower() in session_config.OPENAI_VOICES:
+            voice = "default"
+        self.engine_call("set_voice", voice, param="session.audio.output.voice")
+
+    def engine_call(
+        self, method: str, *args: Any, event_id: Optional[str] = None, param: Optional[str] = None
+    ) -> asyncio.Future:
+        """A runner method in order with the other commands; a failure becomes an error event
+        (naming `param` when the client's value for it was refused: a ValueError)."""
+        future = self.engine.call(self.id, method, *args)
+        self._calls.add(future)
+
+        def report(f: asyncio.Future) -> None:
+            self._calls.discard(f)
+            if not f.cancelled() and f.exception() is not None and not self._closed:
+                exc = f.exception()
+                if param is not None and isinstance(exc, ValueError):
+                    self.emit_error(str(exc), "invalid_value", param=param, event_id=event_id)
+                    return
+                code = "unsupported" if isinstance(exc, NotImplementedError) else "engine_error"
+                self.emit_error(f"{method.replace('_', ' ')}: {exc}", code, event_id=event_id)
+
+        future.add_done_callback(report)
+        return future
+
+    # ---- events out --------------------------------------------------------------------
+    def emit(self, event: dict[str, Any]) -> None:
+        self.outbox.emit(event)
+
+    def emit_error(
+        self,
+        message: str,
+        code: str,
+        *,
+        param: Optional[str] = None,
+        event_id: Optional[str] = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        self.outbox.error(message, code, param=param, event_id=event_id, kind=kind)
+
+
+def _weakly(method: Callable[[], Optional[float]]) -> Callable[[], Optional[float]]:
+    """The session's method for the echo guard, held without a reference to the session: a strong
+    one would make session -> input -> endpointer -> session a cycle, freed only at a full GC."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> Optional[float]:
+        bound = ref()
+        return bound() if bound is not None else None
+
+    return call
+
+
+def _closed_already(session: Session) -> None:
+    """on_closed after close(): the owner has already been told."""

@@ -1,0 +1,168 @@
+"""The WebSocket transport: GET /v1/realtime?model=… (the `openai` SDK's realtime.connect()).
+
+Audio in as input_audio_buffer.append (base64, per session.audio.input.format), audio out as
+response.output_audio.delta (base64 pcm16 24 kHz), events both ways as JSON text frames. One
+writer task sends in order from a bounded queue: a client that stops reading is disconnected
+instead of growing the agent's memory. `?call_id=rtc_…` attaches a sideband connection to a
+WebRTC call: the call's events, and client events into that call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+
+from aiohttp import WSMsgType, web
+
+from agent.engine.api import EngineBusy
+from agent.realtime import client_events, session_config
+from agent.realtime.session import Session
+from agent.transport.http import (
+    ADMISSION,
+    CONFIG,
+    ENGINE,
+    SESSIONS,
+    forget,
+    grant,
+    json_error,
+    refuse_new_session,
+    remember,
+)
+from agent.transport.rtc import RtcCall
+
+log = logging.getLogger(__name__)
+
+_SEND_QUEUE = 4096  # server events waiting for the socket (an 80 ms audio delta each, at most)
+_MAX_MESSAGE = 16 * 1024 * 1024  # one append may carry up to 15 MiB of audio, base64
+
+
+class WsConnection:
+    def __init__(self, ws: web.WebSocketResponse) -> None:
+        self.ws = ws
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=_SEND_QUEUE)
+        self.session: Session | None = None
+        self.overflowed = False
+        self.writer_task: asyncio.Future | None = None
+
+    def send(self, text: str) -> None:
+        try:
+            self.queue.put_nowait(text)
+        except asyncio.QueueFull:
+            self.overflowed = True
+
+    async def writer(self) -> None:
+        while not self.overflowed:
+            text = await self.queue.get()
+            if text is None:
+                return
+            await self.ws.send_str(text)
+        log.warning("websocket client is not reading its events: closing")
+        await self.ws.close(code=1013, message=b"client too slow")
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+    async def finish(self) -> None:
+        """The session's teardown hook: when the server ends the session (e.g. the engine could
+        not open it), its last events go out, then the socket closes, ending the read loop.
+        When the client ended it, all of this is already done or harmless."""
+        self.send(None)
+        try:
+            if self.writer_task is not None:
+                await asyncio.wait_for(self.writer_task, timeout=1.0)
+        except Exception:  # noqa: BLE001 (a reset or slow socket: it is being closed anyway)
+            pass
+        await self.ws.close()
+
+
+async def websocket(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    if request.query.get("call_id"):
+        return await _sideband(request)
+    who = grant(request)
+    intent = request.query.get("intent")  # transcription: a transcription-only session
+    if intent not in (None, "", "conversation", "transcription"):
+        return json_error(400, "intent must be transcription (or absent)", "invalid_value", param="intent")
+    if who.session:
+        settings = copy.deepcopy(who.session)
+    else:
+        settings = session_config.base_session(app[CONFIG], intent)
+    if request.query.get("model"):
+        settings["model"] = request.query["model"]
+    try:
+        fixed = session_config.priority_of(who.session) if who.session else None
+        settings = session_config.offer_priority(settings, request.query.get("priority"), fixed)
+    except session_config.ConfigError as exc:
+        return json_error(400, str(exc), "invalid_value", param=exc.param)
+    refused = refuse_new_session(
+        request, session_config.priority_of(settings), transcription=settings.get("type") == "transcription"
+    )
+    if refused is not None:
+        return refused
+    ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=None)
+    await ws.prepare(request)
+    conn = WsConnection(ws)
+    session = Session(
+        app[CONFIG],
+        app[ENGINE],
+        app[ADMISSION],
+        send=conn.send,
+        webrtc=False,
+        settings=settings,
+        on_closed=lambda s: forget(app, s.id),
+    )
+    conn.session = session
+    session.on_close.append(conn.finish)
+    writer = conn.writer_task = asyncio.ensure_future(conn.writer())
+    try:
+        session.start()
+    except EngineBusy:
+        conn.send(
+            '{"type":"error","event_id":"event_busy","error":{"type":"server_error","code":"busy",'
+            '"message":"engine is overloaded","param":null,"event_id":null}}'
+        )
+        conn.send(None)
+        await writer
+        await ws.close()
+        return ws
+    remember(app, session.id, conn)
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                client_events.handle(session, msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                session.emit_error("send client events as JSON text frames", "invalid_event")
+            if conn.overflowed:
+                break
+    finally:
+        await session.close()  # its teardown hook, conn.finish, flushes the events and closes the socket
+    return ws
+
+
+async def _sideband(request: web.Request) -> web.StreamResponse:
+    call = request.app[SESSIONS].get(request.query["call_id"])
+    if not isinstance(call, RtcCall):
+        return json_error(404, "no such call", "call_not_found", param="call_id")
+    ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=None)
+    await ws.prepare(request)
+    session = call.session
+    q = session.outbox.subscribe()
+
+    async def forward() -> None:
+        while True:
+            text = await q.get()
+            if text is None:
+                break
+            await ws.send_str(text)
+        await ws.close()
+
+    task = asyncio.ensure_future(forward())
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                client_events.handle(session, msg.data)
+    finally:
+        session.outbox.unsubscribe(q)
+        task.cancel()
+    return ws
