@@ -10,9 +10,10 @@ thinker, suppressed codec ids, temperature, top-k, top-p) and its loop. Pins:
   prompt, and so does a second turn whose prompt holds the first (the penalty sees the history);
 - sampling really samples: another seed gives another reply, the same seed the same one, and
   the greedy reply differs from the sampled one;
-- compiled (the sampling inside the compiled code-predictor loop), nine sessions stepped
-  together, with batches in every bucket (1, 2, 4, 8, 16), each with its own seed; the first,
-  a middle and the last to join equal generate() alone (their frames went through every bucket).
+- compiled (the sampling inside the compiled steps), three sessions stepped together, joining
+  one a tick and leaving as they end, so that batches of 1, 2 and 3 rows run in the buckets 1, 2
+  and 4 (one padded row), each session with its own seed; the first and the last to join equal
+  generate() alone (their frames went through every bucket, padded and not).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def test_sampled_turns_equal_generate_from_the_same_seed(loaded, monkeypatch) ->
         assert other.text_ids != first.text_ids or not np.array_equal(other.codes, first.codes)
 
 
-def test_sampled_sessions_in_every_batch_bucket_equal_generate_compiled(loaded, monkeypatch, compiled_options):
+def test_sampled_sessions_in_padded_batch_buckets_equal_generate_compiled(loaded, monkeypatch, compiled_options):
     runner = StreamingRunner(
         loaded,
         SYSTEM,
@@ -113,8 +114,8 @@ def test_sampled_sessions_in_every_batch_bucket_equal_generate_compiled(loaded, 
 
     runner.frames.predictor.run = counted
     inputs = {
-        f"s{i}": (make_audio(0.9 + 0.05 * i, 180 + 25 * i, 40 + i), [make_image(i)] if i % 3 == 0 else [])
-        for i in range(9)
+        f"s{i}": (make_audio(0.9 + 0.05 * i, 180 + 25 * i, 40 + i), [make_image(i)] if i % 2 == 0 else [])
+        for i in range(3)
     }
     for sid, (audio, _) in inputs.items():
         runner.open_session(sid)
@@ -122,17 +123,18 @@ def test_sampled_sessions_in_every_batch_bucket_equal_generate_compiled(loaded, 
     seeds: dict[str, int] = {}
     pending = list(inputs)
     while pending or runner.has_work():
-        if pending:  # one new reply per tick: the batch grows to nine, then shrinks as they end
+        if pending:  # one new reply per tick: the batch grows to three, then shrinks as they end
             sid = pending.pop(0)
             runner.begin_reply(sid, inputs[sid][1])
         for out in runner.step():
             if isinstance(out, ReplyDone):
                 seeds[out.session_id] = out.stats["seed"]
-    buckets = {next(b for b in (1, 2, 4, 8, 16) if b >= n) for n in batches}
-    assert buckets == {1, 2, 4, 8, 16}, sorted(set(batches))
+    # Bigger buckets are the same code with more rows; each bucket is a compile of its own (~1 min
+    # a stage on this machine's CPU), so the suite stops at the first padded one.
+    assert set(batches) == {1, 2, 3}, sorted(set(batches))
     assert len(set(seeds.values())) == len(inputs)
-    # generate() for the first, a middle and the last session to join (each reply went through
-    # every bucket the batch passed through: 1 to 16 and back); one reference each costs ~20 s.
-    for sid in ("s0", "s4", "s8"):
+    # generate() for the first and the last session to join (each reply went through every bucket
+    # the batch passed through); one reference costs ~20 s.
+    for sid in ("s0", "s2"):
         audio, images = inputs[sid]
         assert_same(runner.records[sid], sampled_reference(loaded, monkeypatch, SAMPLED, seeds[sid], audio, images))
