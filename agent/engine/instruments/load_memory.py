@@ -148,7 +148,7 @@ def measure_load(path: str, device: str, dtype: str) -> LoadMemory:
 
 def measure_load_in_subprocess(path: str | Path, device: str, dtype: str, timeout_s: float = 3600.0) -> LoadMemory:
     """`measure_load` in a fresh interpreter (this one's memory and caches count for nothing)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         [sys.executable, "-m", "agent.engine.instruments.load_memory", str(path), "--device", device, "--dtype", dtype],
         cwd=root,
