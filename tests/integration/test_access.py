@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 from aiortc.mediastreams import AudioStreamTrack
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.transport.ice import IceServer, parse_ice_server, rtc_configuration

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from realtime_helpers import start_agent, wait_no_sessions
+from support.realtime_helpers import start_agent, wait_no_sessions
 
 from agent.client.client import AgentClient
 

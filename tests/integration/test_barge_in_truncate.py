@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from realtime_helpers import long_replies_engine, start_agent
+from support.realtime_helpers import long_replies_engine, start_agent
 
 from agent.client.client import AgentClient
 

@@ -28,7 +28,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection
 from aiortc.mediastreams import AudioStreamTrack, VideoStreamTrack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from realtime_helpers import start_agent, wait_no_sessions
+from support.realtime_helpers import start_agent, wait_no_sessions
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

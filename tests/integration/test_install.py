@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from loopback import free_port
+from support.loopback import free_port
 
 from agent.client.client import NotReady, wait_ready
 

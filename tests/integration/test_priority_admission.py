@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-from realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
+from support.realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

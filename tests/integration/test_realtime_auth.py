@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent
+from support.realtime_helpers import RunningAgent, start_agent
 from websockets.exceptions import InvalidStatus
 
 from agent.client.client import AgentClient

@@ -27,8 +27,8 @@ import aiohttp
 import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection
 from aiortc.mediastreams import AudioStreamTrack
-from loopback import free_port
-from realtime_helpers import start_agent
+from support.loopback import free_port
+from support.realtime_helpers import start_agent
 
 from agent.client.client import NotReady, wait_ready
 

@@ -17,7 +17,7 @@ import wave
 from pathlib import Path
 
 import numpy as np
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
 
 from agent import metrics
 from agent.client.client import AgentClient

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
+from support.realtime_helpers import RunningAgent, start_agent, wait_no_sessions
 
 from agent.client.client import AgentClient
 

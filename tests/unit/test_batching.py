@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_drive import PIECE, make_audio, speak
+from support.engine_drive import PIECE, make_audio, speak
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav, Qwen3OmniMoeConvNeXtBlock
 

@@ -17,7 +17,7 @@ import argparse
 
 import numpy as np
 import torch
-from engine_drive import make_audio, speak
+from support.engine_drive import make_audio, speak
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.engine.codecs.code2wav import SlotCode2Wav

@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from engine_drive import make_audio, speak
+from support.engine_drive import make_audio, speak
 
 from agent.config import Config
 from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, Decoding, Sampling

@@ -17,7 +17,7 @@ Pins:
 from __future__ import annotations
 
 import numpy as np
-from engine_drive import PIECE, make_audio, speak
+from support.engine_drive import PIECE, make_audio, speak
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
 from agent.engine.runner.scheduler import ReplyView, SchedulerConfig, plan_tick

@@ -10,13 +10,13 @@ from typing import Any, Callable, Optional
 import aiohttp
 import pytest
 from aiohttp import web
-from loopback import free_port
 
 from agent.client.client import NotReady, wait_ready
 from agent.config import Config
 from agent.engine.factory import build_engine
 from agent.engine.loop import Engine
 from agent.server import create_app
+from support.loopback import free_port
 
 
 @dataclass
