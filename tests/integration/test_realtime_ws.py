@@ -32,9 +32,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
-from support.realtime_helpers import RunningAgent, start_agent
+from support.realtime_helpers import RunningAgent, module_agent
 from support.speech import read_wav, resample
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -42,11 +41,7 @@ MODEL = "qwen3-omni"
 AUDIBLE_RMS = 10 ** (-50 / 20) * 32768
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, max_reply_seconds=2.0, max_reply_tokens=16)
-    yield running
-    await running.stop()
+agent = module_agent(max_reply_seconds=2.0, max_reply_tokens=16)
 
 
 def pcm24(path: Path) -> np.ndarray:

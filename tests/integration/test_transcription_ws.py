@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
-from support.realtime_helpers import RunningAgent, start_agent
+from support.realtime_helpers import RunningAgent, module_agent
 from support.speech import espeak_at, write_wav
 from test_realtime_ws import Events, pcm24, stream_realtime
 
@@ -43,11 +42,7 @@ def long_speech(tmp_path_factory) -> Path:
     return out
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, max_reply_seconds=1.0, max_reply_tokens=8)
-    yield running
-    await running.stop()
+agent = module_agent(max_reply_seconds=1.0, max_reply_tokens=8)
 
 
 async def connect(agent: RunningAgent, strict, **query: str):
