@@ -1,6 +1,6 @@
 """Prometheus metrics: the one module-level registry the project allows.
 
-Names follow the latency words of the README: TTFT and TTFA are measured from end of turn.
+Names follow the latency words of docs/benchmarks.md: TTFT and TTFA are measured from end of turn.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Shared fixtures: loopback-only ICE, a spoken WAV made with espeak-ng, the tiny checkpoint; and how
-the suite splits over its two xdist workers."""
+the suite splits over its two xdist workers. Shared helpers (not fixtures) live in tests/support/."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -66,32 +64,14 @@ def loopback_ice():
 @pytest.fixture(scope="session")
 def speech_wav(tmp_path_factory) -> Path:
     """About 1.5 s of English speech, 16 kHz mono, with 0.3 s of lead-in silence."""
-    if shutil.which("espeak-ng") is None:
-        pytest.fail("espeak-ng is missing: `make test` installs it (apt-get install espeak-ng)")
-    out = tmp_path_factory.mktemp("speech") / "hello.wav"
-    raw = out.with_name("raw.wav")
-    subprocess.run(
-        ["espeak-ng", "-v", "en-us", "-s", "170", "-w", str(raw), "Hello agent, what do you see?"],
-        check=True,
-    )
-    import wave
-
     import numpy as np
+    from support.speech import espeak_at, write_wav
 
-    with wave.open(str(raw)) as w:
-        rate = w.getframerate()
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
+    out = tmp_path_factory.mktemp("speech") / "hello.wav"
     # espeak-ng speaks at 22.05 kHz: linear resample to 16 kHz is plenty for VAD and the tiny model.
-    n_out = int(len(pcm) * 16000 / rate)
-    pcm16 = np.interp(np.linspace(0, len(pcm) - 1, n_out), np.arange(len(pcm)), pcm)
-    lead = np.zeros(int(0.3 * 16000), dtype=np.float32)
-    pcm16 = np.concatenate([lead, pcm16]).astype(np.int16)
-    with wave.open(str(out), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes(pcm16.tobytes())
-    return out
+    pcm16 = espeak_at("Hello agent, what do you see?", out.with_name("raw.wav"), 16000)
+    lead = np.zeros(int(0.3 * 16000))
+    return write_wav(out, np.concatenate([lead, pcm16]), 16000)
 
 
 @pytest.fixture(scope="session")

@@ -52,10 +52,6 @@ class ClientResult:
     def of_type(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("type") == kind]
 
-    def done_omni(self) -> list[dict[str, Any]]:
-        """The agent's figures of each finished response: {"ttft_ms", "ttfa_ms", "mode", "stats"}."""
-        return [e["response"].get("omni", {}) for e in self.of_type("response.done")]
-
 
 class AgentClient:
     """One aiortc peer talking to the agent at base_url (loopback in tests; `omni-agent call`

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from agent import metrics
+from agent.gate.token_bucket import TokenBucket
 
 if TYPE_CHECKING:
     from agent.config import Config
@@ -148,23 +149,11 @@ class Admission:
                 callback(level)
 
 
-class TurnRateLimiter:
-    """Token bucket over turns sent to the engine (per engine, not per session)."""
+class TurnRateLimiter(TokenBucket):
+    """Token bucket over turns sent to the engine (per engine, not per session); bursts of a
+    second's worth (one at least) unless told."""
 
     def __init__(
         self, rate_per_s: float = 20.0, burst: Optional[float] = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self.rate = rate_per_s
-        self.burst = burst if burst is not None else max(1.0, rate_per_s)
-        self._tokens = self.burst
-        self._clock = clock
-        self._last = clock()
-
-    def allow(self) -> bool:
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-        self._last = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False
+        super().__init__(rate_per_s, burst if burst is not None else max(1.0, rate_per_s), clock)

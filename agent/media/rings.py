@@ -1,15 +1,10 @@
 """Bounded rings between media ingest and the turn logic.
 
 Never an unbounded queue: aiortc's own remote-track queue already is one, and a reader
-slower than real time turns into delay that grows without limit. Two policies:
-
-- ``FrameRing.put``: drop-oldest, latest wins. For camera samples: the turn only wants the
-  newest few frames, so a stale one is worth less than a fresh one and the producer (a
-  track reader that must keep draining aiortc) never waits.
-- ``AsyncFrameRing.put_wait``: real back-pressure, the producer waits until there is room.
-  Only for producers that can afford to slow down without growing another queue upstream
-  (a file or a test source, never a remote track reader). Its ``get()`` lets a consumer
-  task wait for the next item, and plain ``put`` (drop-oldest) is still available.
+slower than real time turns into delay that grows without limit. ``FrameRing.put`` is
+drop-oldest, latest wins. For camera samples: the turn only wants the newest few frames, so a
+stale one is worth less than a fresh one and the producer (a track reader that must keep
+draining aiortc) never waits.
 
 Microphone chunks do not go through a ring: AudioIn and the Endpointer run inline in the
 audio track reader, since losing audio would break the session clock.
@@ -19,7 +14,6 @@ All methods are for the asyncio thread only (no locks).
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from typing import Generic, TypeVar
 
@@ -106,61 +100,3 @@ class FrameRing(Generic[T]):
         if occupancy != self._reported:
             self._buffer_gauge.inc(occupancy - self._reported)
             self._reported = occupancy
-
-
-class AsyncFrameRing(FrameRing[T]):
-    """A FrameRing whose consumer can await items and whose producer can await room.
-
-    Waiters are futures woken on every change, the way asyncio.Queue does it, so the
-    synchronous put/drain/clear of the base class wake them too.
-    """
-
-    def __init__(self, capacity: int, kind: str) -> None:
-        super().__init__(capacity, kind)
-        self._getters: deque[asyncio.Future[None]] = deque()
-        self._putters: deque[asyncio.Future[None]] = deque()
-
-    async def put_wait(self, item: T) -> None:
-        """Append item, waiting while the ring is full (back-pressure: nothing is dropped)."""
-        while self.full():
-            await self._wait(self._putters)
-        self.put(item)
-
-    async def get(self) -> T:
-        """Remove and return the oldest item, waiting until there is one."""
-        while not self._items:
-            await self._wait(self._getters)
-        item = self._items.popleft()
-        self._changed()
-        return item
-
-    async def _wait(self, waiters: deque[asyncio.Future[None]]) -> None:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiters.append(future)
-        try:
-            await future
-        except asyncio.CancelledError:
-            # If we were woken and then cancelled, pass the wake-up on to the next waiter.
-            if future in waiters:
-                waiters.remove(future)
-            self._wake_ready()
-            raise
-
-    def _changed(self) -> None:
-        super()._changed()
-        self._wake_ready()
-
-    def _wake_ready(self) -> None:
-        # Wake one waiter of each side that can now proceed; it re-checks in its loop.
-        if self._items:
-            self._wake(self._getters)
-        if not self.full():
-            self._wake(self._putters)
-
-    @staticmethod
-    def _wake(waiters: deque[asyncio.Future[None]]) -> None:
-        while waiters:
-            future = waiters.popleft()
-            if not future.done():
-                future.set_result(None)
-                return

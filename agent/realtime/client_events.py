@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent import metrics
 from agent.engine.api import EngineBusy
+from agent.gate.token_bucket import TokenBucket
 from agent.realtime import audio_codec, session_config
 from agent.realtime.events import new_id
 
@@ -42,21 +43,13 @@ class EventRate:
 
     def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate = rate
-        self.burst = max(rate, 50.0)
+        self._bucket = TokenBucket(rate, max(rate, 50.0), clock)
         self._clock = clock
-        self._tokens = self.burst
-        self._at = clock()
         self.dropped = 0  # since the last report
         self._reported_at = -math.inf
 
     def take(self) -> bool:
-        if self.rate <= 0:
-            return True
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
+        if self.rate <= 0 or self._bucket.allow():
             return True
         self.dropped += 1
         return False

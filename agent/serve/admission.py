@@ -11,14 +11,13 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from agent.gate.ladder import TurnRateLimiter
+from agent.gate.token_bucket import TokenBucket
 from agent.serve.relay import Refusal
 
 
 class OfferGate:
     def __init__(self, max_offers_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        # A token bucket; the turn limiter's bucket is exactly that, whatever it counts.
-        self._bucket = TurnRateLimiter(max_offers_per_s, burst=max(1.0, max_offers_per_s), clock=clock)
+        self._bucket = TokenBucket(max_offers_per_s, burst=max(1.0, max_offers_per_s), clock=clock)
         self.draining = False
         self.offers = 0  # offers seen, refused or not: the router compares it with what it sent
 

@@ -22,6 +22,7 @@ from agent.gate.ladder import Admission
 from agent.realtime import client_events
 from agent.realtime.events import new_id
 from agent.realtime.session import Session
+from agent.serve.ownership import call_id
 from agent.transport.jitter import lower_audio_jitter_hold
 from agent.transport.peer import close_peer
 
@@ -41,7 +42,7 @@ class RtcCall:
         settings: dict[str, Any],
         on_closed: Callable[["RtcCall"], None],
     ) -> None:
-        self.id = f"{config.call_id_prefix}.{new_id('rtc')}" if config.call_id_prefix else new_id("rtc")
+        self.id = call_id(config.call_id_prefix, new_id("rtc"))
         # Set when the offer's answer is returned: until then a replica counts the call as an
         # offer in flight (agent/serve/replica.py), not as a session as well.
         self.answered = False

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from loopback import free_port
+from support.loopback import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_START_TIMEOUT_S = 120

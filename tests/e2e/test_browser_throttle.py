@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from engine_hold import HeldEngine
-from loopback import free_port
+from support.engine_hold import HeldEngine
+from support.loopback import free_port
 
 from agent.config import Config
 from agent.server import create_app

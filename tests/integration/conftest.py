@@ -36,3 +36,15 @@ def strict_event() -> Callable[[dict[str, Any]], None]:
         models[kind].model_validate(payload)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def strict_events(strict_event: Callable[[dict[str, Any]], None]) -> Callable[[list[dict[str, Any]]], list[str]]:
+    """Validate every event strictly (strict_event); returns their types, in order."""
+
+    def check(events: list[dict[str, Any]]) -> list[str]:
+        for event in events:
+            strict_event(event)
+        return [event["type"] for event in events]
+
+    return check

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiortc import RTCConfiguration, RTCPeerConnection
-from aiortc.mediastreams import AudioStreamTrack
-from realtime_helpers import start_agent
+from support.realtime_helpers import offer_sdp, start_agent
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.transport.ice import IceServer, parse_ice_server, rtc_configuration
@@ -137,19 +135,9 @@ async def test_cors_for_the_named_origin_only(tiny_model_dir: Path) -> None:
         await running.stop()
 
 
-async def _offer() -> str:
-    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    pc.createDataChannel("oai-events")
-    pc.addTrack(AudioStreamTrack())
-    await pc.setLocalDescription(await pc.createOffer())
-    sdp = pc.localDescription.sdp
-    await pc.close()
-    return sdp
-
-
 async def test_calls_per_minute_per_address(tiny_model_dir: Path) -> None:
     running = await start_agent(tiny_model_dir, max_calls_per_minute=3, max_sessions=8)
-    offer = await _offer()
+    offer = await offer_sdp()
     statuses = []
     try:
         async with aiohttp.ClientSession() as http:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from realtime_helpers import start_agent, wait_no_sessions
+from support.realtime_helpers import start_agent, wait_no_sessions
 
 from agent.client.client import AgentClient
 
@@ -39,7 +39,7 @@ async def _metric(url: str, name: str) -> float:
     return total
 
 
-async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wav: Path, strict_event) -> None:
+async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wav: Path, strict_events) -> None:
     ttfa_count_before = await _metric(agent_url, "agent_time_to_first_audio_seconds_count")
     client = AgentClient(agent_url, speech_wav)
     try:
@@ -56,9 +56,7 @@ async def test_spoken_turn_gets_text_and_audible_audio(agent_url: str, speech_wa
         await client.close()
 
     r = client.result
-    for event in r.events:
-        strict_event(event)
-    types = [e["type"] for e in r.events]
+    types = strict_events(r.events)
     assert types[0] == "session.created"
     assert r.call_id.startswith("rtc_") and r.location == f"/v1/realtime/calls/{r.call_id}"
     deltas = r.of_type("response.output_audio_transcript.delta")
@@ -128,7 +126,7 @@ async def test_session_limit_answers_503_and_sessions_keep_working(agent_url: st
             await c.close()
 
 
-async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: Path, strict_event) -> None:
+async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: Path, strict_events) -> None:
     """Speaking over the agent's reply stops its audio within a few frames."""
     client = AgentClient(agent_url, speech_wav, video=False)
     try:
@@ -152,8 +150,7 @@ async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: P
     finally:
         await client.close()
     r = client.result
-    for event in r.events:
-        strict_event(event)
+    strict_events(r.events)
     assert first_done, "the interrupted reply was never closed"
     # Order, not timing: the agent flushed the reply's audio (output_audio_buffer.cleared; the
     # session sends it as it detects the speech, just before speech_started) before the user

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
 
 from agent.client.client import AgentClient
 from agent.metrics import REGISTRY

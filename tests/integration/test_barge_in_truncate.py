@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from realtime_helpers import long_replies_engine, start_agent
+from support.realtime_helpers import long_replies_engine, start_agent
 
 from agent.client.client import AgentClient
 
 
-async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_wav: Path, strict_event) -> None:
+async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_wav: Path, strict_events) -> None:
     # Speculation off: one reply per turn, started at the end of the turn (the simplest timeline).
     # Echo guard's level rule off: this client plays espeak speech quieter than the tiny model's
     # voice and never plays the reply back (the guard has its own tests: test_echo_rtc.py).
@@ -69,8 +69,7 @@ async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_
         await client.close()
         await agent.stop()
     r = client.result
-    for event in r.events:
-        strict_event(event)
+    strict_events(r.events)
     assert truncated["item_id"] == r.of_type("response.output_item.added")[0]["item"]["id"]
     heard_frames = truncated["audio_end_ms"] // 80
     assert heard_frames > 0

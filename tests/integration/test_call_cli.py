@@ -19,8 +19,8 @@ import wave
 from pathlib import Path
 
 import numpy as np
-from loopback import free_port
-from realtime_helpers import start_agent, wait_no_sessions
+from support.loopback import free_port
+from support.realtime_helpers import start_agent, wait_no_sessions
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -48,7 +48,7 @@ from aiortc import (
     RTCSctpTransport,
 )
 from aiortc.rtcrtpreceiver import RemoteStreamTrack
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
 
 from agent import metrics
 from agent.client.client import AgentClient, PatternVideoTrack, WavTrack

@@ -15,9 +15,7 @@ reaches its token cap: a random tiny model rarely stops by itself.)
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
-import wave
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -26,8 +24,9 @@ import av
 import numpy as np
 from aiohttp import web
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from loopback import free_port
-from realtime_helpers import talker_never_ends
+from support.loopback import free_port
+from support.realtime_helpers import talker_never_ends
+from support.speech import espeak_at
 
 from agent.client.client import AgentClient
 from agent.client.media import SEND_FRAME
@@ -41,12 +40,7 @@ ECHO_DELAY_S = 0.1
 
 
 def espeak_24k(folder: Path, text: str) -> np.ndarray:
-    out = folder / "reply.wav"
-    subprocess.run(["espeak-ng", "-v", "en-gb", "-s", "160", "-w", str(out), text], check=True)
-    with wave.open(str(out)) as w:
-        rate = w.getframerate()
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float64)
-    pcm = np.interp(np.linspace(0, len(pcm) - 1, int(len(pcm) * 24000 / rate)), np.arange(len(pcm)), pcm)
+    pcm = espeak_at(text, folder / "reply.wav", 24000, voice="en-gb", speed=160)
     # 6 dB under the question (about -21 dBFS): the user is nearer their microphone than the
     # loudspeaker's output is loud; the echo comes back 10 dB under this again.
     pcm *= 10 ** (-27 / 20) * 32768 / np.sqrt(np.mean(pcm**2))

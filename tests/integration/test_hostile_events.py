@@ -20,7 +20,7 @@ from typing import Any, Optional
 import aiohttp
 import pytest
 import pytest_asyncio
-from realtime_helpers import RunningAgent, start_agent
+from support.realtime_helpers import RunningAgent, start_agent
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

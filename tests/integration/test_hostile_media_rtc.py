@@ -13,7 +13,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
 
 from agent.client.client import AgentClient
 from agent.server import SESSIONS

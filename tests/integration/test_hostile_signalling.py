@@ -25,28 +25,15 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiortc import RTCConfiguration, RTCPeerConnection
-from aiortc.mediastreams import AudioStreamTrack, VideoStreamTrack
+from aiortc.mediastreams import AudioStreamTrack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from realtime_helpers import start_agent, wait_no_sessions
+from support.realtime_helpers import offer_sdp, start_agent, wait_no_sessions
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 ROUTES = ("/v1/realtime/calls", "/v1/realtime")
 FUZZ_EXAMPLES = 150
-
-
-async def _offer(audio: bool = True, video: bool = False) -> str:
-    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    pc.createDataChannel("oai-events")
-    if audio:
-        pc.addTrack(AudioStreamTrack())
-    if video:
-        pc.addTrack(VideoStreamTrack())
-    await pc.setLocalDescription(await pc.createOffer())
-    sdp = pc.localDescription.sdp
-    await pc.close()
-    return sdp
 
 
 async def _answer_to(offer: str) -> str:
@@ -64,7 +51,7 @@ async def _answer_to(offer: str) -> str:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def agent(tiny_model_dir: Path):
     running = await start_agent(tiny_model_dir, max_sessions=4, connect_timeout_s=2.0)
-    offer = await _offer(video=True)
+    offer = await offer_sdp(video=True)
     yield running, offer
     await running.stop()
 
@@ -116,7 +103,7 @@ async def _refused_cleanly(http: aiohttp.ClientSession, resp: aiohttp.ClientResp
 
 async def test_bad_offers_get_4xx_json_and_the_server_keeps_serving(agent) -> None:
     running, offer = agent
-    audio_only = await _offer()
+    audio_only = await offer_sdp()
     cases = _bodies(offer, audio_only, await _answer_to(audio_only))
     tried: Counter = Counter()
     async with aiohttp.ClientSession() as http:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from loopback import free_port
+from support.loopback import free_port, serve_args
 
 from agent.client.client import NotReady, wait_ready
 
@@ -109,17 +109,7 @@ async def test_a_wheel_install_serves_the_page(tiny_model_dir: Path, tmp_path: P
         proc = subprocess.Popen(
             [
                 str(bin_dir / "omni-agent"),
-                "serve",
-                "--port",
-                str(port),
-                "--model",
-                str(tiny_model_dir),
-                "--threads",
-                "1",
-                "--fallback-model",
-                "none",
-                "--ice-host",
-                "127.0.0.1",
+                *serve_args(port, tiny_model_dir),
             ],
             cwd=outside,
             env=_clean_env(outside),

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent, talker_never_ends
+from support.realtime_helpers import RunningAgent, start_agent, talker_never_ends
 from test_realtime_ws import Events, pcm24, stream_realtime
 
 from agent.config import Config

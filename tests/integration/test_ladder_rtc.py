@@ -11,15 +11,14 @@ follow the ladder's logic, not how loaded the machine happens to be.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
-import wave
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
+from support.speech import espeak, read_wav, write_wav
 
 from agent.client.client import AgentClient
 from agent.engine.runner.fallback import make_tiny_text
@@ -29,16 +28,8 @@ from agent.transport.http import ADMISSION
 @pytest.fixture(scope="module")
 def short_wav(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ladder") / "hi.wav"
-    raw = out.with_name("raw.wav")
-    subprocess.run(["espeak-ng", "-v", "en-us", "-s", "190", "-w", str(raw), "Hello there."], check=True)
-    with wave.open(str(raw)) as w:
-        rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), np.int16)
-    with wave.open(str(out), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(np.concatenate([np.zeros(rate // 4, np.int16), pcm]).tobytes())
-    return out
+    pcm, rate = read_wav(espeak("Hello there.", out.with_name("raw.wav"), speed=190))
+    return write_wav(out, np.concatenate([np.zeros(rate // 4), pcm]), rate)
 
 
 async def _level(url: str) -> float:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
 
 from agent.client.client import AgentClient
 from agent.config import Config

@@ -12,21 +12,15 @@ priority (error with param session.omni.priority); an unknown ?priority= is a 40
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import aiohttp
 import pytest
-import pytest_asyncio
-from realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
+from support.realtime_helpers import RunningAgent, metric, module_agent, refused_upgrade, wait_no_sessions
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, max_sessions=2, high_priority_slots=1)
-    yield running
-    await running.stop()
+agent = module_agent(max_sessions=2, high_priority_slots=1)
 
 
 async def first_event(ws: aiohttp.ClientWebSocketResponse) -> dict:

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from realtime_helpers import agent_config, start_agent
+from support.realtime_helpers import agent_config, start_agent
 
 from agent.engine.factory import build_engine
 from agent.server import create_app, drain

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import aiohttp
 import pytest
-from loopback import free_port
+from support.loopback import free_port
 
 from agent.client.client import AgentClient
 from agent.config import Config

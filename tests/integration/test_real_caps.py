@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
 
 from agent.decoding import QWEN_VOICE_SYSTEM_PROMPT, TINY_MARKER, TINY_MAX_REPLY_SECONDS
 from agent.engine.factory import build_engine

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_drive import generate_reference, make_audio, speak
+from support.engine_drive import generate_reference, make_audio, speak
 
 from agent.config import Config
 from agent.decoding import QWEN_VOICE_SYSTEM_PROMPT, defaults_for

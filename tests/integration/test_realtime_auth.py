@@ -18,9 +18,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent
+from support.realtime_helpers import RunningAgent, module_agent
 from websockets.exceptions import InvalidStatus
 
 from agent.client.client import AgentClient
@@ -30,11 +29,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 API_KEY = "sk-omni-test-key"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, api_key=API_KEY, max_reply_tokens=4, max_reply_seconds=0.5)
-    yield running
-    await running.stop()
+agent = module_agent(api_key=API_KEY, max_reply_tokens=4, max_reply_seconds=0.5)
 
 
 async def _mint(http: aiohttp.ClientSession, url: str, key: str, body: dict) -> tuple[int, dict]:

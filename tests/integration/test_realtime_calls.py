@@ -20,20 +20,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
+from support.realtime_helpers import RunningAgent, module_agent, wait_no_sessions
 
 from agent.client.client import AgentClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, max_reply_seconds=2.0, max_reply_tokens=16)
-    yield running
-    await running.stop()
+agent = module_agent(max_reply_seconds=2.0, max_reply_tokens=16)
 
 
 async def _sse(url: str, out: list[dict]) -> None:
@@ -45,7 +40,7 @@ async def _sse(url: str, out: list[dict]) -> None:
                     out.append(json.loads(line[6:]))
 
 
-async def test_sdk_calls_create_and_a_spoken_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+async def test_sdk_calls_create_and_a_spoken_turn(agent: RunningAgent, speech_wav: Path, strict_events) -> None:
     sdk = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
     seen: dict = {}
 
@@ -82,9 +77,7 @@ async def test_sdk_calls_create_and_a_spoken_turn(agent: RunningAgent, speech_wa
         await client.close()
 
     r = client.result
-    for event in r.events:
-        strict_event(event)
-    types = [e["type"] for e in r.events]
+    types = strict_events(r.events)
     assert not r.of_type("error"), r.of_type("error")
     assert not server_channels, "the agent must use the client's oai-events channel"
     assert r.audible_samples >= 24_000, f"only {r.audible_samples} audible samples"

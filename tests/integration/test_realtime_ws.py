@@ -27,35 +27,27 @@ import asyncio
 import base64
 import json
 import time
-import wave
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent
+from support.realtime_helpers import RunningAgent, module_agent
+from support.speech import read_wav, resample
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "qwen3-omni"
 AUDIBLE_RMS = 10 ** (-50 / 20) * 32768
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, max_reply_seconds=2.0, max_reply_tokens=16)
-    yield running
-    await running.stop()
+agent = module_agent(max_reply_seconds=2.0, max_reply_tokens=16)
 
 
 def pcm24(path: Path) -> np.ndarray:
     """The 16 kHz fixture as 24 kHz int16 (linear interpolation)."""
-    with wave.open(str(path)) as w:
-        rate = w.getframerate()
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
-    n = int(len(pcm) * 24_000 / rate)
-    return np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.int16)
+    pcm, rate = read_wav(path)
+    return resample(pcm, rate, 24_000).astype(np.int16)
 
 
 def b64(pcm: np.ndarray) -> str:

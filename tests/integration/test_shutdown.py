@@ -25,10 +25,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiortc import RTCConfiguration, RTCPeerConnection
-from aiortc.mediastreams import AudioStreamTrack
-from loopback import free_port
-from realtime_helpers import start_agent
+from support.loopback import free_port, serve_args
+from support.realtime_helpers import offer_sdp, start_agent
 
 from agent.client.client import NotReady, wait_ready
 
@@ -37,15 +35,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class _Fatal(BaseException):
     """Escapes the engine's model-error handling: the loop itself breaks."""
-
-
-async def _offer() -> str:
-    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-    pc.addTrack(AudioStreamTrack())
-    await pc.setLocalDescription(await pc.createOffer())
-    sdp = pc.localDescription.sdp
-    await pc.close()
-    return sdp
 
 
 async def test_a_dead_engine_fails_health_and_refuses_calls(tiny_model_dir: Path) -> None:
@@ -67,7 +56,9 @@ async def test_a_dead_engine_fails_health_and_refuses_calls(tiny_model_dir: Path
                 body = await resp.json()
                 assert resp.status == 503 and body["status"] == "failed" and "loop broke" in body["error"], body
             async with http.post(
-                f"{running.url}/v1/realtime/calls", data=await _offer(), headers={"Content-Type": "application/sdp"}
+                f"{running.url}/v1/realtime/calls",
+                data=await offer_sdp(events=False),
+                headers={"Content-Type": "application/sdp"},
             ) as resp:
                 assert resp.status == 503 and (await resp.json())["error"]["code"] == "engine_failed"
                 assert "Retry-After" in resp.headers
@@ -84,17 +75,7 @@ def _spawn(tiny_model_dir: Path, port: int, *flags: str) -> subprocess.Popen:
             sys.executable,
             "-m",
             "agent",
-            "serve",
-            "--port",
-            str(port),
-            "--model",
-            str(tiny_model_dir),
-            "--threads",
-            "1",
-            "--fallback-model",
-            "none",
-            "--ice-host",
-            "127.0.0.1",
+            *serve_args(port, tiny_model_dir),
             "--max-calls-per-minute",
             "0",
             *flags,
@@ -179,7 +160,9 @@ async def test_sigterm_refuses_new_calls_lets_the_reply_finish_and_exits_0(tiny_
         refused = None
         for _ in range(100):  # until the signal is handled (bounded: 10 s)
             async with http.post(
-                f"{url}/v1/realtime/calls", data=await _offer(), headers={"Content-Type": "application/sdp"}
+                f"{url}/v1/realtime/calls",
+                data=await offer_sdp(events=False),
+                headers={"Content-Type": "application/sdp"},
             ) as resp:
                 if resp.status == 503:
                     refused, refused_at = await resp.json(), time.monotonic()

@@ -17,7 +17,7 @@ import wave
 from pathlib import Path
 
 import numpy as np
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
 
 from agent import metrics
 from agent.client.client import AgentClient
@@ -62,7 +62,7 @@ def reply_of(client: AgentClient) -> tuple[str, int]:
 
 
 async def test_mid_sentence_pause_is_invisible_and_changes_nothing(
-    tiny_model_dir: Path, speech_wav: Path, tmp_path: Path, strict_event
+    tiny_model_dir: Path, speech_wav: Path, tmp_path: Path, strict_events
 ) -> None:
     wav = paused_wav(speech_wav, tmp_path / "paused.wav")
     on = await start_agent(tiny_model_dir, max_sessions=1)
@@ -73,9 +73,7 @@ async def test_mid_sentence_pause_is_invisible_and_changes_nothing(
     finally:
         await on.stop()
     r = client.result
-    for event in r.events:
-        strict_event(event)
-    types = [e["type"] for e in r.events]
+    types = strict_events(r.events)
     assert (
         types.count("input_audio_buffer.speech_started") == 1 and types.count("input_audio_buffer.speech_stopped") == 1
     )
@@ -96,7 +94,7 @@ async def test_mid_sentence_pause_is_invisible_and_changes_nothing(
     assert reply_of(client)[1] > 0
 
 
-async def test_end_of_turn_commits_the_held_reply(tiny_model_dir: Path, speech_wav: Path, strict_event) -> None:
+async def test_end_of_turn_commits_the_held_reply(tiny_model_dir: Path, speech_wav: Path, strict_events) -> None:
     # A long end-of-turn silence: the held frame is surely ready when the turn ends, however
     # busy this machine is (the order of things is pinned, not their speed).
     agent = await start_agent(tiny_model_dir, max_sessions=1, vad_silence_ms=900)
@@ -107,9 +105,7 @@ async def test_end_of_turn_commits_the_held_reply(tiny_model_dir: Path, speech_w
     finally:
         await agent.stop()
     r = client.result
-    for event in r.events:
-        strict_event(event)
-    types = [e["type"] for e in r.events]
+    types = strict_events(r.events)
     order = [
         "input_audio_buffer.speech_stopped",
         "input_audio_buffer.committed",

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from openai import APIStatusError, AsyncOpenAI
-from realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
+from support.realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
 from test_realtime_ws import pcm24
 
 from agent.client.client import AgentClient

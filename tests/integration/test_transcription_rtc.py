@@ -14,23 +14,18 @@ import asyncio
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent, wait_no_sessions
+from support.realtime_helpers import RunningAgent, module_agent, wait_no_sessions
 
 from agent.client.client import AgentClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, max_reply_seconds=1.0, max_reply_tokens=8)
-    yield running
-    await running.stop()
+agent = module_agent(max_reply_seconds=1.0, max_reply_tokens=8)
 
 
-async def test_transcription_call(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+async def test_transcription_call(agent: RunningAgent, speech_wav: Path, strict_events) -> None:
     sdk = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
     answers: list[str] = []
 
@@ -51,9 +46,7 @@ async def test_transcription_call(agent: RunningAgent, speech_wav: Path, strict_
     finally:
         await client.close()
     r = client.result
-    for event in r.events:
-        strict_event(event)
-    types = [e["type"] for e in r.events]
+    types = strict_events(r.events)
     assert not r.of_type("error"), r.of_type("error")
     audio = answers[0].split("m=audio", 1)[1].split("m=", 1)[0]
     assert "a=recvonly" in audio, audio

@@ -16,17 +16,13 @@ Pins (the tiny model's words are random: the protocol and the prefix property, n
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
-import wave
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import pytest_asyncio
 from openai import AsyncOpenAI
-from realtime_helpers import RunningAgent, start_agent
+from support.realtime_helpers import RunningAgent, module_agent
+from support.speech import espeak_at, write_wav
 from test_realtime_ws import Events, pcm24, stream_realtime
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -37,41 +33,16 @@ COMPLETED = "conversation.item.input_audio_transcription.completed"
 @pytest.fixture(scope="module")
 def long_speech(tmp_path_factory) -> Path:
     """About 4 s of English speech, 16 kHz mono."""
-    if shutil.which("espeak-ng") is None:
-        pytest.fail("espeak-ng is missing: `make test` installs it")
     raw = tmp_path_factory.mktemp("speech4") / "raw.wav"
-    subprocess.run(
-        [
-            "espeak-ng",
-            "-v",
-            "en-us",
-            "-s",
-            "160",
-            "-w",
-            str(raw),
-            "Good evening everyone, welcome to the live caption test of this small agent today.",
-        ],
-        check=True,
-    )
-    with wave.open(str(raw)) as w:
-        rate = w.getframerate()
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32)
-    n = int(len(pcm) * 16000 / rate)
-    out = raw.with_name("speech4.wav")
-    with wave.open(str(out), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes(np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm).astype(np.int16).tobytes())
+    text = "Good evening everyone, welcome to the live caption test of this small agent today."
+    pcm = espeak_at(text, raw, 16000, speed=160)
+    n = len(pcm)
+    out = write_wav(raw.with_name("speech4.wav"), pcm, 16000)
     assert 3.0 < n / 16000 < 6.0
     return out
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def agent(tiny_model_dir: Path):
-    running = await start_agent(tiny_model_dir, max_reply_seconds=1.0, max_reply_tokens=8)
-    yield running
-    await running.stop()
+agent = module_agent(max_reply_seconds=1.0, max_reply_tokens=8)
 
 
 async def connect(agent: RunningAgent, strict, **query: str):

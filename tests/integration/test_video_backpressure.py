@@ -18,8 +18,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from engine_hold import HeldEngine
-from realtime_helpers import start_agent
+from support.engine_hold import HeldEngine
+from support.realtime_helpers import start_agent
 
 from agent.client.client import AgentClient
 from agent.media.video_feed import MAX_IN_FLIGHT

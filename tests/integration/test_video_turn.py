@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from realtime_helpers import start_agent
+from support.realtime_helpers import start_agent
 
 from agent.client.client import AgentClient, PatternVideoTrack
 

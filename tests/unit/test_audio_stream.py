@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support.engine_drive import PIECE
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeAudioEncoderConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder,
@@ -39,7 +40,6 @@ from agent.engine.stages.audio_stream import (
 )
 
 RATE = 16000
-PIECE = 1280  # 80 ms
 TOL = 1e-5
 
 

@@ -16,7 +16,7 @@ Pins, on the tiny model:
 from __future__ import annotations
 
 import torch
-from engine_drive import make_audio
+from support.engine_drive import make_audio
 
 from agent.engine.runner.streaming import StreamingRunner
 from agent.engine.stages.bucketed_prefill import PREFILL_BUCKETS

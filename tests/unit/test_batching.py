@@ -25,9 +25,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_drive import PIECE, make_audio, speak
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav, Qwen3OmniMoeConvNeXtBlock
+from support.code2wav import small_code2wav
+from support.engine_drive import PIECE, make_audio, speak
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime
 from agent.engine.codecs.code2wav import SlotCode2Wav
@@ -263,30 +263,7 @@ def test_playout_clock_follows_the_track_through_an_underrun():
 
 @pytest.fixture(scope="module")
 def code2wav() -> Qwen3OmniMoeCode2Wav:
-    torch.manual_seed(0)
-    config = Qwen3OmniMoeCode2WavConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        decoder_dim=64,
-        codebook_size=256,
-        num_quantizers=16,
-        sliding_window=72,
-        upsample_rates=(8, 5, 4, 3),
-        upsampling_ratios=(2, 2),
-        layer_scale_initial_scale=0.1,
-    )
-    model = Qwen3OmniMoeCode2Wav(config).eval()
-    with torch.no_grad():
-        # Wake the near-dead default init (as in test_code2wav_stream.py) so a wrong state shows.
-        for module in model.modules():
-            if isinstance(module, Qwen3OmniMoeConvNeXtBlock):
-                module.gamma.fill_(0.5)
-        probe = model(torch.randint(0, 256, (1, 16, 20)))
-        model.decoder[-1].conv.weight.mul_(0.03 / float(probe.std()))
-    return model
+    return small_code2wav()
 
 
 def test_slot_code2wav_equals_one_shot_for_rows_at_different_frames(code2wav):

@@ -9,17 +9,14 @@ still answered, and the history starts over only when 3 answered turns are in it
 from __future__ import annotations
 
 import numpy as np
+from support.engine_drive import make_audio, run_until_idle, speak
 
 from agent.engine.api import ReplyDone
 from agent.engine.runner.streaming import StreamingRunner
 
-PIECE = 1280
-
 
 def utterance(seed: int) -> np.ndarray:
-    t = np.arange(int(16000 * 0.6)) / 16000
-    wav = 0.2 * np.sin(2 * np.pi * (180 + 10 * seed) * t) + np.random.default_rng(seed).standard_normal(t.shape) * 0.05
-    return wav.astype(np.float32)
+    return make_audio(0.6, 180 + 10 * seed, seed, noise=0.05, loud_first=False)
 
 
 def talk(runner: StreamingRunner, turns: int, spoken_every: int = 10) -> tuple[list[int], list[int], list[dict]]:
@@ -27,14 +24,9 @@ def talk(runner: StreamingRunner, turns: int, spoken_every: int = 10) -> tuple[l
     lengths, talker_turns, stats = [], [], []
     for n in range(turns):
         wav = utterance(n)
-        for i in range(0, len(wav), PIECE):
-            runner.append_audio("s", wav[i : i + PIECE])
+        speak(runner, "s", wav)
         runner.begin_reply("s", [], text_only=n % spoken_every != spoken_every - 1)
-        done = []
-        for _ in range(400):
-            if not runner.has_work():
-                break
-            done += [o for o in runner.step() if isinstance(o, ReplyDone)]
+        done = [o for o in run_until_idle(runner, 400) if isinstance(o, ReplyDone)]
         assert len(done) == 1 and done[0].reason in ("stop", "length")
         state = runner._sessions["s"]
         lengths.append(state.thinker.length)

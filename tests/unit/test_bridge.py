@@ -1,14 +1,12 @@
 """FrameRing is bounded (5-10), drops the oldest when full and counts every drop in
 agent_ingest_dropped_frames_total{reason="full"}, keeps agent_ingest_buffer_frames equal to
-its occupancy; AsyncFrameRing.put_wait applies real back-pressure and get() waits for items."""
+its occupancy."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from agent.media.rings import AsyncFrameRing, FrameRing
+from agent.media.rings import FrameRing
 from agent.metrics import REGISTRY
 
 
@@ -60,52 +58,3 @@ def test_gauge_sums_rings_of_one_kind():
     assert buffered(kind) == 6
     b.drain()
     assert buffered(kind) == 0
-
-
-async def test_put_wait_blocks_until_a_consumer_makes_room():
-    kind = "t-bp"
-    d0 = dropped(kind)
-    ring = AsyncFrameRing[int](5, kind=kind)
-    for i in range(5):
-        await ring.put_wait(i)
-    blocked = asyncio.ensure_future(ring.put_wait(5))
-    await asyncio.sleep(0.01)
-    assert not blocked.done()  # back-pressure: the producer waits
-    assert await ring.get() == 0
-    await asyncio.wait_for(blocked, 1.0)
-    assert ring.drain() == [1, 2, 3, 4, 5]
-    assert dropped(kind) == d0  # nothing was dropped
-    assert ring.dropped == 0
-
-
-async def test_get_waits_for_a_put():
-    ring = AsyncFrameRing[str](5, kind="t-get")
-    waiting = asyncio.ensure_future(ring.get())
-    await asyncio.sleep(0.01)
-    assert not waiting.done()
-    ring.put("x")  # the synchronous put wakes the waiter too
-    assert await asyncio.wait_for(waiting, 1.0) == "x"
-    assert len(ring) == 0
-
-
-async def test_drain_wakes_a_blocked_producer():
-    ring = AsyncFrameRing[int](5, kind="t-drain")
-    for i in range(5):
-        ring.put(i)
-    blocked = asyncio.ensure_future(ring.put_wait(99))
-    await asyncio.sleep(0.01)
-    assert not blocked.done()
-    ring.drain()
-    await asyncio.wait_for(blocked, 1.0)
-    assert ring.latest(1) == [99]
-
-
-async def test_cancelled_waiter_passes_the_wake_up_on():
-    ring = AsyncFrameRing[int](5, kind="t-cancel")
-    first = asyncio.ensure_future(ring.get())
-    second = asyncio.ensure_future(ring.get())
-    await asyncio.sleep(0.01)
-    ring.put(1)  # wakes `first` ...
-    first.cancel()  # ... which is cancelled before it runs
-    assert await asyncio.wait_for(second, 1.0) == 1
-    assert first.cancelled()

@@ -22,7 +22,7 @@ import argparse
 
 import pytest
 import torch
-from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
+from support.engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
 from torch._dynamo.utils import counters
 
 from agent.__main__ import _serve_parser, config_from_args

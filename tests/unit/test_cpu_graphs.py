@@ -17,7 +17,7 @@ import argparse
 
 import numpy as np
 import torch
-from engine_drive import make_audio, speak
+from support.engine_drive import make_audio, run_until_idle, speak
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.engine.codecs.code2wav import SlotCode2Wav
@@ -43,10 +43,7 @@ def _replies(loaded, graphs: GraphConfig) -> tuple[StreamingRunner, dict]:
         speak(runner, sid, make_audio(0.8 + 0.3 * i, 200 + 50 * i, 10 + i))
         runner.begin_reply(sid, [])
         runner.step()  # the others' replies are under way when the next one starts
-    for _ in range(400):
-        if not runner.has_work():
-            break
-        runner.step()
+    run_until_idle(runner, 400)
     return runner, dict(runner.records)
 
 

@@ -14,8 +14,6 @@ Selection: --vad picks the detector, Silero's threshold is range-checked, unknow
 
 from __future__ import annotations
 
-import subprocess
-import wave
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable
@@ -23,6 +21,7 @@ from typing import Callable
 import av
 import numpy as np
 import pytest
+from support.speech import audible, espeak_at
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.config import Config
@@ -53,14 +52,7 @@ class FakeClock:
 def espeak(folder: Path, text: str, voice: str, rate: int) -> np.ndarray:
     """espeak-ng speech resampled to `rate`, trimmed, float in [-1, 1]."""
     out = folder / f"{voice}-{abs(hash(text))}.wav"
-    subprocess.run(["espeak-ng", "-v", voice, "-s", "165", "-w", str(out), text], check=True)
-    with wave.open(str(out)) as w:
-        src = w.getframerate()
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float64) / 32768
-    n = int(len(pcm) * rate / src)
-    pcm = np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm)
-    loud = np.flatnonzero(np.abs(pcm) > 10 ** (-50 / 20))
-    return pcm[loud[0] : loud[-1] + 1]
+    return audible(espeak_at(text, out, rate, voice, speed=165) / 32768)
 
 
 def at_dbfs(x: np.ndarray, dbfs: float) -> np.ndarray:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
+from support.engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
 from torch import nn
 from torch.nn import functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeRMSNorm

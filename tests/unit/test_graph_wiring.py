@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from engine_drive import make_audio, speak
+from support.engine_drive import make_audio, run_until_idle, speak
 
 from agent.config import Config
 from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, Decoding, Sampling
@@ -78,10 +78,7 @@ def converse(runner: StreamingRunner, sids: list[str], turns: int = 1) -> dict[s
             speak(runner, sid, audio)
         for sid in sids:
             runner.begin_reply(sid, [])
-        for _ in range(200):
-            if not runner.has_work():
-                break
-            runner.step()
+        run_until_idle(runner, 200)
         for sid in sids:
             records[sid].append(runner.records[sid])
     return records

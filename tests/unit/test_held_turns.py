@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_transcribe import PIECE, SYSTEM, audio, run
+from support.engine_drive import PIECE, run_until_idle
+from test_transcribe import SYSTEM, audio
 
 from agent.engine.api import ReplyDone, TranscriptOut
 from agent.engine.runner.streaming import StreamingRunner
@@ -31,7 +32,7 @@ def feed(runner: StreamingRunner, sid: str, wav: np.ndarray, step: bool) -> list
     for i in range(0, len(wav), PIECE):
         runner.append_audio(sid, wav[i : i + PIECE])
         if step:
-            outs += run(runner)
+            outs += run_until_idle(runner)
     return outs
 
 
@@ -49,14 +50,14 @@ def test_held_turn_is_answered_next_with_its_own_audio(runner):
     assert runner.hold_turn("s") == 1
     runner.set_transcript_item("s", "u3")
     outs += feed(runner, "s", u3, step=False)
-    outs += run(runner)  # reply 1 ends; the held turn waits for its begin_reply
+    outs += run_until_idle(runner)  # reply 1 ends; the held turn waits for its begin_reply
     assert [type(o) for o in outs if isinstance(o, ReplyDone)] == [ReplyDone]
     assert len(state.held_turns) == 1 and state.reply is None
     assert not state.turn.header_done  # turn 3 is not in the cache ahead of turn 2's answer
     dones = []
     for _ in range(2):
         runner.begin_reply("s", [], text_only=True)
-        step_outs = run(runner)
+        step_outs = run_until_idle(runner)
         outs += step_outs
         dones += [o for o in step_outs if isinstance(o, ReplyDone)]
     assert [d.stats["input_audio_tokens"] for d in dones] == [num_audio_tokens(len(u2)), num_audio_tokens(len(u3))]
@@ -74,10 +75,10 @@ def test_cancelled_reply_with_a_held_turn_drops_its_turn(runner):
     feed(runner, "s", audio(1.2, 5), step=False)
     runner.hold_turn("s")
     runner.cancel_reply("s")  # before its prefill ran
-    outs = run(runner)
+    outs = run_until_idle(runner)
     assert [o.reason for o in outs if isinstance(o, ReplyDone)] == ["cancelled"]
     assert len(state.held_turns) == 1 and state.reply is None
     assert state.thinker.length == before  # the cancelled turn left nothing in the cache
     runner.begin_reply("s", [], text_only=True)
-    done = [o for o in run(runner) if isinstance(o, ReplyDone)]
+    done = [o for o in run_until_idle(runner) if isinstance(o, ReplyDone)]
     assert done[0].stats["input_audio_tokens"] == num_audio_tokens(int(1.2 * 16000))

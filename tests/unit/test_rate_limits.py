@@ -1,6 +1,7 @@
-"""The two per-client rate limits, on a fake clock.
+"""The token bucket and the two per-client rate limits, on a fake clock.
 
-Pins: CallRate admits `per_minute` calls per address in any 60 s window, tells a refused
+Pins: TokenBucket starts full (`burst` at once), refills at `rate` a second up to `burst` and
+never lends a token it has not got. CallRate admits `per_minute` calls per address in any 60 s window, tells a refused
 address how long until its oldest call leaves the window, counts addresses apart, forgets
 idle addresses (its table stays bounded) and is off at 0. EventRate passes a second's worth
 of events at once, then `rate` a second; it reports what it dropped at most once a second,
@@ -10,6 +11,7 @@ and a report still comes after the flood has stopped (with the next event).
 from __future__ import annotations
 
 from agent.gate.access import CallRate
+from agent.gate.token_bucket import TokenBucket
 from agent.realtime.client_events import EventRate
 
 
@@ -19,6 +21,25 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def test_token_bucket_burst_refill_and_cap() -> None:
+    clock = Clock()  # steps in binary fractions of a second: exact in floats
+    bucket = TokenBucket(rate=4.0, burst=3.0, clock=clock)
+    assert [bucket.allow() for _ in range(4)] == [True, True, True, False]  # starts full: the burst
+    clock.now += 0.125
+    assert bucket.allow() is False  # half a token is not one
+    clock.now += 0.125
+    assert bucket.allow() is True and bucket.allow() is False  # 0.25 s at 4 a second: one
+    clock.now += 60.0
+    assert sum(bucket.allow() for _ in range(10)) == 3  # a long pause refills only up to the burst
+    clock.now += 0.625
+    assert sum(bucket.allow() for _ in range(10)) == 2  # 2.5 tokens: two whole ones
+    clock.now += 0.125
+    assert bucket.allow() is True  # the half left over counts with the next
+    still = TokenBucket(rate=0.0, burst=2.0, clock=clock)
+    clock.now += 100.0
+    assert sum(still.allow() for _ in range(5)) == 2  # rate 0: the burst, then nothing
 
 
 def test_call_rate_sliding_window_per_address() -> None:

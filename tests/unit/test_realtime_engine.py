@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.engine_drive import make_audio, run_until_idle
 
 from agent.engine.api import AudioOut, ReplyDone
 from agent.engine.checkpoints.model import assistant_start_ids, system_turn_ids
@@ -34,19 +35,13 @@ def runner(loaded):
 
 def run_reply(runner: StreamingRunner, sid: str, text_only: bool = False) -> ReplyDone:
     runner.begin_reply(sid, [], text_only=text_only)
-    outputs = []
-    for _ in range(500):
-        if not runner.has_work():
-            break
-        outputs += runner.step()
-    done = [o for o in outputs if isinstance(o, ReplyDone)]
+    done = [o for o in run_until_idle(runner, 500) if isinstance(o, ReplyDone)]
     assert len(done) == 1
     return done[0]
 
 
 def speech(seconds: float) -> np.ndarray:
-    t = np.arange(int(16000 * seconds)) / 16000
-    return (0.2 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    return make_audio(seconds, 220, noise=0.0, loud_first=False)  # a plain tone
 
 
 def test_text_item_is_prefilled_in_the_user_message(runner, loaded) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-from engine_drive import generate_reference, make_audio, speak
+from support.engine_drive import generate_reference, make_audio, speak
 
 from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, Decoding, Sampling
 from agent.engine.api import ReplyDone

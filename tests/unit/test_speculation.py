@@ -17,7 +17,7 @@ Pins:
 from __future__ import annotations
 
 import numpy as np
-from engine_drive import PIECE, make_audio, speak
+from support.engine_drive import PIECE, make_audio, run_until_idle, speak
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
 from agent.engine.runner.scheduler import ReplyView, SchedulerConfig, plan_tick
@@ -29,11 +29,7 @@ OPTIONS = dict(max_reply_tokens=8, max_reply_seconds=0.8, audio_window_s=1.0, re
 
 
 def finish(runner: StreamingRunner, sid: str) -> list:
-    outputs = []
-    for _ in range(300):
-        if not runner.has_work():
-            break
-        outputs += runner.step()
+    outputs = run_until_idle(runner, 300)
     assert sum(isinstance(o, ReplyDone) for o in outputs) == 1
     return outputs
 

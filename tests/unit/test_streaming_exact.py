@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support import engine_drive
+from support.engine_drive import generate_speaking
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
 from agent.engine.checkpoints.model import HistoryTurn, build_inputs
@@ -34,11 +36,8 @@ SECONDS = FRAMES * SAMPLES_PER_FRAME / 24000
 
 
 def make_audio(seconds: float, freq: float, seed: int) -> np.ndarray:
-    t = np.arange(int(16000 * seconds)) / 16000
-    noise = np.random.default_rng(seed).standard_normal(t.shape) * 0.02
-    wav = 0.2 * np.sin(2 * np.pi * freq * t) * (t > 0.2) + noise
-    wav[:40] = 0.5  # loudest first (see the module docstring)
-    return wav.astype(np.float32)
+    # Loudest first (see the module docstring).
+    return engine_drive.make_audio(seconds, freq, seed, onset_s=0.2)
 
 
 def make_image(shift: int) -> np.ndarray:
@@ -49,25 +48,10 @@ def make_image(shift: int) -> np.ndarray:
 def reference(loaded, audio, images, history=()):
     """generate() on the same prompt: (text ids without the end, codes [16, frames], waveform)."""
     inputs = build_inputs(loaded, audio, images, SYSTEM, history=history)
-    captured = {}
-    hook = loaded.model.code2wav.register_forward_pre_hook(lambda m, args: captured.setdefault("codes", args[0]))
-    try:
-        sequences, wav = loaded.model.generate(
-            **inputs,
-            speaker=loaded.speaker,
-            return_audio=True,
-            thinker_do_sample=False,
-            talker_do_sample=False,
-            thinker_max_new_tokens=TOKENS,
-            thinker_eos_token_id=loaded.thinker_eos_ids,
-            thinker_min_new_tokens=1,
-            talker_max_new_tokens=FRAMES + 1,
-        )
-    finally:
-        hook.remove()
+    sequences, wav, codes = generate_speaking(loaded, TOKENS, FRAMES, **inputs)
     generated = sequences[0, inputs["input_ids"].shape[1] :].tolist()
     text = [t for t in generated if t not in loaded.thinker_eos_ids]
-    return text, captured["codes"][0].numpy(), wav.reshape(-1).numpy(), inputs["input_ids"].shape[1]
+    return text, codes, wav.reshape(-1).numpy(), inputs["input_ids"].shape[1]
 
 
 def stream_turn(runner, sid, audio, images):

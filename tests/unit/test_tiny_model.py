@@ -16,6 +16,7 @@ import json
 
 import numpy as np
 import torch
+from support import engine_drive
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
 from agent.engine.checkpoints.model import build_inputs
@@ -29,9 +30,7 @@ def dbfs(pcm16: np.ndarray) -> float:
 
 
 def make_audio(seconds: float = 1.5) -> np.ndarray:
-    t = np.arange(int(16000 * seconds)) / 16000
-    noise = np.random.default_rng(7).standard_normal(t.shape) * 0.02
-    return (0.2 * np.sin(2 * np.pi * 220 * t) * (t > 0.2) + noise).astype(np.float32)
+    return engine_drive.make_audio(seconds, 220, 7, onset_s=0.2, loud_first=False)
 
 
 def make_image() -> np.ndarray:

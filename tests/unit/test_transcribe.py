@@ -18,27 +18,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.engine_drive import PIECE, make_audio, run_until_idle
 
 from agent.engine.api import ReplyDone, TranscriptOut
 from agent.engine.runner.streaming import StreamingRunner
 
 SYSTEM = "You are a helpful voice assistant."
-PIECE = 1280  # 80 ms
 
 
 def audio(seconds: float, seed: int) -> np.ndarray:
-    t = np.arange(int(16000 * seconds)) / 16000
-    wav = 0.2 * np.sin(2 * np.pi * 220 * t) + np.random.default_rng(seed).standard_normal(t.shape) * 0.05
-    return wav.astype(np.float32)
-
-
-def run(runner: StreamingRunner, limit: int = 200) -> list:
-    outputs = []
-    for _ in range(limit):
-        if not runner.has_work():
-            return outputs
-        outputs += runner.step()
-    raise AssertionError("the runner never went idle")
+    return make_audio(seconds, 220, seed, noise=0.05, loud_first=False)
 
 
 def speak(runner: StreamingRunner, sid: str, wav: np.ndarray) -> list[TranscriptOut]:
@@ -46,7 +35,7 @@ def speak(runner: StreamingRunner, sid: str, wav: np.ndarray) -> list[Transcript
     outs = []
     for i in range(0, len(wav), PIECE):
         runner.append_audio(sid, wav[i : i + PIECE])
-        outs += run(runner)
+        outs += run_until_idle(runner)
     return [o for o in outs if isinstance(o, TranscriptOut)]
 
 
@@ -80,7 +69,7 @@ def test_transcription_only_session(runner):
         assert tr.fed == 39 and tr.kv.length == tr.audio_end[0]
         assert all(not p.final and p.item_id == f"item{turn}" for p in partials)
         runner.end_turn("c")
-        finals = [o for o in run(runner) if isinstance(o, TranscriptOut)]
+        finals = [o for o in run_until_idle(runner) if isinstance(o, TranscriptOut)]
         assert len(finals) == 1 and finals[0].item_id == f"item{turn}"
         check_prefixes(partials, finals[0])
         lengths.append(runner.transcriber.sessions["c"].kv.length)
@@ -101,7 +90,7 @@ def test_conversation_transcribes_in_its_own_slot(runner):
     partials = speak(runner, "s", audio(2.4, 7))
     assert partials
     runner.begin_reply("s", [], text_only=True)
-    outs = run(runner)
+    outs = run_until_idle(runner)
     finals = [o for o in outs if isinstance(o, TranscriptOut)]
     assert [type(o) for o in outs if isinstance(o, ReplyDone)] == [ReplyDone]
     assert len(finals) == 1 and finals[0].final and finals[0].item_id == "u1"
@@ -110,7 +99,7 @@ def test_conversation_transcribes_in_its_own_slot(runner):
     runner.set_transcript_item("s", "u2")
     runner.append_audio("s", audio(0.5, 8))
     runner.discard_turn("s")
-    assert not [o for o in run(runner) if isinstance(o, TranscriptOut)]
+    assert not [o for o in run_until_idle(runner) if isinstance(o, TranscriptOut)]
     runner.set_transcription("s", "off")
     assert len(runner._slots._free) == free
     runner.close_session("s")
@@ -133,7 +122,7 @@ def test_partials_wait_for_first_audio(runner):
     first = runner.step()
     assert runner._sessions["talker"].reply.prefill.done  # the reply's prefill had the tick
     assert not [o for o in first if isinstance(o, TranscriptOut)]
-    later = [o for o in run(runner) if isinstance(o, TranscriptOut)]
+    later = [o for o in run_until_idle(runner) if isinstance(o, TranscriptOut)]
     assert later and all(o.item_id == "c1" for o in later)
 
 
@@ -160,10 +149,10 @@ def test_graph_wiring_gives_the_same_transcripts(loaded, tiny_model_dir):
         for i in range(0, len(wav), PIECE):  # both at once: batched transcript rows
             runner.append_audio("a", wav[i : i + PIECE])
             runner.append_audio("b", wav[i : i + PIECE])
-            outs += run(runner)
+            outs += run_until_idle(runner)
         runner.end_turn("a")
         runner.begin_reply("b", [], text_only=True)
-        outs += run(runner)
+        outs += run_until_idle(runner)
         texts.append([(o.item_id, o.text, o.stable_chars, o.final) for o in outs if isinstance(o, TranscriptOut)])
     assert texts[0] == texts[1] and any(final for *_, final in texts[0])
 
@@ -192,7 +181,7 @@ def test_partials_come_at_each_half_second_mark(runner):
     at = []
     for i in range(0, len(wav), frame):
         runner.append_audio("c", wav[i : i + frame])
-        if any(isinstance(o, TranscriptOut) for o in run(runner)):
+        if any(isinstance(o, TranscriptOut) for o in run_until_idle(runner)):
             at.append(i + frame)
     marks = [next(n for n in range(frame, len(wav) + frame, frame) if mel.frames_for(n) >= 50 * k) for k in range(1, 5)]
     assert at == marks

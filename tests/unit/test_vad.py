@@ -6,12 +6,11 @@ chunks count as silence."""
 
 from __future__ import annotations
 
-import subprocess
-import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support import speech as speech_io
 
 from agent.media.ingest import AudioChunk
 from agent.media.turn_events import SpeechAudio, SpeechStarted, SpeechStopped, TurnEvent
@@ -21,13 +20,9 @@ RATE = 16000
 
 
 def read_wav(path: Path) -> np.ndarray:
-    with wave.open(str(path)) as w:
-        rate = w.getframerate()
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768
-    if rate != RATE:  # espeak-ng writes 22.05 kHz
-        n = int(len(pcm) * RATE / rate)
-        pcm = np.interp(np.linspace(0, len(pcm) - 1, n), np.arange(len(pcm)), pcm)
-    return pcm.astype(np.float32)
+    """A WAV file at 16 kHz (espeak-ng writes 22.05 kHz), float32 in [-1, 1]."""
+    pcm, rate = speech_io.read_wav(path)
+    return (speech_io.resample(pcm, rate, RATE) / 32768).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +34,7 @@ def say(tmp_path_factory):
     def speak(text: str) -> np.ndarray:
         if text not in cache:
             out = folder / f"{len(cache)}.wav"
-            subprocess.run(["espeak-ng", "-v", "en-us", "-s", "170", "-w", str(out), text], check=True)
-            pcm = read_wav(out)
-            loud = np.flatnonzero(np.abs(pcm) > 10 ** (-50 / 20))
-            cache[text] = pcm[loud[0] : loud[-1] + 1]
+            cache[text] = speech_io.audible(read_wav(speech_io.espeak(text, out)))
         return cache[text]
 
     return speak

@@ -5,11 +5,9 @@ pause_ms 0 reports none; the turn's other events are those of an endpointer with
 
 from __future__ import annotations
 
-import subprocess
-import wave
-
 import numpy as np
 import pytest
+from support.speech import audible, espeak_at
 
 from agent.media.ingest import AudioChunk
 from agent.media.turn_events import SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
@@ -21,13 +19,7 @@ RATE = 16000
 @pytest.fixture(scope="module")
 def words(tmp_path_factory) -> np.ndarray:
     out = tmp_path_factory.mktemp("say") / "w.wav"
-    subprocess.run(["espeak-ng", "-v", "en-us", "-s", "170", "-w", str(out), "hello there agent"], check=True)
-    with wave.open(str(out)) as w:
-        rate = w.getframerate()
-        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768
-    pcm = np.interp(np.linspace(0, len(pcm) - 1, int(len(pcm) * RATE / rate)), np.arange(len(pcm)), pcm)
-    loud = np.flatnonzero(np.abs(pcm) > 10 ** (-50 / 20))
-    return pcm[loud[0] : loud[-1] + 1].astype(np.float32)
+    return audible(espeak_at("hello there agent", out, RATE) / 32768).astype(np.float32)
 
 
 def run(endpointer: Endpointer, pcm: np.ndarray) -> list:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support import engine_drive
+from support.engine_drive import generate_speaking
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
 from agent.engine.checkpoints.model import (
@@ -49,11 +51,8 @@ FRAMES = 12
 
 
 def make_audio(seconds: float, seed: int) -> np.ndarray:
-    t = np.arange(int(16000 * seconds)) / 16000
-    noise = np.random.default_rng(seed).standard_normal(t.shape) * 0.02
-    wav = 0.2 * np.sin(2 * np.pi * 220 * t) * (t > 0.2) + noise
-    wav[:40] = 0.5  # loudest first: the streamed log-mel equals the extractor's (audio_stream.py)
-    return wav.astype(np.float32)
+    # Loudest first: the streamed log-mel equals the extractor's (audio_stream.py).
+    return engine_drive.make_audio(seconds, 220, seed, onset_s=0.2)
 
 
 def marker_frame(i: int, height: int = 96, width: int = 128) -> np.ndarray:
@@ -213,12 +212,13 @@ def reference(loaded, turns):
         if reply is not None:
             prompt += closing_ids(ids, reply)
     input_ids = torch.tensor([prompt])
-    captured = {}
-    hook = loaded.model.code2wav.register_forward_pre_hook(lambda m, args: captured.setdefault("codes", args[0]))
     tower = loaded.model.thinker.model.audio_tower
     saved, tower.n_window_infer = tower.n_window_infer, 100  # the streamed turn's 1 s window
     try:
-        sequences, _ = loaded.model.generate(
+        sequences, _, codes = generate_speaking(
+            loaded,
+            TOKENS,
+            FRAMES,
             input_ids=input_ids,
             attention_mask=torch.ones_like(input_ids),
             **feats,
@@ -226,21 +226,12 @@ def reference(loaded, turns):
             video_grid_thw=torch.tensor(grids),
             video_second_per_grid=torch.tensor([0.5] * len(turns)),
             use_audio_in_video=True,
-            speaker=loaded.speaker,
-            return_audio=True,
-            thinker_do_sample=False,
-            talker_do_sample=False,
-            thinker_max_new_tokens=TOKENS,
-            thinker_eos_token_id=loaded.thinker_eos_ids,
-            thinker_min_new_tokens=1,
-            talker_max_new_tokens=FRAMES + 1,
         )
     finally:
-        hook.remove()
         tower.n_window_infer = saved
     generated = sequences[0, len(prompt) :].tolist()
     text = [t for t in generated if t not in loaded.thinker_eos_ids]
-    return text, captured["codes"][0].numpy(), n_audios[-1], grids[-1][1] * grids[-1][2] // 4
+    return text, codes, n_audios[-1], grids[-1][1] * grids[-1][2] // 4
 
 
 def stream_with_camera(runner, sid, audio, frames, fps=4.0, speculation=""):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from aiohttp import web
-from loopback import free_port
+from support.loopback import free_port
 
 from agent.client.client import NotReady, wait_ready
 

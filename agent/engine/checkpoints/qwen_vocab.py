@@ -8,7 +8,7 @@ TikTokenConverter turns ranks into a `tokenizers` BPE (vocab and merges), to whi
 normaliser, its split pattern and the added tokens (agent/engine/checkpoints/tiny.py's list, in the real
 order) are added. So the ids, role tokens ("system" 8948, "user" 872, "assistant" 77091,
 "\\n" 198) and special ids a real checkpoint uses meet the code without a download
-(tests/unit/test_real_checkpoint.py checks them, and encodings against the package's own).
+(tests/integration/test_real_checkpoint.py checks them, and encodings against the package's own).
 """
 
 from __future__ import annotations

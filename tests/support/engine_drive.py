@@ -1,23 +1,37 @@
-"""Shared by the engine tests: microphone audio and the loop that feeds it to a runner
-(imported by test modules, not a test itself)."""
+"""Shared by the engine tests: microphone audio, feeding it to a runner and stepping the runner
+until it is idle, generate() as the reference (imported by test modules, not a test itself)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from agent.config import INPUT_FRAME_SAMPLES
 from agent.engine.runner.streaming import StreamingRunner
 from agent.engine.state.kv import KVState
 
-PIECE = 1280  # 80 ms of 16 kHz microphone audio: one ingest chunk
+PIECE = INPUT_FRAME_SAMPLES  # 80 ms of 16 kHz microphone audio: one ingest chunk
 
 
-def make_audio(seconds: float, freq: float, seed: int) -> np.ndarray:
-    """A tone plus seeded noise at 16 kHz. Loudest first: the streamed log-mel then equals the
-    feature extractor's (its normalisation uses the running maximum, which the first sample fixes)."""
+def make_audio(
+    seconds: float,
+    freq: float = 220.0,
+    seed: int = 7,
+    *,
+    onset_s: float = 0.0,
+    noise: float = 0.02,
+    loud_first: bool = True,
+) -> np.ndarray:
+    """A tone (from `onset_s` on) plus seeded noise at 16 kHz. `loud_first`: the first 40 samples
+    are the loudest, so the streamed log-mel equals the feature extractor's (its normalisation
+    uses the running maximum, which the first sample then fixes)."""
     t = np.arange(int(16000 * seconds)) / 16000
-    wav = 0.2 * np.sin(2 * np.pi * freq * t) + np.random.default_rng(seed).standard_normal(t.shape) * 0.02
-    wav[:40] = 0.5
+    wav = (
+        0.2 * np.sin(2 * np.pi * freq * t) * (t > onset_s)
+        + np.random.default_rng(seed).standard_normal(t.shape) * noise
+    )
+    if loud_first:
+        wav[:40] = 0.5
     return wav.astype(np.float32)
 
 
@@ -25,6 +39,21 @@ def speak(runner: StreamingRunner, sid: str, audio: np.ndarray) -> None:
     """Hand `audio` to the runner in ingest-sized pieces, as the engine thread does."""
     for i in range(0, len(audio), PIECE):
         runner.append_audio(sid, audio[i : i + PIECE])
+
+
+def run_until_idle(runner: StreamingRunner, limit: int = 200) -> list:
+    """Step the runner until it has no work; every output, in order. Fails past `limit` steps."""
+    return [output for step in steps_until_idle(runner, limit) for output in step]
+
+
+def steps_until_idle(runner: StreamingRunner, limit: int = 200) -> list[list]:
+    """Step the runner until it has no work; each step's outputs. Fails past `limit` steps."""
+    steps = []
+    for _ in range(limit):
+        if not runner.has_work():
+            return steps
+        steps.append(runner.step())
+    raise AssertionError("the runner never went idle")
 
 
 def assert_loop_equals_eager(predictor, batch: int, seed: int) -> torch.Tensor:
@@ -87,6 +116,30 @@ def assert_steps_equal_eager(thinker, talker, batch: int, gen: torch.Generator) 
         torch.testing.assert_close(last, want_last, rtol=1e-4, atol=1e-4)
 
 
+def generate_speaking(
+    loaded, tokens: int, frames: int, sampling: dict | None = None, **inputs
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """transformers' generate(), speaking, at most `tokens` text tokens and `frames` codec frames,
+    greedy unless `sampling` gives generate()'s sampling arguments: (sequences, waveform, the codes
+    [16, frames] code2wav was given)."""
+    captured = {}
+    hook = loaded.model.code2wav.register_forward_pre_hook(lambda m, args: captured.setdefault("codes", args[0]))
+    try:
+        sequences, wav = loaded.model.generate(
+            **inputs,
+            speaker=loaded.speaker,
+            return_audio=True,
+            **(sampling or dict(thinker_do_sample=False, talker_do_sample=False)),
+            thinker_max_new_tokens=tokens,
+            thinker_eos_token_id=loaded.thinker_eos_ids,
+            thinker_min_new_tokens=1,
+            talker_max_new_tokens=frames + 1,
+        )
+    finally:
+        hook.remove()
+    return sequences, wav, captured["codes"][0].cpu().numpy()
+
+
 def generate_reference(loaded, inputs: dict, decoding, seed: int, tokens: int, frames: int, monkeypatch):
     """transformers' generate() on prepared inputs, sampled as `decoding` says, its
     torch.multinomial drawing from the engine's noise for the reply seeded `seed` (the stage told
@@ -110,27 +163,14 @@ def generate_reference(loaded, inputs: dict, decoding, seed: int, tokens: int, f
         draws[stage] += 1
         return (probs / noise).argmax(-1, keepdim=True)
 
-    captured = {}
-    hook = loaded.model.code2wav.register_forward_pre_hook(lambda m, args: captured.setdefault("codes", args[0]))
+    sampling = {**generate_kwargs("thinker", decoding.thinker), **generate_kwargs("talker", decoding.talker)}
     monkeypatch.setattr(torch, "multinomial", multinomial)
     try:
-        sequences, wav = loaded.model.generate(
-            **inputs,
-            speaker=loaded.speaker,
-            return_audio=True,
-            **generate_kwargs("thinker", decoding.thinker),
-            **generate_kwargs("talker", decoding.talker),
-            thinker_max_new_tokens=tokens,
-            thinker_eos_token_id=loaded.thinker_eos_ids,
-            thinker_min_new_tokens=1,
-            talker_max_new_tokens=frames + 1,
-        )
+        sequences, wav, codes = generate_speaking(loaded, tokens, frames, sampling, **inputs)
     finally:
-        hook.remove()
         monkeypatch.undo()
     generated = sequences[0, inputs["input_ids"].shape[1] :].tolist()
     text = [t for t in generated if t not in loaded.thinker_eos_ids]
-    codes = captured["codes"][0].cpu().numpy()
     if decoding.code_predictor.do_sample:
         assert draws[CODE_PREDICTOR] == 15 * codes.shape[-1]  # the patch drew every residual code
     return text, codes, wav.reshape(-1).float().cpu().numpy()

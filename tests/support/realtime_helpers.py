@@ -1,4 +1,5 @@
-"""Shared by the integration tests: a running agent on loopback (imported by test modules)."""
+"""Shared by the integration tests: a running agent on loopback, what its /metrics and /healthz
+say, and SDP offers to send it (imported by test modules)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ from typing import Any, Callable, Optional
 
 import aiohttp
 import pytest
+import pytest_asyncio
 from aiohttp import web
-from loopback import free_port
+from aiortc import RTCConfiguration, RTCPeerConnection
+from aiortc.mediastreams import AudioStreamTrack, VideoStreamTrack
 
 from agent.client.client import NotReady, wait_ready
 from agent.config import Config
 from agent.engine.factory import build_engine
 from agent.engine.loop import Engine
 from agent.server import create_app
+from support.loopback import free_port
 
 
 @dataclass
@@ -67,6 +71,19 @@ async def start_agent(
     return RunningAgent(url, config, engine_, runner, app)
 
 
+def module_agent(**overrides: Any) -> Any:
+    """A module-scoped fixture named `agent`: start_agent(tiny_model_dir, **overrides) once for
+    the module, stopped after its last test. In a test module: `agent = module_agent(...)`."""
+
+    @pytest_asyncio.fixture(scope="module", loop_scope="module", name="agent")
+    async def agent(tiny_model_dir: Path):
+        running = await start_agent(tiny_model_dir, **overrides)
+        yield running
+        await running.stop()
+
+    return agent
+
+
 def talker_never_ends(runner: Any) -> Any:
     """The random tiny talker may end a reply after a second (its codec end token), leaving
     nothing to talk over: make it speak to its cap (max_reply_seconds). Returns the runner."""
@@ -110,3 +127,19 @@ async def refused_upgrade(http: aiohttp.ClientSession, ws_url: str) -> dict:
     async with http.get(ws_url) as resp:
         assert resp.status == 503 and resp.headers.get("Retry-After"), resp.status
         return (await resp.json())["error"]
+
+
+async def offer_sdp(audio: bool = True, video: bool = False, events: bool = True) -> str:
+    """An SDP offer from a throwaway peer (closed before it returns): the `oai-events` data
+    channel unless `events` is False, a sending audio track, a video track if asked."""
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    if events:
+        pc.createDataChannel("oai-events")
+    if audio:
+        pc.addTrack(AudioStreamTrack())
+    if video:
+        pc.addTrack(VideoStreamTrack())
+    await pc.setLocalDescription(await pc.createOffer())
+    sdp = pc.localDescription.sdp
+    await pc.close()
+    return sdp
