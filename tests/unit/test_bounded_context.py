@@ -36,9 +36,9 @@ def talk(runner: StreamingRunner, turns: int, spoken_every: int = 10) -> tuple[l
                 break
             done += [o for o in runner.step() if isinstance(o, ReplyDone)]
         assert len(done) == 1 and done[0].reason in ("stop", "length")
-        state = runner._sessions["s"]
+        state = runner.sessions["s"]
         lengths.append(state.thinker.length)
-        talker_turns.append(len(state.talker_backlog))
+        talker_turns.append(len(state.talker_history.backlog))
         stats.append(done[0].stats)
     return lengths, talker_turns, stats
 
