@@ -87,7 +87,7 @@ class Intake:
         state = self.sessions[session_id]
         state.video = bool(on)
         if not on and not state.turn.audio_open:
-            state.turn.video = None
+            state.turn.video.grids = None
         return state.video
 
     def set_priority(self, session_id: str, priority: int) -> int:

@@ -61,7 +61,7 @@ class EndOfTurn:
                 images = self.thinker.encode_images(pixels["pixel_values"], pixels["image_grid_thw"])
             reply.frames_encoded_at_end = len(reply.images)
         ids = self.parts.open_turn_ids(state, turn)
-        if turn.video is not None:  # the audio tail and the last grids, then the block's end
+        if turn.video.grids is not None:  # the audio tail and the last grids, then the block's end
             part = self.video.part(state, turn, audio, final=True)
             ids += part.ids + [self.ids.audio_end, self.ids.vision_end]
             audio, videos, places = part.audio, join_features(part.feats), part.places

@@ -124,7 +124,7 @@ class TurnParts:
                 raise SpeculationRefused("the context is full: the history would be dropped")
             return self._reset_history(state, turn, ids[n_closing:], images, assistant_tail)
         rope = None
-        if turn.video is not None:  # an audio-in-video block: positions by time
+        if turn.video.grids is not None:  # an audio-in-video block: positions by time
             rope = self.video.positions(turn, ids, state.thinker.next_pos, images, places)
         job = self.thinker.start_prefill(state.thinker, ids, audio=audio, images=images, videos=videos, rope=rope)
         return TurnJob(job, n_closing, assistant_tail, images, videos)
@@ -171,7 +171,7 @@ class TurnParts:
             raise RuntimeError("one turn is longer than the context limit")
         turn.ids, turn.talker, turn.prefill_tokens, turn.history_reset = [], TalkerTurn(), 0, True
         turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
-        turn.av_block = None  # the replay opens the turn's block again
+        turn.video.block = None  # the replay opens the turn's block again
         part = self.start(
             state,
             turn,
@@ -179,8 +179,8 @@ class TurnParts:
             audio=audio,
             images=images,
             assistant_tail=assistant_tail,
-            videos=join_features(turn.video_feats),
-            places=list(turn.video_places),
+            videos=join_features(turn.video.feats),
+            places=list(turn.video.places),
         )
         part.history_reset = True
         return part

@@ -132,7 +132,7 @@ class TurnPrefill:
         turn.pending_audio = [audio[take:]] if take < audio.shape[0] else []
         audio = audio[:take]
         ids = self.parts.open_turn_ids(state, turn)
-        if turn.video is not None:  # audio and the grids before it, in time order
+        if turn.video.grids is not None:  # audio and the grids before it, in time order
             part = self.video.part(state, turn, audio, final=False)
             if part.left is not None:  # audio after a grid still open waits for it
                 turn.pending_audio = [part.left, *turn.pending_audio]

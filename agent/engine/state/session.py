@@ -55,6 +55,27 @@ class TalkerHistory:
 
 
 @dataclass
+class TurnVideoState:
+    """A turn's camera as video (agent/engine/stages/video_clock.py), changed by VideoPrefill
+    (agent/engine/stages/video_prefill.py) only, and by a history reset that replays the turn:
+    the turn's grids (None: no video in this turn), the audio-in-video block while it is open,
+    and the grids prefilled so far (features and places, for a replay)."""
+
+    grids: TurnVideo | None = None
+    block: AVBlock | None = None
+    feats: list = field(default_factory=list)  # ImageFeatures per placed grid
+    places: list[GridPlace] = field(default_factory=list)
+
+    def fork(self) -> TurnVideoState:
+        return TurnVideoState(
+            self.grids.fork() if self.grids is not None else None,
+            replace(self.block) if self.block is not None else None,
+            list(self.feats),
+            list(self.places),
+        )
+
+
+@dataclass
 class TurnState:
     """The user turn being spoken: audio in, prefill as the audio becomes final."""
 
@@ -78,12 +99,7 @@ class TurnState:
     # and a per-response system message put right before the assistant header.
     text_ids: list[int] = field(default_factory=list)
     reply_system_ids: list[int] = field(default_factory=list)
-    # The camera as video (agent/engine/stages/video_clock.py): the turn's grids, the audio-in-video
-    # block while it is open, and the grids prefilled so far (features and places, for a replay).
-    video: TurnVideo | None = None
-    av_block: AVBlock | None = None
-    video_feats: list = field(default_factory=list)  # ImageFeatures per placed grid
-    video_places: list[GridPlace] = field(default_factory=list)
+    video: TurnVideoState = field(default_factory=TurnVideoState)  # the camera as video
 
     @property
     def queued_seconds(self) -> float:
@@ -104,10 +120,7 @@ class TurnState:
             talker=talker,
             text_ids=list(self.text_ids),
             reply_system_ids=list(self.reply_system_ids),
-            video=self.video.fork() if self.video is not None else None,
-            av_block=replace(self.av_block) if self.av_block is not None else None,
-            video_feats=list(self.video_feats),
-            video_places=list(self.video_places),
+            video=self.video.fork(),
         )
 
 
