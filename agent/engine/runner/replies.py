@@ -20,13 +20,12 @@ from agent import metrics
 from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
 from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.codecs.detok import IncrementalDecoder
-from agent.engine.runner.scheduler import PlayoutClock
 from agent.engine.runner.sessions import SessionTable
 from agent.engine.stages.frame_batch import FrameBatcher
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.turn_prefill import TurnPrefill
 from agent.engine.state.phase import ReplyPhase
-from agent.engine.state.reply import PrefillStage, TextStage, VoiceStage
+from agent.engine.state.reply import PlayoutClock, PrefillStage, TextStage, VoiceStage
 from agent.engine.state.session import LastReply, ReplyRecord, ReplyState, Rollback, SessionState, TurnState
 
 

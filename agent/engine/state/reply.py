@@ -1,8 +1,10 @@
-"""What each stage of a reply has made, one small object per stage (ReplyState.prefill, .text,
-.voice in agent/engine/state/session.py). The types live with the rest of the engine's state;
-each is advanced by one stage only: PrefillStage by agent/engine/stages/turn_prefill.py (its
-end-of-turn part, agent/engine/stages/reply_prefill.py), TextStage (the thinker) and VoiceStage
-(talker, code predictor, code2wav) by agent/engine/stages/frame_batch.py.
+"""A reply's parts of state (ReplyState.prefill, .text, .voice, .playout in
+agent/engine/state/session.py), one small object each, living with the rest of the engine's
+state and each advanced by one owner only: PrefillStage by agent/engine/stages/turn_prefill.py
+(its end-of-turn part, agent/engine/stages/reply_prefill.py), TextStage (the thinker) and
+VoiceStage (talker, code predictor, code2wav) by agent/engine/stages/frame_batch.py, and the
+PlayoutClock (the client's buffer, estimated) by the frame batcher as frames go out (the reply
+lifecycle, agent/engine/runner/replies.py, starts it over at a speculation's commit).
 """
 
 from __future__ import annotations
@@ -52,3 +54,22 @@ class VoiceStage:
     pending_frame: bool = False  # codes0[-1] still needs its residual codes and audio
     samples_out: int = 0
     wav: list[np.ndarray] = field(default_factory=list)  # float samples, kept when recording
+
+
+@dataclass
+class PlayoutClock:
+    """Where the session's outbound audio stands, as the engine can tell without the client."""
+
+    first_audio_at: float | None = None  # runner clock at the reply's first audio
+    play_end: float | None = None  # when the audio handed out so far ends playing
+    produced_s: float = 0.0
+
+    def add(self, now: float, seconds: float) -> None:
+        if self.first_audio_at is None:
+            self.first_audio_at = now
+        start = now if self.play_end is None else max(self.play_end, now)
+        self.play_end = start + seconds
+        self.produced_s += seconds
+
+    def buffer_s(self, now: float) -> float | None:
+        return None if self.play_end is None else self.play_end - now

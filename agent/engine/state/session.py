@@ -19,13 +19,12 @@ import numpy as np
 import torch
 
 from agent.engine.api import Output
-from agent.engine.runner.scheduler import PlayoutClock
 from agent.engine.stages.audio_stream import AudioStream
 from agent.engine.stages.video_clock import TurnVideo
 from agent.engine.stages.video_grid import AVBlock, GridPlace
 from agent.engine.state.kv import KVState
 from agent.engine.state.phase import ReplyPhase
-from agent.engine.state.reply import PrefillStage, TextStage, VoiceStage
+from agent.engine.state.reply import PlayoutClock, PrefillStage, TextStage, VoiceStage
 
 
 @dataclass
