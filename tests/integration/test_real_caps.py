@@ -37,7 +37,7 @@ def forced_reply(runner: Any) -> Any:
     word = loaded.tokenizer.encode(" hello", add_special_tokens=False)[0]
 
     def reply() -> Any:
-        replies = [s.reply for s in runner._sessions.values() if s.reply is not None]
+        replies = [s.reply for s in runner.sessions.values() if s.reply is not None]
         return replies[0] if replies else None
 
     def thinker(module: Any, args: Any, logits: Any) -> Any:

@@ -70,7 +70,7 @@ def test_batched_ticks_equal_each_session_alone(loaded):
     runner = StreamingRunner(loaded, SYSTEM, schedule=SchedulerConfig(prefill_chunk_tokens=16), clock=clock, **OPTIONS)
     for sid in audio:
         runner.open_session(sid)
-    system_length = runner._sessions["c"].thinker.length
+    system_length = runner.sessions["c"].thinker.length
     speak(runner, "a", audio["a"])
     runner.begin_reply("a", [])
     outputs, rows, c_fed, c_prefilled_early = [], [], 0, False
@@ -82,7 +82,7 @@ def test_batched_ticks_equal_each_session_alone(loaded):
             runner.append_audio("c", audio["c"][c_fed : c_fed + PIECE])
             c_fed += PIECE
             if c_fed >= len(audio["c"]):
-                c_prefilled_early = runner._sessions["c"].thinker.length > system_length
+                c_prefilled_early = runner.sessions["c"].thinker.length > system_length
                 runner.begin_reply("c", [])
         if frames_of(outputs, "b") == 16:
             runner.cancel_reply("b")
@@ -117,15 +117,15 @@ def test_cancel_during_a_chunked_prefill_rolls_the_turn_back(loaded):
     runner = StreamingRunner(loaded, SYSTEM, schedule=SchedulerConfig(prefill_chunk_tokens=4), **OPTIONS)
     runner.open_session("s")
     speak(runner, "s", audio)
-    before = runner._sessions["s"].thinker.length
+    before = runner.sessions["s"].thinker.length
     runner.begin_reply("s", [])
     assert frames_of(runner.step(), "s") == 0  # one chunk in: no audio yet
-    assert runner._sessions["s"].thinker.length == before + 4
+    assert runner.sessions["s"].thinker.length == before + 4
     runner.cancel_reply("s")
     done = runner.step()[-1]
     assert isinstance(done, ReplyDone) and done.reason == "cancelled" and done.text == ""
     # The turn is the one being spoken again (its final audio tokens prefill as audio again).
-    assert runner._sessions["s"].turn.audio_open and not runner._sessions["s"].turn.pcm
+    assert runner.sessions["s"].turn.audio_open and not runner.sessions["s"].turn.pcm
     runner.begin_reply("s", [])
     while runner.has_work():
         runner.step()
@@ -315,7 +315,7 @@ def test_session_slots_are_bounded_and_reused(loaded):
     runner.open_session("b")
     with pytest.raises(RuntimeError, match="slots"):
         runner.open_session("c")
-    slot = runner._sessions["a"].slot
+    slot = runner.sessions["a"].slot
     runner.close_session("a")
     runner.open_session("c")
-    assert runner._sessions["c"].slot == slot
+    assert runner.sessions["c"].slot == slot

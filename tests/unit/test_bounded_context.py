@@ -28,9 +28,9 @@ def talk(runner: StreamingRunner, turns: int, spoken_every: int = 10) -> tuple[l
         runner.begin_reply("s", [], text_only=n % spoken_every != spoken_every - 1)
         done = [o for o in run_until_idle(runner, 400) if isinstance(o, ReplyDone)]
         assert len(done) == 1 and done[0].reason in ("stop", "length")
-        state = runner._sessions["s"]
+        state = runner.sessions["s"]
         lengths.append(state.thinker.length)
-        talker_turns.append(len(state.talker_backlog))
+        talker_turns.append(len(state.talker_history.backlog))
         stats.append(done[0].stats)
     return lengths, talker_turns, stats
 

@@ -125,7 +125,7 @@ async def test_a_fault_in_one_sessions_work_ends_only_its_reply(engine: Engine, 
     say(engine, "b")
     await asyncio.wait_for(b.first_audio.wait(), 60)
     # A's end of turn (its audio tail, its frames) fails once, while B speaks.
-    runner.turns.reply_chunk = _once(runner.turns.reply_chunk, fault, lambda args: args[0] is runner._sessions.get("a"))
+    runner.turns.reply_chunk = _once(runner.turns.reply_chunk, fault, lambda args: args[0] is runner.sessions.get("a"))
     say(engine, "a")
     failed = await a.wait_done(1)
     b_done = await b.wait_done(1)
@@ -184,7 +184,7 @@ async def test_a_failing_close_still_forgets_the_session(engine: Engine) -> None
 
 async def test_a_session_without_a_slot_is_told_and_not_held(engine: Engine) -> None:
     runner: StreamingRunner = engine.runner  # type: ignore[attr-defined]
-    slots = runner._slots.size
+    slots = runner.sessions.slots.size
     sinks = [Sink() for _ in range(slots)]
     for i, sink in enumerate(sinks):
         engine.open_session(f"s{i}", sink)

@@ -39,7 +39,7 @@ def feed(runner: StreamingRunner, sid: str, wav: np.ndarray, step: bool) -> list
 def test_held_turn_is_answered_next_with_its_own_audio(runner):
     runner.open_session("s")
     runner.set_transcription("s", "on")
-    state = runner._sessions["s"]
+    state = runner.sessions["s"]
     u1, u2, u3 = audio(1.3, 1), audio(2.1, 2), audio(0.9, 3)
     runner.set_transcript_item("s", "u1")
     outs = feed(runner, "s", u1, step=True)
@@ -68,7 +68,7 @@ def test_held_turn_is_answered_next_with_its_own_audio(runner):
 
 def test_cancelled_reply_with_a_held_turn_drops_its_turn(runner):
     runner.open_session("s")
-    state = runner._sessions["s"]
+    state = runner.sessions["s"]
     feed(runner, "s", audio(1.0, 4), step=True)
     before = state.thinker.length - state.turn.prefill_tokens  # the cache without turn 1
     runner.begin_reply("s", [], text_only=True)

@@ -48,19 +48,19 @@ def test_text_item_is_prefilled_in_the_user_message(runner, loaded) -> None:
     runner.open_session("s")
     n = runner.add_user_text("s", "What is the weather like?")
     assert n == len(loaded.tokenizer.encode("What is the weather like?", add_special_tokens=False))
-    before = runner._sessions["s"].thinker.length
+    before = runner.sessions["s"].thinker.length
     done = run_reply(runner, "s")
     ids = loaded.ids
     header = 1 + len(ids.user) + len(ids.newline)
     expected = header + n + 1 + len(ids.newline) + len(assistant_start_ids(ids))
     assert done.stats["prefill_tokens"] == expected
     assert done.stats["input_audio_tokens"] == 0
-    assert runner._sessions["s"].thinker.length == before + expected + runner._sessions["s"].last_reply.fed
+    assert runner.sessions["s"].thinker.length == before + expected + runner.sessions["s"].last_reply.fed
 
 
 def test_instructions_replace_then_queue(runner, loaded) -> None:
     runner.open_session("s")
-    state = runner._sessions["s"]
+    state = runner.sessions["s"]
     new = "Answer like a pirate, in one short sentence."
     assert runner.set_instructions("s", new) == "replaced"
     assert state.thinker.length == len(system_turn_ids(loaded.ids, loaded.tokenizer, new))
@@ -76,7 +76,7 @@ def test_instructions_replace_then_queue(runner, loaded) -> None:
 
 def test_truncate_cuts_the_cache_to_the_heard_tokens(runner, loaded) -> None:
     runner.open_session("s")
-    state = runner._sessions["s"]
+    state = runner.sessions["s"]
     runner.add_user_text("s", "Tell me a story")
     done = run_reply(runner, "s")
     last = state.last_reply
@@ -99,7 +99,7 @@ def test_truncate_cuts_the_cache_to_the_heard_tokens(runner, loaded) -> None:
 
 def test_truncate_takes_back_a_turn_being_spoken(runner, loaded) -> None:
     runner.open_session("s")
-    state = runner._sessions["s"]
+    state = runner.sessions["s"]
     runner.add_user_text("s", "Tell me a story")
     run_reply(runner, "s")
     last = state.last_reply
@@ -160,7 +160,7 @@ def test_voice_picks_the_talker_speaker(runner, loaded) -> None:
     runner.set_voice("other", other)
     with pytest.raises(ValueError, match="this model speaks as"):
         runner.set_voice("other", "marin")
-    assert runner._sessions["other"].voice == other  # a refused voice changes nothing
+    assert runner.sessions["other"].voice == other  # a refused voice changes nothing
     base = reply_audio(runner, "default")
     assert np.array_equal(reply_audio(runner, "same"), base)
     changed = reply_audio(runner, "other")

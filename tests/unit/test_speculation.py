@@ -49,9 +49,9 @@ def speculate_until_held(runner: StreamingRunner, sid: str) -> None:
     for _ in range(50):
         visible = [o for o in runner.step() if not isinstance(o, StageTime)]
         assert visible == [], "a speculation's output got out"
-        if runner._sessions[sid].reply.phase is ReplyPhase.HELD:
+        if runner.sessions[sid].reply.phase is ReplyPhase.HELD:
             break
-    reply = runner._sessions[sid].reply
+    reply = runner.sessions[sid].reply
     assert reply.phase is ReplyPhase.HELD
     assert any(isinstance(o, AudioOut) for o in reply.held) and any(isinstance(o, TextDelta) for o in reply.held)
     assert not runner.has_work(), "a held speculation still takes ticks"
@@ -68,7 +68,7 @@ def test_discarded_speculations_leave_no_trace(loaded) -> None:
     want = plain_reply(loaded, a, b, c)
     runner = StreamingRunner(loaded, SYSTEM, **OPTIONS)
     runner.open_session("s")
-    state = runner._sessions["s"]
+    state = runner.sessions["s"]
     speak(runner, "s", a)
     for piece in (b, c):  # two pauses in one turn, each speculated on and spoken over
         lengths = (state.thinker.length, state.talker.length, list(state.closing))
@@ -100,9 +100,9 @@ def test_committed_speculation_releases_its_held_frame_at_once(loaded) -> None:
     runner.begin_reply("s", [])
     ready = runner.take_ready()
     assert [type(o) for o in ready][-1] is AudioOut and any(isinstance(o, TextDelta) for o in ready)
-    assert runner._sessions["s"].reply.phase is ReplyPhase.STREAMING
+    assert runner.sessions["s"].reply.phase is ReplyPhase.STREAMING
     runner.append_audio("s", pause)  # the next turn's audio does not touch the committed reply
-    assert runner._sessions["s"].reply.phase is ReplyPhase.STREAMING
+    assert runner.sessions["s"].reply.phase is ReplyPhase.STREAMING
     outputs = finish(runner, "s")
     done = [o for o in outputs if isinstance(o, ReplyDone)][0]
     assert done.stats["speculative"] is True and done.stats["first_audio_seconds"] == 0.0
@@ -113,10 +113,10 @@ def test_an_edit_discards_the_speculation(loaded) -> None:
     runner = StreamingRunner(loaded, SYSTEM, **OPTIONS)
     runner.open_session("s")
     speak(runner, "s", make_audio(0.8, 220, 5))
-    length = runner._sessions["s"].thinker.length
+    length = runner.sessions["s"].thinker.length
     speculate_until_held(runner, "s")
     runner.add_user_text("s", "and one more thing")
-    assert runner._sessions["s"].reply is None and runner._sessions["s"].thinker.length == length
+    assert runner.sessions["s"].reply is None and runner.sessions["s"].thinker.length == length
 
 
 def test_speculations_are_served_last() -> None:

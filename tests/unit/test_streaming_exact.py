@@ -138,11 +138,11 @@ def test_audio_is_prefilled_while_the_user_speaks(loaded):
         loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, audio_window_s=1.0, record=True
     )
     runner.open_session("s")
-    before = runner._sessions["s"].thinker.length
+    before = runner.sessions["s"].thinker.length
     for i in range(0, len(audio), 1280):
         runner.append_audio("s", audio[i : i + 1280])
     # Two full 1 s windows are final: header + audio_start + 2 x 13 tokens are already in.
-    assert runner._sessions["s"].thinker.length - before == 3 + 1 + 26
+    assert runner.sessions["s"].thinker.length - before == 3 + 1 + 26
     runner.begin_reply("s", [image])
     while runner.has_work():
         runner.step()
@@ -223,12 +223,12 @@ def test_cancel_then_next_turn_keeps_what_was_said(loaded):
 def test_discard_turn_rolls_back_the_prefilled_audio(loaded):
     runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, audio_window_s=1.0)
     runner.open_session("s")
-    start = runner._sessions["s"].thinker.length
+    start = runner.sessions["s"].thinker.length
     runner.append_audio("s", make_audio(1.3, 220, 12))
-    assert runner._sessions["s"].thinker.length > start
+    assert runner.sessions["s"].thinker.length > start
     runner.discard_turn("s")
     # The static slot cache masks keys by index: the length is all there is to roll back.
-    assert runner._sessions["s"].thinker.length == start
+    assert runner.sessions["s"].thinker.length == start
 
 
 def test_two_sessions_stepped_together_stay_independent(loaded, compiled):

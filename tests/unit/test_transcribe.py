@@ -58,7 +58,7 @@ def runner(loaded):
 def test_transcription_only_session(runner):
     runner.open_session("c")
     assert runner.set_transcription("c", "only") == "only"
-    free = len(runner._slots._free)
+    free = len(runner.sessions.slots._free)
     lengths = []
     for turn in range(3):
         runner.set_transcript_item("c", f"item{turn}")
@@ -73,19 +73,19 @@ def test_transcription_only_session(runner):
         assert len(finals) == 1 and finals[0].item_id == f"item{turn}"
         check_prefixes(partials, finals[0])
         lengths.append(runner.transcriber.sessions["c"].kv.length)
-        state = runner._sessions["c"]
+        state = runner.sessions["c"]
         assert not state.turn.header_done and state.reply is None  # no conversation at all
     assert len(set(lengths)) == 1  # back to the system prompt after every turn: bounded
-    assert len(runner._slots._free) == free  # no second slot
+    assert len(runner.sessions.slots._free) == free  # no second slot
     with pytest.raises(RuntimeError):
         runner.begin_reply("c", [])
 
 
 def test_conversation_transcribes_in_its_own_slot(runner):
     runner.open_session("s")
-    free = len(runner._slots._free)
+    free = len(runner.sessions.slots._free)
     runner.set_transcription("s", "on")
-    assert len(runner._slots._free) == free - 1
+    assert len(runner.sessions.slots._free) == free - 1
     runner.set_transcript_item("s", "u1")
     partials = speak(runner, "s", audio(2.4, 7))
     assert partials
@@ -101,9 +101,9 @@ def test_conversation_transcribes_in_its_own_slot(runner):
     runner.discard_turn("s")
     assert not [o for o in run_until_idle(runner) if isinstance(o, TranscriptOut)]
     runner.set_transcription("s", "off")
-    assert len(runner._slots._free) == free
+    assert len(runner.sessions.slots._free) == free
     runner.close_session("s")
-    assert len(runner._slots._free) == free + 1
+    assert len(runner.sessions.slots._free) == free + 1
 
 
 def test_partials_wait_for_first_audio(runner):
@@ -117,10 +117,10 @@ def test_partials_wait_for_first_audio(runner):
     wav = audio(2.0, 4)
     for i in range(0, len(wav), PIECE):  # an idle engine encodes at once: tokens are ready
         runner.append_audio("captions", wav[i : i + PIECE])
-    assert runner.transcriber.has_work(runner._sessions)
+    assert runner.transcriber.has_work(runner.sessions)
     runner.begin_reply("talker", [])
     first = runner.step()
-    assert runner._sessions["talker"].reply.prefill.done  # the reply's prefill had the tick
+    assert runner.sessions["talker"].reply.prefill.done  # the reply's prefill had the tick
     assert not [o for o in first if isinstance(o, TranscriptOut)]
     later = [o for o in run_until_idle(runner) if isinstance(o, TranscriptOut)]
     assert later and all(o.item_id == "c1" for o in later)
@@ -167,7 +167,7 @@ def test_a_new_session_takes_back_a_transcription_slot(runner):
     with pytest.raises(RuntimeError):
         runner.set_transcription("s2", "on")
     runner.open_session("s3")
-    assert "s1" not in runner.transcriber.sessions and set(runner._sessions) == {"s1", "s2", "s3"}
+    assert "s1" not in runner.transcriber.sessions and set(runner.sessions) == {"s1", "s2", "s3"}
 
 
 def test_partials_come_at_each_half_second_mark(runner):
@@ -177,7 +177,7 @@ def test_partials_come_at_each_half_second_mark(runner):
     runner.set_transcription("c", "only")
     runner.set_transcript_item("c", "i")
     wav, frame = audio(2.3, 21), 320
-    mel = runner._sessions["c"].turn.audio.mel
+    mel = runner.sessions["c"].turn.audio.mel
     at = []
     for i in range(0, len(wav), frame):
         runner.append_audio("c", wav[i : i + frame])

@@ -1,6 +1,6 @@
-"""Conversation edits behind the Realtime API's items, the StreamingRunner's part of them (a
-mixin: these methods run on the runner, on the engine thread, called by name through
-Engine.call): user text items, instructions, the voice, truncating the latest reply to what was
+"""Conversation edits behind the Realtime API's items, the StreamingRunner's component for them
+(on the engine thread; the runner's methods of the same names, called through Engine.call,
+delegate here): user text items, instructions, the voice, truncating the latest reply to what was
 heard (conversation.item.truncate and the server's barge-in), and a read-only view of the slot.
 
 Every edit first discards a speculative reply (agent/engine/runner/speculation.py): it answered the
@@ -9,39 +9,50 @@ conversation as it was before the edit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from agent.engine.checkpoints.model import LoadedModel
+from agent.engine.runner.sessions import SessionTable
+from agent.engine.runner.speculation import Speculation
+from agent.engine.stages.talker import TalkerOps
+from agent.engine.stages.turn_prefill import TurnPrefill
 from agent.engine.state.session import LastReply
-
-if TYPE_CHECKING:
-    from agent.engine.runner.streaming import StreamingRunner
 
 
 class ConversationEdits:
-    def add_user_text(self: StreamingRunner, session_id: str, text: str) -> int:
+    def __init__(
+        self,
+        sessions: SessionTable,
+        loaded: LoadedModel,
+        turns: TurnPrefill,
+        talker: TalkerOps,
+        speculation: Speculation,
+    ) -> None:
+        self.sessions, self.loaded, self.turns, self.talker = sessions, loaded, turns, talker
+        self.speculation = speculation
+
+    def add_user_text(self, session_id: str, text: str) -> int:
         """A user text message: it joins the turn being spoken, after its audio (prefilled at the
         end of the turn). Returns its token count."""
-        self.drop_speculation(session_id)  # a speculation answers the turn without it
+        self.speculation.drop_speculation(session_id)  # a speculation answers the turn without it
         ids = self.turns.text_ids(text)
-        self._sessions[session_id].turn.text_ids += ids
+        self.sessions[session_id].turn.text_ids += ids
         return len(ids)
 
-    def set_voice(self: StreamingRunner, session_id: str, voice: str) -> str:
+    def set_voice(self, session_id: str, voice: str) -> str:
         """The talker speaker of the session's next replies (a reply keeps the one it began with)."""
-        self.drop_speculation(session_id)
+        self.speculation.drop_speculation(session_id)
         name = self.talker.voice_name(voice)
-        self._sessions[session_id].voice = name
+        self.sessions[session_id].voice = name
         return name
 
     @torch.inference_mode()
-    def set_instructions(self: StreamingRunner, session_id: str, text: str) -> str:
+    def set_instructions(self, session_id: str, text: str) -> str:
         """The session's system prompt. Before the first turn it replaces the prefilled one
         ("replaced"); later it is added as a system message before the next user turn
         ("appended"), and it is what a history reset prefills."""
-        self.drop_speculation(session_id)
-        state = self._sessions[session_id]
+        self.speculation.drop_speculation(session_id)
+        state = self.sessions[session_id]
         state.system_prompt = text
         pristine = state.reply is None and state.last_reply is None and not state.turn.header_done
         if pristine and not state.closing:
@@ -55,30 +66,30 @@ class ConversationEdits:
             state.pending_system = ids  # a reply or a turn is under way: after this reply ends
         return "appended"
 
-    def set_context_turns(self: StreamingRunner, session_id: str, turns: int) -> int:
+    def set_context_turns(self, session_id: str, turns: int) -> int:
         """Keep at most `turns` answered turns in the context (0: no bound): the turn after them
         starts the history over from the system prompt (interpreter mode, docs/realtime.md)."""
         if turns < 0:
             raise ValueError("turns must be >= 0")
-        self._sessions[session_id].max_turns = turns
+        self.sessions[session_id].max_turns = turns
         return turns
 
-    def set_reply_instructions(self: StreamingRunner, session_id: str, text: str) -> int:
+    def set_reply_instructions(self, session_id: str, text: str) -> int:
         """Per-response instructions: a system message right before this reply's assistant
         header (it stays in the history). Call before begin_reply; returns its token count."""
-        self.drop_speculation(session_id)
+        self.speculation.drop_speculation(session_id)
         ids = self.turns.system_message_ids(text) if text else []
-        self._sessions[session_id].turn.reply_system_ids = ids
+        self.sessions[session_id].turn.reply_system_ids = ids
         return len(ids)
 
     @torch.inference_mode()
-    def truncate_reply(self: StreamingRunner, session_id: str, audio_frames: int) -> dict:
+    def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
         """The listener heard only the first `audio_frames` codec frames of the latest reply: keep
         the text tokens the talker had consumed by then (frame i was made after reading reply token
         i) and close the assistant turn there, in the thinker cache. A turn being spoken is taken
         back out of the cache first and prefilled again after the new end."""
-        self.drop_speculation(session_id)
-        state = self._sessions[session_id]
+        self.speculation.drop_speculation(session_id)
+        state = self.sessions[session_id]
         last = state.last_reply
         if state.reply is not None or last is None:
             raise RuntimeError("only the latest reply can be truncated, once it has ended")
@@ -93,12 +104,12 @@ class ConversationEdits:
         state.last_reply = LastReply(last.start_length, last.start_pos, last.tokens[:keep], min(keep, last.fed))
         return {"kept_tokens": keep, "dropped_tokens": len(last.tokens) - keep, "context_tokens": state.thinker.length}
 
-    def context(self: StreamingRunner, session_id: str) -> dict:
+    def context(self, session_id: str) -> dict:
         """What the session's KV slot holds of its conversation's end (read-only, for tests and
         debugging): the thinker cache length, the latest reply's tokens as kept in the history
         and where they start, the tokens waiting to be prefilled with the next turn, and where
         the turn being spoken starts in the cache (None: not prefilled yet)."""
-        state = self._sessions[session_id]
+        state = self.sessions[session_id]
         last = state.last_reply
         return {
             "thinker_length": state.thinker.length,

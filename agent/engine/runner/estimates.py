@@ -1,25 +1,27 @@
-"""What the scheduler sees of the StreamingRunner's replies (a mixin: these methods run on the
-runner, on the engine thread): each reply's playout clock as a PlayoutEstimate (the metrics'
+"""What the scheduler sees of the StreamingRunner's replies (a component on the engine thread,
+reading the sessions table): each reply's playout clock as a PlayoutEstimate (the metrics'
 buffer per session) and as the ReplyView that agent/engine/runner/scheduler.py plans a tick from.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from agent.engine.runner.scheduler import PlayoutEstimate, ReplyView
+from agent.engine.runner.sessions import SessionTable
+from agent.engine.state.phase import ReplyPhase
 from agent.engine.state.session import SessionState
-
-if TYPE_CHECKING:
-    from agent.engine.runner.streaming import StreamingRunner
 
 
 class Estimates:
-    def playout(self: StreamingRunner) -> list[PlayoutEstimate]:
+    def __init__(self, sessions: SessionTable, clock: Callable[[], float]) -> None:
+        self.sessions, self.clock = sessions, clock
+
+    def playout(self) -> list[PlayoutEstimate]:
         """Every reply in flight as the scheduler sees it (for metrics: buffer per session)."""
         now = self.clock()
         estimates = []
-        for session_id, state in self._sessions.items():
+        for session_id, state in self.sessions.items():
             reply = state.reply
             if reply is None or reply.phase.speculative:
                 continue
@@ -29,7 +31,19 @@ class Estimates:
             estimates.append(PlayoutEstimate(session_id, phase, clock.buffer_s(now), clock.produced_s, now - since))
         return estimates
 
-    def _view(self: StreamingRunner, session_id: str, state: SessionState, now: float) -> ReplyView:
+    def scheduled(self) -> dict[str, SessionState]:
+        """The sessions whose replies the scheduler plans (a held speculation is parked: it waits
+        for its commit, not for the scheduler)."""
+        return {
+            sid: st
+            for sid, st in self.sessions.items()
+            if st.reply is not None and st.reply.phase is not ReplyPhase.HELD
+        }
+
+    def views(self, replies: dict[str, SessionState], now: float) -> list[ReplyView]:
+        return [self.view(sid, st, now) for sid, st in replies.items()]
+
+    def view(self, session_id: str, state: SessionState, now: float) -> ReplyView:
         reply = state.reply
         if reply.text_only or reply.voice.done:
             buffer = None  # only text left to make: no playout deadline
@@ -41,6 +55,6 @@ class Estimates:
             reply.started,
             reply.phase.prefilling,
             buffer,
-            self._priority.get(session_id, 0),
+            self.sessions.priority(session_id),
             speculative=reply.phase.speculative,
         )

@@ -1,48 +1,63 @@
-"""What a session sends the StreamingRunner between its replies (a mixin: these methods run on
-the runner, on the engine thread): camera frames and microphone audio of the turn being
+"""What a session sends the StreamingRunner between its replies (a component on the engine
+thread, on the sessions table and the turn prefill): camera frames and microphone audio of the turn being
 spoken, a turn discarded or held (interpreter mode), and the session's switches (camera,
 scheduling priority). Audio is encoded and prefilled as it becomes final, at once on an idle
-engine and otherwise in the ticks the scheduler leaves for it (`_prefill_speaking`).
+engine and otherwise in the ticks the scheduler leaves for it (`prefill_speaking`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.runner.replies import Replies
+from agent.engine.runner.sessions import SessionTable
+from agent.engine.runner.speculation import Speculation
+from agent.engine.runner.transcriber import Transcriber
+from agent.engine.stages.turn_prefill import TurnPrefill
 
 
 class Intake:
+    def __init__(
+        self,
+        sessions: SessionTable,
+        turns: TurnPrefill,
+        transcriber: Transcriber,
+        replies: Replies,
+        speculation: Speculation,
+        clock: Callable[[], float],
+    ) -> None:
+        self.sessions, self.turns, self.transcriber = sessions, turns, transcriber
+        self.replies, self.speculation, self.clock = replies, speculation, clock
+
     @torch.inference_mode()
-    def append_video(self: StreamingRunner, session_id: str, image: np.ndarray, at: float) -> None:
+    def append_video(self, session_id: str, image: np.ndarray, at: float) -> None:
         """A camera frame as it arrives, placed on the turn's audio clock; its grid is encoded as
         soon as it closes when no reply exists (agent/engine/stages/video_prefill.py). The vision
         encoder has the lowest priority: not even a held speculation waits for it (its commit
         would), and the frames of a pause it answered are not needed if it is committed."""
-        state = self._sessions.get(session_id)
+        state = self.sessions.get(session_id)
         if state is not None:
-            idle = all(s.reply is None for s in self._sessions.values())
+            idle = all(s.reply is None for s in self.sessions.values())
             self.turns.video.add_frame(state, image, self.clock(), encode_now=idle)
 
     @torch.inference_mode()
-    def append_audio(self: StreamingRunner, session_id: str, pcm: np.ndarray) -> None:
+    def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
         # More of the turn: the user went on, so a speculation on the pause goes (the session
         # keeps the pause's own audio back until it knows; drop_speculation says so earlier).
-        self.drop_speculation(session_id)
-        state = self._sessions[session_id]
+        self.speculation.drop_speculation(session_id)
+        state = self.sessions[session_id]
         self.turns.queue_pcm(state, pcm)
-        if not self._busy():  # idle engine: encode and prefill now, nothing waits for it
+        if not self.replies.busy():  # idle engine: encode and prefill now, nothing waits for it
             self.turns.encode_audio(state)
             self.turns.flush_audio(state)
 
     @torch.inference_mode()
-    def discard_turn(self: StreamingRunner, session_id: str) -> None:
-        self.drop_speculation(session_id)
-        state = self._sessions[session_id]
+    def discard_turn(self, session_id: str) -> None:
+        self.speculation.drop_speculation(session_id)
+        state = self.sessions[session_id]
         turn = state.turn
         self.transcriber.discard(session_id)
         if turn.header_done:  # only ever prefilled while no reply runs, so nothing came after it
@@ -51,42 +66,39 @@ class Intake:
         self.turns.video.seed(state, self.clock())
 
     @torch.inference_mode()
-    def hold_turn(self: StreamingRunner, session_id: str) -> int:
+    def hold_turn(self, session_id: str) -> int:
         """Interpreter pipelining: the user's utterance ended while a reply is still being made.
         The turn is closed now (its audio encoded to the end, its transcript finished) and held;
         the next begin_reply answers it, before the turn being spoken now (the session sends
         that once the reply in flight is done; it may be done already). Returns the turns held."""
-        state = self._sessions[session_id]
+        state = self.sessions[session_id]
         if state.captions_only:
             raise RuntimeError("a transcription-only session has no replies")
-        self.drop_speculation(session_id)  # (none runs while a reply does; the turn ends here)
+        self.speculation.drop_speculation(session_id)  # (none runs while a reply does; the turn ends here)
         turn = self.turns.close_turn(state)
         self.turns.video.seed(state, self.clock())  # the next utterance's turn: the camera's newest frame
         state.held_turns.append(turn)
         self.transcriber.ended(session_id, turn)
         return len(state.held_turns)
 
-    def set_video(self: StreamingRunner, session_id: str, on: bool) -> bool:
+    def set_video(self, session_id: str, on: bool) -> bool:
         """The session's camera switch (Realtime `omni.video`): off, its frames are not looked at
         from the next turn on (a turn whose video block is open keeps it). Returns the setting."""
-        state = self._sessions[session_id]
+        state = self.sessions[session_id]
         state.video = bool(on)
         if not on and not state.turn.audio_open:
-            state.turn.video = None
+            state.turn.video.grids = None
         return state.video
 
-    def set_priority(self: StreamingRunner, session_id: str, priority: int) -> int:
+    def set_priority(self, session_id: str, priority: int) -> int:
         """The session's scheduling priority (agent/gate/priority.py RANK: higher first), from now on."""
-        if session_id not in self._sessions:
-            raise KeyError(session_id)
-        self._priority[session_id] = priority
-        return priority
+        return self.sessions.set_priority(session_id, priority)
 
-    def _prefill_speaking(self: StreamingRunner, budget: int) -> None:
+    def prefill_speaking(self, budget: int) -> None:
         """Encode microphone audio of users speaking, and prefill it (bounded, one batched
         forward) where no reply of theirs holds the thinker cache (a barge-in's audio waits for
         its reply to end)."""
-        states = list(self._sessions.values())
+        states = list(self.sessions.values())
         for state in states:
             self.turns.encode_audio(state)
         self.turns.flush_audios(states, budget)

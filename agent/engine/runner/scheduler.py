@@ -36,7 +36,8 @@ to spare never takes the row of a normal one about to run dry.
    the turn ends) are the lowest priority: they are prefilled only in those same ticks, after
    everything else, so a speculation never delays anyone's audio by more than the tick it shares.
 
-The playout buffer is estimated on the engine side (`PlayoutClock`): the outbound track plays
+The playout buffer is estimated on the engine side (`PlayoutClock`, a reply's state in
+agent/engine/state/reply.py): the outbound track plays
 the audio it gets back to back and plays silence when it runs dry, so the buffer is the time
 at which the audio sent so far ends playing, minus now. Until the first underrun that is
 "audio produced - wall time since the first audio"; after one, the track resumes with the late
@@ -47,6 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agent.engine.state.reply import PlayoutClock as PlayoutClock  # (the reply's own state)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -55,25 +58,6 @@ class SchedulerConfig:
     batch_fill_s: float = 3.0  # a due tick also steps every speaking session under this
     max_batch: int = 0  # rows per batched step (first-audio rows included); 0: no cap
     prefill_chunk_tokens: int = 256  # thinker prefill tokens per tick and per kind of prefill
-
-
-@dataclass
-class PlayoutClock:
-    """Where the session's outbound audio stands, as the engine can tell without the client."""
-
-    first_audio_at: float | None = None  # runner clock at the reply's first audio
-    play_end: float | None = None  # when the audio handed out so far ends playing
-    produced_s: float = 0.0
-
-    def add(self, now: float, seconds: float) -> None:
-        if self.first_audio_at is None:
-            self.first_audio_at = now
-        start = now if self.play_end is None else max(self.play_end, now)
-        self.play_end = start + seconds
-        self.produced_s += seconds
-
-    def buffer_s(self, now: float) -> float | None:
-        return None if self.play_end is None else self.play_end - now
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,18 @@ Scheduling, each tick (policy in agent/engine/runner/scheduler.py, estimates fro
    held until the turn ends) are prefilled in those same ticks, last; once their first frame is
    made they are parked and take no ticks until their commit.
 
-The runner's other parts are mixins, each a module of its own: intake.py (what sessions send
+The runner composes peer components, each a module of its own given only what it uses (none
+holds the runner): the sessions table (sessions.py: states, slots, priorities), the reply
+lifecycle (replies.py: the only code that moves a reply's phase), intake.py (what sessions send
 between replies: frames, audio, held or discarded turns, switches), estimates.py (what the
-scheduler sees), speculation.py, edits.py (truncate, delete, instructions) and agent/engine/runner/transcriber.py.
+scheduler sees), speculation.py (when a speculation starts or goes), edits.py (truncate,
+instructions, voice), transcription.py (transcription commands) beside the Transcriber
+(transcriber.py), and the stages: TurnPrefill (turns), FrameBatcher (frames). Every command is
+a method of the runner (Engine.call calls them by name) delegating to its component; `step()`
+is the tick.
 
-A reply's phase (agent/engine/state/phase.py) is moved only here and in speculation.py, through
-ReplyState.move(); what each stage has made is kept by the stage's module (turns.PrefillStage,
-frames.TextStage / VoiceStage).
+A reply's phase (agent/engine/state/phase.py) is moved only by Replies (replies.py); what each stage has made is in agent/engine/state/reply.py (PrefillStage,
+TextStage, VoiceStage), each advanced by its own stage.
 
 The result equals transformers' generate() on the same prompt (same text ids, same codec
 codes, same waveform up to float rounding), greedy (tests/unit/test_streaming_exact.py) and
@@ -63,31 +68,33 @@ import numpy as np
 import torch
 
 from agent.decoding import Decoding
-from agent.engine.api import Output, ReplyDone, StageTime, TextDelta
+from agent.engine.api import Output, StageTime
 from agent.engine.checkpoints.model import LoadedModel
-from agent.engine.codecs.detok import IncrementalDecoder
 from agent.engine.codecs.output_audio import talker_tokens_for
 from agent.engine.compile.wiring import GraphConfig, Graphing, GraphMode
 from agent.engine.ops.fusion import fuse_decoder
 from agent.engine.ops.moe import fuse_moe
-from agent.engine.ops.slots import SlotPool
 from agent.engine.runner.edits import ConversationEdits
 from agent.engine.runner.estimates import Estimates
 from agent.engine.runner.intake import Intake
-from agent.engine.runner.scheduler import SchedulerConfig, idle_s, plan_tick
+from agent.engine.runner.replies import Replies
+from agent.engine.runner.scheduler import PlayoutEstimate, SchedulerConfig, idle_s, plan_tick
+from agent.engine.runner.sessions import SessionTable
 from agent.engine.runner.speculation import Speculation
-from agent.engine.runner.transcriber import Transcriber, Transcription
-from agent.engine.stages.frame_batch import FrameBatcher, Row, TextStage, VoiceStage
+from agent.engine.runner.transcriber import Transcriber
+from agent.engine.runner.transcription import TranscriptionCommands
+from agent.engine.stages.frame_batch import FrameBatcher, Row
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.thinker import PrefillOut, ThinkerOps
-from agent.engine.stages.turn_prefill import PrefillStage, SpeculationRefused, TurnPrefill
+from agent.engine.stages.turn_parts import SpeculationRefused
+from agent.engine.stages.turn_prefill import TurnPrefill
 from agent.engine.stages.video_clock import VideoPolicy
 from agent.engine.state.kv import KVState
 from agent.engine.state.phase import ReplyPhase
-from agent.engine.state.session import LastReply, ReplyRecord, ReplyState, SessionState
+from agent.engine.state.session import SessionState
 
 
-class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcription):
+class StreamingRunner:
     @torch.inference_mode()
     def __init__(
         self,
@@ -127,9 +134,8 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         self.eos = set(loaded.thinker_eos_ids)
         self.decoding = decoding
         # Reply seeds: reproducible from decoding.seed, else fresh from the OS.
-        self._seeds = random.Random(decoding.seed) if decoding.seed is not None else random.SystemRandom()
+        seeds = random.Random(decoding.seed) if decoding.seed is not None else random.SystemRandom()
         self.record = record
-        self.records: dict[str, ReplyRecord] = {}
         n_window_infer = None if audio_window_s is None else int(round(audio_window_s * 100))
         config = graphs if isinstance(graphs, GraphConfig) else GraphConfig(mode=graphs)
         self.graphing = Graphing(config, loaded.device, max_sessions)
@@ -157,11 +163,18 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         self.thinker.capture_graphs()
         self.talker.capture_graphs()
         self.frames.capture_graphs()
-        self._slots = SlotPool(max_sessions)
         self.transcriber = Transcriber(loaded, self.thinker)  # live input transcription
-        self._sessions: dict[str, SessionState] = {}
-        self._priority: dict[str, int] = {}  # session -> scheduler priority (set_priority); default 0
-        self._ready: list[Output] = []  # released outside a step (take_ready)
+        # The components, side by side: each is given only what it uses.
+        self.sessions = SessionTable(max_sessions, self.transcriber)
+        self.replies = Replies(
+            self.sessions, loaded, self.turns, self.frames, self.talker, clock, self.talker_max_tokens, seeds, record
+        )
+        self.records = self.replies.records  # each session's last reply (record=True)
+        self.speculation = Speculation(self.sessions, self.replies)
+        self.intake = Intake(self.sessions, self.turns, self.transcriber, self.replies, self.speculation, clock)
+        self.estimates = Estimates(self.sessions, clock)
+        self.edits = ConversationEdits(self.sessions, loaded, self.turns, self.talker, self.speculation)
+        self.transcription = TranscriptionCommands(self.sessions, self.transcriber, self.turns)
 
     @classmethod
     def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
@@ -192,100 +205,118 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
             decoding=config.sampling,
         )
 
-    # ---- Runner protocol -------------------------------------------------------------------
+    # ---- sessions and replies --------------------------------------------------------------
 
     @torch.inference_mode()
     def open_session(self, session_id: str) -> None:
-        slot = self.take_session_slot()
+        slot = self.sessions.take_session_slot()
         state = SessionState(slot=slot, thinker=KVState(slot), talker=KVState(slot), turn=self.turns.new_turn())
-        self._sessions[session_id] = state
+        self.sessions.add(session_id, state)
         self.turns.prefill_system(state)
 
     def close_session(self, session_id: str) -> None:
-        state = self._sessions.pop(session_id, None)
-        if state is not None:
-            self._slots.give(state.slot)
-        slot = self.transcriber.close(session_id)
-        if slot is not None:
-            self._slots.give(slot)
+        self.sessions.remove(session_id)  # (its slots go back, its transcription's too)
         self.records.pop(session_id, None)
-        self._priority.pop(session_id, None)
 
     @torch.inference_mode()
     def begin_reply(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> None:
-        state = self._sessions[session_id]
+        state = self.sessions[session_id]
         if state.captions_only:
             raise RuntimeError("a transcription-only session has no replies")
         held = bool(state.held_turns)
-        self._begin_reply(state, images, text_only)
+        self.replies.begin(state, images, text_only)
         if not held:  # (a held turn's transcript ended when it was held)
             # The turn is answered: its transcript ends once the reply's prefill has its audio tail.
             self.transcriber.ended(session_id, state.reply.turn)
 
-    def _begin_reply(self, state: SessionState, images: list[np.ndarray], text_only: bool) -> None:
-        held = state.reply
-        if held is not None and held.phase.speculative:
-            if held.text_only == text_only:
-                self._commit(state)
-                return
-            self._discard(state)
-        if state.held_turns:  # an utterance that ended during the last reply comes first
-            turn = state.held_turns.pop(0)
-        else:  # the turn is answered from now on: audio that comes later belongs to the next one
-            turn, state.turn = state.turn, self.turns.new_turn()
-            self.turns.video.seed(state, self.clock())
-        state.reply = self._new_reply(ReplyPhase.PREFILLING, turn, images, text_only)
-        state.last_reply = None  # the previous reply can no longer be truncated
-        if not text_only:
-            self.frames.start_reply(state)
-
     def cancel_reply(self, session_id: str) -> None:
-        state = self._sessions.get(session_id)
-        if state is None or state.reply is None:
-            return
-        if state.reply.phase.speculative:
-            self._discard(state)  # nothing of it was seen: nothing to end
-        elif state.reply.phase in (ReplyPhase.PREFILLING, ReplyPhase.STREAMING):
-            state.reply.move(ReplyPhase.CANCELLING)
+        state = self.sessions.get(session_id)
+        if state is not None and state.reply is not None:
+            self.replies.cancel(state)
 
-    def _new_reply(self, phase: ReplyPhase, turn, images: list[np.ndarray], text_only: bool) -> ReplyState:
-        return ReplyState(
-            phase=phase,
-            text_only=text_only,
-            turn=turn,
-            started=self.clock(),
-            prefill=PrefillStage(),
-            text=TextStage(IncrementalDecoder(self.loaded.tokenizer)),
-            voice=VoiceStage(self.talker_max_tokens),
-            images=list(images),
-            seed=self._seeds.getrandbits(32),
-        )
+    def take_ready(self) -> list[Output]:
+        """Output ready outside a step (a committed speculation's held frame): the engine loop
+        emits it right after the command that released it."""
+        return self.replies.take_ready()
+
+    # ---- delegated commands (Engine.call calls them by name) -----------------------------------
+
+    def speculate(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> bool:
+        return self.speculation.speculate(session_id, images, text_only)
+
+    def drop_speculation(self, session_id: str) -> bool:
+        return self.speculation.drop_speculation(session_id)
+
+    def append_video(self, session_id: str, image: np.ndarray, at: float) -> None:
+        self.intake.append_video(session_id, image, at)
+
+    def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
+        self.intake.append_audio(session_id, pcm)
+
+    def discard_turn(self, session_id: str) -> None:
+        self.intake.discard_turn(session_id)
+
+    def hold_turn(self, session_id: str) -> int:
+        return self.intake.hold_turn(session_id)
+
+    def set_video(self, session_id: str, on: bool) -> bool:
+        return self.intake.set_video(session_id, on)
+
+    def set_priority(self, session_id: str, priority: int) -> int:
+        return self.intake.set_priority(session_id, priority)
+
+    def add_user_text(self, session_id: str, text: str) -> int:
+        return self.edits.add_user_text(session_id, text)
+
+    def set_voice(self, session_id: str, voice: str) -> str:
+        return self.edits.set_voice(session_id, voice)
+
+    def set_instructions(self, session_id: str, text: str) -> str:
+        return self.edits.set_instructions(session_id, text)
+
+    def set_context_turns(self, session_id: str, turns: int) -> int:
+        return self.edits.set_context_turns(session_id, turns)
+
+    def set_reply_instructions(self, session_id: str, text: str) -> int:
+        return self.edits.set_reply_instructions(session_id, text)
+
+    def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
+        return self.edits.truncate_reply(session_id, audio_frames)
+
+    def context(self, session_id: str) -> dict:
+        return self.edits.context(session_id)
+
+    def set_transcription(self, session_id: str, mode: str) -> str:
+        return self.transcription.set_transcription(session_id, mode)
+
+    def set_transcript_item(self, session_id: str, item_id: str) -> None:
+        self.transcription.set_transcript_item(session_id, item_id)
+
+    def end_turn(self, session_id: str) -> None:
+        self.transcription.end_turn(session_id)
+
+    def playout(self) -> list[PlayoutEstimate]:
+        return self.estimates.playout()
+
+    # ---- the tick ------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return (
-            bool(self._ready)
-            or self._busy()
-            or any(self.turns.pcm_queued(s) for s in self._sessions.values())
-            or self.transcriber.has_work(self._sessions)
+            bool(self.replies.ready)
+            or self.replies.busy()
+            or any(self.turns.pcm_queued(s) for s in self.sessions.values())
+            or self.transcriber.has_work(self.sessions)
         )
 
     def idle_s(self) -> float:
         """Seconds until a step is of use (0: now). Replies far enough ahead of real time are
         not stepped before they need to be (agent/engine/runner/scheduler.py); other work is due now."""
-        states = self._sessions.values()
-        if self._ready or any(s.reply is not None and s.reply.phase is ReplyPhase.CANCELLING for s in states):
+        if self.replies.ready or self.replies.cancelling():
             return 0.0
         if self._other_work():
             return 0.0
         now = self.clock()
-        return idle_s(
-            [
-                self._view(sid, st, now)
-                for sid, st in self._sessions.items()
-                if st.reply is not None and st.reply.phase is not ReplyPhase.HELD
-            ],
-            self.schedule,
-        )
+        return idle_s(self.estimates.views(self.estimates.scheduled(), now), self.schedule)
 
     @torch.inference_mode()
     def step(self) -> list[Output]:
@@ -293,18 +324,12 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         replies: one token); first-audio replies get their prefill (chunk) and first frame;
         speculative ones too, when nothing else needs the tick, their output held."""
         outputs: list[Output] = self.take_ready()
-        for session_id, state in list(self._sessions.items()):
+        for session_id, state in list(self.sessions.items()):
             if state.reply is not None and state.reply.phase is ReplyPhase.CANCELLING:
-                outputs += self._finish(session_id, state, "cancelled")
+                outputs += self.replies.finish(session_id, state, "cancelled")
         now = self.clock()
-        # A held speculation is parked: it waits for its commit, not for the scheduler.
-        replies = {
-            sid: st
-            for sid, st in self._sessions.items()
-            if st.reply is not None and st.reply.phase is not ReplyPhase.HELD
-        }
-        views = [self._view(sid, st, now) for sid, st in replies.items()]
-        plan = plan_tick(views, self.schedule, other_work=self._other_work())
+        replies = self.estimates.scheduled()
+        plan = plan_tick(self.estimates.views(replies, now), self.schedule, other_work=self._other_work())
 
         # First-audio replies share the prefill budget in deadline order, and all their chunks
         # run in one batched forward (as do the talker prefixes of those that finish);
@@ -318,7 +343,7 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
             try:
                 take = self.turns.reply_chunk(state, budget)
             except SpeculationRefused:  # it would drop the history: that cannot be undone
-                self._discard(state)
+                self.replies.discard(state)
                 continue
             except Exception as exc:
                 # This session's own end-of-turn work (its audio tail, its frames) failed, e.g.
@@ -336,30 +361,32 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
         # Row order puts the new replies' first frames first.
         outputs += self.frames.render(started + decoding, self.clock())
         for _, state in started:
-            reply = state.reply
-            reply.move(ReplyPhase.HELD if reply.phase is ReplyPhase.SPECULATING else ReplyPhase.STREAMING)
+            self.replies.first_frame(state)
         for session_id, state in started + decoding:
             # A held reply cannot be finished: its first token is never the end and it stops at one frame.
             if state.reply.phase is ReplyPhase.STREAMING and state.reply.finished:
-                outputs += self._finish(session_id, state, "")
+                outputs += self.replies.finish(session_id, state, "")
         if plan.audio_prefill:
-            self._prefill_speaking(self.schedule.prefill_chunk_tokens)
+            self.intake.prefill_speaking(self.schedule.prefill_chunk_tokens)
             # Transcription last of all: under load the partials are what slows down first.
-            outputs += self.transcriber.step(self._sessions)
+            outputs += self.transcriber.step(self.sessions)
         # Stage times first: callers (and tests) read a reply's ReplyDone as the last output.
-        return self._stage_times() + self._hold(outputs)
+        return self._stage_times() + self.replies.hold(outputs)
 
     # ---- internals ---------------------------------------------------------------------------
 
     def _other_work(self) -> bool:
         """Work besides the replies: microphone audio to encode and prefill, transcription."""
-        return any(self.turns.pcm_queued(s) for s in self._sessions.values()) or self.transcriber.has_work(
-            self._sessions
-        )
+        return any(self.turns.pcm_queued(s) for s in self.sessions.values()) or self.transcriber.has_work(self.sessions)
 
-    def _busy(self) -> bool:
-        """A reply needs engine work (a held speculation does not: it waits for its commit)."""
-        return any(s.reply is not None and s.reply.phase is not ReplyPhase.HELD for s in self._sessions.values())
+    def _fail(self, session_id: str, state: SessionState, exc: Exception) -> list[Output]:
+        """A reply whose own work raised ends with an error (a speculation is discarded) and a
+        spoken one's turn is dropped, so the session's next turn starts clean."""
+        spoken = not state.reply.phase.speculative
+        outputs = self.replies.fail(session_id, state, exc)
+        if spoken:
+            self.intake.discard_turn(session_id)
+        return outputs
 
     def _first_tokens(self, finished: list[tuple[str, SessionState, PrefillOut]]) -> list[Output]:
         """First text token of every reply whose prefill just finished, then the talker prefixes
@@ -378,71 +405,9 @@ class StreamingRunner(Intake, Estimates, Speculation, ConversationEdits, Transcr
 
     def _stage_times(self) -> list[Output]:
         outputs: list[Output] = []
-        for session_id, state in self._sessions.items():
+        for session_id, state in self.sessions.items():
             outputs += [StageTime(name, s, session_id) for name, s in state.pending_stages]
             state.pending_stages.clear()
         outputs += self.frames.stage_times
         self.frames.stage_times = []
         return outputs
-
-    def _fail(self, session_id: str, state: SessionState, exc: Exception) -> list[Output]:
-        """End a reply whose own work raised: its half-started prefill is abandoned and its turn
-        dropped, so the session's next turn starts clean."""
-        if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
-            torch.cuda.empty_cache()  # what the failed allocation left cached is no one's
-        if state.reply.phase.speculative:
-            self._discard(state)  # unseen, like any dropped speculation; the turn goes on
-            return []
-        if state.reply.phase is not ReplyPhase.CANCELLING:
-            state.reply.move(ReplyPhase.CANCELLING)  # its work is abandoned, then it ends
-        outputs = self._finish(session_id, state, "error")
-        self.discard_turn(session_id)
-        done = outputs[-1]
-        assert isinstance(done, ReplyDone)
-        return outputs[:-1] + [replace(done, stats={**done.stats, "error": f"{type(exc).__name__}: {exc}"})]
-
-    def _finish(self, session_id: str, state: SessionState, reason: str) -> list[Output]:
-        reply, turn = state.reply, state.reply.turn
-        reply.move(ReplyPhase.ENDED)
-        if not reason:
-            capped = "length" in (reply.text.reason, reply.voice.reason)
-            reason = "length" if capped else "stop"
-        text_ids = [t for t in reply.text.tokens if t not in self.eos]
-        if reply.prefill.done:
-            # The history keeps this reply as text: what the thinker has not fed yet, then the end.
-            state.closing = [t for t in reply.text.tokens[reply.text.fed :] if t not in self.eos]
-            state.closing += [self.loaded.ids.im_end, *self.loaded.ids.newline]
-            fed = min(reply.text.fed, len(text_ids))
-            state.last_reply = LastReply(state.thinker.length - fed, state.thinker.next_pos - fed, tuple(text_ids), fed)
-            state.closing += state.pending_system  # instructions changed during the reply
-            state.pending_system = []
-            if not reply.voice.started:  # its user turn is not in the talker cache yet
-                state.talker_backlog.append(turn.talker)
-        else:
-            self.turns.abandon_reply(state)
-        stats = {
-            "prefill_tokens": turn.prefill_tokens if reply.prefill.done else 0,
-            "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefill.done else 0,
-            "input_image_tokens": turn.ids.count(self.loaded.ids.image_pad) if reply.prefill.done else 0,
-            "input_video_tokens": turn.ids.count(self.turns.video.kinds.video_pad) if reply.prefill.done else 0,
-            **self.turns.video.stats(turn, reply.frames_encoded_at_end),
-            "history_reset": turn.history_reset if reply.prefill.done else False,
-            "text_tokens": len(text_ids),
-            "audio_frames": len(reply.voice.frame_codes),
-            "audio_samples": reply.voice.samples_out,
-            "context_tokens": state.thinker.length,
-            "first_audio_seconds": reply.first_audio,
-            "reply_seconds": self.clock() - reply.started,
-            "stage_seconds": dict(reply.stage_seconds),
-            "speculative": reply.from_speculation,  # committed from a speculative start
-            "seed": reply.seed,  # its sampling stream: the same seed and input give the same reply
-        }
-        if self.record:
-            codes = np.array(reply.voice.frame_codes, dtype=np.int64).T.reshape(self.talker.num_groups, -1)
-            wav = np.concatenate(reply.voice.wav) if reply.voice.wav else np.zeros(0, dtype=np.float32)
-            self.records[session_id] = ReplyRecord(tuple(text_ids), codes, wav, stats["prefill_tokens"])
-        state.reply = None
-        assert reply.text.decoder is not None
-        tail = reply.text.decoder.finish()  # a split character held back at the very end
-        outputs: list[Output] = [TextDelta(session_id, tail, ())] if tail else []
-        return outputs + [ReplyDone(session_id, reason, text=reply.text.decoder.text, stats=stats)]

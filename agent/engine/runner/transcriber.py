@@ -25,13 +25,14 @@ changes, only the tail after it may; the end of the turn makes one last, longer 
 
 A conversation session transcribes in a row of its own (a second slot of the pool); a
 transcription-only session has no conversation and uses its own slot's row (one slot, no
-talker, no replies: the cheapest session there is). Scheduling: transcription runs after
+talker, no replies: the cheapest session there is); the slots come from the runner's sessions
+table (agent/engine/runner/sessions.py), the commands that open and close transcripts from
+agent/engine/runner/transcription.py. Scheduling: transcription runs after
 everything else in a tick (StreamingRunner.step), so under load partials slow down first.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,8 +44,6 @@ from agent.engine.stages.audio_stream import AudioBlockEncoder
 from agent.engine.stages.thinker import ThinkerOps
 from agent.engine.state.kv import KVState
 from agent.engine.state.session import SessionState, TurnState
-
-log = logging.getLogger(__name__)
 
 TRANSCRIBE_SYSTEM = "You are a speech recognizer. Write down exactly what the user says, nothing else."
 TRANSCRIBE_ASK = "Transcribe the audio."
@@ -267,52 +266,3 @@ def _common(a: str, b: str) -> str:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
-
-
-class Transcription:
-    """StreamingRunner's transcription commands (a mixin, like Speculation): sessions call
-    them through Engine.call, in order with their audio."""
-
-    def set_transcription(self, session_id: str, mode: str) -> str:
-        """mode 'on': transcribe the user's turns in a slot of their own (a conversation);
-        'only': a transcription-only session (no replies; its own slot transcribes); 'off'."""
-        state = self._sessions[session_id]
-        if mode not in ("on", "only", "off"):
-            raise ValueError(f"transcription mode {mode!r}")
-        if mode == "off" or (mode == "on") == state.captions_only:
-            slot = self.transcriber.close(session_id)
-            if slot is not None:
-                self._slots.give(slot)
-            state.captions_only = False
-        if mode == "off" or session_id in self.transcriber.sessions:
-            return mode
-        if mode == "only":
-            if state.reply is not None or state.turn.header_done:
-                raise RuntimeError("a conversation cannot become a transcription-only session")
-            state.captions_only = True
-            self.transcriber.open(session_id, state.slot, own=False)
-        else:
-            self.transcriber.open(session_id, self._slots.take(), own=True)
-        return mode
-
-    def take_session_slot(self) -> int:
-        """A slot for a new session. Sessions come first: when none is free, a conversation's
-        transcription gives back the slot it took (that session's transcription stops)."""
-        try:
-            return self._slots.take()
-        except RuntimeError:
-            for session_id, tr in list(self.transcriber.sessions.items()):
-                if tr.own_slot is not None:
-                    log.warning("session %s: transcription stopped, its slot went to a new session", session_id)
-                    self._slots.give(self.transcriber.close(session_id))
-                    return self._slots.take()
-            raise
-
-    def set_transcript_item(self, session_id: str, item_id: str) -> None:
-        self.transcriber.set_item(session_id, item_id)
-
-    @torch.inference_mode()
-    def end_turn(self, session_id: str) -> None:
-        """End of a turn in a transcription-only session: its audio tail, then the final run."""
-        turn = self.turns.close_turn(self._sessions[session_id])
-        self.transcriber.ended(session_id, turn)

@@ -19,16 +19,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from agent.decoding import Decoding
 from agent.engine.api import AudioOut, Output, StageTime, TextDelta
 from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.codecs.code2wav import SlotCode2Wav
-from agent.engine.codecs.detok import IncrementalDecoder
 from agent.engine.codecs.output_audio import to_pcm16
 from agent.engine.compile.wiring import Graphing
 from agent.engine.ops.sampling import THINKER, row_tensor
@@ -39,35 +36,6 @@ from agent.engine.stages.token_choice import TokenChoice
 from agent.engine.state.session import SessionState, add_batch_time
 
 Row = tuple[str, SessionState]
-
-
-@dataclass
-class TextStage:
-    """A reply's thinker side, advanced here: its tokens (the end token too) and how many the
-    thinker cache holds (the thinker stays one token ahead of the talker)."""
-
-    decoder: IncrementalDecoder  # the reply's text deltas
-    tokens: list[int] = field(default_factory=list)
-    fed: int = 0
-    done: bool = False
-    reason: str = ""  # "stop" | "length"
-
-
-@dataclass
-class VoiceStage:
-    """A reply's talker, code-predictor and code2wav side, advanced here."""
-
-    max_tokens: int  # talker (codebook-0) tokens at most: the reply's audio cap
-    started: bool = False  # its talker prefix is in the talker cache
-    done: bool = False
-    reason: str = ""
-    codes0: list[int] = field(default_factory=list)  # codebook-0 tokens generated
-    last_hidden: torch.Tensor | None = None  # talker's last hidden state for codes0[-1]
-    next_codec_embed: torch.Tensor | None = None  # sum of the last frame's 16 codebook embeddings
-    frame_codes: list[list[int]] = field(default_factory=list)  # all 16 codes of each rendered frame
-    pending_frame: bool = False  # codes0[-1] still needs its residual codes and audio
-    samples_out: int = 0
-    wav: list[np.ndarray] = field(default_factory=list)  # float samples, kept when recording
 
 
 class FrameBatcher:

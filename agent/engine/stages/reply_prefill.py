@@ -1,5 +1,5 @@
-"""The end of a user turn, TurnPrefill's part of it (a mixin: these methods run on the runner's
-TurnPrefill, on the engine thread): the answered turn's audio tail, its last video grids or
+"""The end of a user turn, a part TurnPrefill holds (agent/engine/stages/turn_prefill.py; on the
+engine thread), on the prefill machinery it shares with it (TurnParts): the answered turn's audio tail, its last video grids or
 still images, `<|im_end|>` and the assistant header, prefilled in bounded chunks that share
 batched forwards; a reply cancelled before its prefill finished gives its turn back; and the
 talker's prefix of every reply whose prefill finished, in one batched forward.
@@ -9,25 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from agent.engine.checkpoints.model import assistant_start_ids, encode_images
 from agent.engine.stages.thinker import PrefillOut
+from agent.engine.stages.turn_parts import TurnJob, TurnParts
 from agent.engine.stages.video_grid import GridPlace
 from agent.engine.stages.video_prefill import join_features
 from agent.engine.state.session import SessionState, timed, timed_all
-
-if TYPE_CHECKING:
-    from agent.engine.stages.turn_prefill import TurnJob, TurnPrefill
 
 
 @dataclass
 class ReplyPrefill:
     """An end-of-turn prefill in progress, and what to restore if its reply is cancelled first."""
 
-    part: "TurnJob"
+    part: TurnJob
     start_length: int
     start_pos: int
     header_done: bool
@@ -37,11 +34,16 @@ class ReplyPrefill:
 
 
 class EndOfTurn:
-    def start_reply(self: TurnPrefill, state: SessionState) -> ReplyPrefill:
+    def __init__(self, parts: TurnParts) -> None:
+        self.parts = parts
+        self.loaded, self.thinker, self.talker, self.ids = parts.loaded, parts.thinker, parts.talker, parts.ids
+        self.video = parts.video
+
+    def start_reply(self, state: SessionState) -> ReplyPrefill:
         """End of turn: the audio tail, the frames, <|im_end|>\\n<|im_start|>assistant\\n.
         The answered turn is reply.turn (begin_reply moved it out of state.turn)."""
         reply, turn = state.reply, state.reply.turn
-        self._encode(state, turn)
+        self.parts.encode(state, turn)
         if not turn.audio.finished:  # a held turn's tail was encoded when it ended (close_turn)
             with timed(state, "audio_encoder"):
                 tail = turn.audio.finish()
@@ -58,8 +60,8 @@ class EndOfTurn:
                 pixels = encode_images(self.loaded, reply.images)
                 images = self.thinker.encode_images(pixels["pixel_values"], pixels["image_grid_thw"])
             reply.frames_encoded_at_end = len(reply.images)
-        ids = self._open_turn_ids(state, turn)
-        if turn.video is not None:  # the audio tail and the last grids, then the block's end
+        ids = self.parts.open_turn_ids(state, turn)
+        if turn.video.grids is not None:  # the audio tail and the last grids, then the block's end
             part = self.video.part(state, turn, audio, final=True)
             ids += part.ids + [self.ids.audio_end, self.ids.vision_end]
             audio, videos, places = part.audio, join_features(part.feats), part.places
@@ -81,7 +83,7 @@ class EndOfTurn:
         # The tail is not the user's: generate() gives the talker only the user-role tokens, so a
         # per-response system message stays out of the talker's view of the turn, as the header does.
         tail = len(turn.reply_system_ids) + len(header)
-        part = self._start(
+        part = self.parts.start(
             state,
             turn,
             ids,
@@ -94,7 +96,7 @@ class EndOfTurn:
         )
         return ReplyPrefill(part, *before, audio=audio, video_mark=mark)
 
-    def reply_chunk(self: TurnPrefill, state: SessionState, budget: int) -> int:
+    def reply_chunk(self, state: SessionState, budget: int) -> int:
         """Tokens the end-of-turn prefill of `state` takes next within `budget` (starting it
         on first call: audio tail, frames, header)."""
         stage = state.reply.prefill
@@ -103,11 +105,11 @@ class EndOfTurn:
         job = stage.job.part.job
         return min(budget, len(job.ids) - job.done)
 
-    def run_replies(self: TurnPrefill, chunks: Sequence[tuple[SessionState, int]]) -> list[PrefillOut | None]:
+    def run_replies(self, chunks: Sequence[tuple[SessionState, int]]) -> list[PrefillOut | None]:
         """Advance the end-of-turn prefills (state, tokens from reply_chunk) in one batched
         forward; per reply its output when its prefill finished, else None."""
         parts = [(state, state.reply.turn, state.reply.prefill.job.part) for state, _ in chunks]
-        self._run_parts(parts, [n for _, n in chunks])
+        self.parts.run_parts(parts, [n for _, n in chunks])
         outs: list[PrefillOut | None] = []
         for state, _, part in parts:
             if not part.job.finished:
@@ -119,7 +121,7 @@ class EndOfTurn:
             outs.append(part.job.result())
         return outs
 
-    def abandon_reply(self: TurnPrefill, state: SessionState) -> None:
+    def abandon_reply(self, state: SessionState) -> None:
         """A reply cancelled before its prefill finished: its turn was not answered, so it is the
         turn being spoken again (with the audio that came since), as if the reply never began."""
         reply, turn = state.reply, state.reply.turn
@@ -132,7 +134,7 @@ class EndOfTurn:
             return
         if prefill is not None:
             if prefill.part.history_reset:
-                turn = self.new_turn()  # the history went with the context reset: so did the turn
+                turn = self.parts.new_turn()  # the history went with the context reset: so did the turn
             else:
                 state.thinker.crop(prefill.start_length, prefill.start_pos)
                 turn.header_done, turn.audio_open = prefill.header_done, prefill.audio_open
@@ -141,13 +143,13 @@ class EndOfTurn:
                     turn.pending_audio = [prefill.audio]
                 self.video.restore(turn, prefill.video_mark)
                 # Its encoder was finished: later audio is encoded from a fresh stream.
-                turn.audio = self.new_turn().audio
+                turn.audio = self.parts.new_turn().audio
         turn.pcm += state.turn.pcm
         turn.text_ids += state.turn.text_ids
         turn.reply_system_ids = []  # a per-response override ends with its response
         state.turn = turn
 
-    def talker_prefills(self: TurnPrefill, states: Sequence[SessionState]) -> torch.Tensor:
+    def talker_prefills(self, states: Sequence[SessionState]) -> torch.Tensor:
         """The talker's prefix of each reply, one batched forward: every user turn not in its
         cache yet, then the assistant part; returns codebook-0 logits [B, vocab] (sets each
         reply.voice.last_hidden)."""
@@ -156,8 +158,9 @@ class EndOfTurn:
         for state in states:
             reply, turn = state.reply, state.reply.turn
             # Drop the previous reply's part; the earlier user turns stay, the new ones are added.
-            state.talker.crop(state.talker_history_length, state.talker_history_pos)
-            turns = [*state.talker_backlog, turn.talker]
+            history = state.talker_history
+            state.talker.crop(history.length, history.pos)
+            turns = [*history.backlog, turn.talker]
             user_ids = [i for t in turns for i in t.ids]
             grids = [g for t in turns for g in t.image_grids]
             first = self.thinker.token_embeds([reply.text.tokens[0]])
@@ -170,8 +173,9 @@ class EndOfTurn:
             reply = state.reply
             reply.voice.last_hidden = last_hidden[i : i + 1]
             # From now on the cache holds every user turn: the next turn crops back to here.
-            state.talker_history_length += len(ids) - 9
-            state.talker_history_pos = state.talker.next_pos - 9
-            state.talker_backlog = []
+            history = state.talker_history
+            history.length += len(ids) - 9
+            history.pos = state.talker.next_pos - 9
+            history.backlog = []
             reply.voice.started = True
         return logits

@@ -78,9 +78,9 @@ class VideoPrefill:
         if self.policy is None or not state.video or state.last_frame is None:
             return
         at, frame = state.last_frame
-        if now - at <= FRESH_S and state.turn.video is None and not state.turn.audio_open:
-            state.turn.video = self.new_video()
-            state.turn.video.add(frame, 0.0)
+        if now - at <= FRESH_S and state.turn.video.grids is None and not state.turn.audio_open:
+            state.turn.video.grids = self.new_video()
+            state.turn.video.grids.add(frame, 0.0)
 
     def add_frame(self, state: SessionState, frame: np.ndarray, now: float, encode_now: bool) -> None:
         """A camera frame taken by the engine, placed at the turn's audio time; closed grids are
@@ -89,32 +89,32 @@ class VideoPrefill:
         turn = state.turn
         if self.policy is None or not state.video or state.captions_only:
             return
-        if turn.video is None:
+        if turn.video.grids is None:
             if turn.audio_open:
                 return  # the turn's audio block is open as plain audio: its frames cannot join it
-            turn.video = self.new_video()
-        turn.video.add(frame, turn.queued_seconds)
+            turn.video.grids = self.new_video()
+        turn.video.grids.add(frame, turn.queued_seconds)
         if encode_now:
             self.encode(state, turn, at_end=False)
 
     def encode(self, state: SessionState, turn: TurnState, at_end: bool, before: int | None = None) -> int:
-        if turn.video is None:
+        if turn.video.grids is None:
             return 0
         if at_end:
-            turn.video.close_all()
+            turn.video.grids.close_all()
         else:
-            turn.video.close_stale(turn.queued_seconds)
-        if not turn.video.pending(before):
+            turn.video.grids.close_stale(turn.queued_seconds)
+        if not turn.video.grids.pending(before):
             return 0
         with timed(state, "vision_encoder"):
-            return turn.video.encode(self.thinker.encode_video, at_end=at_end, before=before)
+            return turn.video.grids.encode(self.thinker.encode_video, at_end=at_end, before=before)
 
     # ---- the turn's tokens ----------------------------------------------------------------------
 
     def part(self, state: SessionState, turn: TurnState, audio: torch.Tensor | None, final: bool) -> VideoPart:
         """The block's next tokens: its opener (first time), then audio and grids in time order.
         `audio`: the final audio tokens not yet prefilled (at the end: all of them are taken)."""
-        video = turn.video
+        video = turn.video.grids
         ready = 0 if audio is None else audio.shape[0]
         done = sum(a.shape[0] for a in turn.audio_feats)
         self.encode(state, turn, at_end=final, before=done + ready if final else None)
@@ -138,16 +138,16 @@ class VideoPrefill:
         used = audio[:taken] if audio is not None and taken else None
         if used is not None:
             turn.audio_feats.append(used)
-        turn.video_feats += feats
-        turn.video_places += places
+        turn.video.feats += feats
+        turn.video.places += places
         return VideoPart(ids, used, left, feats, places)
 
     def positions(
         self, turn: TurnState, ids: Sequence[int], start: int, images: ImageFeatures | None, places: Sequence[GridPlace]
     ) -> tuple[torch.Tensor, int]:
-        """RoPE positions of a video turn's part (the open block carried in turn.av_block);
+        """RoPE positions of a video turn's part (the open block carried in turn.video.block);
         whole numbers stay integer so that a part without frames runs as a captured graph."""
-        rope, next_pos, turn.av_block = av_positions(
+        rope, next_pos, turn.video.block = av_positions(
             ids,
             start,
             self.kinds,
@@ -155,7 +155,7 @@ class VideoPrefill:
             places,
             self.thinker.merge,
             self.pps,
-            turn.av_block,
+            turn.video.block,
         )
         if torch.equal(rope, rope.round()):
             rope = rope.long()
@@ -164,10 +164,10 @@ class VideoPrefill:
     @staticmethod
     def stats(turn: TurnState, images_at_end: int) -> dict[str, int]:
         """A reply's camera counters for ReplyDone.stats: what the end of its turn had to do."""
-        v = turn.video.stats if turn.video is not None else None
+        v = turn.video.grids.stats if turn.video.grids is not None else None
         return {
             "frames_encoded_at_end_of_turn": images_at_end + (2 * v.grids_encoded_at_end if v else 0),
-            "video_grids": len(turn.video_places),
+            "video_grids": len(turn.video.places),
             "video_grids_encoded_at_end_of_turn": v.grids_encoded_at_end if v else 0,
             "video_grids_prefilled_at_end_of_turn": v.grids_placed_at_end if v else 0,
             "video_grids_dropped": v.grids_dropped if v else 0,
@@ -177,13 +177,13 @@ class VideoPrefill:
     @staticmethod
     def mark(turn: TurnState) -> tuple[int, AVBlock | None]:
         """What to restore if the part about to start is taken back (see restore)."""
-        block = None if turn.av_block is None else AVBlock(turn.av_block.start, turn.av_block.audio)
-        return len(turn.video_places), block
+        block = None if turn.video.block is None else AVBlock(turn.video.block.start, turn.video.block.audio)
+        return len(turn.video.places), block
 
     @staticmethod
     def restore(turn: TurnState, mark: tuple[int, AVBlock | None]) -> None:
         count, block = mark
-        if turn.video is not None:
-            turn.video.unplace(count)
-        del turn.video_feats[count:], turn.video_places[count:]
-        turn.av_block = block
+        if turn.video.grids is not None:
+            turn.video.grids.unplace(count)
+        del turn.video.feats[count:], turn.video.places[count:]
+        turn.video.block = block

@@ -1,10 +1,13 @@
 """A reply's phase and the only transitions it may take, in one place.
 
-A reply in the streaming engine is in exactly one phase at a time; the runner (agent/engine/runner/streaming.py) is the
-only module that moves it, always through `ReplyPhase.to`, which refuses a transition that is
-not in `TRANSITIONS`. What each stage has produced (prefill job, text tokens, codec frames) is
-kept by the stage's own module in its own small object (turns.PrefillStage, frames.TextStage,
-frames.VoiceStage); the phase says what the reply as a whole is doing.
+A reply in the streaming engine is in exactly one phase at a time. One object moves it: the
+runner's reply lifecycle, Replies (agent/engine/runner/replies.py), the only caller of
+ReplyState.move (a new reply, commit, discard, cancel, first frame, finish, fail); the runner's
+step() and the speculation component ask it. A move always goes through `ReplyPhase.to`, which
+refuses a transition that is not in `TRANSITIONS`. What each stage has produced (prefill job,
+text tokens, codec frames) is kept in its own small object (agent/engine/state/reply.py:
+PrefillStage, TextStage, VoiceStage), advanced by that stage; the phase says what the reply as
+a whole is doing.
 
     SPECULATING -> HELD -> STREAMING -> ENDED
          |           |         ^  \

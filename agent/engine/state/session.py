@@ -1,5 +1,6 @@
 """Per-session streaming state: one resettable dataclass per session, one per reply (its phase
-in agent/engine/state/phase.py, its stages' state in the modules that advance them).
+in agent/engine/state/phase.py, moved only by agent/engine/runner/replies.py; what its stages
+made in agent/engine/state/reply.py, each advanced by its own stage).
 
 Everything a session carries between engine steps lives here (its slot in the batched KV
 caches and code2wav state, position counters, the talker's view of the user turns, the reply's
@@ -13,22 +14,17 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from agent.engine.api import Output
-from agent.engine.runner.scheduler import PlayoutClock
 from agent.engine.stages.audio_stream import AudioStream
 from agent.engine.stages.video_clock import TurnVideo
 from agent.engine.stages.video_grid import AVBlock, GridPlace
 from agent.engine.state.kv import KVState
 from agent.engine.state.phase import ReplyPhase
-
-if TYPE_CHECKING:  # the stages' own modules build on this one: annotations only
-    from agent.engine.stages.frame_batch import TextStage, VoiceStage
-    from agent.engine.stages.turn_prefill import PrefillStage
+from agent.engine.state.reply import PlayoutClock, PrefillStage, TextStage, VoiceStage
 
 
 @dataclass
@@ -40,6 +36,42 @@ class TalkerTurn:
     ids: list[int] = field(default_factory=list)
     embeds: list[torch.Tensor] = field(default_factory=list)  # [1, n_i, hidden] pieces
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class TalkerHistory:
+    """The earlier user turns in a session's talker cache (generate() gives the talker every user
+    turn of the prompt): the cache length and position that cover them, and the turns answered
+    text-only since, which wait in the backlog until the next spoken reply. Changed by the
+    talker's prefix (agent/engine/stages/reply_prefill.py), a history reset and a reply's end."""
+
+    backlog: list[TalkerTurn] = field(default_factory=list)
+    length: int = 0  # talker cache length covering the earlier user turns
+    pos: int = 0
+
+    def copy(self) -> TalkerHistory:
+        return TalkerHistory(list(self.backlog), self.length, self.pos)
+
+
+@dataclass
+class TurnVideoState:
+    """A turn's camera as video (agent/engine/stages/video_clock.py), changed by VideoPrefill
+    (agent/engine/stages/video_prefill.py) only, and by a history reset that replays the turn:
+    the turn's grids (None: no video in this turn), the audio-in-video block while it is open,
+    and the grids prefilled so far (features and places, for a replay)."""
+
+    grids: TurnVideo | None = None
+    block: AVBlock | None = None
+    feats: list = field(default_factory=list)  # ImageFeatures per placed grid
+    places: list[GridPlace] = field(default_factory=list)
+
+    def fork(self) -> TurnVideoState:
+        return TurnVideoState(
+            self.grids.fork() if self.grids is not None else None,
+            replace(self.block) if self.block is not None else None,
+            list(self.feats),
+            list(self.places),
+        )
 
 
 @dataclass
@@ -66,12 +98,7 @@ class TurnState:
     # and a per-response system message put right before the assistant header.
     text_ids: list[int] = field(default_factory=list)
     reply_system_ids: list[int] = field(default_factory=list)
-    # The camera as video (agent/engine/stages/video_clock.py): the turn's grids, the audio-in-video
-    # block while it is open, and the grids prefilled so far (features and places, for a replay).
-    video: TurnVideo | None = None
-    av_block: AVBlock | None = None
-    video_feats: list = field(default_factory=list)  # ImageFeatures per placed grid
-    video_places: list[GridPlace] = field(default_factory=list)
+    video: TurnVideoState = field(default_factory=TurnVideoState)  # the camera as video
 
     @property
     def queued_seconds(self) -> float:
@@ -92,18 +119,16 @@ class TurnState:
             talker=talker,
             text_ids=list(self.text_ids),
             reply_system_ids=list(self.reply_system_ids),
-            video=self.video.fork() if self.video is not None else None,
-            av_block=replace(self.av_block) if self.av_block is not None else None,
-            video_feats=list(self.video_feats),
-            video_places=list(self.video_places),
+            video=self.video.fork(),
         )
 
 
 @dataclass
 class ReplyState:
-    """One reply in flight. The runner (agent/engine/runner/streaming.py) owns it and is the only one to move `phase`
-    (agent/engine/state/phase.py); each stage keeps what it has made in its own object, advanced by
-    its own module: `prefill` by agent/engine/stages/turn_prefill.py, `text` (thinker) and `voice` (talker, code predictor,
+    """One reply in flight. Its `phase` (agent/engine/state/phase.py) is moved only by the
+    runner's reply lifecycle (agent/engine/runner/replies.py); each stage keeps what it has made
+    in its own object (agent/engine/state/reply.py), advanced by its own module: `prefill` by
+    agent/engine/stages/turn_prefill.py, `text` (thinker) and `voice` (talker, code predictor,
     code2wav) by agent/engine/stages/frame_batch.py."""
 
     phase: ReplyPhase
@@ -141,8 +166,7 @@ class Rollback:
 
     thinker: tuple[int, int]  # (length, next_pos)
     talker: tuple[int, int]
-    talker_backlog: tuple[TalkerTurn, ...]
-    talker_history: tuple[int, int]  # (talker_history_length, talker_history_pos)
+    talker_history: TalkerHistory  # a copy
     closing: tuple[int, ...]
     last_reply: LastReply | None
 
@@ -151,8 +175,7 @@ class Rollback:
         return cls(
             (state.thinker.length, state.thinker.next_pos),
             (state.talker.length, state.talker.next_pos),
-            tuple(state.talker_backlog),
-            (state.talker_history_length, state.talker_history_pos),
+            state.talker_history.copy(),
             tuple(state.closing),
             state.last_reply,
         )
@@ -160,8 +183,7 @@ class Rollback:
     def restore(self, state: SessionState) -> None:
         state.thinker.crop(*self.thinker)
         state.talker.crop(*self.talker)
-        state.talker_backlog = list(self.talker_backlog)
-        state.talker_history_length, state.talker_history_pos = self.talker_history
+        state.talker_history = self.talker_history.copy()
         state.closing = list(self.closing)
         state.last_reply = self.last_reply
 
@@ -193,11 +215,8 @@ class SessionState:
     thinker: KVState
     talker: KVState
     turn: TurnState
-    # The talker cache starts with every earlier user turn (generate() gives the talker all user
-    # turns of the prompt); a turn answered text-only waits in the backlog until the next spoken reply.
-    talker_backlog: list[TalkerTurn] = field(default_factory=list)
-    talker_history_length: int = 0  # talker cache length covering the earlier user turns
-    talker_history_pos: int = 0
+    # The talker cache starts with every earlier user turn; see TalkerHistory.
+    talker_history: TalkerHistory = field(default_factory=TalkerHistory)
     closing: list[int] = field(default_factory=list)  # the previous reply's unfed tail + <|im_end|>\n
     reply: ReplyState | None = None
     pending_stages: list[tuple[str, float]] = field(default_factory=list)  # emitted by the next step()

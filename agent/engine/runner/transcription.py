@@ -1,0 +1,47 @@
+"""The StreamingRunner's transcription commands (sessions call them through Engine.call, in
+order with their audio): a session's transcription mode, the item id of the turn being spoken,
+and the end of a turn in a transcription-only session. The transcripts themselves are the
+Transcriber's (agent/engine/runner/transcriber.py); their slots come from the sessions table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agent.engine.runner.sessions import SessionTable
+from agent.engine.runner.transcriber import Transcriber
+from agent.engine.stages.turn_prefill import TurnPrefill
+
+
+class TranscriptionCommands:
+    def __init__(self, sessions: SessionTable, transcriber: Transcriber, turns: TurnPrefill) -> None:
+        self.sessions, self.transcriber, self.turns = sessions, transcriber, turns
+
+    def set_transcription(self, session_id: str, mode: str) -> str:
+        """mode 'on': transcribe the user's turns in a slot of their own (a conversation);
+        'only': a transcription-only session (no replies; its own slot transcribes); 'off'."""
+        state = self.sessions[session_id]
+        if mode not in ("on", "only", "off"):
+            raise ValueError(f"transcription mode {mode!r}")
+        if mode == "off" or (mode == "on") == state.captions_only:
+            self.sessions.give(self.transcriber.close(session_id))
+            state.captions_only = False
+        if mode == "off" or session_id in self.transcriber.sessions:
+            return mode
+        if mode == "only":
+            if state.reply is not None or state.turn.header_done:
+                raise RuntimeError("a conversation cannot become a transcription-only session")
+            state.captions_only = True
+            self.transcriber.open(session_id, state.slot, own=False)
+        else:
+            self.transcriber.open(session_id, self.sessions.take_slot(), own=True)
+        return mode
+
+    def set_transcript_item(self, session_id: str, item_id: str) -> None:
+        self.transcriber.set_item(session_id, item_id)
+
+    @torch.inference_mode()
+    def end_turn(self, session_id: str) -> None:
+        """End of a turn in a transcription-only session: its audio tail, then the final run."""
+        turn = self.turns.close_turn(self.sessions[session_id])
+        self.transcriber.ended(session_id, turn)

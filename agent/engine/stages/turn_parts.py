@@ -1,0 +1,186 @@
+"""The parts of a user turn's prefill that both of its sides use (agent/engine/stages/turn_prefill.py:
+the audio while the user speaks; agent/engine/stages/reply_prefill.py: the end of the turn):
+a new turn, the system prompt, the incremental audio encode, the turn's opening tokens, and
+one part of the turn started, run in chunks (batched with other sessions' parts) and finished
+(the user's tokens recorded for the talker), or replayed over a dropped history when the
+context is full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from agent.engine.checkpoints.model import LoadedModel, system_turn_ids
+from agent.engine.stages.audio_stream import AudioStream
+from agent.engine.stages.talker import TalkerOps
+from agent.engine.stages.thinker import ImageFeatures, PrefillJob, ThinkerOps
+from agent.engine.stages.video_clock import VideoPolicy
+from agent.engine.stages.video_grid import GridPlace
+from agent.engine.stages.video_prefill import VideoPrefill, join_features
+from agent.engine.state.kv import KVState
+from agent.engine.state.session import SessionState, TalkerHistory, TalkerTurn, TurnState, timed, timed_all
+
+# Room kept free in the context for the reply and its closing tokens.
+CLOSING_MARGIN = 8
+
+
+@dataclass
+class TurnJob:
+    """Part of a user turn being prefilled: the thinker job and which of its tokens are the
+    user's (the previous reply's closing before, a per-response system message and the
+    assistant header after, are not)."""
+
+    job: PrefillJob
+    n_closing: int
+    assistant_tail: int
+    images: ImageFeatures | None
+    videos: ImageFeatures | None = None
+    history_reset: bool = False  # the context was full: the history went, this replays the turn
+
+
+class SpeculationRefused(RuntimeError):
+    """A speculative reply's prefill would drop the history (full context): a rollback could not
+    bring it back, so the reply waits for the end of the turn instead."""
+
+
+class TurnParts:
+    """A turn's prefill machinery, shared by TurnPrefill and its EndOfTurn part."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        thinker: ThinkerOps,
+        talker: TalkerOps,
+        system_prompt: str,
+        max_reply_tokens: int,
+        context_limit: int,
+        n_window_infer: int | None,
+        video: VideoPolicy | None = None,
+    ) -> None:
+        self.loaded, self.thinker, self.talker = loaded, thinker, talker
+        self.ids = loaded.ids
+        self.system_prompt = system_prompt
+        self.max_reply_tokens = max_reply_tokens
+        self.context_limit = context_limit
+        self.n_window_infer = n_window_infer
+        self.video = VideoPrefill(loaded, thinker, video)  # the camera as video, prefilled as it comes
+
+    def new_turn(self) -> TurnState:
+        tower = self.loaded.model.thinker.model.audio_tower
+        stream = AudioStream(tower, extractor=self.loaded.feature_extractor, n_window_infer=self.n_window_infer)
+        return TurnState(audio=stream)
+
+    def prefill_system(self, state: SessionState) -> None:
+        prompt = self.system_prompt if state.system_prompt is None else state.system_prompt
+        ids = system_turn_ids(self.ids, self.loaded.tokenizer, prompt)
+        with timed(state, "thinker_prefill"):
+            self.thinker.prefill(state.thinker, ids)
+
+    @staticmethod
+    def encode(state: SessionState, turn: TurnState) -> None:
+        if not turn.pcm:
+            return
+        pcm = np.concatenate(turn.pcm) if len(turn.pcm) > 1 else turn.pcm[0]
+        with timed(state, "audio_encoder"):  # one push: the same tokens as piece by piece
+            tokens = turn.audio.push(pcm)
+        turn.samples += len(pcm)
+        if tokens.shape[0]:
+            turn.pending_audio.append(tokens)
+        turn.pcm.clear()
+
+    def open_turn_ids(self, state: SessionState, turn: TurnState) -> list[int]:
+        """The previous reply's closing and this turn's header, the first time the turn prefills."""
+        if turn.header_done:
+            return []
+        turn.header_done = True
+        turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
+        return [*state.closing, self.ids.im_start, *self.ids.user, *self.ids.newline]
+
+    # ---- one part of the turn: start, run in chunks, finish -------------------------------------
+
+    def start(
+        self,
+        state: SessionState,
+        turn: TurnState,
+        ids: list[int],
+        audio: torch.Tensor | None = None,
+        images: ImageFeatures | None = None,
+        assistant_tail: int = 0,
+        may_reset: bool = True,
+        videos: ImageFeatures | None = None,
+        places: Sequence[GridPlace] = (),
+    ) -> TurnJob:
+        n_closing = len(state.closing) if not turn.ids else 0
+        full = state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit
+        # A bounded context (interpreter mode): a turn after `max_turns` answered ones starts the
+        # history over, as a full context does, so a long stream neither grows nor slows.
+        bounded = 0 < state.max_turns <= state.context_turns and not turn.ids and not turn.history_reset
+        if full or bounded:
+            if not may_reset:
+                raise SpeculationRefused("the context is full: the history would be dropped")
+            return self._reset_history(state, turn, ids[n_closing:], images, assistant_tail)
+        rope = None
+        if turn.video.grids is not None:  # an audio-in-video block: positions by time
+            rope = self.video.positions(turn, ids, state.thinker.next_pos, images, places)
+        job = self.thinker.start_prefill(state.thinker, ids, audio=audio, images=images, videos=videos, rope=rope)
+        return TurnJob(job, n_closing, assistant_tail, images, videos)
+
+    def run_parts(
+        self, parts: Sequence[tuple[SessionState, TurnState, TurnJob]], max_tokens: Sequence[int | None]
+    ) -> list[int]:
+        """The next chunk of every part in one batched thinker forward; tokens done per part."""
+        if not parts:
+            return []
+        items = [(state.thinker, part.job, n) for (state, _, part), n in zip(parts, max_tokens)]
+        with timed_all([state for state, _, _ in parts], "thinker_prefill"):
+            done = self.thinker.run_prefills(items)
+        for _, turn, part in parts:
+            if part.job.finished:
+                self._finish(turn, part)
+        return done
+
+    def _finish(self, turn: TurnState, part: TurnJob) -> None:
+        """Record the user's tokens of a finished part for the talker (and for a replay)."""
+        ids = part.job.ids
+        out = part.job.result()
+        turn.prefill_tokens += len(ids)
+        user = slice(part.n_closing, len(ids) - part.assistant_tail)
+        turn.ids += ids[user]
+        is_media = self.thinker.is_media(torch.tensor([ids[user]], device=self.loaded.device))
+        turn.talker.ids += ids[user]
+        turn.talker.embeds.append(self.talker.user_embeds(is_media, out.embeds[:, user], out.accept_hidden[:, user]))
+        if part.images is not None:
+            turn.talker.image_grids += part.images.grids
+
+    def _reset_history(
+        self, state: SessionState, turn: TurnState, new_ids: list[int], images, assistant_tail: int
+    ) -> TurnJob:
+        """The context is full: drop the history, keep the system prompt and replay this turn."""
+        replay = turn.ids + new_ids
+        audio = torch.cat(turn.audio_feats, dim=0) if turn.audio_feats else None
+        state.thinker = KVState(state.slot)
+        state.talker = KVState(state.slot)
+        state.talker_history, state.closing = TalkerHistory(), []
+        state.context_turns = 0
+        self.prefill_system(state)
+        if state.thinker.length + len(replay) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
+            raise RuntimeError("one turn is longer than the context limit")
+        turn.ids, turn.talker, turn.prefill_tokens, turn.history_reset = [], TalkerTurn(), 0, True
+        turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
+        turn.video.block = None  # the replay opens the turn's block again
+        part = self.start(
+            state,
+            turn,
+            replay,
+            audio=audio,
+            images=images,
+            assistant_tail=assistant_tail,
+            videos=join_features(turn.video.feats),
+            places=list(turn.video.places),
+        )
+        part.history_reset = True
+        return part
