@@ -1,7 +1,9 @@
 """What crosses the boundary between the asyncio side and the engine thread.
 
 The engine thread calls a Runner (engine-thread only, owns every torch object) and turns
-its outputs into callbacks on the asyncio loop. Everything here is plain data: no torch.
+its outputs into callbacks on the asyncio loop. The commands that go the other way are in
+agent/engine/commands.py; the Runner protocol and its optional capabilities (below) name every
+method a command may reach. Everything here is plain data: no torch.
 """
 
 from __future__ import annotations

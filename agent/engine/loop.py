@@ -343,10 +343,10 @@ class Engine:
 
     def _call(self, runner: Runner, env: _Envelope) -> None:
         assert self._loop is not None and env.future is not None
-        needs, handler = self._handlers[type(env.command)]  # send() refused any other type
         result: Any = None
         error: Optional[BaseException] = None
         try:
+            needs, handler = self._handlers[type(env.command)]  # send() refused any other type
             if needs is not None and not supports(runner, needs):
                 raise NotImplementedError(f"the {type(runner).__name__} cannot {describe(env.command)}")
             if env.session_id not in self._sinks:
@@ -407,8 +407,9 @@ class Engine:
         if sid not in self._sinks:
             return  # session already closed: late audio is harmless
         handle = _STREAM.get(type(cmd))
-        if handle is None:  # only Engine's own methods queue these: a bug, not a session's error
-            raise TypeError(f"the engine has no command {type(cmd).__name__}")
+        if handle is None:  # only Engine's own methods queue these: a bug, not worth the thread
+            log.error("engine: no handler for %s (session %s)", type(cmd).__name__, sid)
+            return
         try:
             handle(self, runners, sid, cmd)
         except Exception as exc:
