@@ -1,6 +1,7 @@
 """The engine: one thread owning the model and every torch object, fed by sessions, stepping replies.
 
-api.py        what crosses the thread boundary (commands in, outputs out; plain data)
+api.py        what crosses the thread boundary (outputs out; the Runner and its capability Protocols)
+commands.py   the commands in: typed messages, dispatched by type (Engine.send for session commands)
 loop.py       the engine thread (Engine: the asyncio side's handle)
 factory.py    the runners a Config asks for, built inside that thread
 memory_plan.py  sessions x context that fit the device, planned before the load

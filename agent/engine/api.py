@@ -1,13 +1,15 @@
 """What crosses the boundary between the asyncio side and the engine thread.
 
 The engine thread calls a Runner (engine-thread only, owns every torch object) and turns
-its outputs into callbacks on the asyncio loop. Everything here is plain data: no torch.
+its outputs into callbacks on the asyncio loop. The commands that go the other way are in
+agent/engine/commands.py; the Runner protocol and its optional capabilities (below) name every
+method a command may reach. Everything here is plain data: no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Union
+from typing import Any, Protocol, Sequence, TypeGuard, TypeVar, Union
 
 import numpy as np
 
@@ -68,10 +70,10 @@ class Runner(Protocol):
     (a runner may encode and prefill it incrementally); begin_reply marks the end of the
     turn; step() advances every active reply by one unit of work and returns what it made.
 
-    Optional (the engine loop uses them where a runner has them; StreamingRunner does):
-    speculate(session_id, images, text_only) starts the reply on a pause, its output held;
-    drop_speculation(session_id) discards it; begin_reply commits it, and take_ready() returns
-    the held output it released, which the loop emits at once.
+    These are what every runner does (GenerateRunner in agent/engine/runner/reference.py, the
+    text-only FallbackRunner). The optional capabilities are the small Protocols below, each
+    all-or-nothing; the engine loop looks for them with `supports` and answers a command that
+    needs one the runner lacks with NotImplementedError. StreamingRunner has every one.
     """
 
     def open_session(self, session_id: str) -> None: ...
@@ -97,6 +99,95 @@ class Runner(Protocol):
         ...
 
     def step(self) -> list[Output]: ...
+
+
+class Speculating(Protocol):
+    """Start the reply on a pause of the turn, its output held (agent/engine/runner/speculation.py)."""
+
+    def speculate(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> bool:
+        """Start the reply to the turn so far; its output is held until begin_reply commits it."""
+        ...
+
+    def drop_speculation(self, session_id: str) -> bool:
+        """The user went on: discard the held reply, if any, invisibly."""
+        ...
+
+    def take_ready(self) -> list[Output]:
+        """The held output a committed speculation released (the loop emits it at once)."""
+        ...
+
+
+class VideoIntake(Protocol):
+    """The camera as video in the turn, encoded as frames arrive (agent/engine/runner/intake.py)."""
+
+    def append_video(self, session_id: str, image: np.ndarray, at: float) -> None:
+        """One RGB uint8 HxWx3 frame at `at` seconds on the session's audio clock."""
+
+    def set_video(self, session_id: str, on: bool) -> bool: ...
+
+
+class TurnControl(Protocol):
+    """Scheduling of a session's turns (agent/engine/runner/intake.py)."""
+
+    def hold_turn(self, session_id: str) -> int:
+        """End the turn without a reply yet: it waits, apart, for a later begin_reply."""
+        ...
+
+    def set_priority(self, session_id: str, priority: int) -> int: ...
+
+
+class Transcribing(Protocol):
+    """Transcripts of the user's turns (agent/engine/runner/transcriber.py)."""
+
+    def set_transcription(self, session_id: str, mode: str) -> str:
+        """mode: off | on | only (a transcription session: nothing is answered)."""
+        ...
+
+    def set_transcript_item(self, session_id: str, item_id: str) -> None: ...
+
+    def end_turn(self, session_id: str) -> None:
+        """A transcription session's turn ended: its final transcript follows."""
+
+
+class ConversationEditing(Protocol):
+    """Edits of a session's conversation in the model's context (agent/engine/runner/edits.py)."""
+
+    def add_user_text(self, session_id: str, text: str) -> int: ...
+
+    def set_voice(self, session_id: str, voice: str) -> str: ...
+
+    def set_instructions(self, session_id: str, text: str) -> str: ...
+
+    def set_context_turns(self, session_id: str, turns: int) -> int: ...
+
+    def set_reply_instructions(self, session_id: str, text: str) -> int: ...
+
+    def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
+        """Keep the latest reply's text up to its first `audio_frames` codec frames."""
+        ...
+
+    def context(self, session_id: str) -> dict: ...
+
+
+class TakesHistory(Protocol):
+    """A runner without KV context (the fallback) is told the recent conversation per reply."""
+
+    def set_history(self, session_id: str, history: Sequence[tuple[str, str]]) -> None: ...
+
+
+Capability = TypeVar("Capability")
+_MEMBERS: dict[type, tuple[str, ...]] = {}
+
+
+def supports(runner: Any, capability: type[Capability]) -> TypeGuard[Capability]:
+    """Whether `runner` has every method of the capability Protocol. Looked up with getattr, so a
+    wrapper that forwards its runner's methods (tests wrap runners so) has what its runner has."""
+    members = _MEMBERS.get(capability)
+    if members is None:
+        members = _MEMBERS[capability] = tuple(
+            name for name, value in vars(capability).items() if callable(value) and not name.startswith("_")
+        )
+    return all(callable(getattr(runner, name, None)) for name in members)
 
 
 class ReplySink(Protocol):

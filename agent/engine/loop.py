@@ -1,7 +1,10 @@
 """The engine thread: one busy loop that owns the model and every torch object.
 
-asyncio side → engine: commands through one bounded queue.Queue (never blocks the loop:
-a full inbox is an error reported to the session, not a stall).
+asyncio side → engine: typed commands (agent/engine/commands.py) through one bounded queue.Queue
+(never blocks the loop: a full inbox is an error reported to the session, not a stall), each in
+an envelope with its session id and, where it is answered, its future. The thread dispatches on
+the command's type through one table; a session command reaches the runner only through the
+capability Protocol (agent/engine/api.py) that names its method.
 engine → asyncio side: loop.call_soon_threadsafe with plain data (text, int16 PCM, stats).
 
 The loop is vLLM's EngineCore shape: drain inbox → apply commands → runner.step() → emit.
@@ -17,21 +20,56 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
 from agent import metrics
 from agent.engine.api import (
     AudioOut,
+    ConversationEditing,
     EngineBusy,
     Output,
     ReplyDone,
     ReplySink,
     Runner,
+    Speculating,
     StageTime,
+    TakesHistory,
     TextDelta,
+    Transcribing,
     TranscriptOut,
+    TurnControl,
+    VideoIntake,
+    supports,
+)
+from agent.engine.commands import (
+    AddUserText,
+    AppendAudio,
+    AppendVideo,
+    BeginReply,
+    CancelReply,
+    CloseSession,
+    Context,
+    DiscardTurn,
+    DropSpeculation,
+    EndTurn,
+    HoldTurn,
+    OpenSession,
+    SessionCommand,
+    SetContextTurns,
+    SetInstructions,
+    SetPriority,
+    SetReplyInstructions,
+    SetTranscription,
+    SetTranscriptItem,
+    SetVideo,
+    SetVoice,
+    Speculate,
+    Stop,
+    StreamCommand,
+    TruncateReply,
+    describe,
 )
 from agent.engine.state.latest_frames import LatestFrames
 
@@ -42,18 +80,45 @@ MODES = ("audio", "text", "fallback")
 IDLE_WAIT_S = 0.05  # the longest the engine sleeps between looks at its runners without a command
 
 
+# A session command's handler: (runner, session id, command) -> the caller's result, on the
+# engine thread. `needs`: the capability Protocol the runner must have (None: any runner).
+Handler = Callable[[Any, str, Any], Any]
+
+SESSION_COMMANDS: dict[type, tuple[Optional[type], Handler]] = {
+    SetTranscription: (Transcribing, lambda r, sid, c: r.set_transcription(sid, c.mode)),
+    SetTranscriptItem: (Transcribing, lambda r, sid, c: r.set_transcript_item(sid, c.item_id)),
+    EndTurn: (Transcribing, lambda r, sid, c: r.end_turn(sid)),
+    SetVideo: (VideoIntake, lambda r, sid, c: r.set_video(sid, c.on)),
+    SetPriority: (TurnControl, lambda r, sid, c: r.set_priority(sid, c.priority)),
+    HoldTurn: (TurnControl, lambda r, sid, c: r.hold_turn(sid)),
+    SetInstructions: (ConversationEditing, lambda r, sid, c: r.set_instructions(sid, c.text)),
+    SetContextTurns: (ConversationEditing, lambda r, sid, c: r.set_context_turns(sid, c.turns)),
+    AddUserText: (ConversationEditing, lambda r, sid, c: r.add_user_text(sid, c.text)),
+    SetVoice: (ConversationEditing, lambda r, sid, c: r.set_voice(sid, c.voice)),
+    SetReplyInstructions: (ConversationEditing, lambda r, sid, c: r.set_reply_instructions(sid, c.text)),
+    TruncateReply: (ConversationEditing, lambda r, sid, c: r.truncate_reply(sid, c.audio_frames)),
+    Context: (ConversationEditing, lambda r, sid, c: r.context(sid)),
+}
+
+# The stream commands' names in the engine's log and in a failed reply's error.
+_LABELS: dict[type, str] = {
+    AppendAudio: "audio",
+    DiscardTurn: "discard",
+    BeginReply: "reply",
+    CancelReply: "cancel",
+    Speculate: "speculate",
+    DropSpeculation: "unspeculate",
+    CloseSession: "close",
+}
+
+
 @dataclass(frozen=True)
-class _Cmd:
-    op: str  # open | audio | video | discard | speculate | unspeculate | reply | cancel | close | stop | call
-    session_id: str = ""
-    pcm: Optional[np.ndarray] = None
-    images: tuple = ()  # reply: the frames to show (empty: the newest taken); video: the one frame
-    at: float = 0.0  # video: the frame's time on the session's audio clock
-    mode: str = "audio"  # audio | text | fallback (see MODES)
-    history: tuple = ()  # (role, text) pairs, for the fallback model
-    sink: Optional[ReplySink] = None
-    call: tuple = ()  # (method name, args) for op "call"
-    future: Optional[asyncio.Future] = None  # settled with the call's result on the loop
+class _Envelope:
+    """One command in the inbox: for which session, and the future its answer settles (on the loop)."""
+
+    session_id: str
+    command: Union[StreamCommand, SessionCommand]
+    future: Optional[asyncio.Future] = None
 
 
 @dataclass
@@ -79,7 +144,8 @@ class Engine:
         frames_per_turn: the newest camera frames a reply is shown."""
         self._factory = runner_factory
         self._fallback_factory = fallback_factory
-        self._inbox: "queue.Queue[_Cmd]" = queue.Queue(maxsize=inbox_size)
+        self._inbox: "queue.Queue[_Envelope]" = queue.Queue(maxsize=inbox_size)
+        self._handlers = dict(SESSION_COMMANDS)  # session command type -> (needs, handler)
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._ready: Optional[asyncio.Future] = None
@@ -110,7 +176,7 @@ class Engine:
         # Stop must get through even when the inbox is full.
         while True:
             try:
-                self._inbox.put_nowait(_Cmd("stop"))
+                self._inbox.put_nowait(_Envelope("", Stop()))
                 break
             except queue.Full:
                 await asyncio.sleep(0.01)
@@ -121,11 +187,13 @@ class Engine:
     def _stills(self, runner: Runner, sid: str) -> list[np.ndarray]:
         """The newest frames as still images, for a runner that does not take the camera as
         video itself (one with append_video puts the frames in the turn as video)."""
-        return [] if hasattr(runner, "append_video") else self._frames.latest(sid)
+        return [] if supports(runner, VideoIntake) else self._frames.latest(sid)
 
-    def _put(self, cmd: _Cmd) -> None:
+    def _put(
+        self, session_id: str, command: Union[StreamCommand, SessionCommand], future: Optional[asyncio.Future] = None
+    ) -> None:
         try:
-            self._inbox.put_nowait(cmd)
+            self._inbox.put_nowait(_Envelope(session_id, command, future))
         except queue.Full:
             raise EngineBusy("engine inbox full") from None
         metrics.ENGINE_INBOX.set(self._inbox.qsize())
@@ -136,21 +204,21 @@ class Engine:
         that does not wait for it loses nothing."""
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may await it
-        self._put(_Cmd("open", session_id, sink=sink, future=future))
+        self._put(session_id, OpenSession(sink), future)
         return future
 
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
-        self._put(_Cmd("audio", session_id, pcm=pcm))
+        self._put(session_id, AppendAudio(pcm))
 
     def append_video(self, session_id: str, image: np.ndarray, at: float) -> asyncio.Future:
         """One sampled camera frame (RGB uint8 HxWx3, `at` on the audio clock). The future is
         settled once the engine thread has taken it: the sender's back-pressure signal."""
         future = asyncio.get_running_loop().create_future()
-        self._put(_Cmd("video", session_id, images=(image,), at=at, future=future))
+        self._put(session_id, AppendVideo(image, at), future)
         return future
 
     def discard_turn(self, session_id: str) -> None:
-        self._put(_Cmd("discard", session_id))
+        self._put(session_id, DiscardTurn())
 
     @property
     def has_fallback(self) -> bool:
@@ -162,30 +230,40 @@ class Engine:
         """End of turn. images: the frames to show; empty: the newest taken by append_video."""
         if mode not in MODES or (mode == "fallback" and not self.has_fallback):
             raise ValueError(f"reply mode {mode!r} not available")
-        self._put(_Cmd("reply", session_id, images=tuple(images), mode=mode, history=tuple(history)))
+        self._put(session_id, BeginReply(tuple(images), mode, tuple(history)))
 
     def cancel_reply(self, session_id: str) -> None:
-        self._put(_Cmd("cancel", session_id))
+        self._put(session_id, CancelReply())
 
     def speculate(self, session_id: str, images: list[np.ndarray], mode: str = "audio") -> None:
         """The user paused: start the reply to the turn so far, its output held (the primary
         runner only, and only a runner that can; a no-op otherwise). begin_reply commits it."""
-        self._put(_Cmd("speculate", session_id, images=tuple(images), mode=mode))
+        self._put(session_id, Speculate(tuple(images), mode))
 
     def drop_speculation(self, session_id: str) -> None:
         """The user went on speaking: discard the held reply, if any (invisibly)."""
-        self._put(_Cmd("unspeculate", session_id))
+        self._put(session_id, DropSpeculation())
 
     def close_session(self, session_id: str) -> None:
-        self._put(_Cmd("close", session_id))
+        self._put(session_id, CloseSession())
 
-    def call(self, session_id: str, method: str, *args: Any) -> asyncio.Future:
-        """Run the primary runner's `method(session_id, *args)` on the engine thread, in order
-        with this session's other commands. The future gets its return value, or the exception
-        (NotImplementedError when the runner has no such method)."""
+    def send(self, session_id: str, command: SessionCommand) -> asyncio.Future:
+        """Run a session command (agent/engine/commands.py) on the primary runner, on the engine
+        thread, in order with this session's other commands. The future gets the runner method's
+        return value, or its exception: NotImplementedError when the runner lacks the capability
+        the command needs, KeyError when the session is closed. A command type the engine has no
+        handler for is refused here (TypeError); EngineBusy when the inbox is full."""
+        if type(command) not in self._handlers:
+            raise TypeError(f"the engine has no command {type(command).__name__}")
         future = asyncio.get_running_loop().create_future()
-        self._put(_Cmd("call", session_id, call=(method, args), future=future))
+        self._put(session_id, command, future)
         return future
+
+    def register(self, command: type, handler: Handler, needs: Optional[type] = None) -> None:
+        """Give this engine one more session command: `handler(runner, session_id, command)` runs
+        on the engine thread for each sent, where the runner has `needs` (a capability Protocol).
+        For tests that stall or probe the runner; the served commands are SESSION_COMMANDS."""
+        self._handlers[command] = (needs, handler)
 
     # ---- the engine thread -----------------------------------------------------------
     def _run(self) -> None:
@@ -226,7 +304,7 @@ class Engine:
             except queue.Empty:
                 cmd = None
             while cmd is not None:
-                if cmd.op == "stop":
+                if isinstance(cmd.command, Stop):
                     for sid in list(self._sinks):
                         for runner in runners:
                             runner.close_session(sid)
@@ -263,21 +341,20 @@ class Engine:
         self.stats.step_seconds += time.perf_counter() - t0
         self._emit(outputs)
 
-    def _call(self, runner: Runner, cmd: _Cmd) -> None:
-        assert self._loop is not None and cmd.future is not None
-        method, args = cmd.call
-        fn = getattr(runner, method, None)
+    def _call(self, runner: Runner, env: _Envelope) -> None:
+        assert self._loop is not None and env.future is not None
         result: Any = None
         error: Optional[BaseException] = None
         try:
-            if fn is None:
-                raise NotImplementedError(f"the {type(runner).__name__} cannot {method.replace('_', ' ')}")
-            if cmd.session_id not in self._sinks:
-                raise KeyError(f"session {cmd.session_id} is closed")
-            result = fn(cmd.session_id, *args)
+            needs, handler = self._handlers[type(env.command)]  # send() refused any other type
+            if needs is not None and not supports(runner, needs):
+                raise NotImplementedError(f"the {type(runner).__name__} cannot {describe(env.command)}")
+            if env.session_id not in self._sinks:
+                raise KeyError(f"session {env.session_id} is closed")
+            result = handler(runner, env.session_id, env.command)
         except Exception as exc:  # the caller's error, not the engine's
             error = exc
-        self._loop.call_soon_threadsafe(_settle, cmd.future, result, error)
+        self._loop.call_soon_threadsafe(_settle, env.future, result, error)
 
     def _open(self, runners: list[Runner], sid: str, sink: ReplySink, future: Optional[asyncio.Future]) -> None:
         """On every runner, or on none (a runner that cannot, e.g. no slot left, undoes the
@@ -306,85 +383,102 @@ class Engine:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(_settle, future, None, None)
 
-    def _apply(self, runners: list[Runner], cmd: _Cmd) -> None:
-        sid = cmd.session_id
+    def _apply(self, runners: list[Runner], env: _Envelope) -> None:
+        sid, cmd = env.session_id, env.command
         primary = runners[0]
-        if cmd.op == "call":
-            self._call(primary, cmd)
+        if isinstance(cmd, SessionCommand):
+            self._call(primary, env)
             return
-        if cmd.op == "open":
-            assert cmd.sink is not None
-            self._open(runners, sid, cmd.sink, cmd.future)
+        if isinstance(cmd, OpenSession):
+            self._open(runners, sid, cmd.sink, env.future)
+            return
+        if isinstance(cmd, AppendVideo):
+            # Settled even for a closed session: the sender's feed only counts it.
+            try:
+                if sid in self._sinks:
+                    self._frames.add(sid, cmd.image, cmd.at)
+                    if supports(primary, VideoIntake):  # a runner that encodes on arrival
+                        primary.append_video(sid, cmd.image, cmd.at)
+                assert env.future is not None and self._loop is not None
+                self._loop.call_soon_threadsafe(_settle, env.future, None, None)
+            except Exception as exc:
+                self._failed(sid, "video", exc)
+            return
+        if sid not in self._sinks:
+            return  # session already closed: late audio is harmless
+        handle = _STREAM.get(type(cmd))
+        if handle is None:  # only Engine's own methods queue these: a bug, not worth the thread
+            log.error("engine: no handler for %s (session %s)", type(cmd).__name__, sid)
             return
         try:
-            if cmd.op == "video":
-                # Settled even for a closed session: the sender's feed only counts it.
-                if sid in self._sinks:
-                    self._frames.add(sid, cmd.images[0], cmd.at)
-                    append_video = getattr(primary, "append_video", None)  # a runner that encodes on arrival
-                    if append_video is not None:
-                        append_video(sid, cmd.images[0], cmd.at)
-                assert cmd.future is not None
-                self._loop.call_soon_threadsafe(_settle, cmd.future, None, None)
-            elif sid not in self._sinks:
-                return  # session already closed: late audio is harmless
-            elif cmd.op == "audio":
-                assert cmd.pcm is not None
-                for runner in runners:  # the fallback only counts it
-                    runner.append_audio(sid, cmd.pcm)
-            elif cmd.op == "discard":
-                for runner in runners:
-                    runner.discard_turn(sid)
-            elif cmd.op == "reply" and cmd.mode == "fallback":
-                # The Omni model skips this turn entirely: that is the point of level 2.
-                primary.discard_turn(sid)
-                fallback = runners[1]
-                set_history = getattr(fallback, "set_history", None)
-                if set_history is not None:
-                    set_history(sid, list(cmd.history))
-                fallback.begin_reply(sid, list(cmd.images) or self._frames.latest(sid), True)
-                self._replying[sid] = fallback
-            elif cmd.op == "speculate":
-                speculate = getattr(primary, "speculate", None)
-                if speculate is not None and cmd.mode in ("audio", "text"):
-                    speculate(sid, list(cmd.images) or self._stills(primary, sid), cmd.mode == "text")
-            elif cmd.op == "unspeculate":
-                drop = getattr(primary, "drop_speculation", None)
-                if drop is not None:
-                    drop(sid)
-            elif cmd.op == "reply":
-                for runner in runners[1:]:
-                    runner.discard_turn(sid)
-                primary.begin_reply(sid, list(cmd.images) or self._stills(primary, sid), cmd.mode == "text")
-                self._replying[sid] = primary
-                # A committed speculation's held output (its first frame) goes out now.
-                take_ready = getattr(primary, "take_ready", None)
-                if take_ready is not None:
-                    self._emit(take_ready())
-            elif cmd.op == "cancel":
-                for runner in runners:  # only the one with a reply in flight answers
-                    runner.cancel_reply(sid)
-            elif cmd.op == "close":
-                # The session is forgotten here whatever a runner's close does: a sink left in
-                # _sinks would hold the Session (and its call) for the life of the process.
-                self._sinks.pop(sid, None)
-                self._replying.pop(sid, None)
-                self._frames.drop(sid)
-                failed = None
-                for runner in runners:  # every runner frees its slot, even after another failed
-                    try:
-                        runner.close_session(sid)
-                    except Exception as exc:  # noqa: BLE001 (re-raised below, after the others)
-                        failed = failed or exc
-                if failed is not None:
-                    raise failed
+            handle(self, runners, sid, cmd)
         except Exception as exc:
-            # Bad input from one session (e.g. an image the processor rejects) is that
-            # session's error only.
-            log.exception("engine: %s for %s failed", cmd.op, sid)
-            if cmd.op == "reply":
+            if isinstance(cmd, BeginReply):
                 self._replying[sid] = primary  # so the error below reaches the session
-            self._emit([ReplyDone(sid, "error", stats={"error": f"{cmd.op}: {exc}"})])
+            self._failed(sid, _LABELS[type(cmd)], exc)
+
+    def _failed(self, sid: str, label: str, exc: Exception) -> None:
+        """Bad input from one session (e.g. an image the processor rejects) is that session's
+        error only."""
+        log.exception("engine: %s for %s failed", label, sid, exc_info=exc)
+        self._emit([ReplyDone(sid, "error", stats={"error": f"{label}: {exc}"})])
+
+    # ---- the stream commands, by type (_STREAM; engine thread; the session is open) -------
+    def _append_audio(self, runners: list[Runner], sid: str, cmd: AppendAudio) -> None:
+        for runner in runners:  # the fallback only counts it
+            runner.append_audio(sid, cmd.pcm)
+
+    def _discard_turn(self, runners: list[Runner], sid: str, cmd: DiscardTurn) -> None:
+        for runner in runners:
+            runner.discard_turn(sid)
+
+    def _begin_reply(self, runners: list[Runner], sid: str, cmd: BeginReply) -> None:
+        primary = runners[0]
+        if cmd.mode == "fallback":
+            # The Omni model skips this turn entirely: that is the point of level 2.
+            primary.discard_turn(sid)
+            fallback = runners[1]
+            if supports(fallback, TakesHistory):
+                fallback.set_history(sid, list(cmd.history))
+            fallback.begin_reply(sid, list(cmd.images) or self._frames.latest(sid), True)
+            self._replying[sid] = fallback
+            return
+        for runner in runners[1:]:
+            runner.discard_turn(sid)
+        primary.begin_reply(sid, list(cmd.images) or self._stills(primary, sid), cmd.mode == "text")
+        self._replying[sid] = primary
+        # A committed speculation's held output (its first frame) goes out now.
+        if supports(primary, Speculating):
+            self._emit(primary.take_ready())
+
+    def _speculate(self, runners: list[Runner], sid: str, cmd: Speculate) -> None:
+        primary = runners[0]
+        if supports(primary, Speculating) and cmd.mode in ("audio", "text"):
+            primary.speculate(sid, list(cmd.images) or self._stills(primary, sid), cmd.mode == "text")
+
+    def _drop_speculation(self, runners: list[Runner], sid: str, cmd: DropSpeculation) -> None:
+        primary = runners[0]
+        if supports(primary, Speculating):
+            primary.drop_speculation(sid)
+
+    def _cancel_reply(self, runners: list[Runner], sid: str, cmd: CancelReply) -> None:
+        for runner in runners:  # only the one with a reply in flight answers
+            runner.cancel_reply(sid)
+
+    def _close_session(self, runners: list[Runner], sid: str, cmd: CloseSession) -> None:
+        # The session is forgotten here whatever a runner's close does: a sink left in
+        # _sinks would hold the Session (and its call) for the life of the process.
+        self._sinks.pop(sid, None)
+        self._replying.pop(sid, None)
+        self._frames.drop(sid)
+        failed = None
+        for runner in runners:  # every runner frees its slot, even after another failed
+            try:
+                runner.close_session(sid)
+            except Exception as exc:  # noqa: BLE001 (re-raised below, after the others)
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _emit(self, outputs: list[Output]) -> None:
         assert self._loop is not None
@@ -412,6 +506,19 @@ class Engine:
                 # (or for a session with nothing in flight) has no reply left to end.
                 if self._replying.pop(out.session_id, None) is not None:
                     self._loop.call_soon_threadsafe(sink.on_done, out)
+
+
+# The stream commands' handlers on the engine thread, by command type (OpenSession, AppendVideo
+# and the session commands have their own paths in Engine._apply).
+_STREAM: dict[type, Callable[[Engine, list[Runner], str, Any], None]] = {
+    AppendAudio: Engine._append_audio,
+    DiscardTurn: Engine._discard_turn,
+    BeginReply: Engine._begin_reply,
+    Speculate: Engine._speculate,
+    DropSpeculation: Engine._drop_speculation,
+    CancelReply: Engine._cancel_reply,
+    CloseSession: Engine._close_session,
+}
 
 
 def _idle(runner: Runner) -> float:

@@ -1,8 +1,9 @@
 """Live input transcription as GA events: conversation.item.input_audio_transcription.*.
 
-Owned by the Session. It tells the engine whether to transcribe (StreamingRunner
-set_transcription) and which user item the turn being spoken is, and turns the engine's
-transcripts (agent/engine/runner/transcriber.py) into events:
+Owned by the Session, given only its engine port, outbox and conversation. It tells the engine
+whether to transcribe (SetTranscription) and which user item the turn being spoken is
+(SetTranscriptItem), and turns the engine's transcripts (agent/engine/runner/transcriber.py) into
+events:
 
 - `…delta` while the user speaks (about one per half second of speech): `delta` is only text that
   has become stable, so a client that appends deltas (as the GA API's do) never shows words
@@ -17,32 +18,27 @@ transcripts (agent/engine/runner/transcriber.py) into events:
 from __future__ import annotations
 
 import time
-import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from agent.engine.api import TranscriptOut
+from agent.engine.commands import SetTranscription, SetTranscriptItem
 from agent.realtime import session_config
-
-if TYPE_CHECKING:
-    from agent.realtime.session import Session
+from agent.realtime.conversation import Conversation
+from agent.realtime.engine_port import EnginePort
+from agent.realtime.outbox import Outbox
 
 
 class InputTranscription:
-    def __init__(self, session: "Session") -> None:
-        # Weak: the session owns this object, and a cycle would keep a finished call alive until
-        # a full GC (tests/integration/test_call_leaks.py).
-        self._session = weakref.ref(session)
+    def __init__(
+        self, engine: EnginePort, outbox: Outbox, conversation: Conversation, transcription_only: bool
+    ) -> None:
+        self._engine, self._outbox, self._conversation = engine, outbox, conversation
+        self._transcription_only = transcription_only
         self.on = False
         self._sent: dict[str, int] = {}  # item -> characters already sent as delta
         self._started: dict[str, float] = {}  # item -> monotonic time of its speech onset
         self._ended: dict[str, float] = {}  # item -> monotonic time of its end of speech
         self._seconds: dict[str, float] = {}  # item -> seconds of its audio
-
-    @property
-    def session(self) -> "Session":
-        session = self._session()
-        assert session is not None, "the session owns its transcription"
-        return session
 
     def apply(self, settings: dict[str, Any]) -> None:
         """Start or stop transcribing to match the session (at start and on session.update)."""
@@ -50,15 +46,15 @@ class InputTranscription:
         if want == self.on:
             return
         self.on = want
-        mode = ("only" if self.session.transcription_only else "on") if want else "off"
-        self.session.engine_call("set_transcription", mode, param="session.audio.input.transcription")
+        mode = ("only" if self._transcription_only else "on") if want else "off"
+        self._engine.send(SetTranscription(mode), param="session.audio.input.transcription")
 
     def speech_started(self, item_id: str, onset: Optional[float] = None) -> None:
         """A user turn begins (before its audio goes to the engine): transcribe it as item_id.
         onset: time.monotonic() of the speech onset (default: now)."""
         if self.on:
             self._started[item_id] = time.monotonic() if onset is None else onset
-            self.session.engine_call("set_transcript_item", item_id)
+            self._engine.send(SetTranscriptItem(item_id))
 
     def speech_stopped(self, item_id: str, audio_seconds: float) -> None:
         if self.on:
@@ -67,14 +63,14 @@ class InputTranscription:
 
     def on_transcript(self, out: TranscriptOut) -> None:
         item_id = out.item_id
-        if item_id is None or self.session.closed:
+        if item_id is None or self._engine.closed:
             return
         now = time.monotonic()
         sent = self._sent.get(item_id, 0)
         upto = len(out.text) if out.final else out.stable_chars
         started = self._started.get(item_id)
         if upto > sent or not out.final:
-            self.session.emit(
+            self._outbox.emit(
                 {
                     "type": "conversation.item.input_audio_transcription.delta",
                     "item_id": item_id,
@@ -86,10 +82,10 @@ class InputTranscription:
             self._sent[item_id] = max(sent, upto)
         if not out.final:
             return
-        self.session.conversation.set_input_transcript(item_id, out.text)
+        self._conversation.set_input_transcript(item_id, out.text)
         ended = self._ended.pop(item_id, None)
         seconds = self._seconds.pop(item_id, None)
-        self.session.emit(
+        self._outbox.emit(
             {
                 "type": "conversation.item.input_audio_transcription.completed",
                 "item_id": item_id,

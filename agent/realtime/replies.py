@@ -3,32 +3,55 @@ the turns held for later (interpreter mode), from response.create to response.do
 
 A `Session` owns one `Replies`; it alone changes that state. It starts replies on the engine,
 turns the engine's output (the session's ReplySink calls) into GA server events and the
-outbound track's audio, cancels on barge-in or response.cancel (cutting the model's context to
-what was heard, agent/realtime/edits.py), and runs work that must wait until every cancelled
-reply has ended in the engine. It holds its session weakly: the session holds it, and a cycle
-would outlive the call until a full collection (see Session.close).
+outbound track's audio, cancels on barge-in or response.cancel (a barge-in's cut of the model's
+context to what was heard is agent/realtime/edits.py's), and runs work that must wait until
+every cancelled reply has ended in the engine. It is given the ports it needs (the session's
+engine port, outbox, conversation, settings, admission) and plain values, never the Session; the
+outbound track is set by the session once made (it calls back here), and `close()` drops what
+refers back (the track's hooks into it are the session's to drop).
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from agent import metrics
-from agent.config import OUTPUT_RATE
+from agent.config import OUTPUT_RATE, Config
 from agent.engine.api import AudioOut, EngineBusy, ReplyDone, TextDelta
-from agent.realtime import edits, session_config
+from agent.engine.commands import HoldTurn, SetReplyInstructions
+from agent.gate.ladder import Admission
+from agent.media.playout import AgentAudioTrack
+from agent.realtime import session_config
+from agent.realtime.conversation import Conversation
+from agent.realtime.engine_port import EnginePort
+from agent.realtime.outbox import Outbox
 from agent.realtime.response import STATUS_BY_REASON, Response
-
-if TYPE_CHECKING:
-    from agent.realtime.session import Session
 
 
 class Replies:
-    def __init__(self, session: "Session") -> None:
-        self._session = weakref.proxy(session)
+    def __init__(
+        self,
+        engine: EnginePort,
+        outbox: Outbox,
+        conversation: Conversation,
+        settings: Callable[[], dict[str, Any]],
+        admission: Admission,
+        config: Config,
+        *,
+        conversation_id: str,
+        priority: str,
+        transcription_only: bool,
+        flush_video: Callable[[], None],
+    ) -> None:
+        self._engine, self._outbox, self._conversation = engine, outbox, conversation
+        self._settings, self._admission, self._config = settings, admission, config
+        self._conversation_id, self._priority = conversation_id, priority
+        self._transcription_only = transcription_only
+        self._flush_video = flush_video  # the newest camera frames to the engine, ahead of a reply
+        self.track: Optional[AgentAudioTrack] = None  # WebRTC: the outbound track (set by the session)
+        self.turns = 0  # replies begun
         self.current: Optional[Response] = None  # the response in progress
         self.playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
         self.last: Optional[Response] = None  # the latest response (what a truncation may cut)
@@ -62,55 +85,64 @@ class Replies:
         self._when_engine_idle.clear()
         self._held.clear()
 
+    def reply_mode(self, modalities: list[str]) -> str:
+        """audio | text | fallback, by the degradation ladder's level and the modalities asked."""
+        level = self._admission.ladder.level
+        if level >= 2 and self._engine.has_fallback:
+            return "fallback"
+        if level >= 1 or modalities == ["text"]:
+            return "text"
+        return "audio"
+
     def respond_to_turn(self, item_id: str) -> None:
         """Server VAD ended a turn that asks for a response. In interpreter mode a turn that ends
         while the previous translation is still being made does not wait for an error: the engine
         holds it apart (the next utterance's audio does not join it) and it is answered as soon
         as that translation ends, in order; its audio plays after the previous one's."""
-        s = self._session
-        if (self.current is not None or self._held) and session_config.interpret_to(s.settings):
-            if not s.admission.turns.allow():
+        if (self.current is not None or self._held) and session_config.interpret_to(self._settings()):
+            if not self._admission.turns.allow():
                 metrics.TURNS_REJECTED.inc()
-                s.engine.discard_turn(s.id)
-                s.emit_error(
+                self._engine.discard_turn()
+                self._outbox.error(
                     "too many turns on this engine right now; please repeat", "rate_limited", kind="server_error"
                 )
                 return
-            s.engine_call("hold_turn")  # (EngineBusy: the turn is dropped, nothing is held)
+            self._engine.send(HoldTurn())  # (EngineBusy: the turn is dropped, nothing is held)
             self._held.append(item_id)
             return
         self.create_response({}, None)
 
     def _answer_held(self) -> None:
         """The reply before a held turn has ended: answer the held turn now."""
-        s = self._session
-        if s.closed or not self._held or self.current is not None:
+        if self._engine.closed or not self._held or self.current is not None:
             return
         item_id = self._held.popleft()
         try:
             self.create_response({}, None, held=item_id)
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
-            s.emit_error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
+            self._outbox.error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
 
     def create_response(self, params: dict[str, Any], event_id: Optional[str], held: Optional[str] = None) -> None:
         """held: the user item of a turn the engine held (respond_to_turn), already admitted:
         its answer follows that item, and its audio queues behind the previous reply's."""
-        s = self._session
-        if s.transcription_only:
-            s.emit_error("a transcription session does not respond", "unsupported", param="type", event_id=event_id)
+        settings = self._settings()
+        if self._transcription_only:
+            self._outbox.error(
+                "a transcription session does not respond", "unsupported", param="type", event_id=event_id
+            )
             return
         if self.current is not None:
-            s.emit_error(
+            self._outbox.error(
                 f"a response is in progress ({self.current.id})",
                 "conversation_already_has_active_response",
                 event_id=event_id,
             )
             return
-        if not held and not s.admission.turns.allow():
+        if not held and not self._admission.turns.allow():
             metrics.TURNS_REJECTED.inc()
-            s.engine.discard_turn(s.id)
-            s.emit_error(
+            self._engine.discard_turn()
+            self._outbox.error(
                 "too many turns on this engine right now; please repeat",
                 "rate_limited",
                 kind="server_error",
@@ -119,76 +151,74 @@ class Replies:
             return
         if self.playing is not None and not held:
             self.clear_output()  # a new reply does not queue behind the old one's audio
-        mode = s.reply_mode(params.get("output_modalities") or s.settings["output_modalities"])
+        mode = self.reply_mode(params.get("output_modalities") or settings["output_modalities"])
         if held and mode == "fallback":
             mode = "text"  # the held turn is in the Omni model's hands (the fallback would drop it)
-        limit = session_config.max_output_tokens(params.get("max_output_tokens", s.settings["max_output_tokens"]))
-        if limit is not None and limit >= s.config.max_reply_tokens:
+        limit = session_config.max_output_tokens(params.get("max_output_tokens", settings["max_output_tokens"]))
+        if limit is not None and limit >= self._config.max_reply_tokens:
             limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
         if params.get("instructions"):
-            s.engine_call("set_reply_instructions", params["instructions"])
-        s.video.flush_for_turn()  # the newest frames reach the engine ahead of the reply
-        s.engine.begin_reply(s.id, [], mode=mode, history=tuple(self.history))
-        s.turns += 1
+            self._engine.send(SetReplyInstructions(params["instructions"]))
+        self._flush_video()  # the newest frames reach the engine ahead of the reply
+        self._engine.begin_reply(mode, tuple(self.history))
+        self.turns += 1
         metrics.TURNS.inc()
-        voice = s.settings["audio"]["output"].get("voice") or "default"
+        voice = settings["audio"]["output"].get("voice") or "default"
         reply = Response(
             audio=mode == "audio",
             mode=mode,
             end_of_turn=time.monotonic(),
-            conversation_id=s.conversation_id,
+            conversation_id=self._conversation_id,
             voice=voice if isinstance(voice, str) else "default",
             max_tokens=limit,
             metadata=params.get("metadata"),
         )
         self.current = self.last = reply
-        if s.track is not None and reply.audio:
-            s.track.begin_reply()
+        if self.track is not None and reply.audio:
+            self.track.begin_reply()
             self.playing = reply
-        previous = s.conversation.add(reply.item("in_progress", ""), after=held)
+        previous = self._conversation.add(reply.item("in_progress", ""), after=held)
         for event in reply.started(previous):
-            s.emit(event)
+            self._outbox.emit(event)
 
     def cancel_response(self, event_id: Optional[str]) -> None:
-        s = self._session
         if self.current is None:
-            s.emit_error("there is no response to cancel", "response_cancel_not_active", event_id=event_id)
+            self._outbox.error("there is no response to cancel", "response_cancel_not_active", event_id=event_id)
             return
         self.interrupt("client_cancelled")
 
-    def interrupt(self, reason: str) -> None:
-        """Barge-in or response.cancel: stop generating and drop queued audio at once. A barge-in
-        also cuts the reply in the model's context to the words the user heard (WebRTC: the
-        agent knows what was played)."""
-        s = self._session
+    def interrupt(self, reason: str) -> Optional[tuple[Response, int]]:
+        """Barge-in or response.cancel: stop generating and drop queued audio at once. For a
+        barge-in ("turn_detected") whose reply was the latest one playing, returns it and the
+        samples the user heard of it (WebRTC: the agent knows what was played), for the caller
+        to cut the reply in the model's context to those words (agent/realtime/edits.py)."""
         playing, heard = self.playing, 0
         if playing is not None:
             heard = playing.samples - round(self.clear_output() * OUTPUT_RATE)
         reply = self.current
         if reply is not None and reply.engine_open:
-            s.engine.cancel_reply(s.id)
+            self._engine.cancel_reply()
             self._stale_done += 1
             self._finish(reply, "cancelled", reason, {})
         if reason == "turn_detected" and playing is not None and playing is self.last:
-            edits.truncate_to_heard(s, playing, max(0, heard))
+            return playing, max(0, heard)
+        return None
 
     def clear_output(self) -> float:
         """output_audio_buffer.clear (WebRTC): the track drops what it has not played; returns
         the seconds dropped."""
-        s = self._session
         playing, self.playing = self.playing, None
-        if s.track is None:
+        if self.track is None:
             return 0.0
-        dropped = s.track.flush()
+        dropped = self.track.flush()
         response_id = playing.id if playing is not None else (self.last.id if self.last else None)
         if response_id is not None:
-            s.emit({"type": "output_audio_buffer.cleared", "response_id": response_id})
+            self._outbox.emit({"type": "output_audio_buffer.cleared", "response_id": response_id})
         return dropped
 
     def on_first_audio(self, _wall: float) -> None:
-        s = self._session
         if self.playing is not None:
-            s.emit(
+            self._outbox.emit(
                 {
                     "type": "output_audio_buffer.started",
                     "response_id": self.playing.id,
@@ -197,10 +227,9 @@ class Replies:
             )
 
     def on_drained(self, _wall: float) -> None:
-        s = self._session
         playing, self.playing = self.playing, None
         if playing is not None:
-            s.emit({"type": "output_audio_buffer.stopped", "response_id": playing.id})
+            self._outbox.emit({"type": "output_audio_buffer.stopped", "response_id": playing.id})
 
     # ---- engine output (the session's ReplySink calls) ---------------------------------
     def _live(self) -> Optional[Response]:
@@ -212,38 +241,35 @@ class Replies:
         """TTFT / TTFA: the reply's end of turn -> its first text / audio handed to the transport
         (recorded once per reply, by the caller), observed in `histogram` by priority."""
         elapsed = time.monotonic() - reply.end_of_turn
-        histogram.labels(priority=self._session.priority).observe(elapsed)
+        histogram.labels(priority=self._priority).observe(elapsed)
         return elapsed
 
     def on_text(self, delta: TextDelta) -> None:
-        s = self._session
         reply = self._live()
         if reply is None:
             return
         if reply.ttft is None:
             reply.ttft = self._since_end_of_turn(reply, metrics.TTFT)
-        s.emit(reply.text_delta(delta.text, len(delta.token_ids)))
+        self._outbox.emit(reply.text_delta(delta.text, len(delta.token_ids)))
         if reply.max_tokens is not None and reply.tokens >= reply.max_tokens:
             # The client's max_output_tokens, under the server's own cap: end the reply here.
-            s.engine.cancel_reply(s.id)
+            self._engine.cancel_reply()
             self._stale_done += 1
             self._finish(reply, "incomplete", "max_output_tokens", {"text_tokens": reply.tokens})
 
     def on_audio(self, audio: AudioOut) -> None:
-        s = self._session
         reply = self._live()
         if reply is None:
             return
         if reply.ttfa is None:
             reply.ttfa = self._since_end_of_turn(reply, metrics.TTFA)
-        if s.track is not None:
+        if self.track is not None:
             reply.samples += len(audio.pcm)
-            s.track.push(audio.pcm)
+            self.track.push(audio.pcm)
         else:
-            s.emit(reply.audio_delta(audio.pcm))
+            self._outbox.emit(reply.audio_delta(audio.pcm))
 
     def on_done(self, done: ReplyDone) -> None:
-        s = self._session
         if self._stale_done:
             self._stale_done -= 1
             if not self._stale_done:
@@ -258,28 +284,27 @@ class Replies:
         if done.reason == "error":
             metrics.ERRORS.labels(where="engine").inc()
             error = f"reply failed: {done.stats.get('error', 'engine error')}"
-            s.emit_error(error, "engine_error", kind="server_error")
-        if s.track is not None and self.playing is reply:
-            s.track.end_reply()
+            self._outbox.error(error, "engine_error", kind="server_error")
+        if self.track is not None and self.playing is reply:
+            self.track.end_reply()
         first_response = reply.ttfa if reply.audio else reply.ttft
         if first_response is not None:
-            s.admission.observe(first_response)
+            self._admission.observe(first_response)
         reason = {"length": "max_output_tokens"}.get(done.reason)
         self._finish(reply, STATUS_BY_REASON.get(done.reason, "failed"), reason, done.stats, error)
 
     def _finish(
         self, reply: Response, status: str, reason: Optional[str], stats: dict, error: Optional[str] = None
     ) -> None:
-        s = self._session
         reply.engine_open = False
         if self.current is reply:
             self.current = None
         if reply.text:
             self.remember("assistant", reply.text)
         events = reply.finished(status, reason, stats, error)
-        s.conversation.update(reply.item_id, events[-2]["item"])
+        self._conversation.update(reply.item_id, events[-2]["item"])
         for event in events:
-            s.emit(event)
+            self._outbox.emit(event)
         if self._held:  # once the engine has ended this reply (a cancelled one's done comes later)
             self.after_engine_idle(self._answer_held)
 

@@ -5,13 +5,20 @@ feeds it audio frames and client events and gives it a `send` for serialized ser
 Spoken replies go to `track` on WebRTC (paced media) or out as response.output_audio.delta on
 a WebSocket. Everything here runs on the asyncio loop; engine output arrives through the
 ReplySink methods (scheduled with call_soon_threadsafe by the engine thread).
+
+The Session owns its parts and wires them together; they never see it. Each is given only the
+ports and plain values it needs: the engine port (agent/realtime/engine_port.py: the session id
+bound, typed commands, unanswered ones cancelled at close), the outbox (server events), the
+conversation and the items port, the settings (SessionSettings: called for the current ones),
+and the callbacks it is handed. With no part referring back here, a closed session is freed by
+reference counting once close() has dropped the few hooks that point both ways (the outbound
+track's, the transport's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from typing import Any, Awaitable, Callable, Optional
 
 import av
@@ -20,16 +27,28 @@ import numpy as np
 from agent import metrics
 from agent.config import INPUT_FRAME_SAMPLES, Config
 from agent.engine.api import AudioOut, EngineBusy, ReplyDone, TextDelta, TranscriptOut
+from agent.engine.commands import (
+    AddUserText,
+    EndTurn,
+    SetContextTurns,
+    SetInstructions,
+    SetPriority,
+    SetVideo,
+    SetVoice,
+)
 from agent.engine.loop import Engine
 from agent.gate import priority
 from agent.gate.ladder import LEVEL_NAMES, Admission
 from agent.media.playout import AgentAudioTrack
 from agent.media.video_feed import VideoFeed
-from agent.realtime import client_events, edits, session_config
+from agent.realtime import client_events, session_config
 from agent.realtime.conversation import Conversation
+from agent.realtime.edits import Edits
+from agent.realtime.engine_port import EnginePort
 from agent.realtime.events import new_id, user_audio_item, user_text_item
 from agent.realtime.input_buffer import InputBuffer
 from agent.realtime.input_transcription import InputTranscription
+from agent.realtime.items import Items
 from agent.realtime.outbox import Outbox
 from agent.realtime.replies import Replies
 from agent.realtime.server_turn import ServerTurn
@@ -49,20 +68,34 @@ class Session:
         settings: Optional[dict[str, Any]] = None,
     ) -> None:
         self.id = new_id("sess")
-        self.config, self.engine, self.admission = config, engine, admission
+        self.config, self.admission = config, admission
         self.outbox = Outbox(send)  # server events: the transport, and SSE subscribers
+        self.engine = EnginePort(engine, self.id, self.outbox)  # this session's commands to the engine
         self._on_closed = on_closed
         self.webrtc = webrtc
-        self.settings = settings or session_config.default_session(config)
+        self._settings = session_config.SessionSettings(settings or session_config.default_session(config))
         self.settings["id"] = self.id
         self.priority = session_config.priority_of(self.settings)  # fixed for the session's life
         # A transcription session (GA type "transcription"): the user's speech is transcribed,
         # nothing is answered, nothing is sent back on the audio track. Fixed for its life.
         self.transcription_only = self.settings["type"] == "transcription"
-        self.transcription = InputTranscription(self)
         self.conversation = Conversation()
         self.conversation_id = new_id("conv")
-        self.replies = Replies(self)  # responses, from response.create to response.done
+        self.items = Items(self.conversation, self.outbox)  # user items, announced
+        self.transcription = InputTranscription(self.engine, self.outbox, self.conversation, self.transcription_only)
+        self.video = VideoFeed(config, engine, self.id, self.outbox.emit)  # camera → engine, throttle → sender
+        self.replies = Replies(  # responses, from response.create to response.done
+            self.engine,
+            self.outbox,
+            self.conversation,
+            self._settings,
+            admission,
+            config,
+            conversation_id=self.conversation_id,
+            priority=self.priority,
+            transcription_only=self.transcription_only,
+            flush_video=self.video.flush_for_turn,
+        )
         # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
         self.track: Optional[AgentAudioTrack] = (
             AgentAudioTrack(
@@ -71,26 +104,50 @@ class Session:
             if webrtc and not self.transcription_only
             else None
         )
-        self.video = VideoFeed(config, engine, self.id, self.emit)  # camera → engine, throttle → sender
+        self.replies.track = self.track
+        self.edits = Edits(self.replies, self.engine, self.conversation, self.outbox)
         self.input = InputBuffer(
             config,
             session_config.turn_detection(self.settings, config.vad_silence_ms),
-            echo=_weakly(self._playing_level),
+            echo=_playing_level(self.track, self.replies),
         )
-        self.turn = ServerTurn(self)  # the turn server VAD follows (agent/realtime/server_turn.py)
+        self.turn = ServerTurn(  # the turn server VAD follows (agent/realtime/server_turn.py)
+            self.engine,
+            self.outbox,
+            self.input,
+            self.replies,
+            self.edits,
+            self.transcription,
+            self.items,
+            self.track,
+            self._settings,
+            admission,
+            config,
+            transcription_only=self.transcription_only,
+        )
         self._unlisten: Optional[Callable[[], None]] = None
         self._closed = False
-        # Engine calls not answered yet: cancelled at close, so that no callback chained on one
-        # (a truncation's announcement, an error report) runs after the session is gone.
-        self._calls: set[asyncio.Future] = set()
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
-        self.turns = 0
         self.events_in = client_events.EventRate(config.max_events_per_s)  # client events' rate limit
         self.opened: Optional[asyncio.Future] = None  # start(): the engine's open of this session
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The session's settings now (the parts read them through the same SessionSettings)."""
+        return self._settings.value
+
+    @settings.setter
+    def settings(self, value: dict[str, Any]) -> None:
+        self._settings.value = value
+
+    @property
+    def turns(self) -> int:
+        """Replies begun in this session."""
+        return self.replies.turns
+
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
-        self.opened = self.engine.open_session(self.id, self)  # settled once the engine has it
+        self.opened = self.engine.open(self)  # settled once the engine has it
         self._unlisten = self.admission.listen(self._on_level)
         self.transcription.apply(self.settings)
         if self.transcription_only:
@@ -98,16 +155,16 @@ class Session:
             self.emit({"type": "session.created", "session": self.settings})
             return
         if self.settings["instructions"] != self.config.system_prompt:
-            self.engine_call("set_instructions", self.settings["instructions"])
+            self.engine.send(SetInstructions(self.settings["instructions"]))
         if session_config.interpret_to(self.settings):  # interpreter mode: a bounded context
-            self.engine_call("set_context_turns", session_config.INTERPRET_TURNS)
+            self.engine.send(SetContextTurns(session_config.INTERPRET_TURNS))
         if not session_config.video_on(self.settings):
-            self.engine_call("set_video", False, param="session.omni.video")
+            self.engine.send(SetVideo(False), param="session.omni.video")
             self.video.set_enabled(False)
         if self.priority != priority.NORMAL:
             # A runner without a scheduler (--runner reference) has nothing to order: not an error
             # the client could act on, so the future's failure is only retrieved, never reported.
-            self.engine.call(self.id, "set_priority", priority.RANK[self.priority]).add_done_callback(
+            self.engine.ask(SetPriority(priority.RANK[self.priority])).add_done_callback(
                 lambda f: f.cancelled() or f.exception()
             )
         if self.settings["audio"]["output"].get("voice") not in (None, "default", self.config.speaker):
@@ -128,17 +185,13 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        for call in list(self._calls):  # their callbacks see a cancelled call and leave
-            call.cancel()
-        self._calls.clear()
+        # Unanswered engine commands are cancelled (their callbacks see that and leave), then the
+        # engine closes the session.
+        self.engine.close()
         # The ladder's listener holds our bound method: drop it so nothing refers back here.
         if self._unlisten is not None:
             self._unlisten()
             self._unlisten = None
-        try:
-            self.engine.close_session(self.id)
-        except EngineBusy:
-            log.warning("session %s: engine inbox full on close", self.id)
         self.outbox.close()
         self.video.close()
         if self.track is not None:
@@ -163,34 +216,11 @@ class Session:
         for event in self.input.push(frame):
             self.turn.on_event(event)
 
-    def _playing_level(self) -> Optional[float]:
-        """For the echo guard (agent/media/vad.py): the level the agent plays now, None while silent."""
-        if self.track is not None:
-            return self.track.level.level()
-        # WebSocket: the client plays the deltas at its own pace; all we know is that a spoken
-        # reply is under way (level 0: the duration rule applies, the threshold is not raised).
-        return 0.0 if self.replies.current is not None and self.replies.current.audio else None
-
     def push_video(self, frame: av.VideoFrame) -> None:
         self.video.push(frame, self.input.audio_in.clock)
 
     def reply_mode(self, modalities: list[str]) -> str:
-        level = self.admission.ladder.level
-        if level >= 2 and self.engine.has_fallback:
-            return "fallback"
-        if level >= 1 or modalities == ["text"]:
-            return "text"
-        return "audio"
-
-    def commit_item(self, item_id: str, event_id: Optional[str]) -> None:
-        previous = self.conversation.last_id()
-        self.emit({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": previous})
-        self._add_item(user_audio_item(item_id))
-
-    def _add_item(self, item: dict[str, Any]) -> None:
-        previous = self.conversation.add(item)
-        self.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
-        self.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
+        return self.replies.reply_mode(modalities)
 
     def commit_audio(self, event_id: Optional[str]) -> None:
         """input_audio_buffer.commit: the buffered audio becomes a user item (no reply by itself)."""
@@ -199,9 +229,9 @@ class Session:
                 self.emit_error("the input audio buffer is empty", "input_audio_buffer_commit_empty", event_id=event_id)
                 return
             self.input.reset()
-            self.commit_item(self.turn.commit(), event_id)
+            self.items.commit(self.turn.commit())
             if self.transcription_only:
-                self.engine_call("end_turn")
+                self.engine.send(EndTurn())
             return
         if self.input.buffered_ms() < 100:
             self.emit_error(
@@ -212,20 +242,20 @@ class Session:
         try:
             self.transcription.speech_started(item_id)  # the audio below is this item's
             for pcm in self.input.take():
-                self.engine.append_audio(self.id, pcm)
+                self.engine.append_audio(pcm)
         except EngineBusy:
             self.emit_error(
                 "engine is overloaded; the audio was dropped", "engine_busy", kind="server_error", event_id=event_id
             )
             return
-        self.commit_item(item_id, event_id)
+        self.items.commit(item_id)
         if self.transcription_only:
-            self.engine_call("end_turn")
+            self.engine.send(EndTurn())
 
     def clear_audio(self) -> None:
         """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
         if self.input.in_turn:
-            self.engine.discard_turn(self.id)
+            self.engine.discard_turn()
         self.input.reset()
         self.turn.reset()
         self.emit({"type": "input_audio_buffer.cleared"})
@@ -237,12 +267,12 @@ class Session:
         if self.transcription_only:
             pass  # no instructions, no voice: nothing is answered
         elif merged["instructions"] != old["instructions"]:
-            self.engine_call("set_instructions", merged["instructions"])
+            self.engine.send(SetInstructions(merged["instructions"]))
         if session_config.interpret_to(merged) != session_config.interpret_to(old):
             on = bool(session_config.interpret_to(merged))
-            self.engine_call("set_context_turns", session_config.INTERPRET_TURNS if on else 0)
+            self.engine.send(SetContextTurns(session_config.INTERPRET_TURNS if on else 0))
         if not self.transcription_only and session_config.video_on(merged) != session_config.video_on(old):
-            self.engine_call("set_video", session_config.video_on(merged), param="session.omni.video")
+            self.engine.send(SetVideo(session_config.video_on(merged)), param="session.omni.video")
             self.video.set_enabled(session_config.video_on(merged))  # and the sender stops or resumes
         voice = None if self.transcription_only else merged["audio"]["output"].get("voice")
         if not self.transcription_only and voice != old["audio"]["output"].get("voice"):
@@ -250,7 +280,7 @@ class Session:
         td = session_config.turn_detection(merged, self.config.vad_silence_ms)
         if td != self.input.turn_detection:
             if self.input.in_turn:  # the turn so far cannot be judged by new rules
-                self.engine.discard_turn(self.id)
+                self.engine.discard_turn()
             self.input.set_turn_detection(td)
             self.turn.reset()
         self.emit({"type": "session.updated", "session": merged})
@@ -280,23 +310,23 @@ class Session:
     # ---- conversation items ------------------------------------------------------------
     def add_user_text(self, item_id: str, text: str, event_id: Optional[str]) -> None:
         """A user text message: it joins the user turn being spoken, after its audio."""
-        self.engine_call("add_user_text", text, event_id=event_id)
+        self.engine.send(AddUserText(text), event_id=event_id)
         self.replies.remember("user", text)
-        self._add_item(user_text_item(item_id, text))
+        self.items.add(user_text_item(item_id, text))
 
     def add_user_audio(self, item_id: str, pcm16k: np.ndarray) -> None:
         """A user audio message given whole (conversation.item.create with input_audio)."""
         for start in range(0, len(pcm16k), INPUT_FRAME_SAMPLES):
-            self.engine.append_audio(self.id, pcm16k[start : start + INPUT_FRAME_SAMPLES])
-        self._add_item(user_audio_item(item_id))
+            self.engine.append_audio(pcm16k[start : start + INPUT_FRAME_SAMPLES])
+        self.items.add(user_audio_item(item_id))
 
     def truncate(self, item_id: str, audio_end_ms: int, event_id: Optional[str]) -> None:
         """conversation.item.truncate (agent/realtime/edits.py)."""
-        edits.truncate(self, item_id, audio_end_ms, event_id)
+        self.edits.truncate(item_id, audio_end_ms, event_id)
 
     def delete_item(self, item_id: str, event_id: Optional[str]) -> None:
         """conversation.item.delete (agent/realtime/edits.py)."""
-        edits.delete_item(self, item_id, event_id)
+        self.edits.delete_item(item_id, event_id)
 
     def _on_level(self, level: int) -> None:
         p95 = self.admission.ladder.current_p95()
@@ -320,28 +350,7 @@ class Session:
         # default speaker rather than an error, so a client works with only its base URL changed.
         if voice.lower() in session_config.OPENAI_VOICES:
             voice = "default"
-        self.engine_call("set_voice", voice, param="session.audio.output.voice")
-
-    def engine_call(
-        self, method: str, *args: Any, event_id: Optional[str] = None, param: Optional[str] = None
-    ) -> asyncio.Future:
-        """A runner method in order with the other commands; a failure becomes an error event
-        (naming `param` when the client's value for it was refused: a ValueError)."""
-        future = self.engine.call(self.id, method, *args)
-        self._calls.add(future)
-
-        def report(f: asyncio.Future) -> None:
-            self._calls.discard(f)
-            if not f.cancelled() and f.exception() is not None and not self._closed:
-                exc = f.exception()
-                if param is not None and isinstance(exc, ValueError):
-                    self.emit_error(str(exc), "invalid_value", param=param, event_id=event_id)
-                    return
-                code = "unsupported" if isinstance(exc, NotImplementedError) else "engine_error"
-                self.emit_error(f"{method.replace('_', ' ')}: {exc}", code, event_id=event_id)
-
-        future.add_done_callback(report)
-        return future
+        self.engine.send(SetVoice(voice), param="session.audio.output.voice")
 
     # ---- events out --------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -359,16 +368,19 @@ class Session:
         self.outbox.error(message, code, param=param, event_id=event_id, kind=kind)
 
 
-def _weakly(method: Callable[[], Optional[float]]) -> Callable[[], Optional[float]]:
-    """The session's method for the echo guard, held without a reference to the session: a strong
-    one would make session -> input -> endpointer -> session a cycle, freed only at a full GC."""
-    ref = weakref.WeakMethod(method)
+def _playing_level(track: Optional[AgentAudioTrack], replies: Replies) -> Callable[[], Optional[float]]:
+    """For the echo guard (agent/media/vad.py): the level the agent plays now, None while silent.
+    A closure over the track and the replies, not the session: session -> input -> endpointer ->
+    session would be a cycle, freed only at a full GC."""
 
-    def call() -> Optional[float]:
-        bound = ref()
-        return bound() if bound is not None else None
+    def level() -> Optional[float]:
+        if track is not None:
+            return track.level.level()
+        # WebSocket: the client plays the deltas at its own pace; all we know is that a spoken
+        # reply is under way (level 0: the duration rule applies, the threshold is not raised).
+        return 0.0 if replies.current is not None and replies.current.audio else None
 
-    return call
+    return level
 
 
 def _closed_already(session: Session) -> None:

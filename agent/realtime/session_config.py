@@ -33,6 +33,17 @@ INTERPRET_TURNS = 4
 DEFAULT_TRANSCRIPTION = {"model": "qwen3-omni-thinker", "language": None, "prompt": ""}
 
 
+class SessionSettings:
+    """A session's settings as they are now (a session.update replaces them whole): the parts of
+    the session that read them are given this, and call it for the current ones."""
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        self.value = value
+
+    def __call__(self) -> dict[str, Any]:
+        return self.value
+
+
 class ConfigError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)

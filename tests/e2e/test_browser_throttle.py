@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from support.engine_hold import HeldEngine
+from support.engine_hold import HeldEngine, Hold
 from support.loopback import free_port
 
 from agent.config import Config
@@ -82,7 +82,7 @@ class ThreadedAgent:
     def hold(self) -> None:
         async def call() -> None:
             session = next(iter(self.app[SESSIONS].values())).session
-            self.engine.call(session.id, "hold")
+            self.engine.send(session.id, Hold())
 
         self.run(call(), 10)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from support.realtime_helpers import long_replies_engine, start_agent
 
 from agent.client.client import AgentClient
+from agent.engine.commands import Context
 
 
 async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_wav: Path, strict_events) -> None:
@@ -64,7 +65,7 @@ async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_
             await asyncio.sleep(0.05)
         client.audio.play()  # talk over it
         truncated = await client.wait_event("conversation.item.truncated", timeout=30)
-        context = await agent.engine.call(created["session"]["id"], "context")
+        context = await agent.engine.send(created["session"]["id"], Context())
     finally:
         await client.close()
         await agent.stop()

@@ -18,7 +18,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from support.engine_hold import HeldEngine
+from support.engine_hold import HeldEngine, Hold
 from support.realtime_helpers import start_agent
 
 from agent.client.client import AgentClient
@@ -59,7 +59,7 @@ async def test_python_client_obeys_throttle_from_a_stalled_engine(tiny_model_dir
         full_rate = video.fps(2.0)
 
         session = next(iter(agent.app[SESSIONS].values())).session
-        holding = engine.call(session.id, "hold")
+        holding = engine.send(session.id, Hold())
         peak_backlog = 0.0
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not video.paused:

@@ -1,22 +1,30 @@
 """Shared by the back-pressure tests: an engine whose thread a test can stall (imported, not a test).
 
-`HeldEngine(config)` builds the real engine (the streaming runner for `config`), whose runner also
-answers a `hold` call: it blocks the engine thread until `release()`, the way a slow GPU step
-would, so the tests can watch what ingest and the sender do while the engine is behind.
+`HeldEngine(config)` builds the real engine (the streaming runner for `config`), which also takes
+a `Hold()` command (`engine.send(session_id, Hold())`): it blocks the engine thread until
+`release()`, the way a slow GPU step would, so the tests can watch what ingest and the sender do
+while the engine is behind.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from agent.config import Config
+from agent.engine.commands import SessionCommand
 from agent.engine.factory import build_engine
 from agent.engine.loop import Engine
 
 
+@dataclass(frozen=True)
+class Hold(SessionCommand):
+    """Block the engine thread until the HeldEngine is released (its runner's `hold`)."""
+
+
 class _Holdable:
-    """The real runner, plus a `hold` call that blocks the engine thread until released."""
+    """The real runner, plus a `hold` that blocks the engine thread until released."""
 
     def __init__(self, inner: Any, released: threading.Event) -> None:
         self._inner = inner
@@ -36,7 +44,9 @@ class HeldEngine:
         self._released = threading.Event()
 
     def __call__(self, config: Config) -> Engine:
-        return build_engine(config, wrap=lambda runner: _Holdable(runner, self._released))
+        engine = build_engine(config, wrap=lambda runner: _Holdable(runner, self._released))
+        engine.register(Hold, lambda runner, sid, _cmd: runner.hold(sid))
+        return engine
 
     def release(self) -> None:
         self._released.set()

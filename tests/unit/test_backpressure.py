@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import fractions
 import threading
+from dataclasses import dataclass
 
 import av
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from agent import metrics
 from agent.config import Config
 from agent.engine.api import Output, ReplyDone
+from agent.engine.commands import SessionCommand
 from agent.engine.loop import Engine
 from agent.media.backpressure import SenderThrottle
 from agent.media.video_feed import MAX_IN_FLIGHT, VideoFeed
@@ -149,6 +151,11 @@ class HoldingRunner:
         return [ReplyDone(self.pending.pop(0), "stop")]
 
 
+@dataclass(frozen=True)
+class Hold(SessionCommand):
+    """Stall the engine thread (HoldingRunner.hold) until the test releases it."""
+
+
 class Sink:
     def on_text(self, delta) -> None: ...
 
@@ -169,6 +176,7 @@ def _frames(start_s: float, seconds: float, fps: float = 10.0):
 async def test_feed_throttles_a_stalled_engine_and_restores_it() -> None:
     runner = HoldingRunner()
     engine = Engine(lambda: runner, frames_per_turn=2)
+    engine.register(Hold, lambda r, sid, _cmd: r.hold(sid))
     await engine.start()
     config = Config(
         video_fps=4.0,
@@ -198,7 +206,7 @@ async def test_feed_throttles_a_stalled_engine_and_restores_it() -> None:
             await asyncio.sleep(0.01)
         assert feed.sent == 8 and len(feed.ring) == 0 and not events, "a keeping-up engine must not throttle"
 
-        held = engine.call("s1", "hold")
+        held = engine.send("s1", Hold())
         await play(2.0, 1.0)  # 4 samples: 2 in flight, the rest back up
         assert feed.in_flight == MAX_IN_FLIGHT and 0 < len(feed.ring) and feed.backlog < 6
         await play(3.0, 1.0)  # the backlog reaches the high-water mark

@@ -3,19 +3,21 @@
 Pins: the runner is built and driven only on the engine thread; outputs reach each
 session's sink on the asyncio loop thread, in order; a failing step ends the replies in
 flight with an error and the engine keeps serving; a full inbox raises EngineBusy instead
-of blocking the loop; a model that fails to load makes start() raise; Engine.call runs a
-runner method in order on the engine thread and hands back its result or exception.
+of blocking the loop; a model that fails to load makes start() raise; Engine.send runs a
+typed command's runner method in order on the engine thread and hands back its result or exception.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
 from agent.engine.api import AudioOut, EngineBusy, Output, ReplyDone, StageTime, TextDelta
+from agent.engine.commands import SessionCommand, TruncateReply
 from agent.engine.loop import Engine
 
 
@@ -198,25 +200,72 @@ class EditingRunner(ScriptedRunner):
         return f"{sid}:{name}"
 
 
-async def test_call_runs_runner_methods_in_order_on_the_engine_thread() -> None:
-    """Engine.call: the result (or the exception) comes back as a future on the loop; a method
-    the runner lacks is NotImplementedError; a closed session is an error, not a hang."""
+@dataclass(frozen=True)
+class Rename(SessionCommand):
+    """A test's own session command (EditingRunner.rename), given to the engine by register()."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Unknown(SessionCommand):
+    """A session command no engine has a handler for."""
+
+
+async def test_send_runs_session_commands_in_order_on_the_engine_thread() -> None:
+    """Engine.send: the result (or the exception) comes back as a future on the loop; a command
+    whose capability the runner lacks is NotImplementedError; a closed session is an error, not
+    a hang; a command type the engine has no handler for is refused on the caller's side."""
     runner = EditingRunner()
     engine = Engine(lambda: runner)
+    engine.register(Rename, lambda r, sid, cmd: r.rename(sid, cmd.name))
     await engine.start()
     try:
         engine.open_session("s", Sink())
         engine.append_audio("s", np.zeros(1280, np.float32))
-        future = engine.call("s", "rename", "x")
+        future = engine.send("s", Rename("x"))
         assert await asyncio.wait_for(future, 5) == "s:x"
-        assert runner.audio["s"] == 1  # the append queued before the call ran before it
+        assert runner.audio["s"] == 1  # the append queued before the command ran before it
         assert runner.threads == {"engine"}
         with pytest.raises(ValueError):
-            await asyncio.wait_for(engine.call("s", "rename", ""), 5)
-        with pytest.raises(NotImplementedError):
-            await asyncio.wait_for(engine.call("s", "truncate_reply", 1), 5)
+            await asyncio.wait_for(engine.send("s", Rename("")), 5)
+        # EditingRunner is no ConversationEditing: a truncation is not its to do.
+        with pytest.raises(NotImplementedError, match="cannot truncate reply"):
+            await asyncio.wait_for(engine.send("s", TruncateReply(1)), 5)
+        with pytest.raises(TypeError):
+            engine.send("s", Unknown())
+        with pytest.raises(TypeError):
+            engine.send("s", "truncate_reply")  # type: ignore[arg-type]  # names are no commands
         engine.close_session("s")
         with pytest.raises(KeyError):
-            await asyncio.wait_for(engine.call("s", "rename", "y"), 5)
+            await asyncio.wait_for(engine.send("s", Rename("y")), 5)
     finally:
         await engine.stop()
+
+
+def test_runner_capabilities_are_named_by_protocols() -> None:
+    """The StreamingRunner has every optional capability the session commands need; the
+    reference and fallback runners have none (their commands answer NotImplementedError), and
+    the fallback takes its history. `supports` looks the methods up: a class or an instance."""
+    from agent.engine.api import (
+        ConversationEditing,
+        Runner,
+        Speculating,
+        TakesHistory,
+        Transcribing,
+        TurnControl,
+        VideoIntake,
+        supports,
+    )
+    from agent.engine.runner.fallback import FallbackRunner
+    from agent.engine.runner.reference import GenerateRunner
+    from agent.engine.runner.streaming import StreamingRunner
+
+    optional = (Speculating, VideoIntake, TurnControl, Transcribing, ConversationEditing)
+    for capability in (Runner, *optional):
+        assert supports(StreamingRunner, capability), capability
+    for runner in (GenerateRunner, FallbackRunner):
+        assert supports(runner, Runner)
+        assert not any(supports(runner, capability) for capability in optional), runner
+    assert supports(FallbackRunner, TakesHistory) and not supports(GenerateRunner, TakesHistory)
+    assert not supports(ScriptedRunner(), Speculating)

@@ -1,6 +1,6 @@
 """Conversation edits behind the Realtime API's items, the StreamingRunner's component for them
-(on the engine thread; the runner's methods of the same names, called through Engine.call,
-delegate here): user text items, instructions, the voice, truncating the latest reply to what was
+(on the engine thread; the runner's methods of the same names, which the engine loop calls for the typed commands
+of agent/engine/commands.py, delegate here): user text items, instructions, the voice, truncating the latest reply to what was
 heard (conversation.item.truncate and the server's barge-in), and a read-only view of the slot.
 
 Every edit first discards a speculative reply (agent/engine/runner/speculation.py): it answered the

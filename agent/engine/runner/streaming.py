@@ -35,7 +35,8 @@ between replies: frames, audio, held or discarded turns, switches), estimates.py
 scheduler sees), speculation.py (when a speculation starts or goes), edits.py (truncate,
 instructions, voice), transcription.py (transcription commands) beside the Transcriber
 (transcriber.py), and the stages: TurnPrefill (turns), FrameBatcher (frames). Every command is
-a method of the runner (Engine.call calls them by name) delegating to its component; `step()`
+a method of the runner (the engine loop calls it for its typed command, agent/engine/commands.py)
+delegating to its component; `step()`
 is the tick.
 
 A reply's phase (agent/engine/state/phase.py) is moved only by Replies (replies.py); what each stage has made is in agent/engine/state/reply.py (PrefillStage,
@@ -239,7 +240,7 @@ class StreamingRunner:
         emits it right after the command that released it."""
         return self.replies.take_ready()
 
-    # ---- delegated commands (Engine.call calls them by name) -----------------------------------
+    # ---- delegated commands (the loop's handlers for agent/engine/commands.py) -----------------------------------
 
     def speculate(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> bool:
         return self.speculation.speculate(session_id, images, text_only)

@@ -1,5 +1,5 @@
-"""The StreamingRunner's transcription commands (sessions call them through Engine.call, in
-order with their audio): a session's transcription mode, the item id of the turn being spoken,
+"""The StreamingRunner's transcription commands (sessions send them as typed commands,
+Engine.send, in order with their audio): a session's transcription mode, the item id of the turn being spoken,
 and the end of a turn in a transcription-only session. The transcripts themselves are the
 Transcriber's (agent/engine/runner/transcriber.py); their slots come from the sessions table.
 """

@@ -1,0 +1,176 @@
+"""The engine's commands: what the asyncio side asks of the engine thread, as typed messages.
+
+Every command is a frozen dataclass; the engine loop (agent/engine/loop.py) dispatches on its type
+through one table, never on a name. The session a command is for travels beside it (the loop's
+envelope), so a session's commands are plain data about *what*, not *whom*.
+
+Two kinds:
+
+- The turn's stream, each with its own Engine method (no answer, except where said): OpenSession
+  (answered: opened, or why not), AppendAudio, AppendVideo (answered once taken: the sender's
+  back-pressure signal), DiscardTurn, BeginReply, CancelReply, Speculate, DropSpeculation,
+  CloseSession, and Stop (the whole engine).
+- Session commands (`SessionCommand`): one runner method each, sent with `Engine.send(session_id,
+  command)`, whose future gets the method's return value or its exception. A runner that lacks
+  the capability a command needs (agent/engine/api.py: Speculating, VideoIntake, Transcribing,
+  TurnControl, ConversationEdits) answers NotImplementedError.
+
+Plain data only: no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent.engine.api import ReplySink
+
+# ---- the turn's stream -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    sink: ReplySink
+
+
+@dataclass(frozen=True)
+class AppendAudio:
+    pcm: np.ndarray  # float32 mono 16 kHz
+
+
+@dataclass(frozen=True)
+class AppendVideo:
+    image: np.ndarray  # RGB uint8 HxWx3
+    at: float  # the frame's time on the session's audio clock
+
+
+@dataclass(frozen=True)
+class DiscardTurn:
+    pass
+
+
+@dataclass(frozen=True)
+class BeginReply:
+    images: tuple = ()  # the frames to show (empty: the newest taken)
+    mode: str = "audio"  # audio | text | fallback (agent/engine/loop.py MODES)
+    history: tuple = ()  # (role, text) pairs, for the fallback model
+
+
+@dataclass(frozen=True)
+class CancelReply:
+    pass
+
+
+@dataclass(frozen=True)
+class Speculate:
+    images: tuple = ()
+    mode: str = "audio"
+
+
+@dataclass(frozen=True)
+class DropSpeculation:
+    pass
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    pass
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+StreamCommand = (
+    OpenSession
+    | AppendAudio
+    | AppendVideo
+    | DiscardTurn
+    | BeginReply
+    | CancelReply
+    | Speculate
+    | DropSpeculation
+    | CloseSession
+    | Stop
+)
+
+
+# ---- session commands: one runner method each ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionCommand:
+    """A runner method run in order with the session's other commands (Engine.send)."""
+
+
+@dataclass(frozen=True)
+class SetTranscription(SessionCommand):
+    mode: str  # off | on | only
+
+
+@dataclass(frozen=True)
+class SetTranscriptItem(SessionCommand):
+    item_id: str
+
+
+@dataclass(frozen=True)
+class EndTurn(SessionCommand):
+    pass
+
+
+@dataclass(frozen=True)
+class SetInstructions(SessionCommand):
+    text: str
+
+
+@dataclass(frozen=True)
+class SetContextTurns(SessionCommand):
+    turns: int
+
+
+@dataclass(frozen=True)
+class SetVideo(SessionCommand):
+    on: bool
+
+
+@dataclass(frozen=True)
+class SetPriority(SessionCommand):
+    priority: int
+
+
+@dataclass(frozen=True)
+class HoldTurn(SessionCommand):
+    pass
+
+
+@dataclass(frozen=True)
+class AddUserText(SessionCommand):
+    text: str
+
+
+@dataclass(frozen=True)
+class SetVoice(SessionCommand):
+    voice: str
+
+
+@dataclass(frozen=True)
+class SetReplyInstructions(SessionCommand):
+    text: str
+
+
+@dataclass(frozen=True)
+class TruncateReply(SessionCommand):
+    audio_frames: int
+
+
+@dataclass(frozen=True)
+class Context(SessionCommand):
+    """The session's model context, for tests and diagnostics (StreamingRunner.context)."""
+
+
+def describe(command: object) -> str:
+    """A command's name in words, for messages: SetVoice() -> "set voice"."""
+    return re.sub(r"(?<!^)(?=[A-Z])", " ", type(command).__name__).lower()

@@ -1,0 +1,29 @@
+"""The user's items as they join the conversation, announced on the session's outbox.
+
+A port given to the session's parts that add user items (agent/realtime/server_turn.py, and the
+Session itself for client-created ones): the conversation and the events about it, nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.realtime.conversation import Conversation
+from agent.realtime.events import user_audio_item
+from agent.realtime.outbox import Outbox
+
+
+class Items:
+    def __init__(self, conversation: Conversation, outbox: Outbox) -> None:
+        self._conversation, self._outbox = conversation, outbox
+
+    def commit(self, item_id: str) -> None:
+        """The input audio buffer became the user audio item `item_id`."""
+        previous = self._conversation.last_id()
+        self._outbox.emit({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": previous})
+        self.add(user_audio_item(item_id))
+
+    def add(self, item: dict[str, Any]) -> None:
+        previous = self._conversation.add(item)
+        self._outbox.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
+        self._outbox.emit({"type": "conversation.item.done", "previous_item_id": previous, "item": item})
