@@ -2,7 +2,8 @@
 
 api.py        what crosses the thread boundary (outputs out; the Runner and its capability Protocols)
 commands.py   the commands in: typed messages, dispatched by type (Engine.send for session commands)
-loop.py       the engine thread (Engine: the asyncio side's handle)
+loop.py       Engine: the asyncio side's handle on the engine thread (inbox, lifecycle)
+core.py       EngineCore: the thread's side (runners, sinks, dispatch by command type)
 factory.py    the runners a Config asks for, built inside that thread
 memory_plan.py  sessions x context that fit the device, planned before the load
 runner/       the runners: streaming Qwen3-Omni, generate() reference, text fallback

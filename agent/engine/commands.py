@@ -1,6 +1,6 @@
 """The engine's commands: what the asyncio side asks of the engine thread, as typed messages.
 
-Every command is a frozen dataclass; the engine loop (agent/engine/loop.py) dispatches on its type
+Every command is a frozen dataclass; the engine thread (agent/engine/core.py) dispatches on its type
 through one table, never on a name. The session a command is for travels beside it (the loop's
 envelope), so a session's commands are plain data about *what*, not *whom*.
 

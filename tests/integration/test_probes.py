@@ -98,8 +98,8 @@ async def test_a_dead_engine_thread_fails_both(tiny_model_dir: Path) -> None:
             def broken(*args: object) -> None:
                 raise _Fatal("injected: the engine loop broke")
 
-            engine._apply = broken  # type: ignore[method-assign]
-            engine.discard_turn("nobody")  # any command reaches _apply on the engine thread
+            engine.core.apply = broken  # type: ignore[method-assign,union-attr]
+            engine.discard_turn("nobody")  # any command reaches EngineCore.apply on the engine thread
             await asyncio.get_running_loop().run_in_executor(None, engine._thread.join, 10)  # type: ignore[union-attr]
             for path in ("/livez", "/readyz"):
                 status, body = await _probe(http, running.url, path)

@@ -48,8 +48,8 @@ async def test_a_dead_engine_fails_health_and_refuses_calls(tiny_model_dir: Path
             def broken(*args: object) -> None:
                 raise _Fatal("injected: the engine loop broke")
 
-            engine._apply = broken  # type: ignore[method-assign]
-            engine.discard_turn("nobody")  # any command reaches _apply on the engine thread
+            engine.core.apply = broken  # type: ignore[method-assign,union-attr]
+            engine.discard_turn("nobody")  # any command reaches EngineCore.apply on the engine thread
             await asyncio.get_running_loop().run_in_executor(None, engine._thread.join, 10)  # type: ignore[union-attr]
             # No polling: the first probe after the thread ended already fails.
             async with http.get(f"{running.url}/healthz") as resp:

@@ -198,7 +198,9 @@ async def test_a_session_without_a_slot_is_told_and_not_held(engine: Engine) -> 
     assert len(extra.open_failed) == 1 and "slots are in use" in extra.open_failed[0], extra.open_failed
     assert not extra.done and extra.audio == 0
     # (Not a weakref check: pytest's log capture keeps the logged traceback, whose frames hold it.)
-    assert "extra" not in engine._sinks, "the engine holds the sink of a session it could not open"
+    assert engine.core is not None and "extra" not in engine.core.sinks, (
+        "the engine holds the sink of a session it could not open"
+    )
 
     engine.close_session("s0")
     late = Sink()
@@ -218,7 +220,7 @@ async def test_a_dead_engine_thread_is_reported(engine: Engine) -> None:
     engine.open_session("a", a)
     say(engine, "a")
     await asyncio.wait_for(a.first_audio.wait(), 60)
-    engine._step = _once(engine._step, _Fatal("loop broke"), lambda args: True)  # type: ignore[method-assign]
+    engine.core.step = _once(engine.core.step, _Fatal("loop broke"), lambda args: True)  # type: ignore[method-assign,union-attr]
     done = await a.wait_done(1)
     assert done.reason == "error" and "engine thread died" in done.stats["error"]
     await asyncio.get_running_loop().run_in_executor(None, engine._thread.join, 10)  # type: ignore[union-attr]
