@@ -15,9 +15,9 @@ import torch
 from agent.engine.checkpoints.model import assistant_start_ids, encode_images
 from agent.engine.stages.thinker import PrefillOut
 from agent.engine.stages.turn_parts import TurnJob, TurnParts
-from agent.engine.stages.video_grid import GridPlace
 from agent.engine.stages.video_prefill import join_features
 from agent.engine.state.session import SessionState, timed, timed_all
+from agent.engine.state.video import GridPlace
 
 
 @dataclass

@@ -19,10 +19,10 @@ from agent.engine.stages.audio_stream import AudioStream
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.thinker import ImageFeatures, PrefillJob, ThinkerOps
 from agent.engine.stages.video_clock import VideoPolicy
-from agent.engine.stages.video_grid import GridPlace
 from agent.engine.stages.video_prefill import VideoPrefill, join_features
 from agent.engine.state.kv import KVState
 from agent.engine.state.session import SessionState, TalkerHistory, TalkerTurn, TurnState, timed, timed_all
+from agent.engine.state.video import GridPlace
 
 # Room kept free in the context for the reply and its closing tokens.
 CLOSING_MARGIN = 8

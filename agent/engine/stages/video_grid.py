@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from agent.engine.state.video import AVBlock, GridPlace
+
 
 @dataclass(frozen=True)
 class PatchSpec:
@@ -127,24 +129,6 @@ def interleave(
         out += [video_token] * grid_tokens
     out += [audio_token] * (n_audio - k)
     return out
-
-
-@dataclass
-class AVBlock:
-    """An open audio-in-video block while it is prefilled part by part: where its positions
-    start and how many audio tokens it holds so far."""
-
-    start: int  # position of audio token 0 (after <|vision_start|><|audio_start|>)
-    audio: int = 0
-
-
-@dataclass(frozen=True)
-class GridPlace:
-    """A video grid in the token stream: its time in the turn and its merged size."""
-
-    start_s: float
-    gh: int  # merged rows (grid_h // merge)
-    gw: int
 
 
 @dataclass(frozen=True)

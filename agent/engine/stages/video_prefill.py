@@ -21,8 +21,9 @@ import torch
 from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.stages.thinker import ImageFeatures, ThinkerOps
 from agent.engine.stages.video_clock import TurnVideo, VideoPolicy
-from agent.engine.stages.video_grid import AVBlock, GridPlace, PatchSpec, TokenKinds, av_positions
+from agent.engine.stages.video_grid import PatchSpec, TokenKinds, av_positions
 from agent.engine.state.session import SessionState, TurnState, timed
+from agent.engine.state.video import AVBlock, GridPlace
 
 FRESH_S = 1.0  # a frame older than this (engine clock) does not start a video turn
 

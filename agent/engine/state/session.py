@@ -6,6 +6,11 @@ Everything a session carries between engine steps lives here (its slot in the ba
 caches and code2wav state, position counters, the talker's view of the user turns, the reply's
 codec history), so that a session can be dropped or reset in one assignment. The tensors
 themselves are rows of the runner's slot tensors (agent/engine/ops/slots.py, agent/engine/codecs/code2wav.py).
+
+Two members are objects of their stages rather than plain data: a turn's AudioStream (the
+incremental log-mel and encoder state, agent/engine/stages/audio_stream.py) and its TurnVideo
+(the turn's grids on the audio clock, agent/engine/stages/video_clock.py). Each advances itself
+and belongs to the one turn that holds it; nothing else in this package imports a stage.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ import torch
 from agent.engine.api import Output
 from agent.engine.stages.audio_stream import AudioStream
 from agent.engine.stages.video_clock import TurnVideo
-from agent.engine.stages.video_grid import AVBlock, GridPlace
 from agent.engine.state.kv import KVState
 from agent.engine.state.phase import ReplyPhase
 from agent.engine.state.reply import PlayoutClock, PrefillStage, TextStage, VoiceStage
+from agent.engine.state.video import AVBlock, GridPlace
 
 
 @dataclass
