@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 from support.realtime_helpers import RunningAgent, start_agent, talker_never_ends
-from test_realtime_ws import Events, pcm24, stream_realtime
+from support.realtime_ws import Events, pcm24, stream_realtime
 
 from agent.config import Config
 from agent.engine.factory import fallback_factory, inbox_size, runner_factory

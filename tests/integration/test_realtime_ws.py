@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
-import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 from openai import AsyncOpenAI
 from support.realtime_helpers import RunningAgent, module_agent
-from support.speech import read_wav, resample
+from support.realtime_ws import Events, b64, pcm24, stream_realtime
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "qwen3-omni"
@@ -44,78 +42,11 @@ AUDIBLE_RMS = 10 ** (-50 / 20) * 32768
 agent = module_agent(max_reply_seconds=2.0, max_reply_tokens=16)
 
 
-def pcm24(path: Path) -> np.ndarray:
-    """The 16 kHz fixture as 24 kHz int16 (linear interpolation)."""
-    pcm, rate = read_wav(path)
-    return resample(pcm, rate, 24_000).astype(np.int16)
-
-
-def b64(pcm: np.ndarray) -> str:
-    return base64.b64encode(pcm.astype("<i2").tobytes()).decode()
-
-
-class Events:
-    """Every raw server event of one connection, each validated strictly as it arrives."""
-
-    def __init__(self, conn: Any, strict: Callable[[dict], None]) -> None:
-        self.conn, self.strict = conn, strict
-        self.all: list[dict[str, Any]] = []
-        self._new = asyncio.Event()
-        self._task = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        while True:
-            event = json.loads(await self.conn.recv_bytes())
-            self.strict(event)
-            event["_t"] = time.monotonic()
-            self.all.append(event)
-            self._new.set()
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.all if e["type"] == kind]
-
-    async def wait(
-        self, kind: str, timeout: float = 60, after: int = 0, where: Optional[Callable[[dict], bool]] = None
-    ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            for event in self.all[after:]:
-                if event["type"] == kind and (where is None or where(event)):
-                    return event
-            if self._task.done():
-                self._task.result()  # a schema failure surfaces here
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no {kind} in {[e['type'] for e in self.all[after:]]}")
-            self._new.clear()
-            try:
-                await asyncio.wait_for(self._new.wait(), min(left, 0.5))
-            except asyncio.TimeoutError:
-                pass
-
-    def close(self) -> None:
-        self._task.cancel()
-        if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
-            raise self._task.exception()
-
-
 async def _connect(agent: RunningAgent, strict: Callable[[dict], None]):
     client = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
     manager = client.realtime.connect(model=MODEL)
     conn = await manager.__aenter__()
     return manager, conn, Events(conn, strict)
-
-
-async def stream_realtime(conn: Any, pcm: np.ndarray, tail_silence_s: float) -> None:
-    """20 ms appends paced to the wall clock, like a microphone, then silence."""
-    chunk = 480
-    audio = np.concatenate([pcm, np.zeros(int(tail_silence_s * 24_000), np.int16)])
-    start = time.monotonic()
-    for i, at in enumerate(range(0, len(audio), chunk)):
-        await conn.input_audio_buffer.append(audio=b64(audio[at : at + chunk]))
-        wait = start + (i + 1) * 0.02 - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
 
 
 def audible(events: list[dict[str, Any]]) -> int:

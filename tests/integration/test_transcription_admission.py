@@ -35,7 +35,7 @@ import pytest
 import pytest_asyncio
 from openai import APIStatusError, AsyncOpenAI
 from support.realtime_helpers import RunningAgent, metric, refused_upgrade, start_agent, wait_no_sessions
-from test_realtime_ws import pcm24
+from support.realtime_ws import pcm24
 
 from agent.client.client import AgentClient
 from agent.engine.factory import build_engine

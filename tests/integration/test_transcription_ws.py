@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 from support.realtime_helpers import RunningAgent, module_agent
+from support.realtime_ws import Events, pcm24, stream_realtime
 from support.speech import espeak_at, write_wav
-from test_realtime_ws import Events, pcm24, stream_realtime
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 DELTA = "conversation.item.input_audio_transcription.delta"

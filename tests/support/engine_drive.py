@@ -13,6 +13,10 @@ from agent.engine.state.kv import KVState
 PIECE = INPUT_FRAME_SAMPLES  # 80 ms of 16 kHz microphone audio: one ingest chunk
 
 
+# The system prompt of the engine tests (the generate() references use the same one).
+SYSTEM = "You are a helpful voice assistant."
+
+
 def make_audio(
     seconds: float,
     freq: float = 220.0,

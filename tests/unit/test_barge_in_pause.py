@@ -21,7 +21,7 @@ import argparse
 
 import numpy as np
 import pytest
-from test_echo_guard import FakeClock, LoudIsVoiced, gap, speakerphone, tone, voices  # noqa: F401 (voices: a fixture)
+from support.echo import FakeClock, LoudIsVoiced, gap, speakerphone, tone
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.config import Config
@@ -165,7 +165,7 @@ async def speakerphone_pausing(
     clips,
     *,
     user_at_s: float | None,
-    vad: str,  # noqa: F811 (the imported fixture)
+    vad: str,
 ) -> tuple[list[tuple[int, TurnEvent]], list[bool]]:
     """test_echo_guard's speakerphone, with the track paused / resumed / flushed on the events
     as Session does."""
@@ -183,7 +183,7 @@ async def speakerphone_pausing(
 
 
 @pytest.mark.parametrize("vad", ["silero", "webrtc"])
-async def test_own_echo_at_minus_10_db_never_pauses_the_agent(voices, vad):  # noqa: F811 (the imported fixture)
+async def test_own_echo_at_minus_10_db_never_pauses_the_agent(voices, vad):
     events, audible = await speakerphone_pausing(voices, user_at_s=None, vad=vad)
     assert candidates_of(events) == []
     # The reply played without a hole: audible from its first frame to its last.
@@ -192,7 +192,7 @@ async def test_own_echo_at_minus_10_db_never_pauses_the_agent(voices, vad):  # n
 
 
 @pytest.mark.parametrize("vad", ["silero", "webrtc"])
-async def test_talking_over_the_reply_silences_it_at_the_candidate(voices, vad):  # noqa: F811 (the imported fixture)
+async def test_talking_over_the_reply_silences_it_at_the_candidate(voices, vad):
     events, audible = await speakerphone_pausing(voices, user_at_s=1.0, vad=vad)
     kinds = candidates_of(events)
     assert "SpeechStarted" in kinds

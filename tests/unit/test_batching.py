@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 from support.code2wav import small_code2wav
-from support.engine_drive import PIECE, make_audio, speak
+from support.engine_drive import PIECE, SYSTEM, make_audio, speak
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime
@@ -34,7 +34,6 @@ from agent.engine.codecs.code2wav import SlotCode2Wav
 from agent.engine.runner.scheduler import PlayoutClock, ReplyView, SchedulerConfig, idle_s, plan_tick
 from agent.engine.runner.streaming import StreamingRunner
 
-SYSTEM = "You are a helpful voice assistant."
 OPTIONS = dict(max_reply_tokens=12, max_reply_seconds=1.6, audio_window_s=1.0, record=True)
 
 

@@ -17,14 +17,12 @@ import argparse
 
 import numpy as np
 import torch
-from support.engine_drive import make_audio, run_until_idle, speak
+from support.engine_drive import SYSTEM, make_audio, run_until_idle, speak
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.engine.codecs.code2wav import SlotCode2Wav
 from agent.engine.compile.wiring import GraphConfig, Graphing
 from agent.engine.runner.streaming import StreamingRunner
-
-SYSTEM = "You are a helpful voice assistant."
 
 
 def _replies(loaded, graphs: GraphConfig) -> tuple[StreamingRunner, dict]:

@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from support.engine_drive import make_audio, run_until_idle, speak
+from support.engine_drive import SYSTEM, make_audio, run_until_idle, speak
 
 from agent.config import Config
 from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, Decoding, Sampling
@@ -40,7 +40,6 @@ from agent.engine.ops.moe import FusedSparseMoeBlock
 from agent.engine.runner.streaming import StreamingRunner
 from agent.engine.stages.bucketed_prefill import PREFILL_BUCKETS
 
-SYSTEM = "You are a helpful voice assistant."
 OPTIONS = dict(max_reply_tokens=10, max_reply_seconds=1.2, audio_window_s=1.0, record=True, context_limit=1024)
 STAGES = ("thinker_decode", "talker_step", "code_predictor", "code2wav")
 PREFILLS = ("thinker_prefill", "talker_prefill")  # one graph per (batch, token) bucket

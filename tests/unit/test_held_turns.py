@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.engine_drive import PIECE, run_until_idle
-from test_transcribe import SYSTEM, audio
+from support.engine_drive import PIECE, SYSTEM, make_audio, run_until_idle
 
 from agent.engine.api import ReplyDone, TranscriptOut
 from agent.engine.runner.streaming import StreamingRunner
@@ -25,6 +24,11 @@ def runner(loaded):
     return StreamingRunner(
         loaded, SYSTEM, max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0, max_sessions=3
     )
+
+
+def audio(seconds: float, seed: int):
+    """As the transcription tests speak: noisy, onset at the start."""
+    return make_audio(seconds, 220, seed, noise=0.05, loud_first=False)
 
 
 def feed(runner: StreamingRunner, sid: str, wav: np.ndarray, step: bool) -> list:

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+from support.engine_drive import SYSTEM
 
 from agent.config import Config
 from agent.engine.api import AudioOut
@@ -25,8 +26,6 @@ from agent.engine.runner.scheduler import ReplyView, SchedulerConfig, plan_tick
 from agent.engine.runner.streaming import StreamingRunner
 from agent.gate import priority
 from agent.realtime import session_config
-
-SYSTEM = "You are a helpful voice assistant."
 
 
 def view(sid: str, buffer: float | None, first: bool = False, started: float = 0.0, prio: int = 0) -> ReplyView:

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.engine_drive import make_audio, run_until_idle
+from support.engine_drive import SYSTEM, make_audio, run_until_idle
 
 from agent.engine.api import AudioOut, ReplyDone
 from agent.engine.checkpoints.model import assistant_start_ids, system_turn_ids
 from agent.engine.runner.streaming import StreamingRunner
-
-SYSTEM = "You are a helpful voice assistant."
 
 
 @pytest.fixture

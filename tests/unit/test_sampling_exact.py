@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-from support.engine_drive import generate_reference, make_audio, speak
+from support.engine_drive import SYSTEM, generate_reference, make_audio, speak
 
 from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, Decoding, Sampling
 from agent.engine.api import ReplyDone
@@ -29,7 +29,6 @@ from agent.engine.checkpoints.model import HistoryTurn, build_inputs
 from agent.engine.runner.reference import SAMPLES_PER_FRAME
 from agent.engine.runner.streaming import StreamingRunner
 
-SYSTEM = "You are a helpful voice assistant."
 TOKENS, FRAMES = 8, 24
 SECONDS = FRAMES * SAMPLES_PER_FRAME / 24000
 SAMPLED = Decoding(Sampling(True, 0.6, 20, 0.95, 1.05), QWEN_TALKER, QWEN_CODE_PREDICTOR, seed=2024)

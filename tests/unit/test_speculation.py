@@ -17,14 +17,13 @@ Pins:
 from __future__ import annotations
 
 import numpy as np
-from support.engine_drive import PIECE, make_audio, run_until_idle, speak
+from support.engine_drive import PIECE, SYSTEM, make_audio, run_until_idle, speak
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
 from agent.engine.runner.scheduler import ReplyView, SchedulerConfig, plan_tick
 from agent.engine.runner.streaming import StreamingRunner
 from agent.engine.state.phase import ReplyPhase
 
-SYSTEM = "You are a helpful voice assistant."
 OPTIONS = dict(max_reply_tokens=8, max_reply_seconds=0.8, audio_window_s=1.0, record=True)
 
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from support import engine_drive
-from support.engine_drive import generate_speaking
+from support.engine_drive import SYSTEM, generate_speaking
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
 from agent.engine.checkpoints.model import HistoryTurn, build_inputs
 from agent.engine.runner.reference import SAMPLES_PER_FRAME
 from agent.engine.runner.streaming import StreamingRunner
 
-SYSTEM = "You are a helpful voice assistant."
 TOKENS = 8
 FRAMES = 20
 SECONDS = FRAMES * SAMPLES_PER_FRAME / 24000

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from support.engine_drive import PIECE, make_audio, run_until_idle
+from support.engine_drive import PIECE, SYSTEM, make_audio, run_until_idle
 
 from agent.engine.api import ReplyDone, TranscriptOut
 from agent.engine.runner.streaming import StreamingRunner
-
-SYSTEM = "You are a helpful voice assistant."
 
 
 def audio(seconds: float, seed: int) -> np.ndarray:

@@ -21,7 +21,8 @@ import fractions
 import av
 import numpy as np
 import pytest
-from test_video_exact import SYSTEM, make_audio
+from support.engine_drive import SYSTEM
+from support.engine_drive import make_audio as speech
 
 from agent.engine.runner.streaming import StreamingRunner
 from agent.engine.stages.video_clock import TurnVideo, VideoPolicy
@@ -82,7 +83,7 @@ def test_30fps_720p_reaches_the_model_as_4fps_grids_at_their_times(loaded):
     rec = Recorder(runner.thinker)
     runner.open_session("s")
     sampler = VideoSampler(fps=4.0, max_side=448)
-    audio, video = make_audio(seconds, 3), marker_video(seconds)
+    audio, video = speech(seconds, 220, 3, onset_s=0.2), marker_video(seconds)
     samples, v = [], 0
     for start in range(0, len(audio), 1280):
         now = start / 16000
@@ -181,7 +182,7 @@ def test_video_off_means_no_video_tokens(loaded, how):
     runner.open_session("s")
     if how == "session":
         runner.set_video("s", False)
-    audio = make_audio(1.5, 4)
+    audio = speech(1.5, 220, 4, onset_s=0.2)
     frame = np.zeros((96, 128, 3), dtype=np.uint8)
     for start in range(0, len(audio), 1280):
         runner.append_video("s", frame, start / 16000)

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from support import engine_drive
-from support.engine_drive import generate_speaking
+from support.engine_drive import SYSTEM, generate_speaking
 from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
 
 from agent.engine.checkpoints.model import (
@@ -45,7 +45,6 @@ from agent.engine.stages.video_grid import (
     resize,
 )
 
-SYSTEM = "You are a helpful voice assistant."
 TOKENS = 6
 FRAMES = 12
 
