@@ -158,7 +158,7 @@ def test_voice_picks_the_talker_speaker(runner, loaded) -> None:
     runner.set_voice("other", other)
     with pytest.raises(ValueError, match="this model speaks as"):
         runner.set_voice("other", "marin")
-    assert runner.sessions["other"].voice == other  # a refused voice changes nothing
+    assert runner.sessions["other"].choices.voice == other  # a refused voice changes nothing
     base = reply_audio(runner, "default")
     assert np.array_equal(reply_audio(runner, "same"), base)
     changed = reply_audio(runner, "other")

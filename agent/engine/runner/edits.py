@@ -43,7 +43,7 @@ class ConversationEdits:
         """The talker speaker of the session's next replies (a reply keeps the one it began with)."""
         self.speculation.drop_speculation(session_id)
         name = self.talker.voice_name(voice)
-        self.sessions[session_id].voice = name
+        self.sessions[session_id].choices.voice = name
         return name
 
     @torch.inference_mode()
@@ -53,7 +53,7 @@ class ConversationEdits:
         ("appended"), and it is what a history reset prefills."""
         self.speculation.drop_speculation(session_id)
         state = self.sessions[session_id]
-        state.system_prompt = text
+        state.choices.system_prompt = text
         pristine = state.reply is None and state.last_reply is None and not state.turn.header_done
         if pristine and not state.closing:
             state.thinker.crop(0, 0)
@@ -71,7 +71,7 @@ class ConversationEdits:
         starts the history over from the system prompt (interpreter mode, docs/realtime.md)."""
         if turns < 0:
             raise ValueError("turns must be >= 0")
-        self.sessions[session_id].max_turns = turns
+        self.sessions[session_id].choices.max_turns = turns
         return turns
 
     def set_reply_instructions(self, session_id: str, text: str) -> int:

@@ -72,7 +72,7 @@ class Intake:
         the next begin_reply answers it, before the turn being spoken now (the session sends
         that once the reply in flight is done; it may be done already). Returns the turns held."""
         state = self.sessions[session_id]
-        if state.captions_only:
+        if state.choices.captions_only:
             raise RuntimeError("a transcription-only session has no replies")
         self.speculation.drop_speculation(session_id)  # (none runs while a reply does; the turn ends here)
         turn = self.turns.close_turn(state)
@@ -85,10 +85,10 @@ class Intake:
         """The session's camera switch (Realtime `omni.video`): off, its frames are not looked at
         from the next turn on (a turn whose video block is open keeps it). Returns the setting."""
         state = self.sessions[session_id]
-        state.video = bool(on)
+        state.choices.video = bool(on)
         if not on and not state.turn.audio_open:
             state.turn.video.grids = None
-        return state.video
+        return state.choices.video
 
     def set_priority(self, session_id: str, priority: int) -> int:
         """The session's scheduling priority (agent/gate/priority.py RANK: higher first), from now on."""

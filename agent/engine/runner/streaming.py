@@ -222,7 +222,7 @@ class StreamingRunner:
     @torch.inference_mode()
     def begin_reply(self, session_id: str, images: list[np.ndarray], text_only: bool = False) -> None:
         state = self.sessions[session_id]
-        if state.captions_only:
+        if state.choices.captions_only:
             raise RuntimeError("a transcription-only session has no replies")
         held = bool(state.held_turns)
         self.replies.begin(state, images, text_only)

@@ -23,15 +23,15 @@ class TranscriptionCommands:
         state = self.sessions[session_id]
         if mode not in ("on", "only", "off"):
             raise ValueError(f"transcription mode {mode!r}")
-        if mode == "off" or (mode == "on") == state.captions_only:
+        if mode == "off" or (mode == "on") == state.choices.captions_only:
             self.sessions.give(self.transcriber.close(session_id))
-            state.captions_only = False
+            state.choices.captions_only = False
         if mode == "off" or session_id in self.transcriber.sessions:
             return mode
         if mode == "only":
             if state.reply is not None or state.turn.header_done:
                 raise RuntimeError("a conversation cannot become a transcription-only session")
-            state.captions_only = True
+            state.choices.captions_only = True
             self.transcriber.open(session_id, state.slot, own=False)
         else:
             self.transcriber.open(session_id, self.sessions.take_slot(), own=True)

@@ -164,7 +164,7 @@ class EndOfTurn:
             user_ids = [i for t in turns for i in t.ids]
             grids = [g for t in turns for g in t.image_grids]
             first = self.thinker.token_embeds([reply.text.tokens[0]])
-            prefix = self.talker.assistant_prefix(header, first, state.voice)
+            prefix = self.talker.assistant_prefix(header, first, state.choices.voice)
             embeds = torch.cat([*(e for t in turns for e in t.embeds), prefix], dim=1)
             items.append((state.talker, embeds, user_ids + [self.talker.tts_pad_id] * 9, grids))
         with timed_all(states, "talker_step"):

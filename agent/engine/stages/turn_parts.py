@@ -75,7 +75,7 @@ class TurnParts:
         return TurnState(audio=stream)
 
     def prefill_system(self, state: SessionState) -> None:
-        prompt = self.system_prompt if state.system_prompt is None else state.system_prompt
+        prompt = self.system_prompt if state.choices.system_prompt is None else state.choices.system_prompt
         ids = system_turn_ids(self.ids, self.loaded.tokenizer, prompt)
         with timed(state, "thinker_prefill"):
             self.thinker.prefill(state.thinker, ids)
@@ -118,7 +118,7 @@ class TurnParts:
         full = state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit
         # A bounded context (interpreter mode): a turn after `max_turns` answered ones starts the
         # history over, as a full context does, so a long stream neither grows nor slows.
-        bounded = 0 < state.max_turns <= state.context_turns and not turn.ids and not turn.history_reset
+        bounded = 0 < state.choices.max_turns <= state.context_turns and not turn.ids and not turn.history_reset
         if full or bounded:
             if not may_reset:
                 raise SpeculationRefused("the context is full: the history would be dropped")

@@ -100,7 +100,7 @@ class TurnPrefill:
 
     def encode_audio(self, state: SessionState) -> None:
         """Run the queued microphone audio of the turn being spoken through the incremental encoder."""
-        if state.captions_only and not caption_audio_due(state.turn):
+        if state.choices.captions_only and not caption_audio_due(state.turn):
             return  # (the end of the turn encodes what is left: close_turn)
         self.parts.encode(state, state.turn)
 
@@ -125,7 +125,7 @@ class TurnPrefill:
 
     def _flush_part(self, state: SessionState, max_tokens: int | None) -> tuple[TurnJob | None, int]:
         turn = state.turn
-        if not turn.pending_audio or state.reply is not None or state.captions_only or state.held_turns:
+        if not turn.pending_audio or state.reply is not None or state.choices.captions_only or state.held_turns:
             return None, 0  # (a held turn goes into the cache before this one, with its reply)
         audio = torch.cat(turn.pending_audio, dim=0)
         take = audio.shape[0] if max_tokens is None else min(max_tokens, audio.shape[0])
@@ -171,8 +171,8 @@ class TurnPrefill:
 
     def pcm_queued(self, state: SessionState) -> bool:
         # Captions: agent/engine/runner/transcriber.py reads them; held turns: this turn's audio waits behind theirs.
-        prefills = state.reply is None and not state.captions_only and not state.held_turns
-        if state.captions_only:
+        prefills = state.reply is None and not state.choices.captions_only and not state.held_turns
+        if state.choices.captions_only:
             return caption_audio_due(state.turn)
         return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio))
 

@@ -76,7 +76,7 @@ class VideoPrefill:
 
     def seed(self, state: SessionState, now: float) -> None:
         """A new turn begins: the camera's newest frame, when fresh, is its first grid's first frame."""
-        if self.policy is None or not state.video or state.last_frame is None:
+        if self.policy is None or not state.choices.video or state.last_frame is None:
             return
         at, frame = state.last_frame
         if now - at <= FRESH_S and state.turn.video.grids is None and not state.turn.audio_open:
@@ -88,7 +88,7 @@ class VideoPrefill:
         encoded at once when the engine has nothing else to do."""
         state.last_frame = (now, frame)
         turn = state.turn
-        if self.policy is None or not state.video or state.captions_only:
+        if self.policy is None or not state.choices.video or state.choices.captions_only:
             return
         if turn.video.grids is None:
             if turn.audio_open:

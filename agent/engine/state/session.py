@@ -215,6 +215,19 @@ class LastReply:
 
 
 @dataclass
+class SessionChoices:
+    """What the session asked for, by its commands: set only by the runner's command components
+    (edits: instructions, voice, context turns; intake: the camera switch; transcription
+    commands: transcription-only), read by the stages."""
+
+    system_prompt: str | None = None  # the session's own instructions (None: the runner's)
+    voice: str = ""  # the talker speaker of the session's replies ("": the loaded one)
+    max_turns: int = 0  # a bounded context (interpreter mode): answered turns kept at most; 0: no bound
+    captions_only: bool = False  # a transcription-only session: no replies, its turns never prefilled
+    video: bool = True  # the camera enters its turns as video (the session's switch; --no-video: off for all)
+
+
+@dataclass
 class SessionState:
     slot: int  # the session's row in every slot tensor (thinker, talker, code2wav)
     thinker: KVState
@@ -225,14 +238,10 @@ class SessionState:
     closing: list[int] = field(default_factory=list)  # the previous reply's unfed tail + <|im_end|>\n
     reply: ReplyState | None = None
     pending_stages: list[tuple[str, float]] = field(default_factory=list)  # emitted by the next step()
-    system_prompt: str | None = None  # the session's own instructions (None: the runner's)
-    voice: str = ""  # the talker speaker of the session's replies ("": the loaded one)
+    choices: SessionChoices = field(default_factory=SessionChoices)  # what the session asked for
     pending_system: list[int] = field(default_factory=list)  # a system message for the next turn's start
     last_reply: LastReply | None = None  # until the next reply begins
-    max_turns: int = 0  # a bounded context (interpreter mode): answered turns kept at most; 0: no bound
     context_turns: int = 0  # answered turns in the thinker cache since its last history reset
-    captions_only: bool = False  # a transcription-only session: no replies, its turns never prefilled
-    video: bool = True  # the camera enters its turns as video (the session's switch; --no-video: off for all)
     last_frame: tuple[float, np.ndarray] | None = None  # (engine clock, frame): seeds the next turn's first grid
     # Turns that ended while a reply was in flight (interpreter mode), oldest first: each is
     # answered by the next begin_reply, in order; none is prefilled before its reply starts.
