@@ -87,7 +87,7 @@ from agent.engine.runner.transcription import TranscriptionCommands
 from agent.engine.stages.frame_batch import FrameBatcher, Row
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.thinker import PrefillOut, ThinkerOps
-from agent.engine.stages.turn_parts import SpeculationRefused
+from agent.engine.stages.turn_parts import SpeculationRefused, TurnParts
 from agent.engine.stages.turn_prefill import TurnPrefill
 from agent.engine.stages.video_clock import VideoPolicy
 from agent.engine.state.kv import KVState
@@ -155,7 +155,9 @@ class StreamingRunner:
         talker_limit = context_limit + self.talker_max_tokens + 16
         self.talker = TalkerOps(loaded, max_sessions, talker_limit, sampling=decoding.talker, graphing=self.graphing)
         self.turns = TurnPrefill(
-            loaded, self.thinker, self.talker, system_prompt, max_reply_tokens, context_limit, n_window_infer, video
+            TurnParts(
+                loaded, self.thinker, self.talker, system_prompt, max_reply_tokens, context_limit, n_window_infer, video
+            )
         )
         self.frames = FrameBatcher(
             loaded, self.thinker, self.talker, max_sessions, max_reply_tokens, record, self.graphing, decoding

@@ -18,13 +18,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from agent.engine.checkpoints.model import LoadedModel, system_turn_ids
+from agent.engine.checkpoints.model import system_turn_ids
 from agent.engine.runner.transcriber import PARTIAL_EVERY_FRAMES
 from agent.engine.stages.reply_prefill import EndOfTurn
-from agent.engine.stages.talker import TalkerOps
-from agent.engine.stages.thinker import PrefillOut, ThinkerOps
+from agent.engine.stages.thinker import PrefillOut
 from agent.engine.stages.turn_parts import TurnJob, TurnParts
-from agent.engine.stages.video_clock import VideoPolicy
 from agent.engine.stages.video_prefill import join_features
 from agent.engine.state.session import SessionState, TalkerTurn, TurnState, timed
 
@@ -46,23 +44,12 @@ def caption_audio_due(turn: TurnState) -> bool:
 
 
 class TurnPrefill:
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        thinker: ThinkerOps,
-        talker: TalkerOps,
-        system_prompt: str,
-        max_reply_tokens: int,
-        context_limit: int,
-        n_window_infer: int | None,
-        video: VideoPolicy | None = None,
-    ) -> None:
-        self.parts = TurnParts(
-            loaded, thinker, talker, system_prompt, max_reply_tokens, context_limit, n_window_infer, video
-        )
-        self.end = EndOfTurn(self.parts)  # the end of the turn and the talker's prefix
-        self.loaded, self.thinker, self.talker, self.ids = loaded, thinker, talker, loaded.ids
-        self.video = self.parts.video  # the camera as video, prefilled as it comes
+    def __init__(self, parts: TurnParts) -> None:
+        """parts: the turn's prefill machinery, shared with its EndOfTurn part."""
+        self.parts = parts
+        self.end = EndOfTurn(parts)  # the end of the turn and the talker's prefix
+        self.loaded, self.thinker, self.talker, self.ids = parts.loaded, parts.thinker, parts.talker, parts.loaded.ids
+        self.video = parts.video  # the camera as video, prefilled as it comes
 
     def new_turn(self) -> TurnState:
         return self.parts.new_turn()
