@@ -31,8 +31,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime
 from agent.engine.codecs.code2wav import SlotCode2Wav
-from agent.engine.runner.scheduler import PlayoutClock, ReplyView, SchedulerConfig, idle_s, plan_tick
+from agent.engine.runner.scheduler import ReplyView, SchedulerConfig, idle_s, plan_tick
 from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.state.reply import PlayoutClock
 
 OPTIONS = dict(max_reply_tokens=12, max_reply_seconds=1.6, audio_window_s=1.0, record=True)
 

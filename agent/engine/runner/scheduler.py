@@ -48,8 +48,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from agent.engine.state.reply import PlayoutClock as PlayoutClock  # (the reply's own state)
-
 
 @dataclass(frozen=True)
 class SchedulerConfig:
