@@ -11,7 +11,11 @@ Pins (the tiny model's words are random: the protocol and the prefix property, n
   no reply, takes no second slot, and its transcript row stays bounded over many turns;
 - a conversation session ('on') transcribes in a slot of its own, gives it back when turned
   off, and its reply still comes (the transcript's final after the reply's prefill);
-- a discarded turn gives no transcript.
+- a discarded turn gives no transcript;
+- a turn answered by a committed speculation (its reply began on a fork of the turn at a pause)
+  is the same turn to the transcriber: its final transcript starts with the stable prefix the
+  partials promised and equals the one of the same turn answered without speculation, also
+  when the turn's queued audio was encoded (and transcribed) after the fork.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from support.engine_drive import PIECE, SYSTEM, make_audio, run_until_idle
 
 from agent.engine.api import ReplyDone, TranscriptOut
 from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.state.phase import ReplyPhase
 
 
 def audio(seconds: float, seed: int) -> np.ndarray:
@@ -183,3 +188,78 @@ def test_partials_come_at_each_half_second_mark(runner):
             at.append(i + frame)
     marks = [next(n for n in range(frame, len(wav) + frame, frame) if mel.frames_for(n) >= 50 * k) for k in range(1, 5)]
     assert at == marks
+
+
+def answered_turn(runner: StreamingRunner, wav: np.ndarray, speculate: bool) -> list[TranscriptOut]:
+    """One transcribed conversation turn answered text-only, with or without a speculation
+    started (and held) at its end and committed by begin_reply; its transcripts."""
+    runner.open_session("s")
+    runner.set_transcription("s", "on")
+    runner.set_transcript_item("s", "u1")
+    outs = speak(runner, "s", wav)
+    if speculate:
+        assert runner.speculate("s", [], text_only=True)
+        for _ in range(50):  # bounded: the speculation parks once its first token is made
+            outs += [o for o in runner.step() if isinstance(o, TranscriptOut)]
+            if runner.sessions["s"].reply.phase is ReplyPhase.HELD:
+                break
+        assert runner.sessions["s"].reply.phase is ReplyPhase.HELD
+    runner.begin_reply("s", [], text_only=True)
+    outs += [o for o in runner.take_ready() + run_until_idle(runner, 300) if isinstance(o, TranscriptOut)]
+    return outs
+
+
+def test_a_committed_speculation_keeps_the_transcript(runner, loaded):
+    wav = audio(4.0, 7)
+    plain = answered_turn(runner, wav, speculate=False)
+    speculated = answered_turn(
+        StreamingRunner(loaded, SYSTEM, max_reply_tokens=6, max_reply_seconds=0.4, audio_window_s=1.0, max_sessions=3),
+        wav,
+        speculate=True,
+    )
+    partials, finals = [o for o in speculated if not o.final], [o for o in speculated if o.final]
+    assert any(p.stable_chars for p in partials), "nothing became stable: the test would prove nothing"
+    assert len(finals) == 1 and finals[0].item_id == "u1"
+    check_prefixes(partials, finals[0])  # (the bug: the fork was a new turn, transcribed over: "")
+    assert [(o.text, o.stable_chars) for o in speculated] == [(o.text, o.stable_chars) for o in plain]
+
+
+def test_a_fork_behind_its_turn_keeps_the_transcript(loaded):
+    """The speculation forked the turn while its audio still waited to be encoded (the engine was
+    busy with another session's reply); the turn's own encode then fed the transcript row audio
+    tokens made after the fork: the transcript still goes on from the row, and is the one made
+    without speculation."""
+    finals = []
+    for speculate in (False, True):
+        runner = StreamingRunner(
+            loaded, SYSTEM, max_reply_tokens=40, max_reply_seconds=3.0, audio_window_s=1.0, max_sessions=4
+        )
+        runner.open_session("s")
+        runner.set_transcription("s", "on")
+        runner.set_transcript_item("s", "u1")
+        wav = audio(3.2, 7)
+        head = len(wav) - 8 * PIECE
+        outs = speak(runner, "s", wav[:head])
+        runner.open_session("other")  # a reply in flight: the rest of the turn is queued, not encoded
+        runner.append_audio("other", audio(0.8, 3))
+        runner.begin_reply("other", [], text_only=True)
+        runner.step()
+        for i in range(head, len(wav), PIECE):
+            runner.append_audio("s", wav[i : i + PIECE])
+        turn = runner.sessions["s"].turn
+        assert turn.pcm, "the end of the turn was encoded at once: no fork behind its turn"
+        if speculate:
+            assert runner.speculate("s", [], text_only=True)
+            fork = runner.sessions["s"].reply.turn
+            shared = sum(int(t.shape[0]) for t in (*fork.audio_feats, *fork.pending_audio))
+        outs += [o for o in run_until_idle(runner, 400) if isinstance(o, TranscriptOut)]
+        if speculate:
+            fed = runner.transcriber.sessions["s"].fed
+            assert fed > shared, "the row never went past the tokens the fork was made with"
+        runner.begin_reply("s", [], text_only=True)
+        outs += [o for o in runner.take_ready() + run_until_idle(runner, 400) if isinstance(o, TranscriptOut)]
+        final = [o for o in outs if o.final]
+        assert len(final) == 1
+        check_prefixes([o for o in outs if not o.final], final[0])
+        finals.append(final[0].text)
+    assert finals[0] == finals[1] and finals[0]

@@ -21,7 +21,9 @@ decode). They are not kept: the chunk's final tokens replace them once it is ful
 Stable prefix (LocalAgreement-2): the tokens a run adds after the stable text are compared
 with the previous run's; their common prefix becomes stable, and every later run is forced to
 start with the stable tokens (they are prefilled, not decoded). So a stable prefix never
-changes, only the tail after it may; the end of the turn makes one last, longer run.
+changes, only the tail after it may; the end of the turn makes one last, longer run. A turn
+answered by a committed speculation is answered on a fork of it (TurnState.origin names the
+turn it was copied from): the same turn here, so its final run keeps the stable prefix.
 
 A conversation session transcribes in a row of its own (a second slot of the pool); a
 transcription-only session has no conversation and uses its own slot's row (one slot, no
@@ -123,12 +125,12 @@ class Transcriber:
             return
         if tr.turn is None:  # no partial yet (a short turn, or a busy engine)
             tr.turn, tr.turn_item = turn, tr.item_id
-        tr.finishing.append((turn, tr.turn_item if tr.turn is turn else tr.item_id))
+        tr.finishing.append((turn, tr.turn_item if _same_turn(tr.turn, turn) else tr.item_id))
 
     def discard(self, session_id: str) -> None:
         """The turn was dropped (a false start, input_audio_buffer.clear): no transcript."""
         tr = self.sessions.get(session_id)
-        if tr is not None and not any(tr.turn is turn for turn, _ in tr.finishing):
+        if tr is not None and not any(_same_turn(tr.turn, turn) for turn, _ in tr.finishing):
             self._reset(tr)  # (an ended turn in the row is not the one dropped: it stays)
 
     def _reset(self, tr: Transcript) -> None:
@@ -150,7 +152,14 @@ class Transcriber:
                 continue
             if state.reply is not None and state.reply.turn is turn and not state.reply.prefill.done:
                 return None  # the audio tail is encoded by the reply's prefill
-            if tr.turn is not turn:  # the row holds no partial of it: start it over
+            if tr.turn is not turn and _same_turn(tr.turn, turn):
+                # A committed speculation answered a fork of the row's turn (Replies.speculate):
+                # the same turn, so its transcript goes on from the row's stable text, not over.
+                # The row's audio stays: it holds final tokens of full chunks only, and the fork
+                # makes the same ones (a copy of the same encoder on the same audio: audio that
+                # reaches the turn after a fork discards the fork); its final run feeds the rest.
+                tr.turn = turn
+            elif tr.turn is not turn:  # the row holds no partial of it: start it over
                 self._reset(tr)
                 tr.turn, tr.turn_item = turn, item
             return "final"
@@ -259,6 +268,11 @@ class Transcriber:
             text = stable + text[len(_common(stable, text)) :]
         tr.stable_text = stable
         return TranscriptOut(session_id, tr.turn_item, text, len(stable), final)
+
+
+def _same_turn(row_turn: TurnState | None, turn: TurnState) -> bool:
+    """`turn` is the row's turn, or a speculation's fork of it."""
+    return row_turn is not None and (turn is row_turn or turn.origin is row_turn)
 
 
 def _common(a: str, b: str) -> str:

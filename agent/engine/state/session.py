@@ -104,6 +104,9 @@ class TurnState:
     text_ids: list[int] = field(default_factory=list)
     reply_system_ids: list[int] = field(default_factory=list)
     video: TurnVideoState = field(default_factory=TurnVideoState)  # the camera as video
+    # A speculation's fork: the turn it was copied from, so that what follows the turn being
+    # spoken (its transcript, agent/engine/runner/transcriber.py) knows the fork is that turn.
+    origin: TurnState | None = field(default=None, compare=False, repr=False)
 
     @property
     def queued_seconds(self) -> float:
@@ -125,6 +128,7 @@ class TurnState:
             text_ids=list(self.text_ids),
             reply_system_ids=list(self.reply_system_ids),
             video=self.video.fork(),
+            origin=self,
         )
 
 
