@@ -8,8 +8,9 @@ sessions, as it would in production. They open --sessions WebSocket sessions at 
 sessions with audio.input.transcription set, so replies run too) and stream an espeak-ng
 utterance (about 5 s, then 1.5 s of silence) into each, in real time, --rounds times, after
 a second of silence. Figures
-are the server's clock: `omni.since_speech_ms` of an item's first delta (first partial), the
-gaps between its deltas' since_speech_ms (cadence), `omni.after_end_ms` of completed (final).
+are the server's clock: `omni.since_speech_ms` of an item's first partial (a delta, or an
+`omni.input_audio_transcription.partial` when it made no text stable), the gaps between its
+partials' since_speech_ms (cadence), `omni.after_end_ms` of completed (final).
 
 `--compare M`: one run, one engine: M conversation sessions, then 3*M (--ratio) transcription
 sessions; the last line says, for each of the three p95s, whether the transcription sessions
@@ -88,7 +89,10 @@ async def session(url: str, kind: str, pcm: np.ndarray, rounds: int, out: list[d
             async for msg in ws:
                 ev = json.loads(msg.data)
                 kind_ = ev["type"]
-                if kind_ == "conversation.item.input_audio_transcription.delta":
+                if kind_ in (
+                    "conversation.item.input_audio_transcription.delta",
+                    "omni.input_audio_transcription.partial",
+                ):
                     items.setdefault(ev["item_id"], {"since": []})["since"].append(ev["omni"]["since_speech_ms"])
                 elif kind_ == "conversation.item.input_audio_transcription.completed":
                     items.setdefault(ev["item_id"], {"since": []})["final_ms"] = ev["omni"]["after_end_ms"]

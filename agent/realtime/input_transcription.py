@@ -5,11 +5,16 @@ whether to transcribe (SetTranscription) and which user item the turn being spok
 (SetTranscriptItem), and turns the engine's transcripts (agent/engine/runner/transcriber.py) into
 events:
 
-- `…delta` while the user speaks (about one per half second of speech): `delta` is only text that
-  has become stable, so a client that appends deltas (as the GA API's do) never shows words
-  that are later taken back; the project extra `omni` carries the whole hypothesis,
-  `{"text", "stable_chars", "since_speech_ms"}` (server time since the speech onset): its first `stable_chars` characters are final,
-  the rest may still change. The last delta of an item brings the deltas up to the transcript.
+- `…delta` while the user speaks, for each partial that made more text stable: `delta` is only
+  that text, so a client that appends deltas (as the GA API's do) never shows words that are
+  later taken back, and a delta is never empty (GA clients take an empty one for a broken
+  stream). The project extra `omni` carries the whole hypothesis,
+  `{"text", "stable_chars", "since_speech_ms"}` (server time since the speech onset): its first
+  `stable_chars` characters are final, the rest may still change. A partial that made no more
+  text stable (about one per half second of speech in all) is the project extra event
+  `omni.input_audio_transcription.partial` with the same `item_id`, `content_index` and `omni`,
+  so live captions still follow the hypothesis. The last delta of an item brings the deltas up
+  to the transcript.
 - `…completed` with the final `transcript` at the end of the turn (after speech_stopped),
   with `usage` (the seconds of audio) and `omni.after_end_ms` (server time from the end of
   speech to the transcript).
@@ -26,6 +31,8 @@ from agent.realtime import session_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.outbox import Outbox
+
+PARTIAL_EVENT = "omni.input_audio_transcription.partial"  # a partial with no new stable text
 
 
 class InputTranscription:
@@ -70,15 +77,17 @@ class InputTranscription:
         upto = len(out.text) if out.final else out.stable_chars
         started = self._started.get(item_id)
         if upto > sent or not out.final:
-            self._outbox.emit(
-                {
-                    "type": "conversation.item.input_audio_transcription.delta",
-                    "item_id": item_id,
-                    "content_index": 0,
-                    "delta": out.text[sent:upto],
-                    "omni": {"text": out.text, "stable_chars": out.stable_chars, "since_speech_ms": _ms(now, started)},
-                }
-            )
+            event: dict[str, Any] = {
+                "type": "conversation.item.input_audio_transcription.delta",
+                "item_id": item_id,
+                "content_index": 0,
+                "delta": out.text[sent:upto],
+                "omni": {"text": out.text, "stable_chars": out.stable_chars, "since_speech_ms": _ms(now, started)},
+            }
+            if upto <= sent:  # nothing newly stable: the hypothesis alone, as the project's extra
+                event["type"] = PARTIAL_EVENT
+                del event["delta"]
+            self._outbox.emit(event)
             self._sent[item_id] = max(sent, upto)
         if not out.final:
             return

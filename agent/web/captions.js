@@ -1,7 +1,8 @@
 // Caption overlay: follows one call's server events over SSE and shows the last few lines of
 // what the user and the agent said. The user's lines come from live input transcription
-// (conversation.item.input_audio_transcription.*: `omni.stable_chars` of `omni.text` are final,
-// the rest is shown dimmed), the agent's from its reply transcript.
+// (conversation.item.input_audio_transcription.*, and the project's omni.input_audio_transcription.partial
+// for a hypothesis with no new stable text: `omni.stable_chars` of `omni.text` are final, the rest
+// is shown dimmed), the agent's from its reply transcript.
 "use strict";
 
 const params = new URLSearchParams(window.location.search);
@@ -57,6 +58,7 @@ function onEvent(ev) {
     case "input_audio_buffer.speech_started":
       lineFor(ev.item_id, "user");
       break;
+    case "omni.input_audio_transcription.partial": // the hypothesis changed, no new stable text
     case "conversation.item.input_audio_transcription.delta": {
       const line = lineFor(ev.item_id, "user");
       if (ev.omni && typeof ev.omni.text === "string") {

@@ -2,14 +2,18 @@
 
 Pins (the tiny model's words are random: the protocol and the prefix property, not words):
 - a transcription session (GET /v1/realtime?intent=transcription) streaming a ~4 s utterance
-  in real time gets conversation.item.input_audio_transcription.delta partials *before*
+  in real time gets partials (conversation.item.input_audio_transcription.delta, or the extra
+  omni.input_audio_transcription.partial when no new text became stable) *before*
   input_audio_buffer.speech_stopped, each partial's `omni.text` starts with the previous
-  partial's stable prefix (`omni.stable_chars`, never shrinking), the deltas add up to the
-  `completed` transcript, which comes after speech_stopped for the same item;
+  partial's stable prefix (`omni.stable_chars`, never shrinking), no delta is empty, the
+  deltas add up to the `completed` transcript, which comes after speech_stopped for the same
+  item;
 - that session sends no response.* event and no audio at all, refuses response.create, and
   keeps transcribing turn after turn (the item holds its transcript on retrieve);
 - a conversation session with `audio.input.transcription` set transcribes its user turns as
   well as answering them; without it, none of these events come;
+- with speculative start on (the default), a turn answered by a committed speculation keeps
+  its transcript: the deltas, non-empty, add up to the non-empty `completed` transcript;
 - every event validates strictly against the SDK's GA models.
 """
 
@@ -28,6 +32,7 @@ from support.speech import espeak_at, write_wav
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 DELTA = "conversation.item.input_audio_transcription.delta"
 COMPLETED = "conversation.item.input_audio_transcription.completed"
+PARTIAL = "omni.input_audio_transcription.partial"  # a hypothesis with no new stable text
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +59,18 @@ async def connect(agent: RunningAgent, strict, **query: str):
 
 def check_partials(events: list[dict[str, Any]], item_id: str) -> dict[str, Any]:
     """The prefix property over one item's events; returns its completed event."""
-    deltas = [e for e in events if e["type"] == DELTA and e["item_id"] == item_id]
+    partials = [e for e in events if e["type"] in (DELTA, PARTIAL) and e["item_id"] == item_id]
+    deltas = [e for e in partials if e["type"] == DELTA]
     completed = [e for e in events if e["type"] == COMPLETED and e["item_id"] == item_id]
     assert len(completed) == 1
     stable, appended = "", ""
-    for e in deltas:
+    for e in partials:
         text, n = e["omni"]["text"], e["omni"]["stable_chars"]
         assert text.startswith(stable) and n >= len(stable) and n <= len(text)
         stable = text[:n]
-        appended += e["delta"]
+        if e["type"] == DELTA:
+            assert e["delta"], "an empty delta"
+            appended += e["delta"]
         assert stable.startswith(appended) or e is deltas[-1]  # deltas are stable text only
     assert appended == completed[0]["transcript"]
     assert completed[0]["transcript"].startswith(stable)
@@ -84,7 +92,7 @@ async def test_transcription_session(agent: RunningAgent, long_speech: Path, str
             assert done["item_id"] == item_id
             events = ev.all[start:]
             at_stop = events.index(stopped)
-            early = [e for e in events[:at_stop] if e["type"] == DELTA and e["item_id"] == item_id]
+            early = [e for e in events[:at_stop] if e["type"] in (DELTA, PARTIAL) and e["item_id"] == item_id]
             assert len(early) >= 2, [e["type"] for e in events]  # partials while speaking
             assert events.index(done) > at_stop
             check_partials(events, item_id)
@@ -108,7 +116,7 @@ async def test_conversation_with_input_transcription(agent: RunningAgent, speech
         await ev.wait("session.created")
         await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
         await ev.wait("response.done")
-        assert not ev.of(DELTA) and not ev.of(COMPLETED)  # not asked for
+        assert not ev.of(DELTA) and not ev.of(PARTIAL) and not ev.of(COMPLETED)  # not asked for
         await conn.session.update(
             session={"type": "realtime", "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}}
         )
@@ -119,6 +127,27 @@ async def test_conversation_with_input_transcription(agent: RunningAgent, speech
         await ev.wait(COMPLETED, after=start, timeout=60)
         await ev.wait("response.done", after=start)
         check_partials(ev.all[start:], stopped["item_id"])
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def test_a_speculated_turn_keeps_its_transcript(agent: RunningAgent, long_speech: Path, strict_event) -> None:
+    manager, conn, ev = await connect(agent, strict_event)
+    try:
+        await ev.wait("session.created")
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"transcription": {}}}})
+        await ev.wait("session.updated")
+        await stream_realtime(conn, pcm24(long_speech), tail_silence_s=1.2)
+        stopped = await ev.wait("input_audio_buffer.speech_stopped")
+        completed = await ev.wait(COMPLETED, timeout=60)
+        done = await ev.wait("response.done")
+        assert done["response"]["omni"]["stats"]["speculative"] is True, "the turn was not answered speculatively"
+        deltas = [e["delta"] for e in ev.of(DELTA) if e["item_id"] == stopped["item_id"]]
+        assert deltas, "no text became stable: the test would prove nothing"
+        # (the bug: the committed speculation's turn was transcribed over, and completed came empty)
+        assert completed["transcript"] and completed["transcript"].startswith("".join(deltas))
+        check_partials(ev.all, stopped["item_id"])
     finally:
         ev.close()
         await manager.__aexit__(None, None, None)
