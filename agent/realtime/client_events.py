@@ -145,7 +145,7 @@ def _session_update(session: "Session", event: dict[str, Any]) -> None:
         log.debug(
             "session %s: session.update fields not served: %s", session.id, sorted(set(update) - set(session.settings))
         )
-    merged = session_config.merge(session.settings, update)
+    merged = session_config.merge(session.settings, update, session.config.vad_silence_ms)
     if session_config.priority_of(merged) != session.priority:
         raise BadEvent(
             "omni.priority is set when the session is created (the offer's ?priority=)", param="session.omni.priority"
@@ -239,6 +239,9 @@ def _response_create(session: "Session", event: dict[str, Any]) -> None:
     params = {} if params is None else params  # [] or "" are wrong types, not "no parameters"
     if not isinstance(params, dict):
         raise BadEvent("response must be an object", param="response")
+    # A null parameter is one not given (the session's value), as clients send them; for
+    # `metadata` and `prompt` null is "none", which absent means too.
+    params = {key: value for key, value in params.items() if value is not None}
     if params.get("conversation") not in (None, "auto"):
         raise BadEvent(
             "out-of-band responses (conversation: none) are not served", "unsupported", "response.conversation"

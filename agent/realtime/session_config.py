@@ -1,7 +1,12 @@
 """The GA session object: its defaults, `session.update` merging, and what the agent honours.
 
 A client's update is merged into the whole session (nested objects field by field) and the
-result is validated as one piece, so a rejected update leaves the session as it was. Fields
+result is validated as one piece, so a rejected update leaves the session as it was. A null
+field is one not given (it keeps its value), except where the GA API gives null a meaning
+(`turn_detection`, `transcription`, `noise_reduction`: off; `tracing`, `prompt`, `include`,
+`idle_timeout_ms`: none; `omni.interpret_to`: off). The session echoed is always whole: a
+`turn_detection` or `format` of a new type starts from that type's defaults, a transcription
+turned on from the default one, and every field they leave out keeps its default. Fields
 the agent cannot act on but that change nothing a client would notice (`tracing`, `tools`,
 `prompt`, `include`, transcription and noise-reduction settings, VAD `threshold`) are kept
 and echoed; values that would change behaviour the agent cannot deliver raise ConfigError
@@ -31,6 +36,44 @@ MAX_OUTPUT_TOKENS = 4096
 INTERPRET_TURNS = 4
 # What a transcription session transcribes with unless told: the Thinker of the loaded model.
 DEFAULT_TRANSCRIPTION = {"model": "qwen3-omni-thinker", "language": None, "prompt": ""}
+
+_TD = ("audio", "input", "turn_detection")
+# Where the GA API gives null a meaning (off, none); anywhere else a null field is one not given.
+_NULL_MEANS_NONE = frozenset(
+    tuple(path.split("."))
+    for path in "tracing prompt include audio.input.transcription audio.input.noise_reduction "
+    "audio.input.turn_detection audio.input.turn_detection.idle_timeout_ms omni.interpret_to".split()
+)
+# The objects a client sets field by field, nulls inside them dropped too: those under `audio`
+# and `omni` (the others, `prompt`, `tracing`, tools, are the client's, kept as sent).
+_OBJECT_ROOTS = ("audio", "omni")
+
+
+def server_vad(silence_ms: int) -> dict[str, Any]:
+    """GA server_vad turn detection with every field at its default (silence: the agent's)."""
+    return {
+        "type": "server_vad",
+        "threshold": 0.5,
+        "prefix_padding_ms": 300,
+        "silence_duration_ms": silence_ms,
+        "create_response": True,
+        "interrupt_response": True,
+        "idle_timeout_ms": None,
+    }
+
+
+def _typed_defaults(path: tuple[str, ...], kind: Any, silence_ms: int) -> dict[str, Any]:
+    """The defaults of a typed object (turn_detection, a format) of type `kind`; {} if unknown
+    (validate() then names it)."""
+    if path == _TD:
+        if kind == "server_vad":
+            return server_vad(silence_ms)
+        if kind == "semantic_vad":
+            return {"type": "semantic_vad", "eagerness": "auto", "create_response": True, "interrupt_response": True}
+        return {}
+    if kind in _INPUT_FORMATS:  # (validate() refuses what the output cannot be)
+        return {"type": kind, "rate": 24000} if kind == "audio/pcm" else {"type": kind}
+    return {}
 
 
 class SessionSettings:
@@ -80,15 +123,7 @@ def default_session(config: Config, model: str = "") -> dict[str, Any]:
                 "format": dict(PCM_FORMAT),
                 "transcription": None,
                 "noise_reduction": None,
-                "turn_detection": {
-                    "type": "server_vad",
-                    "threshold": 0.5,
-                    "prefix_padding_ms": 300,
-                    "silence_duration_ms": config.vad_silence_ms,
-                    "create_response": True,
-                    "interrupt_response": True,
-                    "idle_timeout_ms": None,
-                },
+                "turn_detection": server_vad(config.vad_silence_ms),
             },
             "output": {"format": dict(PCM_FORMAT), "voice": config.speaker or "default", "speed": 1.0},
         },
@@ -147,21 +182,45 @@ def _interpreter_preset(merged: dict[str, Any], update: dict[str, Any]) -> None:
         td["interrupt_response"] = False
 
 
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
+def _given(update: dict[str, Any], path: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields an update sets: a null is dropped (not given) unless null means something there."""
+    out = {}
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key not in ("turn_detection", "format"):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)  # replaced whole: a new turn_detection type, a new format
+        at = (*path, key)
+        if value is None and at not in _NULL_MEANS_NONE:
+            continue
+        out[key] = _given(value, at) if isinstance(value, dict) and at[0] in _OBJECT_ROOTS else value
     return out
 
 
-def merge(session: dict[str, Any], update: Any) -> dict[str, Any]:
+def _merge(base: dict[str, Any], update: dict[str, Any], silence_ms: int, path: tuple[str, ...] = ()) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        at, current = (*path, key), out.get(key)
+        if isinstance(value, dict) and at in (_TD, ("audio", "input", "format"), ("audio", "output", "format")):
+            # A typed object: the same type merges field by field; a new type starts over from
+            # its own defaults (no field of the old type is left behind). Without a type: the
+            # current one (server_vad when turn detection was off).
+            was = current if isinstance(current, dict) else {}
+            kind = value.get("type", was.get("type", "server_vad" if at == _TD else None))
+            start = was if was.get("type") == kind else {}
+            out[key] = {**_typed_defaults(at, kind, silence_ms), **start, **copy.deepcopy(value)}
+        elif isinstance(value, dict) and at == ("audio", "input", "transcription"):
+            out[key] = {**DEFAULT_TRANSCRIPTION, **(current or {}), **copy.deepcopy(value)}
+        elif isinstance(value, dict) and isinstance(current, dict):
+            out[key] = _merge(current, value, silence_ms, at)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def merge(session: dict[str, Any], update: Any, vad_silence_ms: int = Config.vad_silence_ms) -> dict[str, Any]:
     """The session after `update` (a GA partial session); raises ConfigError and changes nothing
-    when the result is not something the agent can serve."""
+    when the result is not something the agent can serve. vad_silence_ms: the agent's
+    server_vad silence (--vad-silence-ms), the default of a turn_detection switched to server_vad."""
     if not isinstance(update, dict):
         raise ConfigError("session must be an object", "session")
+    update = _given(update)
     kind = session.get("type", "realtime")
     if update.get("type", kind) != kind:
         raise ConfigError(
@@ -170,7 +229,7 @@ def merge(session: dict[str, Any], update: Any) -> dict[str, Any]:
             "session.type",
         )
     # Unknown top-level fields (beta-era `modalities`, `voice`, …) are dropped, not echoed.
-    merged = _merge(session, {k: v for k, v in update.items() if k in session})
+    merged = _merge(session, {k: v for k, v in update.items() if k in session}, vad_silence_ms)
     # Fields that are the server's, whatever the client says.
     merged["id"], merged["object"], merged["type"] = session["id"], session["object"], kind
     if kind == "realtime" and isinstance(interpret_to(merged), str) and interpret_to(merged) != interpret_to(session):
@@ -355,5 +414,5 @@ def client_secret_session(config: Config, body: Any) -> dict[str, Any]:
     part = body.get("session") if isinstance(body, dict) else None
     base = base_session(config, part.get("type") if isinstance(part, dict) else None)
     if isinstance(body, dict) and body.get("session") is not None:
-        base = merge(base, body["session"])
+        base = merge(base, body["session"], config.vad_silence_ms)
     return base

@@ -109,7 +109,7 @@ async def create_call(request: web.Request) -> web.Response:
     settings = copy.deepcopy(who.session) if who.session else session_config.base_session(config, kind)
     try:
         if session_part is not None:
-            settings = session_config.merge(settings, session_part)
+            settings = session_config.merge(settings, session_part, config.vad_silence_ms)
         if request.query.get("model"):
             settings["model"] = request.query["model"]
         # ?priority= or the session's omni.priority; an ephemeral key's session fixes it.

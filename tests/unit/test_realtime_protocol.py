@@ -5,6 +5,10 @@ Pins:
   nested objects field by field, drops unknown top-level fields, keeps tolerated ones
   (tracing, tools, transcription model, noise reduction) and leaves the session unchanged
   when refused, naming the param; turn detection maps to the endpointer's settings;
+- a null field is one not given (its value stays), except where GA null means off/none
+  (turn_detection, transcription, noise_reduction, tracing, prompt, include); the merged
+  session is whole: turn_detection holds every field of its type (a new type: that type's
+  defaults plus what was given), a format its rate, a transcription its model/language/prompt;
 - keys: open without an API key; with one, only it or a live ephemeral key passes; expired or
   tampered ephemeral keys fail; TTLs outside 10..7200 s are refused; the WebSocket
   subprotocol form is read;
@@ -72,6 +76,73 @@ def test_merge_tolerates_refuses_and_maps() -> None:
             session_config.merge(base, update)
         assert info.value.param == param
     assert base == session_config.default_session(Config(vad_silence_ms=300)) | {"id": base["id"]}
+
+
+def test_null_is_not_given_and_the_session_stays_whole() -> None:
+    base = session_config.default_session(Config(vad_silence_ms=300))
+    nulls = {
+        "type": None,
+        "instructions": None,
+        "output_modalities": None,
+        "model": None,
+        "max_output_tokens": None,
+        "tools": None,
+        "tool_choice": None,
+        "truncation": None,
+        "omni": {"priority": None, "video": None},
+        "audio": {
+            "input": {"format": None},
+            "output": {"format": {"type": "audio/pcm", "rate": None}, "voice": None, "speed": None},
+        },
+    }
+    assert session_config.merge(base, nulls) == base
+    td_nulls = {k: None for k in session_config.server_vad(300) if k != "type"}
+    assert (
+        session_config.merge(base, {"audio": {"input": {"turn_detection": {"type": "server_vad", **td_nulls}}}}) == base
+    )
+    assert session_config.merge(base, {"audio": None, "omni": None}) == base
+    off = session_config.merge(
+        {**base, "tracing": "auto", "include": ["item.input_audio_transcription.logprobs"]},
+        {
+            "tracing": None,
+            "prompt": None,
+            "include": None,
+            "audio": {"input": {"turn_detection": None, "transcription": None, "noise_reduction": None}},
+        },
+    )
+    assert (off["tracing"], off["prompt"], off["include"]) == (None, None, None)
+    assert all(off["audio"]["input"][k] is None for k in ("turn_detection", "transcription", "noise_reduction"))
+
+    def td_after(session: dict, update: dict, silence: int = 300) -> dict:
+        merged = session_config.merge(session, {"audio": {"input": {"turn_detection": update}}}, silence)
+        RealtimeSessionCreateRequest.model_validate(merged)
+        return merged["audio"]["input"]["turn_detection"]
+
+    assert td_after(base, {"type": "server_vad", "silence_duration_ms": 400}) == {
+        **session_config.server_vad(300),
+        "silence_duration_ms": 400,
+    }
+    semantic = {"type": "semantic_vad", "eagerness": "auto", "create_response": True, "interrupt_response": True}
+    assert td_after(base, {"type": "semantic_vad"}) == semantic  # a new type: none of server_vad's fields
+    was_semantic = session_config.merge(base, {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}})
+    assert td_after(was_semantic, {"type": "server_vad", "create_response": False}, 250) == {
+        **session_config.server_vad(250),
+        "create_response": False,
+    }
+    assert td_after(off, {"silence_duration_ms": 600}) == {**session_config.server_vad(300), "silence_duration_ms": 600}
+
+    def input_after(update: dict) -> dict:
+        merged = session_config.merge(base, {"audio": {"input": update}})
+        RealtimeSessionCreateRequest.model_validate(merged)
+        return merged["audio"]["input"]
+
+    assert input_after({"format": {"type": "audio/pcmu"}})["format"] == {"type": "audio/pcmu"}
+    assert input_after({"format": {"type": "audio/pcm"}})["format"] == {"type": "audio/pcm", "rate": 24000}
+    assert input_after({"transcription": {}})["transcription"] == session_config.DEFAULT_TRANSCRIPTION
+    assert input_after({"transcription": {"language": "en", "model": None}})["transcription"] == {
+        **session_config.DEFAULT_TRANSCRIPTION,
+        "language": "en",
+    }
 
 
 def test_keys() -> None:
