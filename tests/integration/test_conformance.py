@@ -1,0 +1,340 @@
+"""Conformance with the `openai` SDK's GA types, over a real WebSocket session (tiny model).
+
+Pins:
+- every client event shape the SDK's GA param TypedDicts allow (tests/support/ga_shapes.py:
+  each optional field absent, then null, nested objects too) is served: session.update (a
+  realtime and a transcription session), input_audio_buffer.append/commit/clear,
+  conversation.item.create (a user message with input_text, with input_audio),
+  conversation.item.retrieve/delete/truncate, response.create, response.cancel,
+  output_audio_buffer.clear. None of them gets an `error` for a null or absent optional field;
+  the errors that remain are the session's state or a capability the agent does not have, each
+  asserted by its code (REFUSED, and the cases named in the tests);
+- a null field is one not given: session.updated keeps its value, except where GA null means
+  off or none (NULL_MEANS_NONE: the echo holds null); the echoed session is whole (a
+  turn_detection holds every field of its type, an audio/pcm format its rate, a transcription
+  its model/language/prompt);
+- every server event received validates (strict pydantic) against the SDK's GA server event
+  union `RealtimeServerEvent`, or is one of the project's extra event types (EXTRAS): in the
+  runs above and in a spoken turn with server VAD and input transcription (whose settings
+  came as nulls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import aiohttp
+import numpy as np
+import pydantic
+import pytest
+from openai.types.realtime import RealtimeServerEvent
+from openai.types.realtime.conversation_item_create_event_param import ConversationItemCreateEventParam
+from openai.types.realtime.conversation_item_delete_event_param import ConversationItemDeleteEventParam
+from openai.types.realtime.conversation_item_retrieve_event_param import ConversationItemRetrieveEventParam
+from openai.types.realtime.conversation_item_truncate_event_param import ConversationItemTruncateEventParam
+from openai.types.realtime.input_audio_buffer_append_event_param import InputAudioBufferAppendEventParam
+from openai.types.realtime.input_audio_buffer_clear_event_param import InputAudioBufferClearEventParam
+from openai.types.realtime.input_audio_buffer_commit_event_param import InputAudioBufferCommitEventParam
+from openai.types.realtime.output_audio_buffer_clear_event_param import OutputAudioBufferClearEventParam
+from openai.types.realtime.realtime_conversation_item_user_message_param import (
+    Content,
+    RealtimeConversationItemUserMessageParam,
+)
+from openai.types.realtime.realtime_response_create_params_param import RealtimeResponseCreateParamsParam
+from openai.types.realtime.realtime_session_create_request_param import RealtimeSessionCreateRequestParam
+from openai.types.realtime.realtime_transcription_session_create_request_param import (
+    RealtimeTranscriptionSessionCreateRequestParam,
+)
+from openai.types.realtime.response_cancel_event_param import ResponseCancelEventParam
+from openai.types.realtime.response_create_event_param import ResponseCreateEventParam
+from openai.types.realtime.session_update_event_param import SessionUpdateEventParam
+from support.ga_shapes import at, null_paths, shapes
+from support.realtime_helpers import RunningAgent, module_agent
+from support.realtime_ws import b64, pcm24
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+agent = module_agent(max_reply_seconds=0.5, max_reply_tokens=4)
+
+SERVER_EVENT = pydantic.TypeAdapter(RealtimeServerEvent)
+# Server event types outside the SDK's union: the project's extras (docs/realtime.md, "Project
+# extras"), which strict clients ignore.
+EXTRAS = {
+    "omni.response.mode",  # the degradation ladder changed level
+    "omni.input_audio_transcription.partial",  # a transcription hypothesis with no new stable text
+}
+# Where GA null means off or none: the echo holds null there, not the value before.
+NULL_MEANS_NONE = {
+    ("tracing",),
+    ("prompt",),
+    ("include",),
+    ("audio", "input", "turn_detection"),
+    ("audio", "input", "transcription"),
+    ("audio", "input", "noise_reduction"),
+    ("audio", "input", "turn_detection", "idle_timeout_ms"),
+}
+TURN_DETECTION_FIELDS = {
+    "server_vad": {
+        "type",
+        "threshold",
+        "prefix_padding_ms",
+        "silence_duration_ms",
+        "create_response",
+        "interrupt_response",
+        "idle_timeout_ms",
+    },
+    "semantic_vad": {"type", "eagerness", "create_response", "interrupt_response"},
+}
+SILENCE = base64.b64encode(bytes(2 * 4800)).decode()  # 200 ms of 24 kHz pcm16
+
+
+def refused(session: dict[str, Any]) -> Optional[tuple[str, str]]:
+    """The (code, param) a session shape is refused with for a capability the agent lacks:
+    it speaks audio/pcm at 24 kHz only."""
+    fmt = ((session.get("audio") or {}).get("output") or {}).get("format") or {}
+    if fmt.get("type") in ("audio/pcmu", "audio/pcma"):
+        return "invalid_value", "session.audio.output.format"
+    return None
+
+
+class Conn:
+    """A raw WebSocket session (nulls go out as sent): every server event is validated as it
+    comes; `exchange` sends one client event and returns what it caused."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.ws, self.events, self._barriers = ws, [], 0
+        self._task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for msg in self.ws:
+            event = json.loads(msg.data)
+            if event["type"] in EXTRAS:
+                assert isinstance(event.get("event_id"), str), event
+            else:
+                try:  # strict: a missing required field or a wrong type fails (extra fields may come)
+                    SERVER_EVENT.validate_python(event, strict=True)
+                except pydantic.ValidationError as exc:
+                    raise AssertionError(f"not a GA server event: {event}") from exc
+            self.events.append(event)
+
+    async def wait(self, kind: str, after: int, timeout: float = 60) -> int:
+        """The index of the first `kind` event from `after` on (bounded)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i in range(after, len(self.events)):
+                if self.events[i]["type"] == kind:
+                    return i
+            if self._task.done():
+                self._task.result()  # a schema failure surfaces here
+                raise AssertionError("the socket closed")
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no {kind} in {[e['type'] for e in self.events[after:]]}")
+
+    async def exchange(self, event: dict[str, Any], until: Optional[str] = None) -> list[dict[str, Any]]:
+        """Send `event`, then a barrier (a retrieve of no item, whose error names it): the server
+        handles events in order, so what `event` caused came before the barrier's error, and
+        `until` (a reply's end) after it if not before. The barrier's error is left out."""
+        start, self._barriers = len(self.events), self._barriers + 1
+        barrier = f"barrier-{self._barriers}"
+        await self.ws.send_str(json.dumps(event))
+        await self.ws.send_str(json.dumps({"type": "conversation.item.retrieve", "item_id": "-", "event_id": barrier}))
+        end = await self.wait("error", start)
+        while self.events[end]["error"]["event_id"] != barrier:
+            end = await self.wait("error", end + 1)
+        if until is not None:
+            end = max(end, await self.wait(until, start))
+        return [
+            e for e in self.events[start : end + 1] if not (e["type"] == "error" and e["error"]["event_id"] == barrier)
+        ]
+
+    async def close(self) -> None:
+        await self.ws.close()
+        self._task.cancel()
+        if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
+            raise self._task.exception()
+
+
+async def open_conn(http: aiohttp.ClientSession, agent: RunningAgent, query: str = "") -> tuple[Conn, dict]:
+    conn = Conn(await http.ws_connect(f"{agent.url}/v1/realtime{query}", protocols=("realtime",)))
+    created = conn.events[await conn.wait("session.created", 0, timeout=10)]
+    return conn, created["session"]
+
+
+def errors(events: list[dict[str, Any]]) -> list[tuple[str, Optional[str]]]:
+    return [(e["error"]["code"], e["error"]["param"]) for e in events if e["type"] == "error"]
+
+
+def event_shapes(td: type, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """A client event's own shapes (event_id and its other optional fields absent, null)."""
+    return shapes(td, base, depth=0)
+
+
+def check_echo(before: dict[str, Any], update: dict[str, Any], echo: dict[str, Any]) -> None:
+    """A null is not given (the value stays) unless null means none there; the echo is whole."""
+    for path in null_paths(update):
+        if path in NULL_MEANS_NONE:
+            assert at(echo, path) == (True, None), path
+            continue
+        had, value = at(before, path)
+        same_object = at(before, path[:-1] + ("type",)) == at(echo, path[:-1] + ("type",))
+        if had and same_object:
+            assert at(echo, path) == (True, value), path
+    audio_in = echo["audio"]["input"]
+    td = audio_in.get("turn_detection")
+    if td is not None:
+        assert set(td) == TURN_DETECTION_FIELDS[td["type"]] and None not in (td["type"], td.get("create_response"))
+    formats = [audio_in["format"]] + ([echo["audio"]["output"]["format"]] if "output" in echo["audio"] else [])
+    assert all(f.get("rate") == 24000 for f in formats if f["type"] == "audio/pcm"), formats
+    if audio_in.get("transcription") is not None:
+        assert {"model", "language", "prompt"} <= set(audio_in["transcription"]), audio_in["transcription"]
+
+
+@pytest.mark.parametrize(
+    "query, td, kind",
+    [
+        ("", RealtimeSessionCreateRequestParam, "realtime"),
+        ("?intent=transcription", RealtimeTranscriptionSessionCreateRequestParam, "transcription"),
+    ],
+)
+async def test_session_update_shapes(agent: RunningAgent, query: str, td: type, kind: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        conn, session = await open_conn(http, agent, query)
+        try:
+            sent = 0
+            for shape in shapes(td, {"type": kind}):
+                for event in event_shapes(SessionUpdateEventParam, {"type": "session.update", "session": shape}):
+                    got = await conn.exchange(event)
+                    if refused(shape):
+                        assert errors(got) == [refused(shape)], (shape, got)
+                        continue
+                    assert not errors(got), (shape, errors(got))
+                    [updated] = [e for e in got if e["type"] == "session.updated"]
+                    check_echo(session, shape, updated["session"])
+                    session, sent = updated["session"], sent + 1
+            assert sent >= 30  # (the shapes were generated: the SDK's types were read)
+        finally:
+            await conn.close()
+
+
+async def test_audio_buffer_and_item_shapes(agent: RunningAgent) -> None:
+    async with aiohttp.ClientSession() as http:
+        conn, _ = await open_conn(http, agent)
+        try:
+            manual = {
+                "type": "session.update",
+                "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}},
+            }
+            assert not errors(await conn.exchange(manual))
+            append = {"type": "input_audio_buffer.append", "audio": SILENCE}
+            for event in event_shapes(InputAudioBufferAppendEventParam, append):
+                assert not errors(await conn.exchange(event))
+            for event in event_shapes(InputAudioBufferCommitEventParam, {"type": "input_audio_buffer.commit"}):
+                await conn.exchange(append)
+                got = await conn.exchange(event)
+                assert not errors(got) and [e["type"] for e in got][:2] == [
+                    "input_audio_buffer.committed",
+                    "conversation.item.added",
+                ]
+            for event in event_shapes(InputAudioBufferClearEventParam, {"type": "input_audio_buffer.clear"}):
+                await conn.exchange(append)
+                got = await conn.exchange(event)
+                assert not errors(got) and [e["type"] for e in got] == ["input_audio_buffer.cleared"]
+            parts = [{"type": "input_text", "text": "hello"}, {"type": "input_audio", "audio": SILENCE}]
+            items = []
+            for part in [p for base in parts for p in shapes(Content, base, depth=0)]:
+                user = {"type": "message", "role": "user", "content": [part]}
+                for item in shapes(RealtimeConversationItemUserMessageParam, user, depth=0):
+                    base = {"type": "conversation.item.create", "item": item}
+                    for event in event_shapes(ConversationItemCreateEventParam, base):
+                        got = await conn.exchange(event)
+                        assert not errors(got), (event, errors(got))
+                        added = [e for e in got if e["type"] == "conversation.item.added"]
+                        assert len(added) == 1 and added[0]["item"]["content"][0]["type"] == part["type"]
+                        items.append(added[0]["item"]["id"])
+            assert len(items) == 16
+            retrieve = {"type": "conversation.item.retrieve", "item_id": items[-1]}
+            for event in event_shapes(ConversationItemRetrieveEventParam, retrieve):
+                got = await conn.exchange(event)
+                assert not errors(got) and got[0]["type"] == "conversation.item.retrieved"
+            out_clear = {"type": "output_audio_buffer.clear"}
+            for event in event_shapes(OutputAudioBufferClearEventParam, out_clear):
+                # WebSocket audio is the client's to play: a WebRTC call's event, refused here.
+                assert errors(await conn.exchange(event)) == [("unsupported", "type")]
+        finally:
+            await conn.close()
+
+
+async def test_response_shapes(agent: RunningAgent) -> None:
+    async with aiohttp.ClientSession() as http:
+        conn, _ = await open_conn(http, agent)
+        try:
+            hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}
+            assert not errors(await conn.exchange({"type": "conversation.item.create", "item": hello}))
+            last = None
+            creates = [{"type": "response.create"}]  # no `response` at all, then each params shape
+            for params in shapes(RealtimeResponseCreateParamsParam, {}):
+                creates += event_shapes(ResponseCreateEventParam, {"type": "response.create", "response": params})
+            for event in creates:
+                got = await conn.exchange(event, until="response.done")
+                assert not errors(got), (event, errors(got))
+                done = [e for e in got if e["type"] == "response.done"]
+                assert done[0]["response"]["status"] in ("completed", "incomplete"), done[0]["response"]
+                last = done[0]["response"]
+            assert len(creates) >= 20 and last["output"][0]["content"][0]["type"] == "output_audio"
+            truncate = {"type": "conversation.item.truncate", "item_id": last["output"][0]["id"]}
+            truncate |= {"content_index": 0, "audio_end_ms": 0}
+            for event in event_shapes(ConversationItemTruncateEventParam, truncate):
+                got = await conn.exchange(event, until="conversation.item.truncated")
+                assert not errors(got)
+            for event in event_shapes(ConversationItemDeleteEventParam, {"type": "conversation.item.delete"}):
+                reply = await conn.exchange({"type": "response.create"}, until="response.done")
+                item_id = [e for e in reply if e["type"] == "response.done"][0]["response"]["output"][0]["id"]
+                got = await conn.exchange({**event, "item_id": item_id}, until="conversation.item.deleted")
+                assert not errors(got)
+            for event in event_shapes(ResponseCancelEventParam, {"type": "response.cancel"}):
+                # With no response in flight the cancel is refused for the state; with one, it
+                # is cancelled (or had already ended: refused the same way).
+                assert errors(await conn.exchange(event)) == [("response_cancel_not_active", None)]
+                start = len(conn.events)
+                await conn.ws.send_str(json.dumps({"type": "response.create"}))
+                got = await conn.exchange(event, until="response.done")
+                done = conn.events[await conn.wait("response.done", start)]
+                assert errors(got) in ([], [("response_cancel_not_active", None)])
+                assert (done["response"]["status"] == "cancelled") == (not errors(got)), done["response"]
+        finally:
+            await conn.close()
+
+
+async def test_spoken_turn_events(agent: RunningAgent, speech_wav: Path) -> None:
+    async with aiohttp.ClientSession() as http:
+        conn, _ = await open_conn(http, agent)
+        try:
+            transcribed = {"transcription": {"model": None, "language": None, "prompt": None}}
+            update = {"type": "session.update", "session": {"type": "realtime", "audio": {"input": transcribed}}}
+            assert not errors(await conn.exchange(update))
+            start = len(conn.events)
+            pcm = np.concatenate([pcm24(speech_wav), np.zeros(24_000, np.int16)])  # a second of silence ends it
+            begun = time.monotonic()
+            for i, offset in enumerate(range(0, len(pcm), 480)):  # 20 ms appends, paced like a microphone
+                await conn.ws.send_str(
+                    json.dumps({"type": "input_audio_buffer.append", "audio": b64(pcm[offset : offset + 480])})
+                )
+                await asyncio.sleep(max(0.0, begun + (i + 1) * 0.02 - time.monotonic()))
+            await conn.wait("response.done", start)
+            await conn.wait("conversation.item.input_audio_transcription.completed", start)
+            kinds = {e["type"] for e in conn.events[start:]}
+            assert not errors(conn.events[start:])
+            assert {
+                "input_audio_buffer.speech_started",
+                "input_audio_buffer.speech_stopped",
+                "input_audio_buffer.committed",
+                "response.output_audio.delta",
+                "response.output_audio_transcript.done",
+            } <= kinds, kinds
+        finally:
+            await conn.close()
