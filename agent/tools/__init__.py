@@ -1,0 +1,1 @@
+"""Tool calling: what a client offers the model (spec.py, torch-free)."""
