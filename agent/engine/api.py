@@ -22,6 +22,18 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class CallDelta:
+    """Text of a reply's tool call `index` (0, 1, … within the reply): what the thinker wrote
+    between `<tool_call>` and `</tool_call>` (the tags are not in it); `done` at the closing tag.
+    Never voiced and never in the transcript (agent/engine/stages/frame_batch.py)."""
+
+    session_id: str
+    index: int
+    text: str
+    done: bool = False
+
+
+@dataclass(frozen=True)
 class AudioOut:
     """PCM for the outbound track: int16 mono at 24 kHz (one codec frame is 1920 samples)."""
 
@@ -60,7 +72,7 @@ class StageTime:
     batch: int = 1  # sessions served by the same (batched) call; `seconds` is the whole call's
 
 
-Output = Union[TextDelta, AudioOut, ReplyDone, StageTime, TranscriptOut]
+Output = Union[TextDelta, CallDelta, AudioOut, ReplyDone, StageTime, TranscriptOut]
 
 
 class Runner(Protocol):
@@ -169,6 +181,20 @@ class ConversationEditing(Protocol):
     def context(self, session_id: str) -> dict: ...
 
 
+class CallsTools(Protocol):
+    """Tool calls in Qwen's format, grammar-constrained (agent/engine/stages/tool_grammar.py)."""
+
+    def set_tools(self, session_id: str, tools: Any) -> int:
+        """The session's tools and tool choice (an agent.tools.spec.ToolSet) for its next
+        replies; returns how many tools. Raises ToolSchemaError for a schema the grammar
+        cannot take."""
+        ...
+
+    def set_reply_tools(self, session_id: str, tools: Any) -> int:
+        """The next reply's own tools (a ToolSet; None: the session's). Call before begin_reply."""
+        ...
+
+
 class TakesHistory(Protocol):
     """A runner without KV context (the fallback) is told the recent conversation per reply."""
 
@@ -192,8 +218,8 @@ def supports(runner: Any, capability: type[Capability]) -> TypeGuard[Capability]
 
 class ReplySink(Protocol):
     """Per-session receiver of engine output. Called on the asyncio loop only. Optional, looked
-    up when needed: on_transcript(TranscriptOut), and on_open_failed(message) when the engine
-    could not open the session at all."""
+    up when needed: on_transcript(TranscriptOut), on_call(CallDelta), and on_open_failed(message)
+    when the engine could not open the session at all."""
 
     def on_text(self, delta: TextDelta) -> None: ...
 

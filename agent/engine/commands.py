@@ -13,7 +13,7 @@ Two kinds:
 - Session commands (`SessionCommand`): one runner method each, sent with `Engine.send(session_id,
   command)`, whose future gets the method's return value or its exception. A runner that lacks
   the capability a command needs (agent/engine/api.py: Speculating, VideoIntake, Transcribing,
-  TurnControl, ConversationEdits) answers NotImplementedError.
+  TurnControl, ConversationEdits, CallsTools) answers NotImplementedError.
 
 Plain data only: no torch.
 """
@@ -159,6 +159,16 @@ class SetVoice(SessionCommand):
 @dataclass(frozen=True)
 class SetReplyInstructions(SessionCommand):
     text: str
+
+
+@dataclass(frozen=True)
+class SetTools(SessionCommand):
+    tools: object  # agent.tools.spec.ToolSet: the session's tools and tool choice
+
+
+@dataclass(frozen=True)
+class SetReplyTools(SessionCommand):
+    tools: object  # a ToolSet for the next reply only; None: the session's
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ import numpy as np
 from agent import metrics
 from agent.engine.api import (
     AudioOut,
+    CallDelta,
+    CallsTools,
     ConversationEditing,
     Output,
     ReplyDone,
@@ -57,6 +59,8 @@ from agent.engine.commands import (
     SetInstructions,
     SetPriority,
     SetReplyInstructions,
+    SetReplyTools,
+    SetTools,
     SetTranscription,
     SetTranscriptItem,
     SetVideo,
@@ -90,6 +94,8 @@ SESSION_COMMANDS: dict[type, tuple[Optional[type], Handler]] = {
     SetVoice: (ConversationEditing, lambda r, sid, c: r.set_voice(sid, c.voice)),
     SetReplyInstructions: (ConversationEditing, lambda r, sid, c: r.set_reply_instructions(sid, c.text)),
     TruncateReply: (ConversationEditing, lambda r, sid, c: r.truncate_reply(sid, c.audio_frames)),
+    SetTools: (CallsTools, lambda r, sid, c: r.set_tools(sid, c.tools)),
+    SetReplyTools: (CallsTools, lambda r, sid, c: r.set_reply_tools(sid, c.tools)),
     Context: (ConversationEditing, lambda r, sid, c: r.context(sid)),
 }
 
@@ -341,6 +347,10 @@ class EngineCore:
                 self._loop.call_soon_threadsafe(sink.on_text, out)
             elif isinstance(out, AudioOut):
                 self._loop.call_soon_threadsafe(sink.on_audio, out)
+            elif isinstance(out, CallDelta):
+                on_call = getattr(sink, "on_call", None)
+                if on_call is not None:
+                    self._loop.call_soon_threadsafe(on_call, out)
             elif isinstance(out, TranscriptOut):
                 on_transcript = getattr(sink, "on_transcript", None)  # a sink that asked for them
                 if on_transcript is not None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from agent import metrics
 from agent.engine.api import EngineBusy
 from agent.gate.token_bucket import TokenBucket
-from agent.realtime import audio_codec, session_config
+from agent.realtime import audio_codec, session_config, tool_config
 from agent.realtime.events import new_id
 
 if TYPE_CHECKING:
@@ -183,9 +183,12 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
     previous = event.get("previous_item_id")
     if previous is not None and previous != session.conversation.last_id():
         raise BadEvent("items can only be added at the end of the conversation", "unsupported", "previous_item_id")
+    if item.get("type") == "function_call_output":
+        _call_output(session, item, event)
+        return
     if item.get("type") != "message" or item.get("role") != "user":
         raise BadEvent(
-            "only user messages can be added (no system, assistant or function items)",
+            "only user messages and function_call_output items can be added (no system, assistant or function_call items)",
             "unsupported",
             "item.role" if item.get("type") == "message" else "item.type",
         )
@@ -209,6 +212,20 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
         raise BadEvent(
             "content must be input_text with text or input_audio with audio", "unsupported", "item.content[0].type"
         )
+
+
+def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:
+    call_id, output = item.get("call_id"), item.get("output")
+    if not isinstance(call_id, str) or not call_id:
+        raise BadEvent(
+            "a function_call_output names the call it answers (call_id)", "missing_required_parameter", "item.call_id"
+        )
+    if not isinstance(output, str):
+        raise BadEvent("output must be a string (the function's result, e.g. JSON)", "invalid_value", "item.output")
+    item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
+    if item_id in session.conversation:
+        raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
+    session.add_call_output(item_id, call_id, output, _event_id(event))
 
 
 def _item_retrieve(session: "Session", event: dict[str, Any]) -> None:
@@ -261,6 +278,13 @@ def _response_create(session: "Session", event: dict[str, Any]) -> None:
         raise BadEvent('max_output_tokens must be 1..4096 or "inf"', param="response.max_output_tokens")
     if params.get("metadata") is not None and not isinstance(params["metadata"], dict):
         raise BadEvent("metadata must be an object", param="response.metadata")
+    if (
+        params.get("tools") is not None or params.get("tool_choice") is not None
+    ):  # checked whole, as the response sees them
+        settings = session.settings
+        tools = settings.get("tools", []) if params.get("tools") is None else params["tools"]
+        choice = settings.get("tool_choice", "auto") if params.get("tool_choice") is None else params["tool_choice"]
+        tool_config.tool_set(tools, choice, "response")
     session.replies.create_response(params, _event_id(event))
 
 

@@ -19,15 +19,20 @@ from typing import Any, Callable, Optional
 
 from agent import metrics
 from agent.config import OUTPUT_RATE, Config
-from agent.engine.api import AudioOut, EngineBusy, ReplyDone, TextDelta
-from agent.engine.commands import HoldTurn, SetReplyInstructions
+from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, TextDelta
+from agent.engine.commands import HoldTurn, SetReplyInstructions, SetReplyTools
 from agent.gate.ladder import Admission
 from agent.media.playout import AgentAudioTrack
-from agent.realtime import session_config
+from agent.realtime import session_config, tool_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.outbox import Outbox
 from agent.realtime.response import STATUS_BY_REASON, Response
+from agent.tools import qwen_format
+from agent.tools.call_parser import CallParseError
+from agent.tools.spec import ToolChoice, ToolSet
+
+MAX_KNOWN_CALLS = 256  # calls a function_call_output may answer (the newest)
 
 
 class Replies:
@@ -60,6 +65,9 @@ class Replies:
         self._held: deque[str] = deque()
         self._when_engine_idle: list[Callable[[], None]] = []
         self.history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
+        self._held_at: Optional[str] = None  # the held turn's user item the current response answers
+        # The calls the model made (call_id -> function name), for function_call_output items.
+        self.calls: dict[str, str] = {}
 
     @property
     def in_flight(self) -> bool:
@@ -157,8 +165,7 @@ class Replies:
         limit = session_config.max_output_tokens(params.get("max_output_tokens", settings["max_output_tokens"]))
         if limit is not None and limit >= self._config.max_reply_tokens:
             limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
-        if params.get("instructions"):
-            self._engine.send(SetReplyInstructions(params["instructions"]))
+        tools = self._reply_tools(params, settings)
         self._flush_video()  # the newest frames reach the engine ahead of the reply
         self._engine.begin_reply(mode, tuple(self.history))
         self.turns += 1
@@ -172,13 +179,42 @@ class Replies:
             voice=voice if isinstance(voice, str) else "default",
             max_tokens=limit,
             metadata=params.get("metadata"),
+            tools=tools,
         )
         self.current = self.last = reply
+        self._held_at = held
         if self.track is not None and reply.audio:
             self.track.begin_reply()
             self.playing = reply
-        previous = self._conversation.add(reply.item("in_progress", ""), after=held)
-        for event in reply.started(previous):
+        for event in reply.started():
+            self._outbox.emit(event)
+        if not tools:  # without tools the message is announced at once, as it always was
+            self._open_message(reply)
+
+    def _reply_tools(self, params: dict[str, Any], settings: dict[str, Any]) -> bool:
+        """Tell the engine this response's own instructions and tools, if it has any; returns
+        whether it may call a tool (its message is then announced with its first words)."""
+        own_tools, own_choice = params.get("tools"), params.get("tool_choice")
+        tools = tool_config.tool_set(
+            settings.get("tools", []) if own_tools is None else own_tools,
+            settings.get("tool_choice", "auto") if own_choice is None else own_choice,
+            "response",
+        )
+        instructions = params.get("instructions") or ""
+        if own_tools is not None:  # its tools are described to the model in its own system message
+            instructions = qwen_format.system_text(instructions, tools.tools if tools is not None else ())
+        if instructions:
+            self._engine.send(SetReplyInstructions(instructions))
+        if own_tools is not None or own_choice is not None:
+            self._engine.send(SetReplyTools(tools or ToolSet((), ToolChoice("none"))), param="response.tools")
+        return tools is not None and tools.calls
+
+    def _open_message(self, reply: Response) -> None:
+        """Announce the response's message item (once)."""
+        if reply.message_index is not None:
+            return
+        previous = self._conversation.add(reply.item("in_progress", ""), after=self._held_at)
+        for event in reply.message_started(previous):
             self._outbox.emit(event)
 
     def cancel_response(self, event_id: Optional[str]) -> None:
@@ -250,6 +286,7 @@ class Replies:
             return
         if reply.ttft is None:
             reply.ttft = self._since_end_of_turn(reply, metrics.TTFT)
+        self._open_message(reply)
         self._outbox.emit(reply.text_delta(delta.text, len(delta.token_ids)))
         if reply.max_tokens is not None and reply.tokens >= reply.max_tokens:
             # The client's max_output_tokens, under the server's own cap: end the reply here.
@@ -263,11 +300,52 @@ class Replies:
             return
         if reply.ttfa is None:
             reply.ttfa = self._since_end_of_turn(reply, metrics.TTFA)
+        self._open_message(reply)
         if self.track is not None:
             reply.samples += len(audio.pcm)
             self.track.push(audio.pcm)
         else:
             self._outbox.emit(reply.audio_delta(audio.pcm))
+
+    def on_call(self, delta: CallDelta) -> None:
+        """The model's tool call `delta.index` grew or ended: its item is announced once its
+        function is named, its arguments stream, and its end completes it (a call that does not
+        parse is incomplete, with an error event: the grammar should never let that happen)."""
+        reply = self._live()
+        if reply is None:
+            return
+        if reply.ttft is None:
+            reply.ttft = self._since_end_of_turn(reply, metrics.TTFT)
+        call = reply.call(delta.index)
+        if call.status != "in_progress":
+            return
+        was_announced = call.announced
+        try:
+            if delta.done:
+                _, call.arguments, last = call.parser.finish(delta.text)
+                call.status = "completed"
+            else:
+                last = call.parser.push(delta.text)
+        except CallParseError as exc:
+            call.status = "incomplete"
+            last = ""
+            self._outbox.error(
+                f"the model's tool call could not be read: {exc}", "tool_call_invalid", kind="server_error"
+            )
+        if call.announced and not was_announced:
+            self._outbox.emit(call.added())
+            previous = self._conversation.add(call.item())
+            self._outbox.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": call.item()})
+        if last and call.announced:
+            self._outbox.emit(call.delta(last))
+        if call.status != "in_progress" and call.announced:
+            self.calls[call.call_id] = call.parser.name or ""
+            while len(self.calls) > MAX_KNOWN_CALLS:
+                self.calls.pop(next(iter(self.calls)))
+            for event in call.done():
+                self._outbox.emit(event)
+            self._conversation.update(call.item_id, call.item())
+            self._outbox.emit({"type": "conversation.item.done", "item": call.item()})
 
     def on_done(self, done: ReplyDone) -> None:
         if self._stale_done:
@@ -302,7 +380,12 @@ class Replies:
         if reply.text:
             self.remember("assistant", reply.text)
         events = reply.finished(status, reason, stats, error)
-        self._conversation.update(reply.item_id, events[-2]["item"])
+        message = reply.message_item()
+        if message is not None:
+            self._conversation.update(reply.item_id, message)
+        for call in reply.calls:
+            if call.announced:
+                self._conversation.update(call.item_id, call.item())
         for event in events:
             self._outbox.emit(event)
         if self._held:  # once the engine has ended this reply (a cancelled one's done comes later)

@@ -1,9 +1,13 @@
 """One response and the GA events that describe it, from response.created to response.done.
 
-A response has exactly one output item (an assistant message) with one content part: spoken
-replies carry `output_audio` (the transcript streams as response.output_audio_transcript.*),
-text replies `output_text` (response.output_text.*). Every event carries the ids strict clients
-check (response_id, item_id, output_index, content_index).
+A response's output items: an assistant message with one content part (spoken replies carry
+`output_audio`, the transcript streaming as response.output_audio_transcript.*; text replies
+`output_text`, response.output_text.*), and the function calls the model made
+(agent/realtime/function_calls.py), in the order they began. Without tools the message is
+announced with the response (what clients without tools have always seen); a response that may
+call tools announces its message with its first words, so a response that only calls has no
+empty message. Every event carries the ids strict clients check (response_id, item_id,
+output_index, content_index).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from agent.realtime.events import PCM_FORMAT, assistant_item, new_id
+from agent.realtime.function_calls import FunctionCall
 
 STATUS_BY_REASON = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled", "error": "failed"}
 
@@ -42,10 +47,24 @@ class Response:
     ttfa: Optional[float] = None
     engine_open: bool = True  # the engine has not ended this reply yet
     status: str = "in_progress"
+    tools: bool = False  # it may call tools: its message is announced with its first words
+    message_index: Optional[int] = None  # the message's output_index, once announced
+    calls: list[FunctionCall] = field(default_factory=list)
 
     # ---- ids and shapes -------------------------------------------------------------------
     def _ids(self) -> dict[str, Any]:
-        return {"response_id": self.id, "item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return {"response_id": self.id, "item_id": self.item_id, "output_index": self.message_index, "content_index": 0}
+
+    @property
+    def outputs(self) -> int:
+        """Output items announced so far."""
+        return (self.message_index is not None) + len(self.calls)
+
+    def call(self, index: int) -> FunctionCall:
+        """The response's call `index` (the engine's count), made when it begins."""
+        while len(self.calls) <= index:
+            self.calls.append(FunctionCall(self.id, self.outputs))
+        return self.calls[index]
 
     def item(self, status: str, content: Optional[str]) -> dict[str, Any]:
         return assistant_item(self.item_id, self.audio, status, content)
@@ -74,11 +93,20 @@ class Response:
         }
 
     # ---- events ---------------------------------------------------------------------------
-    def started(self, previous_item_id: Optional[str]) -> list[dict[str, Any]]:
+    def started(self) -> list[dict[str, Any]]:
+        return [{"type": "response.created", "response": self.body([]), "omni": {"mode": self.mode}}]
+
+    def message_started(self, previous_item_id: Optional[str]) -> list[dict[str, Any]]:
+        """The message item's announcement (its conversation.item.added too)."""
+        self.message_index = self.outputs
         item = self.item("in_progress", None)
         return [
-            {"type": "response.created", "response": self.body([]), "omni": {"mode": self.mode}},
-            {"type": "response.output_item.added", "response_id": self.id, "output_index": 0, "item": item},
+            {
+                "type": "response.output_item.added",
+                "response_id": self.id,
+                "output_index": self.message_index,
+                "item": item,
+            },
             {"type": "conversation.item.added", "previous_item_id": previous_item_id, "item": item},
             {"type": "response.content_part.added", **self._ids(), "part": self._part()},
         ]
@@ -107,21 +135,38 @@ class Response:
     def finished(
         self, status: str, reason: Optional[str], stats: dict[str, Any], error: Optional[str] = None
     ) -> list[dict[str, Any]]:
-        """The closing events; status: completed | incomplete | cancelled | failed."""
+        """The closing events; status: completed | incomplete | cancelled | failed. A call the
+        model had not finished is incomplete."""
         self.status = status
         item_status = "completed" if status == "completed" else "incomplete"
         events: list[dict[str, Any]] = []
-        if self.audio:
-            events.append({"type": "response.output_audio.done", **self._ids()})
-            events.append({"type": "response.output_audio_transcript.done", **self._ids(), "transcript": self.text})
-        else:
-            events.append({"type": "response.output_text.done", **self._ids(), "text": self.text})
-        item = self.item(item_status, self.text)
-        events += [
-            {"type": "response.content_part.done", **self._ids(), "part": self._part()},
-            {"type": "response.output_item.done", "response_id": self.id, "output_index": 0, "item": item},
-            {"type": "conversation.item.done", "item": item},
-        ]
+        outputs: list[tuple[int, dict[str, Any]]] = []
+        if self.message_index is not None:
+            if self.audio:
+                events.append({"type": "response.output_audio.done", **self._ids()})
+                events.append({"type": "response.output_audio_transcript.done", **self._ids(), "transcript": self.text})
+            else:
+                events.append({"type": "response.output_text.done", **self._ids(), "text": self.text})
+            item = self.item(item_status, self.text)
+            events += [
+                {"type": "response.content_part.done", **self._ids(), "part": self._part()},
+                {
+                    "type": "response.output_item.done",
+                    "response_id": self.id,
+                    "output_index": self.message_index,
+                    "item": item,
+                },
+                {"type": "conversation.item.done", "item": item},
+            ]
+            outputs.append((self.message_index, item))
+        for call in self.calls:
+            if call.status == "in_progress":
+                call.status = "incomplete"
+                if call.announced:
+                    events += call.done()
+                    events.append({"type": "conversation.item.done", "item": call.item()})
+            if call.announced:
+                outputs.append((call.output_index, call.item()))
         details: Optional[dict[str, Any]] = None
         if status != "completed":
             details = {"type": status, "reason": reason}
@@ -130,7 +175,7 @@ class Response:
                     "type": "failed",
                     "error": {"type": "server_error", "code": "engine_error", "message": error},
                 }
-        body = self.body([item], usage(stats), details)
+        body = self.body([item for _, item in sorted(outputs, key=lambda o: o[0])], usage(stats), details)
         body["omni"] = {
             "ttft_ms": _ms(self.ttft),
             "ttfa_ms": _ms(self.ttfa),
@@ -139,6 +184,12 @@ class Response:
         }
         events.append({"type": "response.done", "response": body})
         return events
+
+    def message_item(self) -> Optional[dict[str, Any]]:
+        """The message item as it ended (None: the response had none)."""
+        if self.message_index is None:
+            return None
+        return self.item("completed" if self.status == "completed" else "incomplete", self.text)
 
 
 def usage(stats: dict[str, Any]) -> dict[str, Any]:

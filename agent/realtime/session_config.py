@@ -7,7 +7,7 @@ field is one not given (it keeps its value), except where the GA API gives null 
 `idle_timeout_ms`: none; `omni.interpret_to`: off). The session echoed is always whole: a
 `turn_detection` or `format` of a new type starts from that type's defaults, a transcription
 turned on from the default one, and every field they leave out keeps its default. Fields
-the agent cannot act on but that change nothing a client would notice (`tracing`, `tools`,
+the agent cannot act on but that change nothing a client would notice (`tracing`,
 `prompt`, `include`, transcription and noise-reduction settings, VAD `threshold`) are kept
 and echoed; values that would change behaviour the agent cannot deliver raise ConfigError
 naming the offending `param`.
@@ -21,7 +21,9 @@ from typing import Any, Optional
 
 from agent.config import Config
 from agent.gate import priority
+from agent.realtime.config_error import ConfigError
 from agent.realtime.events import PCM_FORMAT, new_id
+from agent.realtime.tool_config import tool_set
 
 # The voices OpenAI's Realtime API names; a client that sends one (most do, by default) is served by
 # the model's default speaker.
@@ -85,12 +87,6 @@ class SessionSettings:
 
     def __call__(self) -> dict[str, Any]:
         return self.value
-
-
-class ConfigError(ValueError):
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -268,7 +264,7 @@ def validate(s: dict[str, Any]) -> None:
         f'max_output_tokens must be 1..{MAX_OUTPUT_TOKENS} or "inf"',
         "session.max_output_tokens",
     )
-    _check(isinstance(s.get("tools"), list), "tools must be a list", "session.tools")
+    tool_set(s.get("tools"), s.get("tool_choice"), "session")  # the tools and the choice, checked
     audio = s.get("audio")
     _check(
         isinstance(audio, dict) and isinstance(audio.get("input"), dict) and isinstance(audio.get("output"), dict),

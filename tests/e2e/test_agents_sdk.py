@@ -14,7 +14,11 @@ inside a `RealtimeSession` and speaks through the fake mic. What it pins:
 - every standard event type the agent sent passed the SDK's own zod schemas (each raw
   event of a listed type was also emitted as a parsed, non-generic event);
 - no client-side errors: no session `error` events, no uncaught page errors, no console
-  errors or warnings from the SDK.
+  errors or warnings from the SDK;
+- function calling: an agent with a `tool()` (a JSON-schema function, tool choice required)
+  gets the call from the agent, runs the tool's `execute` in the page with arguments that
+  match its schema, and the SDK's own function_call_output and response.create get a reply
+  that is heard, with the call and an assistant message in the session history.
 """
 
 from __future__ import annotations
@@ -57,22 +61,20 @@ HARNESS = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,"><title>Agents SDK</title></head>
 <body><audio id="out" autoplay></audio>
 <script type="module">
-import { OpenAIRealtimeWebRTC, RealtimeAgent, RealtimeSession } from "./openai-realtime-agents.mjs";
+import { OpenAIRealtimeWebRTC, RealtimeAgent, RealtimeSession, tool } from "./openai-realtime-agents.mjs";
 const sdk = (window.sdk = { connected: false, errors: [], raw: {}, strict: {}, transcript: "",
-                            history: [], responding: false, audible: false });
+                            history: [], responding: false, audible: false, calls: [] });
 const audio = document.getElementById("out");
 const transport = new OpenAIRealtimeWebRTC({
   baseUrl: location.origin + "/v1/realtime/calls", useInsecureApiKey: true, audioElement: audio,
 });
-const session = new RealtimeSession(
-  new RealtimeAgent({ name: "Assistant", instructions: "Answer briefly." }),
-  { transport, model: "qwen3-omni" });
+AGENT_SETUP
 sdk.transport = transport;
 transport.on("*", (e) => { sdk.raw[e.type] = (sdk.raw[e.type] ?? 0) + 1; });
 for (const type of STRICT_TYPES) transport.on(type, () => { sdk.strict[type] = (sdk.strict[type] ?? 0) + 1; });
-transport.on("response.created", () => { sdk.responding = true; });
+transport.on("response.created", () => { sdk.responding = sdk.calls.length >= CALLS_BEFORE_LISTENING; });
 transport.on("audio_transcript_delta", (e) => { sdk.transcript += e.delta; });
-session.on("history_updated", (h) => { sdk.history = h.map((i) => ({ type: i.type, role: i.role })); });
+session.on("history_updated", (h) => { sdk.history = h.map((i) => ({ type: i.type, role: i.role, name: i.name })); });
 session.on("error", (e) => sdk.errors.push(String(e?.error?.error?.message ?? e?.error?.message ?? e?.error ?? e)));
 
 // The reply is heard: RMS of the SDK's own audio element's stream, after a response began.
@@ -110,15 +112,48 @@ SNAPSHOT_JS = """async () => {
     if (r.type === "inbound-rtp" && r.kind === "audio") energy = r.totalAudioEnergy ?? 0;
   });
   return { connected: s.connected, callId: s.transport.callId ?? null, errors: s.errors, raw: s.raw,
-           strict: s.strict, transcript: s.transcript, history: s.history, audible: s.audible, energy };
+           strict: s.strict, transcript: s.transcript, history: s.history, audible: s.audible, energy,
+           calls: s.calls };
 }"""
 
 
+# The plain agent, and one with a tool the model must call (tool choice required); its execute
+# runs in the page and lets the next response be free (auto), so the reply after it is spoken.
+PLAIN_AGENT = """const session = new RealtimeSession(
+  new RealtimeAgent({ name: "Assistant", instructions: "Answer briefly." }),
+  { transport, model: "qwen3-omni" });
+const CALLS_BEFORE_LISTENING = 0;"""
+TOOL_AGENT = """const setLight = tool({
+  name: "set_light",
+  description: "Turn a room's light on or off.",
+  parameters: {
+    type: "object",
+    properties: { room: { type: "string", enum: ["kitchen", "hall"] }, on: { type: "boolean" } },
+    required: ["room", "on"],
+    additionalProperties: false,
+  },
+  strict: true,
+  execute: async (input) => {
+    sdk.calls.push(input);
+    transport.updateSessionConfig({ toolChoice: "auto" });
+    return `the ${input.room} light is ${input.on ? "on" : "off"}`;
+  },
+});
+const session = new RealtimeSession(
+  new RealtimeAgent({ name: "Assistant", instructions: "Answer briefly.", tools: [setLight] }),
+  { transport, model: "qwen3-omni", config: { toolChoice: "required" } });
+const CALLS_BEFORE_LISTENING = 1;"""
+# GA events a call adds.
+TOOL_TYPES = ["response.function_call_arguments.delta", "response.function_call_arguments.done"]
+
+
 def serve_vendor(route) -> None:
-    """The harness and the SDK's files, fulfilled by the browser itself on the agent's origin."""
+    """The harnesses and the SDK's files, fulfilled by the browser itself on the agent's origin."""
     name = route.request.url.rsplit("/", 1)[-1].split("?")[0]
-    if name == "harness.html":
-        route.fulfill(status=200, content_type="text/html", body=HARNESS.replace("STRICT_TYPES", repr(STRICT_TYPES)))
+    if name in ("harness.html", "tools.html"):
+        agent = TOOL_AGENT if name == "tools.html" else PLAIN_AGENT
+        body = HARNESS.replace("STRICT_TYPES", repr(STRICT_TYPES + TOOL_TYPES)).replace("AGENT_SETUP", agent)
+        route.fulfill(status=200, content_type="text/html", body=body)
     elif name.endswith(".mjs") and (VENDOR / name).is_file():
         route.fulfill(status=200, content_type="text/javascript", body=(VENDOR / name).read_bytes())
     else:
@@ -158,3 +193,36 @@ def test_agents_sdk_connects_hears_the_reply_and_gets_the_transcript(page, agent
     assert not rejected, f"events the SDK's schemas rejected (raw, parsed): {rejected}"
     assert not console, f"console errors/warnings: {console}"
     print(f"\nAgents SDK transcript: {snap['transcript']!r}; events: {snap['raw']}")
+
+
+def test_agents_sdk_tool_is_called_and_the_reply_after_it_heard(page, agent_url):
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.route("**/agents-sdk/**", serve_vendor)
+    page.goto(agent_url + "agents-sdk/tools.html")
+
+    snap: dict = {}
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while time.monotonic() < deadline:
+        snap = page.evaluate(SNAPSHOT_JS) or {}
+        assert not snap.get("errors"), f"client-side errors: {snap['errors']}"
+        if snap.get("calls") and snap["audible"] and snap["raw"].get("response.done", 0) >= 2:
+            if any(i["role"] == "assistant" for i in snap["history"]):
+                break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"after {CALL_TIMEOUT_S} s: {snap}; console: {console}")
+
+    call = snap["calls"][0]
+    assert call["room"] in ("kitchen", "hall") and isinstance(call["on"], bool), call
+    kinds = [i["type"] for i in snap["history"]]
+    assert "function_call" in kinds and kinds.index("function_call") < max(
+        i for i, item in enumerate(snap["history"]) if item["role"] == "assistant"
+    ), snap["history"]
+    rejected = {
+        t: (snap["raw"][t], snap["strict"].get(t, 0))
+        for t in STRICT_TYPES + TOOL_TYPES
+        if snap["raw"].get(t, 0) != snap["strict"].get(t, 0)
+    }
+    assert not rejected, f"events the SDK's schemas rejected (raw, parsed): {rejected}"
+    assert not console, f"console errors/warnings: {console}"

@@ -35,6 +35,8 @@ class PromptIds:
     vision_start: int
     vision_end: int
     image_pad: int
+    tool_call: int  # <tool_call>: opens a tool call (Qwen's format, docs/tools.md)
+    tool_call_end: int  # </tool_call>
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "PromptIds":
@@ -61,6 +63,8 @@ class PromptIds:
             vision_start=one("<|vision_start|>"),
             vision_end=one("<|vision_end|>"),
             image_pad=one("<|image_pad|>"),
+            tool_call=one("<tool_call>"),
+            tool_call_end=one("</tool_call>"),
         )
 
 

@@ -86,23 +86,33 @@ class ConversationEdits:
     def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
         """The listener heard only the first `audio_frames` codec frames of the latest reply: keep
         the text tokens the talker had consumed by then (frame i was made after reading reply token
-        i) and close the assistant turn there, in the thinker cache. A turn being spoken is taken
+        i) and close the assistant turn there, in the thinker cache. Its tool calls stay whole (the
+        talker spoke none of them, and the client has them as items). A turn being spoken is taken
         back out of the cache first and prefilled again after the new end."""
         self.speculation.drop_speculation(session_id)
         state = self.sessions[session_id]
         last = state.last_reply
         if state.reply is not None or last is None:
             raise RuntimeError("only the latest reply can be truncated, once it has ended")
-        keep = max(0, min(audio_frames, len(last.tokens)))
+        spoken = len(last.tokens) if last.voice_end is None else last.voice_end
+        keep = max(0, min(audio_frames, spoken))
+        kept = [*last.tokens[:keep], *last.tokens[spoken:]]
+        same = keep if keep < spoken else len(kept)  # kept and the reply agree up to here
         self.turns.unprefill_turn(state)
         im_end = [self.loaded.ids.im_end, *self.loaded.ids.newline]
         # The closing is the reply's unfed tokens and its end, then whatever was queued after it.
         after = state.closing[len(last.tokens) - last.fed + len(im_end) :]
-        if keep <= last.fed:
-            state.thinker.crop(last.start_length + keep, last.start_pos + keep)
-        state.closing = [*last.tokens[min(keep, last.fed) : keep], *im_end, *after]
-        state.last_reply = LastReply(last.start_length, last.start_pos, last.tokens[:keep], min(keep, last.fed))
-        return {"kept_tokens": keep, "dropped_tokens": len(last.tokens) - keep, "context_tokens": state.thinker.length}
+        cut = min(same, last.fed)
+        if cut < last.fed:
+            state.thinker.crop(last.start_length + cut, last.start_pos + cut)
+        state.closing = [*kept[cut:], *im_end, *after]
+        voice_end = None if last.voice_end is None else keep
+        state.last_reply = LastReply(last.start_length, last.start_pos, tuple(kept), cut, voice_end)
+        return {
+            "kept_tokens": keep,
+            "dropped_tokens": len(last.tokens) - len(kept),
+            "context_tokens": state.thinker.length,
+        }
 
     def context(self, session_id: str) -> dict:
         """What the session's KV slot holds of its conversation's end (read-only, for tests and

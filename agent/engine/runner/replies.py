@@ -23,9 +23,10 @@ from agent.engine.codecs.detok import IncrementalDecoder
 from agent.engine.runner.sessions import SessionTable
 from agent.engine.stages.frame_batch import FrameBatcher
 from agent.engine.stages.talker import TalkerOps
+from agent.engine.stages.tool_grammar import ToolGrammars
 from agent.engine.stages.turn_prefill import TurnPrefill
 from agent.engine.state.phase import ReplyPhase
-from agent.engine.state.reply import PlayoutClock, PrefillStage, TextStage, VoiceStage
+from agent.engine.state.reply import CallStage, PlayoutClock, PrefillStage, TextStage, VoiceStage
 from agent.engine.state.session import LastReply, ReplyRecord, ReplyState, Rollback, SessionState, TurnState
 
 
@@ -41,15 +42,18 @@ class Replies:
         talker_max_tokens: int,
         seeds: random.Random,
         record: bool,
+        grammars: ToolGrammars | None = None,
     ) -> None:
         """seeds: where each reply's sampling seed is drawn from. record: keep each session's
-        last reply (codes, float waveform) in `records`."""
+        last reply (codes, float waveform) in `records`. grammars: the tool-call grammars a
+        reply starts with (its response's tools, else its session's; None: no tools at all)."""
         self.sessions, self.loaded, self.turns, self.frames, self.talker = sessions, loaded, turns, frames, talker
         self.clock = clock
         self.talker_max_tokens = talker_max_tokens
         self.seeds = seeds
         self.eos = set(loaded.thinker_eos_ids)
         self.record = record
+        self.grammars = grammars
         self.records: dict[str, ReplyRecord] = {}
         self.ready: list[Output] = []  # released outside a step (take_ready)
 
@@ -68,7 +72,9 @@ class Replies:
 
     # ---- a reply begins ----------------------------------------------------------------------
 
-    def _new(self, phase: ReplyPhase, turn: TurnState, images: list[np.ndarray], text_only: bool) -> ReplyState:
+    def _new(
+        self, state: SessionState, phase: ReplyPhase, turn: TurnState, images: list[np.ndarray], text_only: bool
+    ) -> ReplyState:
         return ReplyState(
             phase=phase,
             text_only=text_only,
@@ -79,7 +85,17 @@ class Replies:
             voice=VoiceStage(self.talker_max_tokens),
             images=list(images),
             seed=self.seeds.getrandbits(32),
+            calls=self._calls(state, turn),
         )
+
+    def _calls(self, state: SessionState, turn: TurnState) -> CallStage:
+        """A reply's tool calls: its response's tools, else its session's."""
+        tools = turn.reply_tools if turn.reply_tools is not None else state.choices.tools
+        if self.grammars is None or tools is None or not tools.tools:
+            return CallStage()
+        if not tools.calls:  # tool choice none
+            return CallStage(banned=True)
+        return CallStage(matcher=self.grammars.start(tools))
 
     def begin(self, state: SessionState, images: list[np.ndarray], text_only: bool) -> None:
         """The end of a turn: a speculation on it is committed (same kind) or discarded, else
@@ -95,7 +111,7 @@ class Replies:
         else:  # the turn is answered from now on: audio that comes later belongs to the next one
             turn, state.turn = state.turn, self.turns.new_turn()
             self.turns.video.seed(state, self.clock())
-        state.reply = self._new(ReplyPhase.PREFILLING, turn, images, text_only)
+        state.reply = self._new(state, ReplyPhase.PREFILLING, turn, images, text_only)
         state.last_reply = None  # the previous reply can no longer be truncated
         if not text_only:
             self.frames.start_reply(state)
@@ -103,7 +119,7 @@ class Replies:
     def speculate(self, state: SessionState, images: list[np.ndarray], text_only: bool) -> None:
         """A speculative reply (SPECULATING) to a fork of the turn so far, undone by its Rollback."""
         rollback = Rollback.of(state)
-        state.reply = self._new(ReplyPhase.SPECULATING, state.turn.fork(), images, text_only)
+        state.reply = self._new(state, ReplyPhase.SPECULATING, state.turn.fork(), images, text_only)
         state.reply.rollback = rollback
         if not text_only:
             self.frames.start_reply(state)
@@ -197,7 +213,9 @@ class Replies:
             state.closing = [t for t in reply.text.tokens[reply.text.fed :] if t not in self.eos]
             state.closing += [self.loaded.ids.im_end, *self.loaded.ids.newline]
             fed = min(reply.text.fed, len(text_ids))
-            state.last_reply = LastReply(state.thinker.length - fed, state.thinker.next_pos - fed, tuple(text_ids), fed)
+            state.last_reply = LastReply(
+                state.thinker.length - fed, state.thinker.next_pos - fed, tuple(text_ids), fed, reply.text.voice_end
+            )
             state.closing += state.pending_system  # instructions changed during the reply
             state.pending_system = []
             if not reply.voice.started:  # its user turn is not in the talker cache yet

@@ -82,17 +82,20 @@ from agent.engine.runner.replies import Replies
 from agent.engine.runner.scheduler import PlayoutEstimate, SchedulerConfig, idle_s, plan_tick
 from agent.engine.runner.sessions import SessionTable
 from agent.engine.runner.speculation import Speculation
+from agent.engine.runner.tools import ToolCommands
 from agent.engine.runner.transcriber import Transcriber
 from agent.engine.runner.transcription import TranscriptionCommands
 from agent.engine.stages.frame_batch import FrameBatcher, Row
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.thinker import PrefillOut, ThinkerOps
+from agent.engine.stages.tool_grammar import ToolGrammars
 from agent.engine.stages.turn_parts import SpeculationRefused, TurnParts
 from agent.engine.stages.turn_prefill import TurnPrefill
 from agent.engine.stages.video_clock import VideoPolicy
 from agent.engine.state.kv import KVState
 from agent.engine.state.phase import ReplyPhase
 from agent.engine.state.session import SessionState
+from agent.tools.spec import ToolSet
 
 
 class StreamingRunner:
@@ -169,11 +172,23 @@ class StreamingRunner:
         self.transcriber = Transcriber(loaded, self.thinker)  # live input transcription
         # The components, side by side: each is given only what it uses.
         self.sessions = SessionTable(max_sessions, self.transcriber)
+        # Tool calls in Qwen's format, constrained by a grammar per tool set (compiled once, cached).
+        grammars = ToolGrammars(loaded.tokenizer, self.thinker.vocab, loaded.thinker_eos_ids)
         self.replies = Replies(
-            self.sessions, loaded, self.turns, self.frames, self.talker, clock, self.talker_max_tokens, seeds, record
+            self.sessions,
+            loaded,
+            self.turns,
+            self.frames,
+            self.talker,
+            clock,
+            self.talker_max_tokens,
+            seeds,
+            record,
+            grammars,
         )
         self.records = self.replies.records  # each session's last reply (record=True)
         self.speculation = Speculation(self.sessions, self.replies)
+        self.tools = ToolCommands(self.sessions, grammars, self.speculation)
         self.intake = Intake(self.sessions, self.turns, self.transcriber, self.replies, self.speculation, clock)
         self.estimates = Estimates(self.sessions, clock)
         self.edits = ConversationEdits(self.sessions, loaded, self.turns, self.talker, self.speculation)
@@ -285,6 +300,12 @@ class StreamingRunner:
 
     def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
         return self.edits.truncate_reply(session_id, audio_frames)
+
+    def set_tools(self, session_id: str, tools: ToolSet | None) -> int:
+        return self.tools.set_tools(session_id, tools)
+
+    def set_reply_tools(self, session_id: str, tools: ToolSet | None) -> int:
+        return self.tools.set_reply_tools(session_id, tools)
 
     def context(self, session_id: str) -> dict:
         return self.edits.context(session_id)
@@ -401,7 +422,8 @@ class StreamingRunner:
             tokens = self.frames.pick_tokens([state for _, state, _ in finished], logits, first=True)
             for (session_id, state, _), token in zip(finished, tokens):
                 outputs += self.frames.take_token(session_id, state, token)
-        spoken = [state for _, state, _ in finished if not state.reply.text_only]
+        # (A reply that opens with a tool call never starts its talker: nothing of it is spoken.)
+        spoken = [state for _, state, _ in finished if not (state.reply.text_only or state.reply.voice.done)]
         if spoken:
             self.frames.take_code0(spoken, self.turns.talker_prefills(spoken))
         return outputs

@@ -23,9 +23,10 @@ from contextlib import contextmanager
 import torch
 
 from agent.decoding import Decoding
-from agent.engine.api import AudioOut, Output, StageTime, TextDelta
+from agent.engine.api import AudioOut, CallDelta, Output, StageTime, TextDelta
 from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.codecs.code2wav import SlotCode2Wav
+from agent.engine.codecs.detok import IncrementalDecoder
 from agent.engine.codecs.output_audio import to_pcm16
 from agent.engine.compile.wiring import Graphing
 from agent.engine.ops.sampling import THINKER, row_tensor
@@ -33,9 +34,13 @@ from agent.engine.stages.code_predictor import CodePredictorOps
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.thinker import ThinkerOps
 from agent.engine.stages.token_choice import TokenChoice
+from agent.engine.stages.tool_grammar import apply_masks
 from agent.engine.state.session import SessionState, add_batch_time
 
 Row = tuple[str, SessionState]
+# Tokens a reply may spend inside tool calls (its text cap counts the rest): a call's arguments
+# can be long, and the grammar ends every call.
+MAX_CALL_TOKENS = 1024
 
 
 class FrameBatcher:
@@ -66,6 +71,7 @@ class FrameBatcher:
         self.max_reply_tokens = max_reply_tokens
         self.record = record
         self.eos = set(loaded.thinker_eos_ids)
+        self.tool_call, self.tool_call_end = loaded.ids.tool_call, loaded.ids.tool_call_end
         # Per slot: the codebook-0 ids its reply has produced (generate()'s repetition penalty).
         self.seen = torch.zeros(slots, talker.vocab, dtype=torch.bool, device=loaded.device)
         self.stage_times: list[StageTime] = []  # batched stages of this tick, drained by the runner
@@ -93,12 +99,24 @@ class FrameBatcher:
         """The next text token of each reply from the thinker's logits [B, vocab] (float32, not
         written to: a graph's output buffer), as generate()'s thinker picks it: repetition
         penalty over the session's whole context, no end token as the first one (a reply has
-        at least one text token), then argmax or the reply's seeded draw."""
+        at least one text token), the tool-call grammar of the rows it constrains, then argmax
+        or the reply's seeded draw."""
         seen = self.thinker.seen([st.thinker for st in states]) if self.thinker_choice.penalizes else None
         if first:  # (masking before the penalty is the same: a penalized -inf stays -inf)
             logits = logits.index_fill(1, torch.tensor(sorted(self.eos), device=logits.device), float("-inf"))
+        matchers = [st.reply.calls.matcher for st in states]
+        if any(m is not None and m.constrained for m in matchers):
+            logits = apply_masks(logits, matchers)  # one batched fill; unconstrained rows untouched
+        banned = [i for i, st in enumerate(states) if st.reply.calls.banned]
+        if banned:  # tool choice none: the model knows the tools but may not call one
+            rows = torch.tensor(banned, device=logits.device)
+            logits = logits.index_put((rows, torch.full_like(rows, self.tool_call)), torch.tensor(float("-inf")))
         seeds, draws = self._draws(states, [len(st.reply.text.tokens) for st in states])
-        return self.thinker_choice(logits, seen, seeds, draws).tolist()
+        tokens = self.thinker_choice(logits, seen, seeds, draws).tolist()
+        for matcher, token in zip(matchers, tokens):
+            if matcher is not None:
+                matcher.accept(token)  # free rows too: a <tool_call> the model picks starts the grammar
+        return tokens
 
     def _draws(self, states: Sequence[SessionState], index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' reply seeds and draw indices, on the device."""
@@ -106,23 +124,48 @@ class FrameBatcher:
         return row_tensor([st.reply.seed for st in states], device), row_tensor(list(index), device)
 
     def take_token(self, session_id: str, state: SessionState, token: int) -> list[Output]:
+        """Record the reply's next token and say what it adds: speech text (TextDelta), a tool
+        call's text (CallDelta: never voiced, never in the transcript), or nothing."""
         reply = state.reply
-        reply.text.tokens.append(token)
+        text, calls = reply.text, reply.calls
+        text.tokens.append(token)
         if token in self.eos:
-            reply.text.done, reply.text.reason = True, "stop"
+            text.done, text.reason = True, "stop"
             return []
-        if len(reply.text.tokens) >= self.max_reply_tokens:
-            reply.text.done, reply.text.reason = True, "length"
-        assert reply.text.decoder is not None
-        delta = reply.text.decoder.push(token)  # holds back a character split across tokens
+        if calls.open:
+            calls.tokens += 1
+        if len(text.tokens) - calls.tokens >= self.max_reply_tokens or calls.tokens >= MAX_CALL_TOKENS:
+            text.done, text.reason = True, "length"
+        if token == self.tool_call and not calls.open and calls.matcher is not None:
+            calls.open, calls.tokens = True, calls.tokens + 1
+            calls.decoder = IncrementalDecoder(self.loaded.tokenizer)
+            calls.count += 1
+            if text.voice_end is None:
+                # The talker reads no further: what follows is the call, not speech. A reply
+                # that opens with a call never starts its talker (runner._first_tokens).
+                text.voice_end = len(text.tokens) - 1
+                if not text.voice_end and not reply.text_only:
+                    reply.voice.done, reply.voice.reason = True, "stop"
+            return []
+        if calls.open:
+            assert calls.decoder is not None
+            if token == self.tool_call_end:
+                calls.open = False
+                return [CallDelta(session_id, calls.count - 1, calls.decoder.finish(), done=True)]
+            delta = calls.decoder.push(token)
+            return [CallDelta(session_id, calls.count - 1, delta)] if delta else []
+        if text.voice_end is not None:
+            return []  # between or after calls (the grammar allows a newline there): not speech
+        assert text.decoder is not None
+        delta = text.decoder.push(token)  # holds back a character split across tokens
         return [TextDelta(session_id, delta, (token,))] if delta else []
 
     def _needs_token(self, state: SessionState, first_pass: bool) -> bool:
         reply = state.reply
         if reply.text.done:
             return False
-        if reply.text_only or reply.voice.done:
-            return first_pass  # one token per tick
+        if reply.text_only or reply.voice.done or reply.text.voice_end is not None:
+            return first_pass  # one token per tick (the talker reads no more of them)
         # Talker entry j (= len(codes0) - 1) needs reply token j + 1 (or the end).
         return len(reply.text.tokens) <= len(reply.voice.codes0)
 
@@ -168,9 +211,11 @@ class FrameBatcher:
         ended: list[bool] = []
         for st in states:
             reply = st.reply
-            j, n = len(reply.voice.codes0) - 1, len(reply.text.tokens)  # j: generate()'s generation_step
-            use = j + 1 < n and not (reply.text.done and j + 1 == n - 1)
+            j = len(reply.voice.codes0) - 1  # generate()'s generation_step
+            n, done = reply.text.talker_view()
+            use = j + 1 < n and not (done and j + 1 == n - 1)
             fed.append(reply.text.tokens[j + 1] if use else -1)
+            reply.voice.read += use
             ended.append(j + 1 > n - 1)
         with self._batched("talker_step", rows):
             ids = [t for t in fed if t >= 0]

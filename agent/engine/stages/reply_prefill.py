@@ -147,6 +147,7 @@ class EndOfTurn:
         turn.pcm += state.turn.pcm
         turn.text_ids += state.turn.text_ids
         turn.reply_system_ids = []  # a per-response override ends with its response
+        turn.reply_tools = None
         state.turn = turn
 
     def talker_prefills(self, states: Sequence[SessionState]) -> torch.Tensor:
@@ -177,5 +178,5 @@ class EndOfTurn:
             history.length += len(ids) - 9
             history.pos = state.talker.next_pos - 9
             history.backlog = []
-            reply.voice.started = True
+            reply.voice.started, reply.voice.read = True, 1
         return logits

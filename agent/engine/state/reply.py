@@ -37,6 +37,31 @@ class TextStage:
     fed: int = 0
     done: bool = False
     reason: str = ""  # "stop" | "length"
+    # The index of the reply's first <tool_call>: the talker reads the tokens before it only
+    # (None: no call yet, the talker reads every token).
+    voice_end: int | None = None
+
+    def talker_view(self) -> tuple[int, bool]:
+        """(n, ended) as the talker reads the reply: its tokens are tokens[:n], and when `ended`
+        the last of them (the end token, the capped last one, or the first <tool_call>) is not
+        read but closes its text side."""
+        if self.voice_end is not None:
+            return self.voice_end + 1, True
+        return len(self.tokens), self.done
+
+
+@dataclass
+class CallStage:
+    """A reply's tool calls (agent/engine/stages/frame_batch.py advances it): the grammar that
+    constrains them (a ToolMatcher, agent/engine/stages/tool_grammar.py; None: the reply may not
+    call, and <tool_call> is plain text unless `banned`) and the call being written."""
+
+    matcher: Any = None
+    banned: bool = False  # tool choice none: the tools are in the context, but no call may begin
+    open: bool = False  # inside <tool_call> … </tool_call>
+    count: int = 0  # calls opened so far
+    tokens: int = 0  # tokens inside calls (they do not count against the reply's text cap)
+    decoder: IncrementalDecoder | None = None  # the open call's text
 
 
 @dataclass
@@ -45,6 +70,7 @@ class VoiceStage:
 
     max_tokens: int  # talker (codebook-0) tokens at most: the reply's audio cap
     started: bool = False  # its talker prefix is in the talker cache
+    read: int = 0  # reply tokens the talker has read (its prefix reads the first)
     done: bool = False
     reason: str = ""
     codes0: list[int] = field(default_factory=list)  # codebook-0 tokens generated

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from agent.engine.stages.audio_stream import AudioStream
 from agent.engine.stages.video_clock import TurnVideo
 from agent.engine.state.kv import KVState
 from agent.engine.state.phase import ReplyPhase
-from agent.engine.state.reply import PlayoutClock, PrefillStage, TextStage, VoiceStage
+from agent.engine.state.reply import CallStage, PlayoutClock, PrefillStage, TextStage, VoiceStage
 from agent.engine.state.video import AVBlock, GridPlace
 
 
@@ -103,6 +104,7 @@ class TurnState:
     # and a per-response system message put right before the assistant header.
     text_ids: list[int] = field(default_factory=list)
     reply_system_ids: list[int] = field(default_factory=list)
+    reply_tools: Any = None  # a per-response ToolSet (None: the session's); ends with its response
     video: TurnVideoState = field(default_factory=TurnVideoState)  # the camera as video
     # A speculation's fork: the turn it was copied from, so that what follows the turn being
     # spoken (its transcript, agent/engine/runner/transcriber.py) knows the fork is that turn.
@@ -147,6 +149,7 @@ class ReplyState:
     prefill: PrefillStage
     text: TextStage
     voice: VoiceStage
+    calls: CallStage = field(default_factory=CallStage)  # its tool calls
     images: list[np.ndarray] = field(default_factory=list)
     frames_encoded_at_end: int = 0  # of `images`, those not encoded on arrival (agent/engine/state/latest_frames.py)
     first_audio: float | None = None  # seconds from begin_reply to the first audio
@@ -216,6 +219,7 @@ class LastReply:
     start_pos: int
     tokens: tuple[int, ...]  # text tokens (no end token)
     fed: int
+    voice_end: int | None = None  # where its first tool call starts: the talker spoke none of it
 
 
 @dataclass
@@ -229,6 +233,7 @@ class SessionChoices:
     max_turns: int = 0  # a bounded context (interpreter mode): answered turns kept at most; 0: no bound
     captions_only: bool = False  # a transcription-only session: no replies, its turns never prefilled
     video: bool = True  # the camera enters its turns as video (the session's switch; --no-video: off for all)
+    tools: Any = None  # the session's ToolSet (agent/tools/spec.py); None: no tools
 
 
 @dataclass

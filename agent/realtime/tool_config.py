@@ -1,0 +1,88 @@
+"""The GA `tools` and `tool_choice` of a session or a response: checked, and made a ToolSet.
+
+A tool is `{"type": "function", "name", "description"?, "parameters"?}`: the name as OpenAI's
+function names go (letters, digits, `_` and `-`, at most 64), the parameters a JSON schema of an
+object (checked against its JSON Schema meta-schema). `tool_choice` is "auto", "none",
+"required" or `{"type": "function", "name": …}` naming one of the tools. A fault raises
+ConfigError naming the field (`session.tools[1].parameters`, `response.tool_choice`, …); the
+grammar's own refusals come later, from the engine (agent/engine/stages/tool_grammar.py).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import jsonschema
+
+from agent.realtime.config_error import ConfigError
+from agent.tools.spec import Tool, ToolChoice, ToolSchemaError, ToolSet
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+MAX_TOOLS = 128
+
+
+def check_tools(tools: Any, param: str) -> tuple[Tool, ...]:
+    """The tools of a `tools` field (param: its name in errors, e.g. "session.tools")."""
+    if not isinstance(tools, list):
+        raise ConfigError("tools must be a list", param)
+    if len(tools) > MAX_TOOLS:
+        raise ConfigError(f"at most {MAX_TOOLS} tools", param)
+    out: list[Tool] = []
+    for i, tool in enumerate(tools):
+        at = f"{param}[{i}]"
+        if not isinstance(tool, dict):
+            raise ConfigError("a tool is an object", at)
+        if tool.get("type", "function") != "function":
+            raise ConfigError(f"tools of type {tool.get('type')!r} are not served (function tools only)", f"{at}.type")
+        name = tool.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ConfigError("a tool's name is 1-64 letters, digits, _ or -", f"{at}.name")
+        if any(t.name == name for t in out):
+            raise ConfigError(f"two tools are named {name!r}", f"{at}.name")
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ConfigError("description must be a string", f"{at}.description")
+        try:
+            out.append(Tool(name, description or "", _parameters(tool.get("parameters"), f"{at}.parameters")))
+        except ToolSchemaError as exc:
+            raise ConfigError(exc.message, f"{at}.parameters") from None
+    return tuple(out)
+
+
+def _parameters(schema: Any, param: str) -> Optional[dict[str, Any]]:
+    if schema is None:
+        return None
+    if not isinstance(schema, dict):
+        raise ConfigError("parameters must be a JSON schema object", param)
+    if schema.get("type", "object") != "object":
+        raise ConfigError('parameters must describe an object ("type": "object")', param)
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ConfigError(f"parameters is not a valid JSON schema: {exc.message}", param) from None
+    return schema
+
+
+def check_choice(choice: Any, tools: tuple[Tool, ...], param: str) -> tuple[str, Optional[str]]:
+    """(mode, function name) of a `tool_choice` value."""
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise ConfigError("tool_choice required needs at least one tool", param)
+        return choice, None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        if not any(t.name == name for t in tools):
+            raise ConfigError(f"tool_choice names {name!r}, which is not one of the tools", f"{param}.name")
+        return "function", name
+    if isinstance(choice, dict) and choice.get("type") == "mcp":
+        raise ConfigError("MCP tools are not served (function tools only)", f"{param}.type")
+    raise ConfigError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}', param)
+
+
+def tool_set(tools: Any, choice: Any, param: str) -> Optional[ToolSet]:
+    """The ToolSet of a session's or a response's `tools` and `tool_choice` (param: "session" or
+    "response"); None without tools."""
+    checked = check_tools(tools, f"{param}.tools")
+    mode, name = check_choice(choice, checked, f"{param}.tool_choice")
+    return ToolSet(checked, ToolChoice(mode, name)) if checked else None  # type: ignore[arg-type]

@@ -1,0 +1,201 @@
+"""Tool calls in the streaming engine, on the tiny model (greedy), grammar-constrained.
+
+Pins:
+- tool choice `required`: the reply opens with <tool_call>, its talker never starts (no audio,
+  no text delta), and its CallDeltas joined are one `{"name", "arguments"}` call of a named
+  tool whose arguments validate against its schema; the call stays in the context;
+- `function`: every call names that function;
+- speech, then a call (auto; the model's <tool_call> forced at its 4th token): the text deltas
+  are the tokens before the tag, the talker reads no token from the tag on, and the call after
+  it is valid;
+- tool choice `none`: <tool_call> is never chosen, even when the model's logits want it most;
+- a schema the grammar cannot take is refused when the tools are set, and the session keeps
+  the ones it had.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from support.engine_drive import SYSTEM
+
+from agent.engine.api import AudioOut, CallDelta, ReplyDone, TextDelta
+from agent.engine.runner.streaming import StreamingRunner
+from agent.tools.spec import Tool, ToolChoice, ToolSet
+
+WEATHER = Tool(
+    "get_weather",
+    "The weather in a city.",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+)
+LIGHT = Tool(
+    "set_light",
+    "A room's light on or off.",
+    {
+        "type": "object",
+        "properties": {"room": {"enum": ["kitchen", "hall"]}, "on": {"type": "boolean"}},
+        "required": ["room", "on"],
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def runner(loaded) -> StreamingRunner:
+    return StreamingRunner(loaded, SYSTEM, max_reply_tokens=16, max_reply_seconds=2.0)
+
+
+def _reply(runner: StreamingRunner, sid: str, watch=None) -> list:
+    runner.begin_reply(sid, [])
+    outputs = []
+    for _ in range(2000):
+        if not runner.has_work():
+            return outputs
+        if watch is not None and runner.sessions[sid].reply is not None:
+            watch(runner.sessions[sid].reply)
+        outputs += runner.step()
+    raise AssertionError("the reply never ended")
+
+
+def _calls(outputs: list) -> list[dict]:
+    texts: dict[int, str] = {}
+    for out in outputs:
+        if isinstance(out, CallDelta):
+            texts[out.index] = texts.get(out.index, "") + out.text
+    assert [o.index for o in outputs if isinstance(o, CallDelta) and o.done] == sorted(texts)
+    return [json.loads(texts[i]) for i in sorted(texts)]
+
+
+def _valid(call: dict, tools: tuple[Tool, ...]) -> None:
+    tool = next(t for t in tools if t.name == call["name"])
+    jsonschema.validate(call["arguments"], tool.schema())
+
+
+def test_required_call_is_never_spoken(runner: StreamingRunner) -> None:
+    runner.open_session("req")
+    try:
+        runner.set_tools("req", ToolSet((WEATHER, LIGHT), ToolChoice("required")))
+        runner.add_user_text("req", "What is the weather in Paris?")
+        outputs = _reply(runner, "req")
+        calls = _calls(outputs)
+        assert calls, "a required call was made"
+        for call in calls:
+            _valid(call, (WEATHER, LIGHT))
+        assert not [o for o in outputs if isinstance(o, (AudioOut, TextDelta))]
+        done = outputs[-1]
+        assert isinstance(done, ReplyDone) and done.reason == "stop" and done.stats["audio_frames"] == 0
+        # The call is in the model's context, as Qwen's chat template writes an assistant call.
+        last = runner.context("req")["last_reply"]
+        tokens = last["tokens"]
+        assert tokens[0] == runner.loaded.ids.tool_call and runner.loaded.ids.tool_call_end in tokens
+        assert done.stats["text_tokens"] == len(tokens)
+    finally:
+        runner.close_session("req")
+
+
+def test_named_function_only(runner: StreamingRunner) -> None:
+    runner.open_session("named")
+    try:
+        runner.set_tools("named", ToolSet((WEATHER, LIGHT), ToolChoice("function", "set_light")))
+        runner.add_user_text("named", "Lights, please.")
+        calls = _calls(_reply(runner, "named"))
+        assert calls and all(c["name"] == "set_light" for c in calls)
+        for call in calls:
+            _valid(call, (LIGHT,))
+    finally:
+        runner.close_session("named")
+
+
+def _force_tool_call_at(runner: StreamingRunner, monkeypatch, index: int) -> None:
+    """Make <tool_call> the model's favourite at the reply's token `index` (the draw index is
+    the reply's token count), as a model that decides to call after a few words would."""
+    choose = runner.frames.thinker_choice
+    tag = runner.loaded.ids.tool_call
+
+    class Forced:
+        penalizes = choose.penalizes
+
+        def __call__(self, scores, seen, seeds, draws):
+            scores = scores.clone()
+            rows = (draws == index).nonzero().flatten()
+            top = scores[rows].max(dim=1).values + 100.0
+            scores[rows, tag] = torch.where(scores[rows, tag].isinf(), scores[rows, tag], top)  # masked stays masked
+            return choose(scores, seen, seeds, draws)
+
+    monkeypatch.setattr(runner.frames, "thinker_choice", Forced())
+
+
+def test_speech_then_call(runner: StreamingRunner, monkeypatch) -> None:
+    _force_tool_call_at(runner, monkeypatch, 3)
+    runner.open_session("mixed")
+    seen: dict[str, int] = {}
+
+    def watch(reply) -> None:
+        if reply.text.voice_end is not None:
+            seen["voice_end"] = reply.text.voice_end
+        seen["read"] = max(seen.get("read", 0), reply.voice.read)
+
+    try:
+        runner.set_tools("mixed", ToolSet((WEATHER,), ToolChoice("auto")))
+        runner.add_user_text("mixed", "Say a word, then check the weather.")
+        outputs = _reply(runner, "mixed", watch)
+        assert seen["voice_end"] == 3
+        assert 0 < seen["read"] <= 3, "the talker read nothing from <tool_call> on"
+        tokens = runner.context("mixed")["last_reply"]["tokens"]
+        spoken = runner.loaded.tokenizer.decode(tokens[:3], skip_special_tokens=True)
+        assert "".join(o.text for o in outputs if isinstance(o, TextDelta)) == spoken
+        assert [o for o in outputs if isinstance(o, AudioOut)], "the words before the call are spoken"
+        calls = _calls(outputs)
+        assert calls and calls[0]["name"] == "get_weather"
+        _valid(calls[0], (WEATHER,))
+    finally:
+        runner.close_session("mixed")
+
+
+def test_choice_none_never_calls(runner: StreamingRunner, monkeypatch) -> None:
+    for index in range(4):
+        _force_tool_call_at(runner, monkeypatch, index)
+    runner.open_session("none")
+    try:
+        runner.set_tools("none", ToolSet((WEATHER,), ToolChoice("none")))
+        runner.add_user_text("none", "Weather?")
+        outputs = _reply(runner, "none")
+        assert not [o for o in outputs if isinstance(o, CallDelta)]
+        assert runner.loaded.ids.tool_call not in runner.context("none")["last_reply"]["tokens"]
+    finally:
+        runner.close_session("none")
+
+
+def test_uncompilable_schema_is_refused(runner: StreamingRunner) -> None:
+    from agent.tools.spec import ToolSchemaError
+
+    runner.open_session("bad")
+    try:
+        runner.set_tools("bad", ToolSet((WEATHER,), ToolChoice("required")))
+        broken = Tool("broken", "", {"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}})
+        with pytest.raises(ToolSchemaError):
+            runner.set_tools("bad", ToolSet((broken,), ToolChoice("auto")))
+        assert runner.sessions["bad"].choices.tools.tools == (WEATHER,)
+    finally:
+        runner.close_session("bad")
+
+
+def test_no_tools_no_change(runner: StreamingRunner) -> None:
+    """Without tools a reply is what it always was: text deltas and audio."""
+    runner.open_session("plain")
+    try:
+        runner.add_user_text("plain", "Hello.")
+        outputs = _reply(runner, "plain")
+        assert [o for o in outputs if isinstance(o, TextDelta)] and [o for o in outputs if isinstance(o, AudioOut)]
+        assert not [o for o in outputs if isinstance(o, CallDelta)]
+        assert np.all([isinstance(o.pcm, np.ndarray) for o in outputs if isinstance(o, AudioOut)])
+    finally:
+        runner.close_session("plain")
