@@ -4,8 +4,8 @@ A tool is `{"type": "function", "name", "description"?, "parameters"?}`: the nam
 function names go (letters, digits, `_` and `-`, at most 64), the parameters a JSON schema of an
 object (checked against its JSON Schema meta-schema). `tool_choice` is "auto", "none",
 "required" or `{"type": "function", "name": …}` naming one of the tools. A fault raises
-ConfigError naming the field (`session.tools[1].parameters`, `response.tool_choice`, …); the
-grammar's own refusals come later, from the engine (agent/engine/stages/tool_grammar.py).
+ConfigError naming the field (`session.tools[1].parameters`, `response.tool_choice`, …),
+including a schema the engine's grammar could not compile (agent/engine/stages/tool_grammar.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import re
 from typing import Any, Optional
 
 import jsonschema
+import llguidance
 
 from agent.realtime.config_error import ConfigError
 from agent.tools.spec import Tool, ToolChoice, ToolSchemaError, ToolSet
@@ -33,7 +34,7 @@ def check_tools(tools: Any, param: str) -> tuple[Tool, ...]:
         at = f"{param}[{i}]"
         if not isinstance(tool, dict):
             raise ConfigError("a tool is an object", at)
-        if tool.get("type", "function") != "function":
+        if (tool.get("type") or "function") != "function":  # (a null field is one not given)
             raise ConfigError(f"tools of type {tool.get('type')!r} are not served (function tools only)", f"{at}.type")
         name = tool.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
@@ -61,6 +62,16 @@ def _parameters(schema: Any, param: str) -> Optional[dict[str, Any]]:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise ConfigError(f"parameters is not a valid JSON schema: {exc.message}", param) from None
+    # What the engine's grammar would refuse (an unknown format, a $ref to nowhere), refused now,
+    # before the session takes it (llguidance checks a schema without the tokenizer).
+    try:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            llguidance.LLMatcher.grammar_from_json_schema(schema), None
+        )
+    except ValueError as exc:
+        failed, messages = True, [str(exc)]
+    if failed:
+        raise ConfigError(f"parameters cannot constrain a call: {messages[0] if messages else 'no grammar'}", param)
     return schema
 
 

@@ -13,7 +13,8 @@ import json
 import re
 from typing import Any, Optional
 
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+# Up to the arguments' first character (so that the whitespace before it is never theirs).
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 _TRAILING = re.compile(r"[}\s]*\Z")
 
 
@@ -46,7 +47,7 @@ class CallParser:
     def finish(self, chunk: str = "") -> tuple[str, dict[str, Any], str]:
         """The call's end: (name, arguments object, the last arguments delta). Raises
         CallParseError when the text is not one call object."""
-        self.push(chunk)
+        pushed = self.push(chunk)  # what this last chunk adds goes out with the rest, below
         try:
             call = json.loads(self.text)
         except ValueError as exc:
@@ -55,14 +56,14 @@ class CallParser:
             raise CallParseError('a call is {"name": ..., "arguments": {...}}')
         if self.name is None:  # a layout the streaming pattern did not know: no deltas went out
             self.name, self.sent = call["name"], json.dumps(call["arguments"], ensure_ascii=False)
-            return self.name, call["arguments"], self.sent
+            return self.name, call["arguments"], self.sent  # (push() sends nothing before a name)
         body = self.text[self._args_at :].rstrip()
         if not body.endswith("}"):
             raise CallParseError("the call's object is not closed")
         final = body[:-1].rstrip()
         if not final.startswith(self.sent):
             raise CallParseError("the arguments changed after they were sent")
-        delta, self.sent = final[len(self.sent) :], final
+        delta, self.sent = pushed + final[len(self.sent) :], final
         if json.loads(final) != call["arguments"]:
             raise CallParseError("the arguments text is not the call's arguments")
         return self.name, call["arguments"], delta

@@ -41,10 +41,14 @@ from openai.types.realtime.input_audio_buffer_append_event_param import InputAud
 from openai.types.realtime.input_audio_buffer_clear_event_param import InputAudioBufferClearEventParam
 from openai.types.realtime.input_audio_buffer_commit_event_param import InputAudioBufferCommitEventParam
 from openai.types.realtime.output_audio_buffer_clear_event_param import OutputAudioBufferClearEventParam
+from openai.types.realtime.realtime_conversation_item_function_call_output_param import (
+    RealtimeConversationItemFunctionCallOutputParam,
+)
 from openai.types.realtime.realtime_conversation_item_user_message_param import (
     Content,
     RealtimeConversationItemUserMessageParam,
 )
+from openai.types.realtime.realtime_function_tool_param import RealtimeFunctionToolParam
 from openai.types.realtime.realtime_response_create_params_param import RealtimeResponseCreateParamsParam
 from openai.types.realtime.realtime_session_create_request_param import RealtimeSessionCreateRequestParam
 from openai.types.realtime.realtime_transcription_session_create_request_param import (
@@ -336,5 +340,46 @@ async def test_spoken_turn_events(agent: RunningAgent, speech_wav: Path) -> None
                 "response.output_audio.delta",
                 "response.output_audio_transcript.done",
             } <= kinds, kinds
+        finally:
+            await conn.close()
+
+
+async def test_function_call_shapes(agent: RunningAgent) -> None:
+    """Function tools in every shape the SDK allows (optional fields absent, null), a named call,
+    and the result in every function_call_output shape: no error, every server event GA."""
+    schema = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}
+    async with aiohttp.ClientSession() as http:
+        conn, _ = await open_conn(http, agent)
+        try:
+            tool = {"type": "function", "name": "switch", "parameters": schema}
+            for shape in shapes(RealtimeFunctionToolParam, {"name": "switch"}, depth=0) + [tool]:
+                update = {
+                    "type": "session.update",
+                    "session": {"type": "realtime", "tools": [shape], "tool_choice": None},
+                }
+                got = await conn.exchange(update, until="session.updated")
+                assert not errors(got), (shape, errors(got))
+                echoed = [e for e in got if e["type"] == "session.updated"][-1]["session"]
+                assert [t["name"] for t in echoed["tools"]] == ["switch"] and echoed["tool_choice"] == "auto"
+            hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "lights on"}]}
+            assert not errors(await conn.exchange({"type": "conversation.item.create", "item": hello}))
+            named = {"type": "response.create", "response": {"tool_choice": {"type": "function", "name": "switch"}}}
+            got = await conn.exchange(named, until="response.done")
+            assert not errors(got), errors(got)
+            output = [e for e in got if e["type"] == "response.done"][0]["response"]["output"]
+            assert [o["type"] for o in output] == ["function_call"] and json.loads(output[0]["arguments"])["on"] in (
+                True,
+                False,
+            )
+            base = {"type": "function_call_output", "call_id": output[0]["call_id"], "output": "done"}
+            for item in shapes(RealtimeConversationItemFunctionCallOutputParam, base, depth=0):
+                got = await conn.exchange({"type": "conversation.item.create", "item": item})
+                assert not errors(got), (item, errors(got))
+                added = [e for e in got if e["type"] == "conversation.item.added"]
+                assert len(added) == 1 and added[0]["item"]["type"] == "function_call_output"
+            got = await conn.exchange(
+                {"type": "response.create", "response": {"tool_choice": "none"}}, until="response.done"
+            )
+            assert not errors(got) and [o["type"] for o in got[-1]["response"]["output"]] == ["message"]
         finally:
             await conn.close()

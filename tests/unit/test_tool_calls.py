@@ -199,3 +199,85 @@ def test_no_tools_no_change(runner: StreamingRunner) -> None:
         assert np.all([isinstance(o.pcm, np.ndarray) for o in outputs if isinstance(o, AudioOut)])
     finally:
         runner.close_session("plain")
+
+
+def test_truncating_the_speech_keeps_the_call(runner: StreamingRunner, monkeypatch) -> None:
+    """A barge-in's truncation cuts the spoken words to what was heard; the call after them
+    stays in the context whole (the client has it as an item, the talker never spoke it)."""
+    _force_tool_call_at(runner, monkeypatch, 3)
+    runner.open_session("cut")
+    try:
+        runner.set_tools("cut", ToolSet((WEATHER,), ToolChoice("auto")))
+        runner.add_user_text("cut", "Say a word, then check the weather.")
+        _reply(runner, "cut")
+        tokens = runner.context("cut")["last_reply"]["tokens"]
+        assert tokens[3] == runner.loaded.ids.tool_call
+        result = runner.truncate_reply("cut", 1)
+        assert result["kept_tokens"] == 1 and result["dropped_tokens"] == 2
+        context = runner.context("cut")
+        assert context["last_reply"]["tokens"] == [tokens[0], *tokens[3:]]
+        cached = context["thinker_length"] - context["last_reply"]["start_length"]
+        im_end = [runner.loaded.ids.im_end, *runner.loaded.ids.newline]
+        assert context["closing"][: len(tokens) - 2 - cached] == [tokens[0], *tokens[3:]][cached:]
+        assert context["closing"][len(tokens) - 2 - cached :][: len(im_end)] == im_end
+        # The session goes on: the next turn (a result) is answered.
+        runner.add_user_text("cut", "<tool_response>\nsunny\n</tool_response>")
+        assert isinstance(_reply(runner, "cut")[-1], ReplyDone)
+    finally:
+        runner.close_session("cut")
+
+
+def test_cancel_inside_a_call(runner: StreamingRunner) -> None:
+    """A reply cancelled while it writes a call ends at once: no call is closed after the cancel."""
+    runner.open_session("stop")
+    try:
+        runner.set_tools("stop", ToolSet((WEATHER,), ToolChoice("required")))
+        runner.add_user_text("stop", "Weather in Oslo?")
+        runner.begin_reply("stop", [])
+        outputs: list = []
+        for _ in range(500):
+            outputs += runner.step()
+            if any(isinstance(o, CallDelta) and o.text for o in outputs):
+                break
+        assert not any(isinstance(o, CallDelta) and o.done for o in outputs), "the call ended before the cancel"
+        runner.cancel_reply("stop")
+        after = []
+        for _ in range(50):
+            if not runner.has_work():
+                break
+            after += runner.step()
+        assert not [o for o in after if isinstance(o, CallDelta)]
+        assert [o.reason for o in after if isinstance(o, ReplyDone)] == ["cancelled"]
+    finally:
+        runner.close_session("stop")
+
+
+def test_unbounded_arguments_still_end_in_a_valid_call(runner: StreamingRunner) -> None:
+    """Numbers, strings without maxLength and arrays have no length bound; the random model,
+    greedy, would loop in them to the cap. A call that long is wound down (closing ids preferred
+    among those the grammar allows): it ends, and it validates."""
+    loose = Tool(
+        "log",
+        "Log an event.",
+        {
+            "type": "object",
+            "properties": {
+                "count": {"type": "integer"},
+                "ratio": {"type": "number"},
+                "note": {"type": "string"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["count", "ratio", "note", "tags"],
+        },
+    )
+    runner.open_session("loose")
+    try:
+        runner.set_tools("loose", ToolSet((loose,), ToolChoice("required", None), parallel=False))
+        runner.add_user_text("loose", "Log it.")
+        outputs = _reply(runner, "loose")
+        calls = _calls(outputs)
+        assert len(calls) == 1 and calls[0]["name"] == "log"
+        _valid(calls[0], (loose,))
+        assert outputs[-1].reason == "stop"
+    finally:
+        runner.close_session("loose")

@@ -46,6 +46,14 @@ _MANY = ("anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "$defs", "definitions", "patternProperties")
 
 
+# A call that runs this long (a model looping on a digit or inside a string, as the random tiny
+# one does greedily) is wound down: from here each step prefers, among the ids its grammar
+# allows, those that close something (`"`, `}`, `]`), then those that move on (`,`), so the call
+# ends in a few tokens and still validates. A real model's calls end long before.
+WIND_DOWN_TOKENS = 256
+_CLOSING, _NEXT = ('"', "}", "]"), (",",)
+
+
 class ToolGrammarError(RuntimeError):
     """A constrained reply got a token its grammar does not allow (a sampler bug, not the model's)."""
 
@@ -106,6 +114,7 @@ class ToolGrammars:
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(self.eos_ids))
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
+        self.wind_down = (_bitmask(tokenizer, vocab, _CLOSING), _bitmask(tokenizer, vocab, _NEXT))
 
     @classmethod
     def for_model(cls, loaded: Any, cache_size: int = 32) -> ToolGrammars:
@@ -179,6 +188,7 @@ class ToolMatcher:
         self._in_call = False
         self._ended = False
         self.calls = 0  # complete calls so far
+        self._call_tokens = 0  # tokens in the call being written
 
     @property
     def vocab(self) -> int:
@@ -216,6 +226,12 @@ class ToolMatcher:
         fill_next_token_bitmask(self._matcher, bitmask, row)
         if self._matcher.is_error():
             raise ToolGrammarError(f"tool grammar failed: {self._matcher.get_error()}")
+        if self._in_call and self._call_tokens >= WIND_DOWN_TOKENS:
+            for preferred in self._grammars.wind_down:
+                narrowed = bitmask[row] & preferred
+                if bool(narrowed.any()):
+                    bitmask[row] = narrowed
+                    break
 
     def accept(self, token: int) -> None:
         """Advance past the chosen token. Raises ToolGrammarError when a constrained reply gets a
@@ -230,8 +246,9 @@ class ToolMatcher:
             self._matcher = self._template.deep_copy()
         if not self._matcher.consume_token(token):
             raise ToolGrammarError(f"token {token} is not allowed by the tool grammar: {self._matcher.get_error()}")
+        self._call_tokens += 1
         if token == self._grammars.open_id:
-            self._in_call = True
+            self._in_call, self._call_tokens = True, 0
         elif token == self._grammars.close_id:
             self._in_call = False
             self.calls += 1
@@ -272,6 +289,18 @@ def mask_bias(bitmask: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Te
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: bit 31 of a negative word is 1 too
     bits = bits.view(bitmask.shape[0], -1)[:, :vocab]
     return bits.to(dtype).mul_(2).sub_(1).mul_(float("inf"))
+
+
+def _bitmask(tokenizer: Any, vocab: int, starts: tuple[str, ...]) -> torch.Tensor:
+    """[ceil(vocab / 32)] int32 (llguidance's layout): the ids whose token text starts with one
+    of `starts` (byte-level BPE keeps these ASCII characters as they are)."""
+    bits = torch.zeros(((vocab + 31) // 32) * 32, dtype=torch.bool)
+    for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if token is not None and token.startswith(starts):
+            bits[token_id] = True
+    weights = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).view(1, 32)
+    words = (bits.view(-1, 32).to(torch.int64) * weights).sum(dim=1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def _single_id(tokenizer: Any, tag: str) -> int:
