@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from agent import metrics
 from agent.engine.api import EngineBusy
 from agent.gate.token_bucket import TokenBucket
-from agent.realtime import audio_codec, session_config, tool_config
+from agent.realtime import audio_codec, session_checks, session_config, tool_config
+from agent.realtime.call_outputs import UnknownCall
 from agent.realtime.events import new_id
 
 if TYPE_CHECKING:
@@ -225,7 +226,10 @@ def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]
     item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
     if item_id in session.conversation:
         raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
-    session.add_call_output(item_id, call_id, output, _event_id(event))
+    try:
+        session.add_call_output(item_id, call_id, output, _event_id(event))
+    except UnknownCall as exc:
+        raise BadEvent(str(exc), "invalid_value", "item.call_id") from None
 
 
 def _item_retrieve(session: "Session", event: dict[str, Any]) -> None:
@@ -273,7 +277,7 @@ def _response_create(session: "Session", event: dict[str, Any]) -> None:
     if (
         limit is not None
         and limit != "inf"
-        and not (isinstance(limit, int) and 1 <= limit <= session_config.MAX_OUTPUT_TOKENS)
+        and not (isinstance(limit, int) and 1 <= limit <= session_checks.MAX_OUTPUT_TOKENS)
     ):
         raise BadEvent('max_output_tokens must be 1..4096 or "inf"', param="response.max_output_tokens")
     if params.get("metadata") is not None and not isinstance(params["metadata"], dict):

@@ -43,6 +43,7 @@ from agent.gate.ladder import LEVEL_NAMES, Admission
 from agent.media.playout import AgentAudioTrack
 from agent.media.video_feed import VideoFeed
 from agent.realtime import client_events, session_config, tool_config
+from agent.realtime.call_outputs import CallOutputs
 from agent.realtime.conversation import Conversation
 from agent.realtime.edits import Edits
 from agent.realtime.engine_port import EnginePort
@@ -53,8 +54,6 @@ from agent.realtime.items import Items
 from agent.realtime.outbox import Outbox
 from agent.realtime.replies import Replies
 from agent.realtime.server_turn import ServerTurn
-from agent.tools import qwen_format
-from agent.tools.spec import ToolSet
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +108,7 @@ class Session:
         )
         self.replies.track = self.track
         self.edits = Edits(self.replies, self.engine, self.conversation, self.outbox)
+        self.call_outputs = CallOutputs(self.engine, self.items, self.replies)  # results of the model's calls
         self.input = InputBuffer(
             config,
             session_config.turn_detection(self.settings, config.vad_silence_ms),
@@ -133,7 +133,6 @@ class Session:
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
         self.events_in = client_events.EventRate(config.max_events_per_s)  # client events' rate limit
         self.opened: Optional[asyncio.Future] = None  # start(): the engine's open of this session
-        self._outputs_since_reply = -1  # replies.turns at the last function_call_output
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -158,10 +157,10 @@ class Session:
             self.video.set_enabled(False)  # captions look at no camera: its sender may stop
             self.emit({"type": "session.created", "session": self.settings})
             return
-        if _system_text(self.settings) != self.config.system_prompt:
-            self.engine.send(SetInstructions(_system_text(self.settings)))
+        if tool_config.system_text(self.settings) != self.config.system_prompt:
+            self.engine.send(SetInstructions(tool_config.system_text(self.settings)))
         if self.settings["tools"]:
-            self.engine.send(SetTools(_tool_set(self.settings)), param="session.tools")
+            self.engine.send(SetTools(tool_config.session_tools(self.settings)), param="session.tools")
         if session_config.interpret_to(self.settings):  # interpreter mode: a bounded context
             self.engine.send(SetContextTurns(session_config.INTERPRET_TURNS))
         if not session_config.video_on(self.settings):
@@ -273,10 +272,12 @@ class Session:
         if self.transcription_only:
             pass  # no instructions, no voice: nothing is answered
         else:
-            if _system_text(merged) != _system_text(old):  # the instructions, or the tools they describe
-                self.engine.send(SetInstructions(_system_text(merged)))
-            if _tool_set(merged) != _tool_set(old):
-                self.engine.send(SetTools(_tool_set(merged)), param="session.tools")
+            if tool_config.system_text(merged) != tool_config.system_text(
+                old
+            ):  # the instructions, or the tools they describe
+                self.engine.send(SetInstructions(tool_config.system_text(merged)))
+            if tool_config.session_tools(merged) != tool_config.session_tools(old):
+                self.engine.send(SetTools(tool_config.session_tools(merged)), param="session.tools")
         if session_config.interpret_to(merged) != session_config.interpret_to(old):
             on = bool(session_config.interpret_to(merged))
             self.engine.send(SetContextTurns(session_config.INTERPRET_TURNS if on else 0))
@@ -327,24 +328,8 @@ class Session:
         self.items.add(user_text_item(item_id, text))
 
     def add_call_output(self, item_id: str, call_id: str, output: str, event_id: Optional[str]) -> None:
-        """A function_call_output item: the result of the model's call `call_id`, given to the
-        model as Qwen gives results (a <tool_response> block in the user turn it answers next)."""
-        if call_id not in self.replies.calls:
-            raise client_events.BadEvent(f"no function call has call_id {call_id!r}", "invalid_value", "item.call_id")
-        first = self._outputs_since_reply != self.replies.turns
-        self._outputs_since_reply = self.replies.turns
-        self.engine.send(AddUserText(qwen_format.response_text(output, first)), event_id=event_id)
-        self.replies.remember("user", output)
-        self.items.add(
-            {
-                "id": item_id,
-                "object": "realtime.item",
-                "type": "function_call_output",
-                "status": "completed",
-                "call_id": call_id,
-                "output": output,
-            }
-        )
+        """A function_call_output item (agent/realtime/call_outputs.py)."""
+        self.call_outputs.add(item_id, call_id, output, event_id)
 
     def add_user_audio(self, item_id: str, pcm16k: np.ndarray) -> None:
         """A user audio message given whole (conversation.item.create with input_audio)."""
@@ -398,16 +383,6 @@ class Session:
         kind: str = "invalid_request_error",
     ) -> None:
         self.outbox.error(message, code, param=param, event_id=event_id, kind=kind)
-
-
-def _system_text(settings: dict[str, Any]) -> str:
-    """The session's system message: its instructions and, in Qwen's format, its tools."""
-    tools = tool_config.check_tools(settings.get("tools", []), "session.tools")
-    return qwen_format.system_text(settings["instructions"], tools)
-
-
-def _tool_set(settings: dict[str, Any]) -> Optional[ToolSet]:
-    return tool_config.tool_set(settings.get("tools", []), settings.get("tool_choice", "auto"), "session")
 
 
 def _playing_level(track: Optional[AgentAudioTrack], replies: Replies) -> Callable[[], Optional[float]]:

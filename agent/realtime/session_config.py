@@ -23,7 +23,7 @@ from agent.config import Config
 from agent.gate import priority
 from agent.realtime.config_error import ConfigError
 from agent.realtime.events import PCM_FORMAT, new_id
-from agent.realtime.tool_config import tool_set
+from agent.realtime.session_checks import INPUT_FORMATS, check, validate
 
 # The voices OpenAI's Realtime API names; a client that sends one (most do, by default) is served by
 # the model's default speaker.
@@ -31,8 +31,6 @@ OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "
 
 # semantic_vad is served by the acoustic endpointer; its eagerness picks the silence that ends a turn.
 _EAGERNESS_SILENCE_MS = {"low": 800, "medium": 500, "auto": 500, "high": 300}
-_INPUT_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
-MAX_OUTPUT_TOKENS = 4096
 # Interpreter mode (omni.interpret_to): answered turns kept in the model's context, so a
 # two-hour stream neither grows the context nor slows down.
 INTERPRET_TURNS = 4
@@ -73,7 +71,7 @@ def _typed_defaults(path: tuple[str, ...], kind: Any, silence_ms: int) -> dict[s
         if kind == "semantic_vad":
             return {"type": "semantic_vad", "eagerness": "auto", "create_response": True, "interrupt_response": True}
         return {}
-    if kind in _INPUT_FORMATS:  # (validate() refuses what the output cannot be)
+    if kind in INPUT_FORMATS:  # (validate() refuses what the output cannot be)
         return {"type": kind, "rate": 24000} if kind == "audio/pcm" else {"type": kind}
     return {}
 
@@ -234,129 +232,6 @@ def merge(session: dict[str, Any], update: Any, vad_silence_ms: int = Config.vad
     return merged
 
 
-def _check(ok: bool, message: str, param: str) -> None:
-    if not ok:
-        raise ConfigError(message, param)
-
-
-def validate(s: dict[str, Any]) -> None:
-    if s.get("type") == "transcription":
-        audio = s.get("audio")
-        _check(
-            isinstance(audio, dict) and isinstance(audio.get("input"), dict),
-            "audio must hold an input object",
-            "session.audio",
-        )
-        _validate_input(audio["input"])
-        _validate_omni(s)
-        return
-    modalities = s.get("output_modalities")
-    _check(
-        modalities in (["audio"], ["text"]),
-        'output_modalities must be ["audio"] or ["text"]',
-        "session.output_modalities",
-    )
-    _check(isinstance(s.get("instructions"), str), "instructions must be a string", "session.instructions")
-    _check(isinstance(s.get("model"), str), "model must be a string", "session.model")
-    limit = s.get("max_output_tokens")
-    _check(
-        limit == "inf" or (isinstance(limit, int) and not isinstance(limit, bool) and 1 <= limit <= MAX_OUTPUT_TOKENS),
-        f'max_output_tokens must be 1..{MAX_OUTPUT_TOKENS} or "inf"',
-        "session.max_output_tokens",
-    )
-    tool_set(s.get("tools"), s.get("tool_choice"), "session")  # the tools and the choice, checked
-    audio = s.get("audio")
-    _check(
-        isinstance(audio, dict) and isinstance(audio.get("input"), dict) and isinstance(audio.get("output"), dict),
-        "audio must hold input and output objects",
-        "session.audio",
-    )
-    _validate_input(audio["input"])
-    out = audio["output"]
-    fmt = out.get("format")
-    _check(
-        isinstance(fmt, dict) and fmt.get("type") == "audio/pcm" and fmt.get("rate", 24000) == 24000,
-        "audio.output.format must be audio/pcm at 24000 Hz",
-        "session.audio.output.format",
-    )
-    speed = out.get("speed", 1.0)
-    _check(speed in (None, 1, 1.0), "only speed 1.0 is served", "session.audio.output.speed")
-    _check(
-        out.get("voice") is None or isinstance(out.get("voice"), (str, dict)),
-        "voice must be a string",
-        "session.audio.output.voice",
-    )
-    _validate_omni(s)
-
-
-def _validate_input(inp: dict[str, Any]) -> None:
-    fmt = inp.get("format")
-    _check(
-        isinstance(fmt, dict) and fmt.get("type") in _INPUT_FORMATS,
-        "audio.input.format.type must be audio/pcm, audio/pcmu or audio/pcma",
-        "session.audio.input.format",
-    )
-    if fmt["type"] == "audio/pcm":
-        _check(fmt.get("rate", 24000) == 24000, "audio/pcm input is 24000 Hz only", "session.audio.input.format.rate")
-    tr = inp.get("transcription")
-    _check(
-        tr is None
-        or (
-            isinstance(tr, dict)
-            and all(isinstance(tr.get(k), (str, type(None))) for k in ("model", "language", "prompt"))
-        ),
-        "transcription must be null or an object with string model, language, prompt",
-        "session.audio.input.transcription",
-    )
-    td = inp.get("turn_detection")
-    if td is not None:
-        _check(
-            isinstance(td, dict) and td.get("type") in ("server_vad", "semantic_vad"),
-            "turn_detection.type must be server_vad or semantic_vad (or turn_detection null)",
-            "session.audio.input.turn_detection.type",
-        )
-        silence = td.get("silence_duration_ms")
-        _check(
-            silence is None or (isinstance(silence, int) and 20 <= silence <= 10_000),
-            "silence_duration_ms must be 20..10000",
-            "session.audio.input.turn_detection.silence_duration_ms",
-        )
-        padding = td.get("prefix_padding_ms")
-        _check(
-            padding is None or (isinstance(padding, int) and 0 <= padding <= 2000),
-            "prefix_padding_ms must be 0..2000",
-            "session.audio.input.turn_detection.prefix_padding_ms",
-        )
-        for flag in ("create_response", "interrupt_response"):
-            _check(
-                td.get(flag) is None or isinstance(td.get(flag), bool),
-                f"{flag} must be a boolean",
-                f"session.audio.input.turn_detection.{flag}",
-            )
-        _check(
-            td.get("idle_timeout_ms") is None,
-            "idle_timeout_ms is not supported",
-            "session.audio.input.turn_detection.idle_timeout_ms",
-        )
-
-
-def _validate_omni(s: dict[str, Any]) -> None:
-    omni = s.get("omni", {})
-    _check(isinstance(omni, dict), "omni must be an object", "session.omni")
-    _check(
-        omni.get("priority", priority.NORMAL) in priority.PRIORITIES,
-        f"omni.priority must be one of {', '.join(priority.PRIORITIES)}",
-        "session.omni.priority",
-    )
-    _check(isinstance(omni.get("video", True), bool), "omni.video must be true or false", "session.omni.video")
-    lang = omni.get("interpret_to")
-    _check(
-        lang is None or (isinstance(lang, str) and 0 < len(lang.strip()) <= 64 and s["type"] == "realtime"),
-        "omni.interpret_to is a language name (1-64 characters), in realtime sessions only",
-        "session.omni.interpret_to",
-    )
-
-
 def video_on(session: dict[str, Any]) -> bool:
     """Whether the camera enters the session's turns as video (omni.video, default true)."""
     return bool((session.get("omni") or {}).get("video", True))
@@ -371,11 +246,9 @@ def offer_priority(session: dict[str, Any], requested: Optional[str], fixed: Opt
     """The session with the offer's `?priority=` applied; `fixed`: the priority an ephemeral key's
     session carries, which the offer may not change. Raises ConfigError."""
     if requested is not None:
-        _check(
-            requested in priority.PRIORITIES, f"priority must be one of {', '.join(priority.PRIORITIES)}", "priority"
-        )
+        check(requested in priority.PRIORITIES, f"priority must be one of {', '.join(priority.PRIORITIES)}", "priority")
         session = {**session, "omni": {**(session.get("omni") or {}), "priority": requested}}
-    _check(
+    check(
         fixed is None or priority_of(session) == fixed,
         f"this key's session has priority {fixed}; the offer cannot change it",
         "priority",

@@ -17,6 +17,7 @@ import jsonschema
 import llguidance
 
 from agent.realtime.config_error import ConfigError
+from agent.tools import qwen_format
 from agent.tools.spec import Tool, ToolChoice, ToolSchemaError, ToolSet
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
@@ -97,3 +98,14 @@ def tool_set(tools: Any, choice: Any, param: str) -> Optional[ToolSet]:
     checked = check_tools(tools, f"{param}.tools")
     mode, name = check_choice(choice, checked, f"{param}.tool_choice")
     return ToolSet(checked, ToolChoice(mode, name)) if checked else None  # type: ignore[arg-type]
+
+
+def system_text(settings: dict[str, Any]) -> str:
+    """A session's system message: its instructions and, in Qwen's format, its tools."""
+    tools = check_tools(settings.get("tools", []), "session.tools")
+    return qwen_format.system_text(settings["instructions"], tools)
+
+
+def session_tools(settings: dict[str, Any]) -> Optional[ToolSet]:
+    """A session's ToolSet (None: no tools)."""
+    return tool_set(settings.get("tools", []), settings.get("tool_choice", "auto"), "session")

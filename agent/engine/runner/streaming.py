@@ -28,16 +28,14 @@ Scheduling, each tick (policy in agent/engine/runner/scheduler.py, estimates fro
    held until the turn ends) are prefilled in those same ticks, last; once their first frame is
    made they are parked and take no ticks until their commit.
 
-The runner composes peer components, each a module of its own given only what it uses (none
-holds the runner): the sessions table (sessions.py: states, slots, priorities), the reply
-lifecycle (replies.py: the only code that moves a reply's phase), intake.py (what sessions send
-between replies: frames, audio, held or discarded turns, switches), estimates.py (what the
-scheduler sees), speculation.py (when a speculation starts or goes), edits.py (truncate,
-instructions, voice), transcription.py (transcription commands) beside the Transcriber
-(transcriber.py), and the stages: TurnPrefill (turns), FrameBatcher (frames). Every command is
-a method of the runner (the engine loop calls it for its typed command, agent/engine/commands.py)
-delegating to its component; `step()`
-is the tick.
+The runner composes peer components, each given only what it uses (none holds the runner):
+sessions.py (states, slots, priorities), replies.py (the reply lifecycle, the only code that
+moves a reply's phase), intake.py (frames, audio, held or discarded turns, switches),
+estimates.py (what the scheduler sees), speculation.py, edits.py (truncate, instructions,
+voice), tools.py (tool sets; each reply's grammar: agent/engine/stages/tool_grammar.py),
+transcription.py beside transcriber.py, and the stages TurnPrefill (turns) and FrameBatcher
+(frames). Every command is a runner method (agent/engine/commands.py) delegating to its
+component; `step()` is the tick.
 
 A reply's phase (agent/engine/state/phase.py) is moved only by Replies (replies.py); what each stage has made is in agent/engine/state/reply.py (PrefillStage,
 TextStage, VoiceStage), each advanced by its own stage.
@@ -47,14 +45,10 @@ codes, same waveform up to float rounding), greedy (tests/unit/test_streaming_ex
 sampled from the same seed (tests/unit/test_sampling_exact.py);
 and a batched tick equals the same sessions stepped alone: tests/unit/test_batching.py.
 
-GPU path (agent/engine/compile/wiring.py; on by default on CUDA, off with `--no-cuda-graphs`): the
-MoE experts are fused (agent/engine/ops/moe.py), the slot caches reserved at their limit, and the
-thinker decode, talker step, code-predictor loop and code2wav step compiled with torch.compile
-(agent/engine/compile/inductor.py; `--compile`, on CUDA by default) and captured as CUDA graphs per
-batch bucket, here in the constructor (so compiling happens at start-up, never in a reply),
-i.e. on the engine thread that builds the runner; only that thread may replay them. Tests and
-the CPU kernel benchmark run the same wiring on CPU by passing agent/engine/instruments/fake_graphs.py's
-`fake_graph_config()` (tests/unit/test_graph_wiring.py); production never imports it.
+GPU path: the MoE experts fused, the slot caches reserved at their limit, the per-frame steps
+compiled and captured as CUDA graphs per batch bucket here in the constructor, on the engine
+thread that replays them (agent/engine/compile/wiring.py, docs/running.md). Tests run the same
+wiring on CPU with agent/engine/instruments/fake_graphs.py's `fake_graph_config()`.
 """
 
 from __future__ import annotations
