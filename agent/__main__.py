@@ -96,6 +96,11 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
         help="on CPU, replay the engine's steps as TorchScript traces, off the GIL (experimental)",
     )
     p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine in a child process (its own interpreter lock: docs/load.md)",
+    )
+    p.add_argument(
         "--compile",
         default=d.compile,
         choices=["auto", "on", "off"],

@@ -62,6 +62,9 @@ class Config:
     # agent/engine/compile/cpu_traces.py; docs/load.md). Off by default: buckets first used in a reply are traced
     # there (a one-time stall), and capturing every bucket at start-up is not done yet.
     cpu_graphs: bool = False
+    # The engine in a child process of its own (agent/engine/process.py; docs/load.md): the
+    # network and the engine then never wait on each other's interpreter lock.
+    engine_process: bool = False
     # torch.compile of the per-frame step functions: auto = on CUDA only (on CPU the start-up
     # compile costs more than it saves here: agent/engine/compile/inductor.py); on | off.
     compile: str = "auto"

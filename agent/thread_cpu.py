@@ -8,7 +8,8 @@ does not know (torch's intra-op pool, onnxruntime's, FFmpeg's). Reading each thr
 /proc at scrape time costs nothing between scrapes; `scripts/bench_rtc.py` turns two scrapes into
 CPU-seconds per session-second.
 
-Linux only (/proc/self/task); elsewhere the metric is absent.
+With `--engine-process` the engine is a child process (agent/engine/process.py): all of its
+threads count as `engine`. Linux only (/proc); elsewhere the metric is absent.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ def thread_kind(name: str, main: bool) -> str:
     return "other"
 
 
-def _task_seconds(tid: int | str) -> float | None:
+def _task_seconds(tid: int | str, tasks: Path = TASKS) -> float | None:
     try:
-        fields = (TASKS / str(tid) / "stat").read_text().rsplit(")", 1)[1].split()
+        fields = (tasks / str(tid) / "stat").read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None  # the thread ended between the listing and the read
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
@@ -56,7 +57,36 @@ def live_threads() -> dict[int, tuple[str, float]]:
         seconds = _task_seconds(tid)
         if seconds is not None:
             out[tid] = (python.get(tid, "native"), seconds)
+    for pid in _engine_processes():  # --engine-process: every thread of the child is the engine's
+        tasks = Path(f"/proc/{pid}/task")
+        try:
+            tids = [int(entry.name) for entry in tasks.iterdir()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for tid in tids:
+            seconds = _task_seconds(tid, tasks)
+            if seconds is not None:
+                out[tid] = ("engine", seconds)
     return out
+
+
+def _engine_processes() -> list[int]:
+    """Child processes started by multiprocessing's spawn (the engine process, agent/engine/
+    process.py; not its resource tracker)."""
+    pids: list[int] = []
+    for entry in TASKS.iterdir():
+        try:
+            pids += [int(p) for p in (entry / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+    engines = []
+    for pid in pids:
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                engines.append(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return engines
 
 
 class ThreadCpu:

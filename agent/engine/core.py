@@ -17,7 +17,7 @@ import asyncio
 import logging
 import queue
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import numpy as np
 
@@ -120,13 +120,62 @@ class Envelope:
     future: Optional[asyncio.Future] = None
 
 
+# The ReplySink method each kind of output is delivered to.
+DELIVER: dict[type, str] = {
+    TextDelta: "on_text",
+    AudioOut: "on_audio",
+    CallDelta: "on_call",
+    TranscriptOut: "on_transcript",
+    ReplyDone: "on_done",
+}
+
+
+class Outside(Protocol):
+    """Where the core's answers and outputs go: the asyncio loop of this process (ThreadOutside),
+    or the parent of an engine process (agent/engine/process.py). `sink` is what OpenSession
+    carried (a ReplySink here; a process engine's child gets the session id)."""
+
+    def settle(self, future: Any, result: Any, error: Optional[BaseException]) -> None: ...
+
+    def deliver(self, sink: Any, method: str, payload: Any) -> None:
+        """Call sink.<method>(payload) on the loop, if the sink has that method."""
+
+    def stage(self, out: StageTime) -> None: ...
+
+
+class ThreadOutside:
+    """The engine thread's way back to the asyncio loop of its own process."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def settle(self, future: Any, result: Any, error: Optional[BaseException]) -> None:
+        self._loop.call_soon_threadsafe(settle, future, result, error)
+
+    def deliver(self, sink: Any, method: str, payload: Any) -> None:
+        fn = getattr(sink, method, None)  # on_call, on_transcript, on_open_failed: optional
+        if fn is not None:
+            self._loop.call_soon_threadsafe(fn, payload)
+
+    def stage(self, out: StageTime) -> None:
+        record_stage(out)
+
+
+def record_stage(out: StageTime) -> None:
+    metrics.STAGE.labels(stage=out.stage).observe(out.seconds)
+    # A batched call is reported once per session in it: each takes its share, so the counter
+    # sums to the engine thread's real time in the stage.
+    metrics.ENGINE_SECONDS.labels(stage=out.stage).inc(out.seconds / max(out.batch, 1))
+    metrics.ENGINE_CALLS.labels(stage=out.stage).inc(1 / max(out.batch, 1))
+
+
 class EngineCore:
     """The runners and everything the engine thread keeps per session. Engine thread only."""
 
     def __init__(
         self,
         runners: list[Runner],
-        loop: asyncio.AbstractEventLoop,
+        outside: Outside,
         handlers: dict[type, tuple[Optional[type], Handler]],
         frames_per_turn: int,
     ) -> None:
@@ -134,7 +183,7 @@ class EngineCore:
         handlers: the session commands this engine answers (SESSION_COMMANDS and any a test
         registered). frames_per_turn: the newest camera frames a reply is shown."""
         self.runners = runners
-        self._loop = loop
+        self._outside = outside
         self._handlers = handlers
         self.sinks: dict[str, ReplySink] = {}
         self.replying: dict[str, Runner] = {}  # session → the runner its reply is on
@@ -206,7 +255,7 @@ class EngineCore:
                     if supports(primary, VideoIntake):  # a runner that encodes on arrival
                         primary.append_video(sid, cmd.image, cmd.at)
                 assert env.future is not None
-                self._loop.call_soon_threadsafe(settle, env.future, None, None)
+                self._outside.settle(env.future, None, None)
             except Exception as exc:
                 self._failed(sid, "video", exc)
             return
@@ -236,7 +285,7 @@ class EngineCore:
             result = handler(runner, env.session_id, env.command)
         except Exception as exc:  # the caller's error, not the engine's
             error = exc
-        self._loop.call_soon_threadsafe(settle, env.future, result, error)
+        self._outside.settle(env.future, result, error)
 
     def _open(self, sid: str, sink: ReplySink, future: Optional[asyncio.Future]) -> None:
         """On every runner, or on none (a runner that cannot, e.g. no slot left, undoes the
@@ -253,15 +302,13 @@ class EngineCore:
                     runner.close_session(sid)
                 except Exception:  # noqa: BLE001 (the open's failure is the one reported)
                     log.exception("engine: undoing the open of %s failed", sid)
-            on_open_failed = getattr(sink, "on_open_failed", None)
-            if on_open_failed is not None:
-                self._loop.call_soon_threadsafe(on_open_failed, str(exc))
+            self._outside.deliver(sink, "on_open_failed", str(exc))
             if future is not None:
-                self._loop.call_soon_threadsafe(settle, future, None, exc)
+                self._outside.settle(future, None, exc)
             return
         self.sinks[sid] = sink
         if future is not None:
-            self._loop.call_soon_threadsafe(settle, future, None, None)
+            self._outside.settle(future, None, None)
 
     def _failed(self, sid: str, label: str, exc: Exception) -> None:
         """Bad input from one session (e.g. an image the processor rejects) is that session's
@@ -334,32 +381,16 @@ class EngineCore:
     def emit(self, outputs: list[Output]) -> None:
         for out in outputs:
             if isinstance(out, StageTime):
-                metrics.STAGE.labels(stage=out.stage).observe(out.seconds)
-                # A batched call is reported once per session in it: each takes its share, so
-                # the counter sums to the engine thread's real time in the stage.
-                metrics.ENGINE_SECONDS.labels(stage=out.stage).inc(out.seconds / max(out.batch, 1))
-                metrics.ENGINE_CALLS.labels(stage=out.stage).inc(1 / max(out.batch, 1))
+                self._outside.stage(out)
                 continue
             sink = self.sinks.get(out.session_id)
             if sink is None:
                 continue
-            if isinstance(out, TextDelta):
-                self._loop.call_soon_threadsafe(sink.on_text, out)
-            elif isinstance(out, AudioOut):
-                self._loop.call_soon_threadsafe(sink.on_audio, out)
-            elif isinstance(out, CallDelta):
-                on_call = getattr(sink, "on_call", None)
-                if on_call is not None:
-                    self._loop.call_soon_threadsafe(on_call, out)
-            elif isinstance(out, TranscriptOut):
-                on_transcript = getattr(sink, "on_transcript", None)  # a sink that asked for them
-                if on_transcript is not None:
-                    self._loop.call_soon_threadsafe(on_transcript, out)
-            elif isinstance(out, ReplyDone):
-                # Exactly one done per reply: a runner's late "cancelled" after an error
-                # (or for a session with nothing in flight) has no reply left to end.
-                if self.replying.pop(out.session_id, None) is not None:
-                    self._loop.call_soon_threadsafe(sink.on_done, out)
+            # Exactly one done per reply: a runner's late "cancelled" after an error (or for a
+            # session with nothing in flight) has no reply left to end.
+            if isinstance(out, ReplyDone) and self.replying.pop(out.session_id, None) is None:
+                continue
+            self._outside.deliver(sink, DELIVER[type(out)], out)
 
 
 # The stream commands' handlers, by command type (OpenSession, AppendVideo and the session

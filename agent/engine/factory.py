@@ -112,6 +112,13 @@ def build_engine(config: Config, wrap: Optional[Callable[[Runner], Runner]] = No
     """The engine `config` describes. `wrap`, when given, receives the primary runner once the
     engine thread has built it and returns the runner to use (a test's fault or stall around the
     real one), so that a wrapped engine is configured like the served one in everything else."""
+    if config.engine_process:
+        if wrap is not None:
+            raise ValueError("a wrapped runner needs the engine in this process")
+        from agent.engine.process import ProcessEngine
+
+        fallback = fallback_factory(config) is not None
+        return ProcessEngine(config, inbox_size(config), fallback, config.video_frames_per_turn)
     build = runner_factory(config)
     factory = build if wrap is None else lambda: wrap(build())
     return Engine(

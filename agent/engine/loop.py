@@ -36,7 +36,7 @@ from agent.engine.commands import (
     Stop,
     StreamCommand,
 )
-from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope, Handler
+from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope, Handler, ThreadOutside
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class Engine:
             log.exception("engine: model load failed")
             self._loop.call_soon_threadsafe(self._ready.set_exception, exc)
             return
-        self.core = EngineCore(runners, self._loop, self._handlers, self._frames_per_turn)
+        self.core = EngineCore(runners, ThreadOutside(self._loop), self._handlers, self._frames_per_turn)
         self._loop.call_soon_threadsafe(self._ready.set_result, None)
         try:
             self.core.serve(self._inbox)

@@ -1,0 +1,130 @@
+"""The engine in a child process (`--engine-process`, agent/engine/process.py), tiny model.
+
+Pins:
+- the agent serves as with the engine thread: over the WebSocket (official `openai` SDK) a text
+  turn gets transcript and audio deltas and a completed response.done; a required tool call
+  arrives as a function_call item; a command the engine refuses (an unknown voice) comes back
+  as an `error` naming the field; response.cancel mid-reply ends it as cancelled;
+- over WebRTC (an aiortc peer) a spoken turn is answered with audible audio on the track;
+- the child's CPU counts as `engine` in agent_thread_cpu_seconds_total;
+- the child killed: /healthz fails, and a session whose reply was in flight gets its end
+  (response.done failed with the reason), the process itself goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+from support.realtime_helpers import RunningAgent, module_agent
+from support.realtime_ws import Events
+
+from agent.client.client import AgentClient
+from agent.engine.process import ProcessEngine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+agent = module_agent(max_reply_seconds=2.0, max_reply_tokens=12, engine_process=True)
+
+LIGHT = {
+    "type": "function",
+    "name": "set_light",
+    "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]},
+}
+
+
+async def _connect(agent: RunningAgent, strict: Callable[[dict], None]) -> tuple[Any, Any, Events]:
+    client = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
+    manager = client.realtime.connect(model="qwen3-omni")
+    conn = await manager.__aenter__()
+    return manager, conn, Events(conn, strict)
+
+
+async def _ask(conn: Any, text: str, **response: Any) -> None:
+    await conn.conversation.item.create(
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    )
+    await conn.response.create(response=response or None)
+
+
+async def test_websocket_turns_through_the_process(agent: RunningAgent, strict_event) -> None:
+    assert isinstance(agent.engine, ProcessEngine) and agent.engine.pid != os.getpid()
+    manager, conn, ev = await _connect(agent, strict_event)
+    try:
+        await ev.wait("session.created", 10)
+        mark = len(ev.all)
+        await _ask(conn, "Hello there.")
+        done = await ev.wait("response.done", 60, after=mark)
+        assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
+        rid = done["response"]["id"]
+        assert [e for e in ev.all[mark:] if e["type"] == "response.output_audio.delta" and e["response_id"] == rid]
+        assert [e for e in ev.all[mark:] if e["type"] == "response.output_audio_transcript.delta"]
+
+        mark = len(ev.all)
+        await _ask(conn, "Lights on.", tools=[LIGHT], tool_choice="required")
+        done = await ev.wait("response.done", 60, after=mark)
+        assert [o["type"] for o in done["response"]["output"]] == ["function_call"], done["response"]
+
+        mark = len(ev.all)
+        await conn.send(
+            {"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"voice": "nobody"}}}}
+        )
+        error = await ev.wait("error", 10, after=mark)
+        assert error["error"]["param"] == "session.audio.output.voice"
+
+        mark = len(ev.all)
+        await _ask(conn, "Tell me a long story.")
+        await ev.wait("response.output_audio.delta", 60, after=mark)
+        await conn.response.cancel()
+        done = await ev.wait("response.done", 30, after=mark)
+        assert done["response"]["status"] == "cancelled"
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def test_webrtc_turn_and_engine_cpu(agent: RunningAgent, speech_wav: Path) -> None:
+    client = AgentClient(agent.url, speech_wav, video=False)
+    try:
+        await client.connect()
+        await client.wait_event("response.done", 90)
+        for _ in range(100):
+            if client.result.audible_samples >= 12_000:
+                break
+            await asyncio.sleep(0.1)
+        assert client.result.audible_samples >= 12_000
+    finally:
+        await client.close()
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{agent.url}/metrics") as resp:
+            text = await resp.text()
+    engine = [line for line in text.splitlines() if line.startswith('agent_thread_cpu_seconds_total{thread="engine"}')]
+    assert engine and float(engine[0].split()[-1]) > 0.5, engine
+
+
+async def test_a_dead_engine_process_is_reported(agent: RunningAgent, strict_event) -> None:
+    manager, conn, ev = await _connect(agent, strict_event)
+    try:
+        await ev.wait("session.created", 10)
+        mark = len(ev.all)
+        await _ask(conn, "Tell me a long story.")
+        await ev.wait("response.created", 30, after=mark)
+        os.kill(agent.engine.pid, signal.SIGKILL)
+        done = await ev.wait("response.done", 30, after=mark)
+        assert done["response"]["status"] == "failed" and "engine process died" in str(done["response"]), done
+        async with aiohttp.ClientSession() as http:
+            for _ in range(50):
+                async with http.get(f"{agent.url}/healthz") as resp:
+                    if resp.status != 200:
+                        break
+                await asyncio.sleep(0.1)
+            assert resp.status != 200
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
