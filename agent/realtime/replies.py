@@ -379,6 +379,9 @@ class Replies:
             self.current = None
         if reply.text:
             self.remember("assistant", reply.text)
+        # A reply ended here (cancelled, capped by the client) has no engine stats: what it
+        # played is still audio made (the load benchmark's underrun share divides by it).
+        stats = {**stats, "audio_samples": stats.get("audio_samples", reply.samples)}
         events = reply.finished(status, reason, stats, error)
         message = reply.message_item()
         if message is not None:
