@@ -97,8 +97,10 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--engine-process",
-        action="store_true",
-        help="run the engine in a child process (its own interpreter lock: docs/load.md)",
+        default=d.engine_process,
+        action=argparse.BooleanOptionalAction,
+        help="run the engine in a child process, with an interpreter lock of its own (docs/load.md); "
+        "--no-engine-process: a thread of the agent's process",
     )
     p.add_argument(
         "--compile",

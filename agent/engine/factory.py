@@ -109,12 +109,12 @@ def inbox_size(config: Config) -> int:
 
 
 def build_engine(config: Config, wrap: Optional[Callable[[Runner], Runner]] = None) -> Engine:
-    """The engine `config` describes. `wrap`, when given, receives the primary runner once the
-    engine thread has built it and returns the runner to use (a test's fault or stall around the
-    real one), so that a wrapped engine is configured like the served one in everything else."""
-    if config.engine_process:
-        if wrap is not None:
-            raise ValueError("a wrapped runner needs the engine in this process")
+    """The engine `config` describes: in a child process (config.engine_process, the default) or
+    a thread of this one. `wrap`, when given, receives the primary runner once the engine thread
+    has built it and returns the runner to use (a test's fault or stall around the real one), so
+    that a wrapped engine is configured like the served one in everything else; it runs in a
+    thread of this process."""
+    if config.engine_process and wrap is None:  # (a test's wrapped runner needs this process)
         from agent.engine.process import ProcessEngine
 
         fallback = fallback_factory(config) is not None

@@ -18,8 +18,8 @@ Sessions stay in the parent; the child knows their ids) and records stage metric
 dies, every session with a reply gets its error (ReplyDone "error") and health checks fail.
 
 Limits: session commands are SESSION_COMMANDS only (Engine.register's test handlers need the
-runner in this process); `engine.core` is None here; counters the runners keep themselves
-(speculation outcomes) count in the child and are not on the parent's /metrics.
+runner in this process); `engine.core` is None here. Counters the runners keep themselves
+(speculation outcomes) are forwarded with the stage times (FORWARDED).
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import threading
+import time
 from typing import Any, Optional, Union
 
 from agent import metrics
@@ -161,6 +163,9 @@ class ProcessEngine(Engine):
                     loop.call_soon_threadsafe(settle, future, result, error)
             elif kind == "stage":
                 record_stage(message[1])
+            elif kind == "count" and message[1] in FORWARDED:
+                _, name, labels, delta = message
+                getattr(metrics, name).labels(**labels).inc(delta)
             elif kind == "ready":
                 loop.call_soon_threadsafe(settle, ready, None, None)
             elif kind == "failed":  # the model did not load
@@ -188,11 +193,18 @@ def _unused_factory() -> Any:
     raise RuntimeError("a process engine builds its runners in the child")
 
 
+# Counters the runners keep themselves (in the child): their increments go to the parent's
+# /metrics with the stage times, at most every half second.
+FORWARDED = ("SPECULATIONS",)
+
+
 class ChildOutside:
     """The child's way back to the parent: one queue, plain picklable tuples."""
 
     def __init__(self, outbox: Any) -> None:
         self._outbox = outbox
+        self._counted: dict[tuple, float] = {}  # (metric, labels) -> value sent so far
+        self._forwarded_at = 0.0
 
     def settle(self, future: Any, result: Any, error: Optional[BaseException]) -> None:
         if future is None:
@@ -208,6 +220,22 @@ class ChildOutside:
 
     def stage(self, out: Any) -> None:
         self._outbox.put(("stage", out))
+        now = time.monotonic()
+        if now - self._forwarded_at >= 0.5:
+            self._forwarded_at = now
+            self._forward_counters()
+
+    def _forward_counters(self) -> None:
+        for name in FORWARDED:
+            for family in getattr(metrics, name).collect():
+                for sample in family.samples:
+                    if not sample.name.endswith("_total"):
+                        continue
+                    key = (name, tuple(sorted(sample.labels.items())))
+                    delta = sample.value - self._counted.get(key, 0.0)
+                    if delta > 0:
+                        self._counted[key] = sample.value
+                        self._outbox.put(("count", name, dict(sample.labels), delta))
 
 
 def _picklable(value: Any) -> bool:
@@ -216,6 +244,15 @@ def _picklable(value: Any) -> bool:
     except Exception:  # noqa: BLE001 (anything that does not survive the trip)
         return False
     return True
+
+
+def _exit_with_parent() -> None:
+    """The parent was killed (no Stop came): an engine with no one to serve ends too, rather than
+    hold the model's memory (a daemon child is only ended by a parent that exits normally)."""
+    parent = multiprocessing.parent_process()
+    while parent is not None and parent.is_alive():
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def serve_child(config: Config, fallback: bool, frames_per_turn: int, inbox: Any, outbox: Any) -> None:
@@ -234,6 +271,7 @@ def serve_child(config: Config, fallback: bool, frames_per_turn: int, inbox: Any
         outbox.put(("failed", f"{type(exc).__name__}: {exc}"))
         return
     core = EngineCore(runners, ChildOutside(outbox), dict(SESSION_COMMANDS), frames_per_turn)
+    threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
     outbox.put(("ready",))
     try:
         core.serve(inbox)

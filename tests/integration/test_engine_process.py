@@ -6,7 +6,8 @@ Pins:
   arrives as a function_call item; a command the engine refuses (an unknown voice) comes back
   as an `error` naming the field; response.cancel mid-reply ends it as cancelled;
 - over WebRTC (an aiortc peer) a spoken turn is answered with audible audio on the track;
-- the child's CPU counts as `engine` in agent_thread_cpu_seconds_total;
+- the child's CPU counts as `engine` in agent_thread_cpu_seconds_total, and the runners' own
+  counters (speculation outcomes) reach the parent's /metrics;
 - the child killed: /healthz fails, and a session whose reply was in flight gets its end
   (response.done failed with the reason), the process itself goes on.
 """
@@ -106,6 +107,11 @@ async def test_webrtc_turn_and_engine_cpu(agent: RunningAgent, speech_wav: Path)
             text = await resp.text()
     engine = [line for line in text.splitlines() if line.startswith('agent_thread_cpu_seconds_total{thread="engine"}')]
     assert engine and float(engine[0].split()[-1]) > 0.5, engine
+    # The runners' own counters reach the parent's /metrics (the turn's end started a speculation).
+    started = [
+        line for line in text.splitlines() if line.startswith('agent_speculative_replies_total{outcome="started"}')
+    ]
+    assert started and float(started[0].split()[-1]) >= 1, started
 
 
 async def test_a_dead_engine_process_is_reported(agent: RunningAgent, strict_event) -> None:

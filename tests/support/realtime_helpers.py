@@ -36,7 +36,10 @@ class RunningAgent:
 
 
 def agent_config(tiny_model_dir: Path, **overrides: Any) -> Config:
-    """The tests' agent: loopback, the tiny model, one torch thread, no fallback model."""
+    """The tests' agent: loopback, the tiny model, one torch thread, no fallback model, the
+    engine a thread of the test's process (tests reach into it, and a child process costs a
+    second start-up per module); tests/integration/test_engine_process.py, the e2e and the
+    command-line tests run the default, a child process."""
     values: dict[str, Any] = dict(
         host="127.0.0.1",
         port=free_port(),
@@ -44,8 +47,9 @@ def agent_config(tiny_model_dir: Path, **overrides: Any) -> Config:
         model=str(tiny_model_dir),
         threads=1,
         fallback_model="none",
-        max_calls_per_minute=0,
-    )  # the suite opens calls faster than people do
+        max_calls_per_minute=0,  # the suite opens calls faster than people do
+        engine_process=False,
+    )
     values.update(overrides)
     return Config(**values)
 
