@@ -338,8 +338,8 @@ def start_server(
         cmd += ["--threads", str(args.threads)]
     if args.cpu_graphs:
         cmd += ["--cpu-graphs"]
-    if args.engine_process:
-        cmd += ["--engine-process"]
+    if args.engine_thread:
+        cmd += ["--no-engine-process"]
     return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1])
 
 
@@ -674,7 +674,9 @@ def main() -> None:
     p.add_argument("--video-fps", type=int, default=4, help="client camera rate (the page asks browsers for 4)")
     p.add_argument("--cpu-graphs", action="store_true", help="run the agent with --cpu-graphs (docs/load.md)")
     p.add_argument(
-        "--engine-process", action="store_true", help="run the agent with --engine-process (docs/load.md)"
+        "--engine-thread",
+        action="store_true",
+        help="run the agent with --no-engine-process: the engine a thread of its process (docs/load.md)",
     )
     p.add_argument(
         "--warmup-turns",
