@@ -118,7 +118,8 @@ def build_engine(config: Config, wrap: Optional[Callable[[Runner], Runner]] = No
         from agent.engine.process import ProcessEngine
 
         fallback = fallback_factory(config) is not None
-        return ProcessEngine(config, inbox_size(config), fallback, config.video_frames_per_turn)
+        builders = (runner_factory, fallback_factory)
+        return ProcessEngine(config, builders, inbox_size(config), fallback, config.video_frames_per_turn)
     build = runner_factory(config)
     factory = build if wrap is None else lambda: wrap(build())
     return Engine(

@@ -33,11 +33,11 @@ import pickle
 import queue
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from agent import metrics
 from agent.config import Config
-from agent.engine.api import EngineBusy, ReplyDone, ReplySink
+from agent.engine.api import EngineBusy, ReplyDone, ReplySink, Runner
 from agent.engine.commands import CloseSession, OpenSession, SessionCommand, Stop, StreamCommand
 from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope, record_stage, settle
 from agent.engine.loop import Engine
@@ -45,12 +45,19 @@ from agent.engine.loop import Engine
 log = logging.getLogger(__name__)
 
 _SPAWN = multiprocessing.get_context("spawn")
+# (runner_factory, fallback_factory): Config -> the callable that builds a runner (or None).
+Builders = tuple[Callable[[Config], Callable[[], Runner]], Callable[[Config], Optional[Callable[[], Runner]]]]
 
 
 class ProcessEngine(Engine):
-    def __init__(self, config: Config, inbox_size: int, fallback: bool, frames_per_turn: int) -> None:
+    def __init__(
+        self, config: Config, builders: Builders, inbox_size: int, fallback: bool, frames_per_turn: int
+    ) -> None:
+        """builders: (runner_factory, fallback_factory) of agent/engine/factory.py, module-level
+        functions the child calls with the config (spawn pickles them by name)."""
         super().__init__(_unused_factory, inbox_size, None, frames_per_turn)
-        self._config, self._fallback, self._inbox_size = config, fallback, inbox_size
+        self._config, self._builders = config, builders
+        self._fallback, self._inbox_size = fallback, inbox_size
         self._process: Optional[multiprocessing.process.BaseProcess] = None
         self._reader: Optional[threading.Thread] = None
         self._outbox: Any = None
@@ -74,7 +81,7 @@ class ProcessEngine(Engine):
         self._outbox = _SPAWN.Queue()
         self._process = _SPAWN.Process(
             target=serve_child,
-            args=(self._config, self._fallback, self._frames_per_turn, self._inbox, self._outbox),
+            args=(self._config, self._builders, self._fallback, self._frames_per_turn, self._inbox, self._outbox),
             name="engine",
             daemon=True,
         )
@@ -255,11 +262,12 @@ def _exit_with_parent() -> None:
     os._exit(1)
 
 
-def serve_child(config: Config, fallback: bool, frames_per_turn: int, inbox: Any, outbox: Any) -> None:
+def serve_child(
+    config: Config, builders: Builders, fallback: bool, frames_per_turn: int, inbox: Any, outbox: Any
+) -> None:
     """The child process: build the runners as the engine thread would, then serve the inbox."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
-    from agent.engine.factory import fallback_factory, runner_factory
-
+    runner_factory, fallback_factory = builders
     try:
         runners = [runner_factory(config)()]
         if fallback:
