@@ -160,58 +160,68 @@ def serve_vendor(route) -> None:
         route.fulfill(status=404, body="not vendored")
 
 
-def test_agents_sdk_connects_hears_the_reply_and_gets_the_transcript(page, agent_url):
+def run_harness(page, agent_url: str, harness: str, until) -> tuple[dict, list[str]]:
+    """Open a harness page and poll its snapshot until `until(snapshot)` (bounded by
+    CALL_TIMEOUT_S; a client-side error fails at once); returns the snapshot and the console's
+    errors and warnings."""
     console: list[str] = []
     page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
     page.route("**/agents-sdk/**", serve_vendor)
-    page.goto(agent_url + "agents-sdk/harness.html")
-
+    page.goto(agent_url + f"agents-sdk/{harness}")
     snap: dict = {}
     deadline = time.monotonic() + CALL_TIMEOUT_S
     while time.monotonic() < deadline:
         snap = page.evaluate(SNAPSHOT_JS) or {}
         assert not snap.get("errors"), f"client-side errors: {snap['errors']}"
-        if (
+        if until(snap):
+            return snap, console
+        time.sleep(0.3)
+    raise AssertionError(f"after {CALL_TIMEOUT_S} s: {snap}; console: {console}")
+
+
+def rejected_by_the_sdk(snap: dict, types: list[str]) -> dict[str, tuple[int, int]]:
+    """Event types of which the SDK parsed fewer than it received: (raw, parsed) counts."""
+    return {
+        t: (snap["raw"][t], snap["strict"].get(t, 0))
+        for t in types
+        if snap["raw"].get(t, 0) != snap["strict"].get(t, 0)
+    }
+
+
+def test_agents_sdk_connects_hears_the_reply_and_gets_the_transcript(page, agent_url):
+    snap, console = run_harness(
+        page,
+        agent_url,
+        "harness.html",
+        lambda snap: bool(
             snap.get("connected")
             and snap["transcript"]
             and snap["audible"]
             and snap["raw"].get("response.done")
             and any(i["role"] == "assistant" for i in snap["history"])
-        ):
-            break
-        time.sleep(0.3)
-    else:
-        raise AssertionError(f"after {CALL_TIMEOUT_S} s: {snap}; console: {console}")
+        ),
+    )
 
     assert snap["callId"] and snap["callId"].startswith("rtc_"), snap
     assert snap["raw"].get("session.updated") and snap["energy"] > 0, snap
-    rejected = {
-        t: (snap["raw"][t], snap["strict"].get(t, 0))
-        for t in STRICT_TYPES
-        if snap["raw"].get(t, 0) != snap["strict"].get(t, 0)
-    }
+    rejected = rejected_by_the_sdk(snap, STRICT_TYPES)
     assert not rejected, f"events the SDK's schemas rejected (raw, parsed): {rejected}"
     assert not console, f"console errors/warnings: {console}"
     print(f"\nAgents SDK transcript: {snap['transcript']!r}; events: {snap['raw']}")
 
 
 def test_agents_sdk_tool_is_called_and_the_reply_after_it_heard(page, agent_url):
-    console: list[str] = []
-    page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
-    page.route("**/agents-sdk/**", serve_vendor)
-    page.goto(agent_url + "agents-sdk/tools.html")
-
-    snap: dict = {}
-    deadline = time.monotonic() + CALL_TIMEOUT_S
-    while time.monotonic() < deadline:
-        snap = page.evaluate(SNAPSHOT_JS) or {}
-        assert not snap.get("errors"), f"client-side errors: {snap['errors']}"
-        if snap.get("calls") and snap["audible"] and snap["raw"].get("response.done", 0) >= 2:
-            if any(i["role"] == "assistant" for i in snap["history"]):
-                break
-        time.sleep(0.3)
-    else:
-        raise AssertionError(f"after {CALL_TIMEOUT_S} s: {snap}; console: {console}")
+    snap, console = run_harness(
+        page,
+        agent_url,
+        "tools.html",
+        lambda snap: bool(
+            snap.get("calls")
+            and snap["audible"]
+            and snap["raw"].get("response.done", 0) >= 2
+            and any(i["role"] == "assistant" for i in snap["history"])
+        ),
+    )
 
     call = snap["calls"][0]
     assert call["room"] in ("kitchen", "hall") and isinstance(call["on"], bool), call
@@ -219,10 +229,6 @@ def test_agents_sdk_tool_is_called_and_the_reply_after_it_heard(page, agent_url)
     assert "function_call" in kinds and kinds.index("function_call") < max(
         i for i, item in enumerate(snap["history"]) if item["role"] == "assistant"
     ), snap["history"]
-    rejected = {
-        t: (snap["raw"][t], snap["strict"].get(t, 0))
-        for t in STRICT_TYPES + TOOL_TYPES
-        if snap["raw"].get(t, 0) != snap["strict"].get(t, 0)
-    }
+    rejected = rejected_by_the_sdk(snap, STRICT_TYPES + TOOL_TYPES)
     assert not rejected, f"events the SDK's schemas rejected (raw, parsed): {rejected}"
     assert not console, f"console errors/warnings: {console}"

@@ -18,13 +18,11 @@ import asyncio
 import os
 import signal
 from pathlib import Path
-from typing import Any, Callable
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI
 from support.realtime_helpers import RunningAgent, module_agent
-from support.realtime_ws import Events
+from support.realtime_ws import ask_text, sdk_session
 
 from agent.client.client import AgentClient
 from agent.engine.process import ProcessEngine
@@ -40,27 +38,12 @@ LIGHT = {
 }
 
 
-async def _connect(agent: RunningAgent, strict: Callable[[dict], None]) -> tuple[Any, Any, Events]:
-    client = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
-    manager = client.realtime.connect(model="qwen3-omni")
-    conn = await manager.__aenter__()
-    return manager, conn, Events(conn, strict)
-
-
-async def _ask(conn: Any, text: str, **response: Any) -> None:
-    await conn.conversation.item.create(
-        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-    )
-    await conn.response.create(response=response or None)
-
-
 async def test_websocket_turns_through_the_process(agent: RunningAgent, strict_event) -> None:
     assert isinstance(agent.engine, ProcessEngine) and agent.engine.pid != os.getpid()
-    manager, conn, ev = await _connect(agent, strict_event)
-    try:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
         mark = len(ev.all)
-        await _ask(conn, "Hello there.")
+        await ask_text(conn, "Hello there.")
         done = await ev.wait("response.done", 60, after=mark)
         assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
         rid = done["response"]["id"]
@@ -68,7 +51,7 @@ async def test_websocket_turns_through_the_process(agent: RunningAgent, strict_e
         assert [e for e in ev.all[mark:] if e["type"] == "response.output_audio_transcript.delta"]
 
         mark = len(ev.all)
-        await _ask(conn, "Lights on.", tools=[LIGHT], tool_choice="required")
+        await ask_text(conn, "Lights on.", tools=[LIGHT], tool_choice="required")
         done = await ev.wait("response.done", 60, after=mark)
         assert [o["type"] for o in done["response"]["output"]] == ["function_call"], done["response"]
 
@@ -80,14 +63,11 @@ async def test_websocket_turns_through_the_process(agent: RunningAgent, strict_e
         assert error["error"]["param"] == "session.audio.output.voice"
 
         mark = len(ev.all)
-        await _ask(conn, "Tell me a long story.")
+        await ask_text(conn, "Tell me a long story.")
         await ev.wait("response.output_audio.delta", 60, after=mark)
         await conn.response.cancel()
         done = await ev.wait("response.done", 30, after=mark)
         assert done["response"]["status"] == "cancelled"
-    finally:
-        ev.close()
-        await manager.__aexit__(None, None, None)
 
 
 async def test_webrtc_turn_and_engine_cpu(agent: RunningAgent, speech_wav: Path) -> None:
@@ -115,11 +95,10 @@ async def test_webrtc_turn_and_engine_cpu(agent: RunningAgent, speech_wav: Path)
 
 
 async def test_a_dead_engine_process_is_reported(agent: RunningAgent, strict_event) -> None:
-    manager, conn, ev = await _connect(agent, strict_event)
-    try:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
         mark = len(ev.all)
-        await _ask(conn, "Tell me a long story.")
+        await ask_text(conn, "Tell me a long story.")
         await ev.wait("response.created", 30, after=mark)
         os.kill(agent.engine.pid, signal.SIGKILL)
         done = await ev.wait("response.done", 30, after=mark)
@@ -131,6 +110,3 @@ async def test_a_dead_engine_process_is_reported(agent: RunningAgent, strict_eve
                         break
                 await asyncio.sleep(0.1)
             assert resp.status != 200
-    finally:
-        ev.close()
-        await manager.__aexit__(None, None, None)

@@ -26,13 +26,12 @@ from __future__ import annotations
 import asyncio
 import base64
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
-from openai import AsyncOpenAI
 from support.realtime_helpers import RunningAgent, module_agent
-from support.realtime_ws import Events, b64, pcm24, stream_realtime
+from support.realtime_ws import Events, b64, pcm24, sdk_session, stream_realtime
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "qwen3-omni"
@@ -40,13 +39,6 @@ AUDIBLE_RMS = 10 ** (-50 / 20) * 32768
 
 
 agent = module_agent(max_reply_seconds=2.0, max_reply_tokens=16)
-
-
-async def _connect(agent: RunningAgent, strict: Callable[[dict], None]):
-    client = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
-    manager = client.realtime.connect(model=MODEL)
-    conn = await manager.__aenter__()
-    return manager, conn, Events(conn, strict)
 
 
 def audible(events: list[dict[str, Any]]) -> int:
@@ -60,8 +52,7 @@ def audible(events: list[dict[str, Any]]) -> int:
 
 
 async def test_session_update_and_spoken_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
-    manager, conn, ev = await _connect(agent, strict_event)
-    try:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
         created = await ev.wait("session.created", 10)
         assert created["session"]["type"] == "realtime" and created["session"]["model"] == MODEL
         await conn.session.update(
@@ -96,9 +87,6 @@ async def test_session_update_and_spoken_turn(agent: RunningAgent, speech_wav: P
 
         await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
         done = await ev.wait("response.done", 90)
-    finally:
-        ev.close()
-        await manager.__aexit__(None, None, None)
 
     assert not ev.of("error"), ev.of("error")  # the instructions were taken, nothing refused
     types = [e["type"] for e in ev.all]
@@ -138,8 +126,7 @@ async def test_session_update_and_spoken_turn(agent: RunningAgent, speech_wav: P
 
 
 async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
-    manager, conn, ev = await _connect(agent, strict_event)
-    try:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
         # A bad event: error with its event_id; the connection stays usable.
         await conn.send({"type": "no.such.event", "event_id": "evt_bad_1"})
@@ -217,9 +204,6 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         done = await ev.wait("response.done", 90, after=mark)
         assert not [e for e in ev.all[mark:] if e["type"] == "error"]
         assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
-    finally:
-        ev.close()
-        await manager.__aexit__(None, None, None)
 
 
 async def _retrieve(conn: Any, ev: Events, item_id: str) -> dict[str, Any]:
@@ -229,8 +213,7 @@ async def _retrieve(conn: Any, ev: Events, item_id: str) -> dict[str, Any]:
 
 
 async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) -> None:
-    manager, conn, ev = await _connect(agent, strict_event)
-    try:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
         await conn.conversation.item.create(
             item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}
@@ -287,16 +270,12 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
         await conn.send({"type": "conversation.item.retrieve", "event_id": "evt_gone", "item_id": item_id})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_gone")
         assert err["error"]["code"] == "item_not_found"
-    finally:
-        ev.close()
-        await manager.__aexit__(None, None, None)
 
 
 async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
     """create_response false: a detected turn is committed, not answered; interrupt_response
     false: speaking over a reply does not cancel it."""
-    manager, conn, ev = await _connect(agent, strict_event)
-    try:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
         await conn.session.update(
             session={
@@ -331,9 +310,6 @@ async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: 
         done = await ev.wait("response.done", 90, after=mark)
         assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
         assert ev.all.index(committed) < mark
-    finally:
-        ev.close()
-        await manager.__aexit__(None, None, None)
 
 
 async def test_ws_agent_client_times_a_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:

@@ -25,13 +25,12 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jsonschema
 import pytest
-from openai import AsyncOpenAI
 from support.realtime_helpers import RunningAgent, module_agent
-from support.realtime_ws import Events
+from support.realtime_ws import Events, ask_text, sdk_session
 
 from agent.client.client import AgentClient
 
@@ -66,27 +65,12 @@ SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER, LIGHT)}
 agent = module_agent(max_reply_seconds=1.0, max_reply_tokens=12)
 
 
-async def _connect(agent: RunningAgent, strict: Callable[[dict], None]):
-    client = AsyncOpenAI(base_url=f"{agent.url}/v1", api_key="unused-on-an-open-agent")
-    manager = client.realtime.connect(model="qwen3-omni")
-    conn = await manager.__aenter__()
-    return manager, conn, Events(conn, strict)
-
-
-async def _ask(conn: Any, text: str, **response: Any) -> None:
-    await conn.conversation.item.create(
-        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-    )
-    await conn.response.create(response=response or None)
-
-
 def _response_events(ev: Events, response_id: str) -> list[dict[str, Any]]:
     return [e for e in ev.all if e.get("response_id") == response_id or e.get("response", {}).get("id") == response_id]
 
 
 async def test_named_call_then_output_then_spoken_reply(agent: RunningAgent, strict_event) -> None:
-    manager, conn, ev = await _connect(agent, strict_event)
-    try:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
         await conn.session.update(
             session={
@@ -98,7 +82,7 @@ async def test_named_call_then_output_then_spoken_reply(agent: RunningAgent, str
         updated = await ev.wait("session.updated", 10)
         assert [t["name"] for t in updated["session"]["tools"]] == ["get_weather", "set_light"]
         mark = len(ev.all)
-        await _ask(conn, "Please turn on the kitchen light.")
+        await ask_text(conn, "Please turn on the kitchen light.")
         done = await ev.wait("response.done", 120, after=mark)
         response = done["response"]
         assert response["status"] == "completed", response
@@ -134,31 +118,23 @@ async def test_named_call_then_output_then_spoken_reply(agent: RunningAgent, str
         assert [e for e in events if e["type"] == "response.output_audio.delta"], "the reply after the call is spoken"
         transcript = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
         assert "tool_call" not in transcript and "<tool_response>" not in transcript
-    finally:
-        ev.close()
-        await manager.__aexit__(None, None, None)
 
 
 async def test_response_tools_required(agent: RunningAgent, strict_event) -> None:
-    manager, conn, ev = await _connect(agent, strict_event)
-    try:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
         mark = len(ev.all)
-        await _ask(conn, "What is the weather in Paris?", tools=[WEATHER], tool_choice="required")
+        await ask_text(conn, "What is the weather in Paris?", tools=[WEATHER], tool_choice="required")
         done = await ev.wait("response.done", 120, after=mark)
         calls = [o for o in done["response"]["output"] if o["type"] == "function_call"]
         assert calls and all(c["name"] == "get_weather" for c in calls), done["response"]
         for c in calls:
             jsonschema.validate(json.loads(c["arguments"]), SCHEMAS["get_weather"])
         assert not [e for e in ev.all[mark:] if e["type"] == "error"]
-    finally:
-        ev.close()
-        await manager.__aexit__(None, None, None)
 
 
 async def test_bad_tools_are_refused_and_the_session_goes_on(agent: RunningAgent, strict_event) -> None:
-    manager, conn, ev = await _connect(agent, strict_event)
-    try:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
         bad: list[tuple[dict[str, Any], str]] = [
             ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "session.tool_choice.name"),
@@ -200,12 +176,9 @@ async def test_bad_tools_are_refused_and_the_session_goes_on(agent: RunningAgent
         await conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
         updated = await ev.wait("session.updated", 10, after=mark)
         assert updated["session"]["tools"] == [] and updated["session"]["tool_choice"] == "auto"
-        await _ask(conn, "Hello there.")
+        await ask_text(conn, "Hello there.")
         done = await ev.wait("response.done", 120, after=mark)
         assert [o["type"] for o in done["response"]["output"]] == ["message"]
-    finally:
-        ev.close()
-        await manager.__aexit__(None, None, None)
 
 
 async def test_webrtc_call_output_and_spoken_reply(agent: RunningAgent, speech_wav: Path, strict_events) -> None:

@@ -7,8 +7,9 @@ import asyncio
 import base64
 import json
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import numpy as np
 
@@ -80,3 +81,28 @@ async def stream_realtime(conn: Any, pcm: np.ndarray, tail_silence_s: float) -> 
         wait = start + (i + 1) * 0.02 - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
+
+
+@asynccontextmanager
+async def sdk_session(url: str, strict: Callable[[dict], None]) -> AsyncIterator[tuple[Any, Events]]:
+    """A Realtime session through the official `openai` SDK's WebSocket (`AsyncOpenAI(base_url=…/v1)
+    .realtime.connect()`), its server events kept and validated in `Events`; closed on exit."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused-on-an-open-agent")
+    manager = client.realtime.connect(model="qwen3-omni")
+    conn = await manager.__aenter__()
+    events = Events(conn, strict)
+    try:
+        yield conn, events
+    finally:
+        events.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def ask_text(conn: Any, text: str, **response: Any) -> None:
+    """A user text message, then response.create (with `response` parameters, if any)."""
+    await conn.conversation.item.create(
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    )
+    await conn.response.create(response=response or None)

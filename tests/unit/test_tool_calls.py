@@ -16,6 +16,8 @@ Pins:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import jsonschema
 import numpy as np
@@ -53,6 +55,16 @@ def runner(loaded) -> StreamingRunner:
     return StreamingRunner(loaded, SYSTEM, max_reply_tokens=16, max_reply_seconds=2.0)
 
 
+@contextmanager
+def _session(runner: StreamingRunner, sid: str) -> Iterator[None]:
+    """A session of the shared runner, closed after the test whatever it asserted."""
+    runner.open_session(sid)
+    try:
+        yield
+    finally:
+        runner.close_session(sid)
+
+
 def _reply(runner: StreamingRunner, sid: str, watch=None) -> list:
     runner.begin_reply(sid, [])
     outputs = []
@@ -80,8 +92,7 @@ def _valid(call: dict, tools: tuple[Tool, ...]) -> None:
 
 
 def test_required_call_is_never_spoken(runner: StreamingRunner) -> None:
-    runner.open_session("req")
-    try:
+    with _session(runner, "req"):
         runner.set_tools("req", ToolSet((WEATHER, LIGHT), ToolChoice("required")))
         runner.add_user_text("req", "What is the weather in Paris?")
         outputs = _reply(runner, "req")
@@ -97,21 +108,16 @@ def test_required_call_is_never_spoken(runner: StreamingRunner) -> None:
         tokens = last["tokens"]
         assert tokens[0] == runner.loaded.ids.tool_call and runner.loaded.ids.tool_call_end in tokens
         assert done.stats["text_tokens"] == len(tokens)
-    finally:
-        runner.close_session("req")
 
 
 def test_named_function_only(runner: StreamingRunner) -> None:
-    runner.open_session("named")
-    try:
+    with _session(runner, "named"):
         runner.set_tools("named", ToolSet((WEATHER, LIGHT), ToolChoice("function", "set_light")))
         runner.add_user_text("named", "Lights, please.")
         calls = _calls(_reply(runner, "named"))
         assert calls and all(c["name"] == "set_light" for c in calls)
         for call in calls:
             _valid(call, (LIGHT,))
-    finally:
-        runner.close_session("named")
 
 
 def _force_tool_call_at(runner: StreamingRunner, monkeypatch, index: int) -> None:
@@ -135,7 +141,6 @@ def _force_tool_call_at(runner: StreamingRunner, monkeypatch, index: int) -> Non
 
 def test_speech_then_call(runner: StreamingRunner, monkeypatch) -> None:
     _force_tool_call_at(runner, monkeypatch, 3)
-    runner.open_session("mixed")
     seen: dict[str, int] = {}
 
     def watch(reply) -> None:
@@ -143,7 +148,7 @@ def test_speech_then_call(runner: StreamingRunner, monkeypatch) -> None:
             seen["voice_end"] = reply.text.voice_end
         seen["read"] = max(seen.get("read", 0), reply.voice.read)
 
-    try:
+    with _session(runner, "mixed"):
         runner.set_tools("mixed", ToolSet((WEATHER,), ToolChoice("auto")))
         runner.add_user_text("mixed", "Say a word, then check the weather.")
         outputs = _reply(runner, "mixed", watch)
@@ -156,57 +161,45 @@ def test_speech_then_call(runner: StreamingRunner, monkeypatch) -> None:
         calls = _calls(outputs)
         assert calls and calls[0]["name"] == "get_weather"
         _valid(calls[0], (WEATHER,))
-    finally:
-        runner.close_session("mixed")
 
 
 def test_choice_none_never_calls(runner: StreamingRunner, monkeypatch) -> None:
     for index in range(4):
         _force_tool_call_at(runner, monkeypatch, index)
-    runner.open_session("none")
-    try:
+    with _session(runner, "none"):
         runner.set_tools("none", ToolSet((WEATHER,), ToolChoice("none")))
         runner.add_user_text("none", "Weather?")
         outputs = _reply(runner, "none")
         assert not [o for o in outputs if isinstance(o, CallDelta)]
         assert runner.loaded.ids.tool_call not in runner.context("none")["last_reply"]["tokens"]
-    finally:
-        runner.close_session("none")
 
 
 def test_uncompilable_schema_is_refused(runner: StreamingRunner) -> None:
     from agent.tools.spec import ToolSchemaError
 
-    runner.open_session("bad")
-    try:
+    with _session(runner, "bad"):
         runner.set_tools("bad", ToolSet((WEATHER,), ToolChoice("required")))
         broken = Tool("broken", "", {"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}})
         with pytest.raises(ToolSchemaError):
             runner.set_tools("bad", ToolSet((broken,), ToolChoice("auto")))
         assert runner.sessions["bad"].choices.tools.tools == (WEATHER,)
-    finally:
-        runner.close_session("bad")
 
 
 def test_no_tools_no_change(runner: StreamingRunner) -> None:
     """Without tools a reply is what it always was: text deltas and audio."""
-    runner.open_session("plain")
-    try:
+    with _session(runner, "plain"):
         runner.add_user_text("plain", "Hello.")
         outputs = _reply(runner, "plain")
         assert [o for o in outputs if isinstance(o, TextDelta)] and [o for o in outputs if isinstance(o, AudioOut)]
         assert not [o for o in outputs if isinstance(o, CallDelta)]
         assert np.all([isinstance(o.pcm, np.ndarray) for o in outputs if isinstance(o, AudioOut)])
-    finally:
-        runner.close_session("plain")
 
 
 def test_truncating_the_speech_keeps_the_call(runner: StreamingRunner, monkeypatch) -> None:
     """A barge-in's truncation cuts the spoken words to what was heard; the call after them
     stays in the context whole (the client has it as an item, the talker never spoke it)."""
     _force_tool_call_at(runner, monkeypatch, 3)
-    runner.open_session("cut")
-    try:
+    with _session(runner, "cut"):
         runner.set_tools("cut", ToolSet((WEATHER,), ToolChoice("auto")))
         runner.add_user_text("cut", "Say a word, then check the weather.")
         _reply(runner, "cut")
@@ -223,14 +216,11 @@ def test_truncating_the_speech_keeps_the_call(runner: StreamingRunner, monkeypat
         # The session goes on: the next turn (a result) is answered.
         runner.add_user_text("cut", "<tool_response>\nsunny\n</tool_response>")
         assert isinstance(_reply(runner, "cut")[-1], ReplyDone)
-    finally:
-        runner.close_session("cut")
 
 
 def test_cancel_inside_a_call(runner: StreamingRunner) -> None:
     """A reply cancelled while it writes a call ends at once: no call is closed after the cancel."""
-    runner.open_session("stop")
-    try:
+    with _session(runner, "stop"):
         runner.set_tools("stop", ToolSet((WEATHER,), ToolChoice("required")))
         runner.add_user_text("stop", "Weather in Oslo?")
         runner.begin_reply("stop", [])
@@ -248,8 +238,6 @@ def test_cancel_inside_a_call(runner: StreamingRunner) -> None:
             after += runner.step()
         assert not [o for o in after if isinstance(o, CallDelta)]
         assert [o.reason for o in after if isinstance(o, ReplyDone)] == ["cancelled"]
-    finally:
-        runner.close_session("stop")
 
 
 def test_unbounded_arguments_still_end_in_a_valid_call(runner: StreamingRunner) -> None:
@@ -270,8 +258,7 @@ def test_unbounded_arguments_still_end_in_a_valid_call(runner: StreamingRunner) 
             "required": ["count", "ratio", "note", "tags"],
         },
     )
-    runner.open_session("loose")
-    try:
+    with _session(runner, "loose"):
         runner.set_tools("loose", ToolSet((loose,), ToolChoice("required", None), parallel=False))
         runner.add_user_text("loose", "Log it.")
         outputs = _reply(runner, "loose")
@@ -279,5 +266,3 @@ def test_unbounded_arguments_still_end_in_a_valid_call(runner: StreamingRunner) 
         assert len(calls) == 1 and calls[0]["name"] == "log"
         _valid(calls[0], (loose,))
         assert outputs[-1].reason == "stop"
-    finally:
-        runner.close_session("loose")
