@@ -88,15 +88,18 @@ class Engine:
     async def stop(self) -> None:
         if self._thread is None:
             return
-        # Stop must get through even when the inbox is full.
+        await self._put_stop()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        self._thread = None
+
+    async def _put_stop(self) -> None:
+        """Queue the Stop; it must get through even when the inbox is full."""
         while True:
             try:
                 self._inbox.put_nowait(Envelope("", Stop()))
-                break
+                return
             except queue.Full:
                 await asyncio.sleep(0.01)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
-        self._thread = None
 
     # ---- commands (asyncio side) -----------------------------------------------------
     def _put(

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Union
 from agent import metrics
 from agent.config import Config
 from agent.engine.api import EngineBusy, ReplyDone, ReplySink, Runner
-from agent.engine.commands import CloseSession, OpenSession, SessionCommand, Stop, StreamCommand
+from agent.engine.commands import CloseSession, OpenSession, SessionCommand, StreamCommand
 from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope, record_stage, settle
 from agent.engine.loop import Engine
 
@@ -93,12 +93,7 @@ class ProcessEngine(Engine):
     async def stop(self) -> None:
         if self._process is None:
             return
-        while True:
-            try:
-                self._inbox.put_nowait(Envelope("", Stop()))
-                break
-            except queue.Full:
-                await asyncio.sleep(0.01)
+        await self._put_stop()
         process = self._process
         await asyncio.get_running_loop().run_in_executor(None, process.join, 10.0)
         if process.is_alive():
