@@ -10,7 +10,8 @@ including a schema the engine's grammar could not compile (agent/engine/stages/t
 
 from __future__ import annotations
 
-import re
+import functools
+import json
 from typing import Any, Optional
 
 import jsonschema
@@ -18,18 +19,26 @@ import llguidance
 
 from agent.realtime.config_error import ConfigError
 from agent.tools import qwen_format
-from agent.tools.spec import Tool, ToolChoice, ToolSchemaError, ToolSet
+from agent.tools.spec import NAME, Tool, ToolChoice, ToolSchemaError, ToolSet
 
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 MAX_TOOLS = 128
 
 
 def check_tools(tools: Any, param: str) -> tuple[Tool, ...]:
-    """The tools of a `tools` field (param: its name in errors, e.g. "session.tools")."""
+    """The tools of a `tools` field (param: its name in errors, e.g. "session.tools"). The same
+    tools are checked once: a session's are read again at every update and every response, and
+    a check runs a JSON Schema meta-check and llguidance's over each schema."""
     if not isinstance(tools, list):
         raise ConfigError("tools must be a list", param)
     if len(tools) > MAX_TOOLS:
         raise ConfigError(f"at most {MAX_TOOLS} tools", param)
+    return _checked(json.dumps(tools), param)  # (key order kept: properties come in schema order)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked(text: str, param: str) -> tuple[Tool, ...]:
+    """check_tools of the tools in `text` (JSON), remembered (a refusal raises, and is not)."""
+    tools = json.loads(text)
     out: list[Tool] = []
     for i, tool in enumerate(tools):
         at = f"{param}[{i}]"
@@ -38,7 +47,7 @@ def check_tools(tools: Any, param: str) -> tuple[Tool, ...]:
         if (tool.get("type") or "function") != "function":  # (a null field is one not given)
             raise ConfigError(f"tools of type {tool.get('type')!r} are not served (function tools only)", f"{at}.type")
         name = tool.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ConfigError("a tool's name is 1-64 letters, digits, _ or -", f"{at}.name")
         if any(t.name == name for t in out):
             raise ConfigError(f"two tools are named {name!r}", f"{at}.name")

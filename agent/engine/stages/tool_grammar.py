@@ -114,7 +114,7 @@ class ToolGrammars:
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(self.eos_ids))
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
-        self.wind_down = (_bitmask(tokenizer, vocab, _CLOSING), _bitmask(tokenizer, vocab, _NEXT))
+        self.wind_down = _wind_down_masks(tokenizer, vocab)
 
     @classmethod
     def for_model(cls, loaded: Any, cache_size: int = 32) -> ToolGrammars:
@@ -291,16 +291,21 @@ def mask_bias(bitmask: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Te
     return bits.to(dtype).mul_(2).sub_(1).mul_(float("inf"))
 
 
-def _bitmask(tokenizer: Any, vocab: int, starts: tuple[str, ...]) -> torch.Tensor:
-    """[ceil(vocab / 32)] int32 (llguidance's layout): the ids whose token text starts with one
-    of `starts` (byte-level BPE keeps these ASCII characters as they are)."""
-    bits = torch.zeros(((vocab + 31) // 32) * 32, dtype=torch.bool)
+def _wind_down_masks(tokenizer: Any, vocab: int) -> tuple[torch.Tensor, ...]:
+    """For the wind-down, in one pass over the vocabulary: a [ceil(vocab / 32)] int32 bitmask
+    (llguidance's layout) per group of starts (_CLOSING, _NEXT), the ids whose token text starts
+    with one of them (byte-level BPE keeps these ASCII characters as they are)."""
+    groups = (_CLOSING, _NEXT)
+    bits = torch.zeros(len(groups), ((vocab + 31) // 32) * 32, dtype=torch.bool)
     for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
-        if token is not None and token.startswith(starts):
-            bits[token_id] = True
-    weights = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).view(1, 32)
-    words = (bits.view(-1, 32).to(torch.int64) * weights).sum(dim=1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        if token is not None:
+            for g, starts in enumerate(groups):
+                if token.startswith(starts):
+                    bits[g, token_id] = True
+    weights = torch.ones(32, dtype=torch.int64) << torch.arange(32)
+    words = (bits.view(len(groups), -1, 32).to(torch.int64) * weights).sum(dim=2)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return tuple(words)
 
 
 def _single_id(tokenizer: Any, tag: str) -> int:
