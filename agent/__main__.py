@@ -89,6 +89,13 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16"],
         help="auto: bfloat16 on cuda, float32 on cpu",
     )
+    p.add_argument(
+        "--quantize",
+        default=d.quantize,
+        choices=["", "int4"],
+        help="4-bit weights, quantized after loading a float checkpoint (a quantized checkpoint from "
+        "`omni-agent quantize` needs no flag, and is the way for a card the float weights do not fit)",
+    )
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the GPU path eagerly")
     p.add_argument(
         "--cpu-graphs",
@@ -398,6 +405,30 @@ async def _serve(config: Config, app: "web.Application") -> None:
     print("omni-agent: stopped", flush=True)
 
 
+def _quantize(ns: argparse.Namespace) -> int:
+    from agent.engine.quant.apply import QuantScheme
+    from agent.engine.quant.convert import quantize_checkpoint
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not (ns.src / "config.json").exists():
+        print(f"omni-agent: {ns.src} is not a checkpoint folder (no config.json)", file=sys.stderr)
+        return 2
+    try:
+        scheme = QuantScheme(method=ns.method, group=ns.group, heads=not ns.keep_heads)
+        summary = quantize_checkpoint(ns.src, ns.dst, scheme, device=ns.device)
+    except (ValueError, KeyError) as exc:
+        print(f"omni-agent: {exc}", file=sys.stderr)
+        return 2
+    for name, why in summary.report.kept:
+        print(f"kept in the model's dtype: {name} ({why})")
+    gib = 2**30
+    print(
+        f"{ns.dst}: {len(summary.report.quantized)} modules quantized, "
+        f"{summary.source_bytes / gib:.2f} GiB -> {summary.written_bytes / gib:.2f} GiB in {summary.shards} shards"
+    )
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="omni-agent", description=__doc__)
@@ -405,6 +436,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _serve_parser(sub.add_parser("serve", help="run the agent (the default command)"))
     tiny = sub.add_parser("make-tiny", help="build the tiny Qwen3-Omni checkpoint into DIR")
     tiny.add_argument("dir", type=Path)
+    quant = sub.add_parser(
+        "quantize",
+        help="write a 4-bit copy of a float checkpoint (SRC folder) into DST, layer by layer; "
+        "serve it with --model DST",
+    )
+    quant.add_argument("src", type=Path)
+    quant.add_argument("dst", type=Path)
+    quant.add_argument("--method", default="int4", choices=["int4"])
+    quant.add_argument("--group", type=int, default=128, help="inputs per scale and offset (default %(default)s)")
+    quant.add_argument(
+        "--keep-heads", action="store_true", help="keep the thinker's and talker's output heads in the model's dtype"
+    )
+    quant.add_argument(
+        "--device", default="cpu", help="where each tensor is quantized (cpu or cuda; default %(default)s)"
+    )
     from agent.client.call import add_arguments as add_call_arguments
 
     call = sub.add_parser(
@@ -414,7 +460,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     add_call_arguments(call)
     call.add_argument("--log-level", default="WARNING")
-    if not argv or argv[0] not in ("serve", "call", "make-tiny", "-h", "--help"):
+    if not argv or argv[0] not in ("serve", "call", "make-tiny", "quantize", "-h", "--help"):
         argv = ["serve", *argv]
     ns = parser.parse_args(argv)
     if ns.command == "make-tiny":
@@ -422,6 +468,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(make_tiny(ns.dir))
         return 0
+    if ns.command == "quantize":
+        return _quantize(ns)
     if ns.command == "call":
         from agent.client.call import options_from_args, run_call
 

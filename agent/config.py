@@ -57,6 +57,7 @@ class Config:
     cache_dir: Path = field(default_factory=default_cache_dir)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
+    quantize: str = ""  # "" | int4: 4-bit weights after loading a float checkpoint (agent/engine/quant)
     cuda_graphs: bool = True
     # On CPU, the engine's steps traced per bucket and replayed off the GIL (agent/engine/
     # agent/engine/compile/cpu_traces.py; docs/load.md). Off by default: buckets first used in a reply are traced

@@ -34,7 +34,7 @@ def runner_factory(config: Config) -> Callable[[], Runner]:
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         from agent.engine.checkpoints.model import load_model
 
-        loaded = load_model(ensure_model(config), device=config.device, dtype=config.dtype)
+        loaded = load_model(ensure_model(config), device=config.device, dtype=config.dtype, quantize=config.quantize)
         # The limits were planned before the load (memory_plan.size_limits): say if the GPU now has less.
         from agent.engine.memory_plan import check_after_load
 

@@ -84,6 +84,9 @@ class ModelMemory:
 
     weights: int  # parameters and buffers as loaded
     engine_weights: int  # the code predictor's concatenated projections (code_predictor.FusedWeights)
+    # A 4-bit model's prefill unpacks one layer's whole expert stack for its grouped matmul
+    # (ops/moe.py): the largest such stack in the model's dtype, alive while one layer runs.
+    unpacked_experts: int
     thinker_kv_token: int  # K and V of one token in one slot, every thinker layer
     talker_kv_token: int
     talker_extra_tokens: int  # the talker's cache beyond the context: a reply's frames + 16
@@ -92,12 +95,18 @@ class ModelMemory:
     dtype: str
 
     @classmethod
-    def from_config(cls, config: Any, dtype: torch.dtype, max_reply_seconds: float) -> ModelMemory:
+    def from_config(cls, config: Any, dtype: torch.dtype, max_reply_seconds: float, quantize: str = "") -> ModelMemory:
         """From a `Qwen3OmniMoeConfig` (complete_config applied), nothing allocated: the model is
-        built on the meta device and counted."""
+        built on the meta device and counted; 4-bit as the checkpoint's config says it is stored,
+        or as `quantize` (--quantize) will make it."""
         from agent.engine.checkpoints.presets import _build_meta, _cast_parameters
+        from agent.engine.quant.apply import QuantScheme, quantize_model
 
-        return cls.of_model(_cast_parameters(_build_meta(config), dtype), max_reply_seconds)
+        model = _cast_parameters(_build_meta(config), dtype)
+        scheme = QuantScheme.of_config(config) or (QuantScheme(method=quantize) if quantize else None)
+        if scheme is not None:
+            quantize_model(model, scheme)
+        return cls.of_model(model, max_reply_seconds)
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, max_reply_seconds: float) -> ModelMemory:
@@ -106,25 +115,35 @@ class ModelMemory:
         from agent.engine.checkpoints.model import OUTPUT_RATE
         from agent.engine.codecs.code2wav import SlotCode2Wav
         from agent.engine.codecs.output_audio import talker_tokens_for
+        from agent.engine.quant.modules import Int4Experts
 
         config = model.config
-        weight = model.thinker.lm_head.weight
+        weight = model.thinker.get_input_embeddings().weight  # never quantized: the model's dtype
         size = weight.element_size()
-        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        weights = _bytes(model)
         slot = SlotCode2Wav(model.code2wav, 1)
         slot_state = sum(
             t.numel() * t.element_size() for t in (*slot.kv.keys, *slot.kv.values, slot.key_pos, *slot.states.values())
         )
         del slot
         predictor = config.talker_config.code_predictor_config
-        qkv_rows = (predictor.num_attention_heads + 2 * predictor.num_key_value_heads) * _head_dim(predictor)
-        engine_weights = (
-            predictor.num_hidden_layers * (qkv_rows + 2 * predictor.intermediate_size) * predictor.hidden_size * size
+        # FusedWeights copies q/k/v and gate/up of every predictor layer, packed if they are.
+        engine_weights = sum(
+            _bytes(m)
+            for layer in model.talker.code_predictor.model.layers
+            for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            + (layer.mlp.gate_proj, layer.mlp.up_proj)
         )
+        unpacked = [
+            (m.num_experts * 3 * m.intermediate_dim * m.hidden_dim * size)
+            for m in model.modules()
+            if isinstance(m, Int4Experts)
+        ]
         tokens = config.talker_config.num_code_groups + 1  # the talker's hidden state and codebook 0, then 15 codes
         return cls(
             weights=weights,
             engine_weights=engine_weights,
+            unpacked_experts=max(unpacked, default=0),
             thinker_kv_token=_kv_token(config.thinker_config.text_config, size),
             talker_kv_token=_kv_token(config.talker_config.text_config, size),
             talker_extra_tokens=talker_tokens_for(max_reply_seconds, OUTPUT_RATE) + 16,
@@ -144,7 +163,11 @@ class ModelMemory:
     @property
     def fixed(self) -> int:
         """Everything that does not grow with sessions or context (the reserve aside)."""
-        return self.weights + self.engine_weights + self.fixed_state
+        return self.weights + self.engine_weights + self.fixed_state + self.unpacked_experts
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def _head_dim(text_config: Any) -> int:
@@ -328,7 +351,7 @@ def size_limits(config: Config) -> tuple[Config, MemoryPlan]:
     dtype = resolve_dtype(config.dtype, device)
     model_config = AutoConfig.from_pretrained(ensure_model(config))
     complete_config(model_config)
-    memory = ModelMemory.from_config(model_config, dtype, config.max_reply_seconds or 60.0)
+    memory = ModelMemory.from_config(model_config, dtype, config.max_reply_seconds or 60.0, config.quantize)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     given = {name: (None if name in config.sized_from_memory else getattr(config, name)) for name in LIMITS}
     # A derived limit's Config value (the default) is its cap: at most 8 sessions, 32768 tokens.

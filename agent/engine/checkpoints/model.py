@@ -86,7 +86,9 @@ class LoadedModel:
         return [self.ids.im_end, self.ids.endoftext]
 
 
-def load_model(path_or_id: str, device: str = "auto", dtype: str = "auto", attn_impl: str | None = None) -> LoadedModel:
+def load_model(
+    path_or_id: str, device: str = "auto", dtype: str = "auto", attn_impl: str | None = None, quantize: str = ""
+) -> LoadedModel:
     """from_pretrained for the real checkpoint and the tiny one alike (no download is forced).
 
     The weights are placed on `device` by from_pretrained itself (a one-device map), tensor by
@@ -94,6 +96,11 @@ def load_model(path_or_id: str, device: str = "auto", dtype: str = "auto", attn_
     loading on the CPU and moving the model with `.to(device)` afterwards staged the real one in
     host RAM first (its ~60 GiB of stacked experts as new memory; docs/memory.md). "meta" is a
     dry run: shapes and placement, no bytes read.
+
+    A quantized checkpoint (`omni-agent quantize`, config.json names its scheme) is loaded as it
+    is stored, 4-bit layers and all (agent/engine/quant/checkpoint.py). `quantize` ("int4")
+    quantizes a float checkpoint after the load instead: the float weights pass through the
+    device first, so it suits a card that holds them; a smaller one needs the quantized folder.
     """
     from transformers import (
         AutoConfig,
@@ -107,17 +114,28 @@ def load_model(path_or_id: str, device: str = "auto", dtype: str = "auto", attn_
     if attn_impl is None:
         attn_impl = "flash_attention_2" if torch_device.type == "cuda" and _has_flash_attn() else "sdpa"
 
+    from agent.engine.quant.apply import QuantScheme, quantize_model
+    from agent.engine.quant.checkpoint import load_quantized
+
     config = AutoConfig.from_pretrained(path_or_id)
     complete_config(config)
-    # One device in the map: transformers attaches no accelerate dispatch hooks (only a map over
-    # several devices or disk does), so the engine may still swap modules (fused MoE, q/k/v).
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        path_or_id,
-        config=config,
-        dtype=torch_dtype,
-        attn_implementation=attn_impl,
-        device_map={"": _map_device(torch_device)},
-    )
+    stored = QuantScheme.of_config(config)
+    if stored is not None:
+        if quantize and quantize != stored.method:
+            raise ValueError(f"{path_or_id} is quantized as {stored.method}, not {quantize}")
+        model = load_quantized(path_or_id, config, torch_dtype, _map_device(torch_device), attn_impl)
+    else:
+        # One device in the map: transformers attaches no accelerate dispatch hooks (only a map
+        # over several devices or disk does), so the engine may still swap modules (fused MoE, q/k/v).
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+            path_or_id,
+            config=config,
+            dtype=torch_dtype,
+            attn_implementation=attn_impl,
+            device_map={"": _map_device(torch_device)},
+        )
+        if quantize:
+            quantize_model(model, QuantScheme(method=quantize))
     model.eval()
     # Inference only: no weight needs a gradient (and a CPU graph's trace refuses to record a
     # weight that asks for one: agent/engine/compile/cpu_traces.py).

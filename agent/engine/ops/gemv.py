@@ -57,16 +57,16 @@ def normed_gemv_with_scale(x: torch.Tensor, norm: nn.Module, weight: torch.Tenso
     return out, scale[0]
 
 
-def gathered_gemv(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[t] @ weights[index[t, k]].T for every row t and each of its K picks (or x[t, k], one
-    input per pick): x [T, I] or [T, K, I], weights [E, N, I] (one [N, I] matrix per expert),
-    index [T, K] -> [T, K, N] in fp32.
+def gathered_gemv(x: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """x[t] @ picked[t, k].T for every row t and each of its K picks (or x[t, k], one input per
+    pick): x [T, I] or [T, K, I], picked [T, K, N, I] (the picked experts' weights, as
+    `weights[index]` of an [E, N, I] stack or a 4-bit stack's `pick`) -> [T, K, N] in fp32.
 
-    A MoE block's experts at decode: the picked experts' weights are read in place (an indirect
-    load in the reduction's loop: no gathered copy, no grouping by expert)."""
+    A MoE block's experts at decode: compiled, the pick is an indirect load in the reduction's
+    loop (and a 4-bit pick's unpacking is fused into it): no gathered copy, no grouping by expert."""
     rows = x.float()
     rows = rows[:, None, None, :] if rows.dim() == 2 else rows[:, :, None, :]
-    return (weights[index] * rows).sum(-1)
+    return (picked * rows).sum(-1)
 
 
 def check_norm(norm: nn.Module, weight: torch.Tensor) -> None:

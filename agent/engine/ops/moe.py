@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from agent.engine.ops.gemv import gathered_gemv, gemv, normed_gemv_with_scale
+from agent.engine.quant.modules import Int4Experts, expert_weights
 
 Method = Literal["auto", "grouped", "gather"]
 Activation = Callable[[Tensor], Tensor]
@@ -140,18 +141,24 @@ def _grouped_matmul(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
     return _grouped_mm_fn()(x, weight, offs=offs)
 
 
-def experts_gathered(
-    hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, gate_up_proj: Tensor, down_proj: Tensor, act: Activation
-) -> Tensor:
-    """All routed experts via per-pair weight gathers and batched matmuls (graph-safe anywhere)."""
+def experts_gathered(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, experts: nn.Module) -> Tensor:
+    """All routed experts via per-pair weight gathers and batched matmuls (graph-safe anywhere).
+    A 4-bit stack gathers the picked experts' nibbles and unpacks only those."""
     num_tokens, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
+    gate_up_proj = expert_weights(experts, "gate_up_proj", flat)  # [T*K, 2I, H]
     x = hidden.to(gate_up_proj.dtype).repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*K, H, 1]
-    gate_up = torch.bmm(gate_up_proj.index_select(0, flat), x).squeeze(-1)  # [T*K, 2I]
+    gate_up = torch.bmm(gate_up_proj, x).squeeze(-1)  # [T*K, 2I]
     gate, up = gate_up.chunk(2, dim=-1)
-    y = torch.bmm(down_proj.index_select(0, flat), (act(gate) * up).unsqueeze(-1)).squeeze(-1)
+    down = expert_weights(experts, "down_proj", flat)
+    y = torch.bmm(down, (experts.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)
     y = y * top_k_weights.reshape(-1, 1).to(y.dtype)
     return y.view(num_tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def _probe(experts: nn.Module) -> Tensor:
+    """A tensor with the expert weights' device and model dtype, without unpacking a 4-bit stack."""
+    return experts.gate_up_proj_scale if isinstance(experts, Int4Experts) else experts.gate_up_proj
 
 
 class FusedSparseMoeBlock(nn.Module):
@@ -167,8 +174,8 @@ class FusedSparseMoeBlock(nn.Module):
         for name, child in block.named_children():
             self.add_module(name, child)
         self.has_shared_expert = hasattr(block, "shared_expert")
-        self.method = resolve_method(method, self.experts.gate_up_proj)
-        weights = self.experts.gate_up_proj
+        self.method = resolve_method(method, _probe(self.experts))
+        weights = _probe(self.experts)
         # Not persistent: the state_dict keeps the original block's keys.
         self.register_buffer("expert_ids", torch.arange(weights.shape[0], device=weights.device), persistent=False)
         self.source_class = type(block).__name__
@@ -198,7 +205,9 @@ class FusedSparseMoeBlock(nn.Module):
         parts = F.linear(flat, self.entry).split(self.entry_splits, dim=-1)
         routing_weights, selected = self._route(parts[0])
         experts = self.experts
-        if self.method == "grouped":
+        if self.method == "grouped" and not (seq == 1 and isinstance(experts, Int4Experts)):
+            # (A 4-bit stack at decode is gathered instead: grouped_mm needs every expert's
+            # float weight, which would unpack all of them for the few picked.)
             out = experts_grouped(
                 flat,
                 selected,
@@ -210,9 +219,7 @@ class FusedSparseMoeBlock(nn.Module):
                 decode=seq == 1,
             )
         else:
-            out = experts_gathered(
-                flat, selected, routing_weights, experts.gate_up_proj, experts.down_proj, experts.act_fn
-            )
+            out = experts_gathered(flat, selected, routing_weights, experts)
         if self.has_shared_expert:
             gate, up, shared_gate = parts[1:]
             mlp = self.shared_expert
@@ -236,9 +243,11 @@ class FusedSparseMoeBlock(nn.Module):
         routing_weights, selected = self._route_picks(parts[0])
         experts = self.experts
         scaled = flat.float() * norm.weight.float()
-        gate_up = (gathered_gemv(scaled, experts.gate_up_proj, selected) * row_scale.view(-1, 1, 1)).to(flat.dtype)
+        gate_up_w = expert_weights(experts, "gate_up_proj", selected)
+        gate_up = (gathered_gemv(scaled, gate_up_w) * row_scale.view(-1, 1, 1)).to(flat.dtype)
         gate, up = gate_up.chunk(2, dim=-1)
-        picks = gathered_gemv(experts.act_fn(gate) * up, experts.down_proj, selected).to(flat.dtype)  # [T, K, H]
+        down_w = expert_weights(experts, "down_proj", selected)
+        picks = gathered_gemv(experts.act_fn(gate) * up, down_w).to(flat.dtype)  # [T, K, H]
         out = (picks.float() * routing_weights.float().unsqueeze(-1)).sum(1)
         if self.has_shared_expert:
             gate, up, shared_gate = parts[1:]

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from agent.engine.ops.attention import Backend, KVTraffic, attend, kv_traffic, select_backend
-from agent.engine.ops.fusion import QKV, qkv
+from agent.engine.ops.fusion import is_fused, qkv, qkv_weight
 from agent.engine.ops.gemv import check_norm, gemv, normed_gemv
 from agent.engine.ops.moe import FusedSparseMoeBlock
 
@@ -208,7 +208,7 @@ def attention(
     batch, n_new, _ = hidden.shape
     shape = (batch, n_new, -1, attn.head_dim)
     if norm is not None:
-        q, k, v = normed_gemv(hidden, norm, getattr(attn, QKV)).split(attn.qkv_splits, dim=-1)
+        q, k, v = normed_gemv(hidden, norm, qkv_weight(attn)).split(attn.qkv_splits, dim=-1)
     else:
         q, k, v = qkv(attn, hidden)  # one matmul once fused (agent/engine/ops/fusion.py)
     q = attn.q_norm(q.reshape(shape)).transpose(1, 2)
@@ -315,12 +315,12 @@ def check_fused_decoder(body: nn.Module) -> None:
     (gemv.check_norm, tried on a few outputs)."""
     for i, layer in enumerate(body.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if getattr(attn, QKV, None) is None or not isinstance(mlp, FusedSparseMoeBlock):
+        if not is_fused(attn) or not isinstance(mlp, FusedSparseMoeBlock):
             raise ValueError(f"layer {i}: fused decode needs fused q/k/v and a fused MoE block")
         if any(getattr(layer, name, None) is not None for name in ("self_attn_layer_scale", "mlp_layer_scale")):
             raise ValueError(f"layer {i}: fused decode does not apply layer scales")
         shared = getattr(mlp, "shared_expert", None)
         if attn.o_proj.bias is not None or (shared is not None and shared.down_proj.bias is not None):
             raise ValueError(f"layer {i}: fused decode assumes bias-free output projections")
-        check_norm(layer.input_layernorm, getattr(attn, QKV))
+        check_norm(layer.input_layernorm, qkv_weight(attn))
         check_norm(layer.post_attention_layernorm, mlp.entry)

@@ -35,15 +35,25 @@ from agent.engine.compile.wiring import Graphing
 from agent.engine.ops.gemv import check_norm, linear, normed_linear
 from agent.engine.ops.sampling import CODE_PREDICTOR, RESIDUAL_GROUPS, choose, penalize
 from agent.engine.ops.slots import SlotKV, apply_rope
+from agent.engine.quant.modules import Int4Linear, concat_rows, float_weight
 
 
 @dataclass(frozen=True)
 class FusedWeights:
-    """One layer's projections concatenated: q/k/v rows, then gate/up rows."""
+    """One layer's projections concatenated: q/k/v rows, then gate/up rows (float tensors, or
+    4-bit ones for a quantized model: agent/engine/quant)."""
 
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_rows: torch.Tensor | Int4Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]
     splits: tuple[int, int, int]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_rows: torch.Tensor | Int4Linear  # [2 * intermediate, hidden]
+
+    @property
+    def qkv(self) -> torch.Tensor:
+        return float_weight(self.qkv_rows)
+
+    @property
+    def gate_up(self) -> torch.Tensor:
+        return float_weight(self.gate_up_rows)
 
     @classmethod
     def of(cls, layer: nn.Module) -> "FusedWeights":
@@ -51,11 +61,11 @@ class FusedWeights:
         projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         if any(m.bias is not None for m in projections):
             raise ValueError("the loop's projections assume bias-free linears (Qwen3)")
-        parts = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
         return cls(
-            qkv=torch.cat(parts, dim=0),
-            splits=tuple(p.shape[0] for p in parts),
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0),
+            qkv_rows=concat_rows(parts),
+            splits=tuple(p.out_features for p in parts),
+            gate_up_rows=concat_rows((mlp.gate_proj, mlp.up_proj)),
         )
 
 

@@ -1,0 +1,123 @@
+"""Which layers become 4-bit, and the swap itself (`quantize_model`).
+
+Quantized: every large linear the per-frame path reads, i.e. the thinker's and talker's attention
+projections, their MoE expert stacks (~90 % of the bytes), the talker's shared-expert down
+projection, the code predictor's layers and its 15 codebook heads, and the thinker's and
+talker's output heads (`QuantScheme.heads`).
+
+Kept in the model's dtype, and why (docs/quantization.md has the byte counts):
+- the embeddings: one row per token is read, so they cost memory, not bandwidth;
+- norms, the routers, the talker's shared-expert gate and up projections and its one-row gate:
+  they are one concatenated matmul with the router (ops/moe.py `entry`), tiny next to the
+  experts, and routing decides which experts run, so its precision is worth its bytes;
+- biased linears (the talker's two projection MLPs): small, and the swap assumes no bias;
+- the audio and vision encoders and code2wav: run once per turn or per frame of audio with their
+  own activations dominating, together ~2 % of the bytes.
+A row whose inputs do not split into groups (int4.group_for) also stays, and the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from torch import nn
+
+from agent.engine.quant.int4 import group_for
+from agent.engine.quant.modules import Int4Experts, Int4Linear
+
+CONFIG_KEY = "omni_agent_quantization"  # config.json field of a quantized checkpoint
+METHODS = ("int4",)
+# Sub-models whose linears are considered (module-name prefixes of the composite model).
+SCOPES = ("thinker.model.language_model.", "thinker.lm_head", "talker.")
+# Linears kept even inside those scopes (see the module docstring).
+KEPT_SUFFIXES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
+HEADS = ("thinker.lm_head", "talker.codec_head")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a model is quantized: written into a quantized checkpoint's config.json."""
+
+    method: Literal["int4"] = "int4"
+    group: int = 128
+    heads: bool = True  # the thinker's and talker's output heads too
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown quantization {self.method!r} (known: {', '.join(METHODS)})")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "QuantScheme":
+        return cls(**{k: data[k] for k in ("method", "group", "heads") if k in data})
+
+    @classmethod
+    def of_config(cls, config: Any) -> "QuantScheme | None":
+        """The scheme a checkpoint's config carries, or None for a float checkpoint."""
+        data = getattr(config, CONFIG_KEY, None)
+        if isinstance(data, str):
+            data = json.loads(data)
+        return cls.from_json(data) if data else None
+
+
+@dataclass
+class QuantReport:
+    quantized: list[str] = field(default_factory=list)
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (module, why)
+
+
+def _in_scope(name: str, scheme: QuantScheme) -> bool:
+    if not name.startswith(SCOPES) or name.endswith(KEPT_SUFFIXES):
+        return False
+    return scheme.heads or name not in HEADS
+
+
+def quantize_model(model: nn.Module, scheme: QuantScheme) -> QuantReport:
+    """Swap the scheme's layers of a Qwen3OmniMoeForConditionalGeneration for 4-bit ones, in
+    place, one module at a time (the float weight of a module is freed once its swap is done:
+    peak extra memory is one module's float temporaries). On the meta device only the structure
+    changes (what a quantized checkpoint is loaded into). Idempotent."""
+    report = QuantReport()
+    targets = [
+        (name, parent, child_name, child)
+        for parent_name, parent in model.named_modules()
+        for child_name, child in parent.named_children()
+        for name in [f"{parent_name}.{child_name}" if parent_name else child_name]
+        if _in_scope(name, scheme)
+    ]
+    for name, parent, child_name, child in targets:
+        swapped = _swap(child, scheme, name, report)
+        if swapped is not None:
+            setattr(parent, child_name, swapped)
+            report.quantized.append(name)
+    return report
+
+
+def _swap(module: nn.Module, scheme: QuantScheme, name: str, report: QuantReport) -> nn.Module | None:
+    if type(module) is nn.Linear:
+        if module.bias is not None:
+            report.kept.append((name, "has a bias"))
+            return None
+        group = group_for(module.in_features, scheme.group)
+        if group is None:
+            report.kept.append((name, f"{module.in_features} inputs do not split into groups"))
+            return None
+        return Int4Linear.from_linear(module, group)
+    if type(module).__name__.endswith("TextExperts") and hasattr(module, "gate_up_proj"):
+        up, down = (
+            group_for(module.gate_up_proj.shape[-1], scheme.group),
+            group_for(module.down_proj.shape[-1], scheme.group),
+        )
+        if up is None or down is None:
+            report.kept.append((name, "expert inputs do not split into groups"))
+            return None
+        return Int4Experts.from_experts(module, up, down)
+    return None
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (Int4Linear, Int4Experts)) for m in model.modules())

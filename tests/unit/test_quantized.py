@@ -1,0 +1,210 @@
+"""4-bit weights (agent/engine/quant): the packing, the modules, the checkpoint, and exactness.
+
+Pins:
+- int4 packing: codes by halves of a row (byte j = input j low, input j + K/2 high), every
+  weight within half a step of its group's grid, each group's min and max on the grid, meta
+  tensors give shapes only, and a row that does not split into groups is refused;
+- `Int4Linear` computes F.linear with its dequantized weight; `Int4Experts` equals transformers'
+  experts module loaded with the same dequantized stacks (bit for bit), and a fused MoE block
+  over 4-bit experts equals the float block on the same weights, prefill and decode;
+- `quantize_model` swaps the layers docs/quantization.md lists and keeps the rest;
+- `omni-agent quantize SRC DST` writes a checkpoint whose quantized layers hold no float weight,
+  which loads onto the same numbers as quantizing after a float load; a second quantize of
+  its output and a folder without config.json are refused with exit status 2;
+- the memory plan counts the 4-bit model (weights, fused predictor copies, the prefill's
+  unpacked expert stack) from the config alone, as the loaded model measures;
+- with the same 4-bit weights, the streaming runner equals generate() (text, codes, waveform),
+  eager and compiled, one session and two stepped together.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from support.engine_drive import SYSTEM
+from support.exact import SECONDS, TOKENS, assert_same, make_audio, make_image, reference, stream_turn
+from torch.nn import functional as F
+
+from agent.engine.quant.apply import CONFIG_KEY, QuantScheme, quantize_model
+from agent.engine.quant.int4 import LEVELS, dequantize, group_for, quantize
+from agent.engine.quant.modules import Int4Experts, Int4Linear
+from agent.engine.runner.streaming import StreamingRunner
+
+
+def test_packing_by_halves_and_round_to_nearest() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 8, 256, generator=gen)
+    p = quantize(w, 64)
+    assert p.nibbles.shape == (3, 8, 128) and p.nibbles.dtype == torch.uint8
+    assert p.scale.shape == p.low.shape == (3, 8, 4) and p.group == 64
+    back = dequantize(p.nibbles, p.scale, p.low)
+    steps = p.scale.repeat_interleave(64, dim=-1)
+    assert float(((back - w).abs() - steps / 2).max()) <= 1e-5
+    # The codes: byte j holds input j (low nibble) and input j + 128 (high nibble).
+    codes = torch.round((w - p.low.repeat_interleave(64, -1)) / steps).clamp(0, LEVELS).to(torch.uint8)
+    assert torch.equal(p.nibbles & 0xF, codes[..., :128]) and torch.equal(p.nibbles >> 4, codes[..., 128:])
+    groups = w.view(3, 8, 4, 64)
+    assert torch.allclose(back.view(3, 8, 4, 64).amin(-1), groups.amin(-1), atol=1e-6)
+    assert torch.allclose(back.view(3, 8, 4, 64).amax(-1), groups.amax(-1), atol=1e-5)
+
+    meta = quantize(torch.empty(5, 256, device="meta"), 128)
+    assert (
+        meta.nibbles.device.type == "meta" and meta.nibbles.shape == (5, 128) and meta.nbytes == 5 * 128 + 2 * 5 * 2 * 4
+    )
+    assert group_for(256) == 128 and group_for(64) == 64 and group_for(96) == 32 and group_for(20) is None
+    with pytest.raises(ValueError, match="groups"):
+        quantize(w, 48)
+
+
+def test_modules_equal_their_float_forwards(loaded) -> None:
+    gen = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(64, 32, bias=False).requires_grad_(False)
+    q = Int4Linear.from_linear(linear, 32)
+    x = torch.randn(4, 64, generator=gen)
+    assert torch.equal(q(x), F.linear(x, q.weight))
+    assert 0 < float((q.weight - linear.weight).abs().max()) < float(linear.weight.abs().max())
+
+    block = loaded.model.thinker.model.language_model.layers[0].mlp
+    experts = block.experts
+    q4 = Int4Experts.from_experts(experts, 32, 32)
+    reference = type(experts)(loaded.model.config.thinker_config.text_config)
+    with torch.no_grad():
+        reference.gate_up_proj.copy_(q4.gate_up_proj)
+        reference.down_proj.copy_(q4.down_proj)
+    hidden = torch.randn(6, experts.hidden_dim, generator=gen)
+    index = torch.randint(0, experts.num_experts, (6, 2), generator=gen)
+    weights = torch.rand(6, 2, generator=gen)
+    assert torch.equal(q4(hidden, index, weights), reference(hidden, index, weights))
+    assert torch.equal(q4.pick("down_proj", index), q4.down_proj[index])
+
+
+def test_fused_block_over_4bit_experts_equals_the_float_block(loaded) -> None:
+    import copy
+
+    from agent.engine.ops.moe import FusedSparseMoeBlock
+
+    block = copy.deepcopy(loaded.model.talker.model.layers[0].mlp)
+    block.experts = Int4Experts.from_experts(block.experts, 32, 32)
+    dense = copy.deepcopy(loaded.model.talker.model.layers[0].mlp)
+    with torch.no_grad():
+        dense.experts.gate_up_proj.copy_(block.experts.gate_up_proj)
+        dense.experts.down_proj.copy_(block.experts.down_proj)
+    fused = FusedSparseMoeBlock(block)
+    gen = torch.Generator().manual_seed(2)
+    for shape in ((1, 5, 64), (3, 1, 64)):  # a prefill (grouped) and a decode (gathered picks)
+        x = torch.randn(*shape, generator=gen)
+        torch.testing.assert_close(fused(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_model_swaps_the_listed_layers(tiny_model_dir) -> None:
+    from agent.engine.checkpoints.model import load_model
+
+    model = load_model(str(tiny_model_dir)).model
+    report = quantize_model(model, QuantScheme())
+    names = set(report.quantized)
+    lm = "thinker.model.language_model.layers.0"
+    assert {f"{lm}.self_attn.q_proj", f"{lm}.mlp.experts", "thinker.lm_head", "talker.codec_head"} <= names
+    assert {"talker.code_predictor.lm_head.14", "talker.code_predictor.model.layers.0.mlp.down_proj"} <= names
+    assert "talker.model.layers.0.mlp.shared_expert.down_proj" in names
+    assert not any(n.endswith(("shared_expert.gate_proj", "shared_expert_gate")) or "audio" in n for n in names)
+    assert dict(report.kept)["talker.text_projection.linear_fc1"] == "has a bias"
+    assert isinstance(model.thinker.model.language_model.embed_tokens, torch.nn.Embedding)
+    assert quantize_model(model, QuantScheme()).quantized == []  # idempotent
+    heads_kept = quantize_model(load_model(str(tiny_model_dir)).model, QuantScheme(heads=False))
+    assert "thinker.lm_head" not in heads_kept.quantized and len(heads_kept.quantized) == len(names) - 2
+
+
+def test_quantize_command_writes_a_checkpoint_that_loads_the_same(tiny_model_dir, tmp_path, capsys) -> None:
+    from safetensors import safe_open
+
+    from agent.__main__ import main
+    from agent.engine.checkpoints.model import load_model
+
+    dst = tmp_path / "int4"
+    assert main(["quantize", str(tiny_model_dir), str(dst)]) == 0
+    assert "modules quantized" in capsys.readouterr().out
+    config = json.loads((dst / "config.json").read_text())
+    assert config[CONFIG_KEY] == {"method": "int4", "group": 128, "heads": True}
+    assert (dst / "tokenizer.json").exists() and (dst / "preprocessor_config.json").exists()
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    expert = "thinker.model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert f"{expert}_nibbles" in index and expert not in index
+    assert "thinker.model.language_model.layers.0.self_attn.q_proj.weight" not in index
+    with safe_open(str(dst / index[f"{expert}_nibbles"]), "pt") as f:
+        assert f.get_tensor(f"{expert}_nibbles").dtype == torch.uint8
+
+    stored = load_model(str(dst)).model
+    after = load_model(str(tiny_model_dir), quantize="int4").model
+    a, b = stored.state_dict(), after.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(x, y) for x, y in zip(stored.buffers(), after.buffers()))
+
+    assert main(["quantize", str(dst), str(tmp_path / "again")]) == 2
+    assert "already quantized" in capsys.readouterr().err
+    assert main(["quantize", str(tmp_path), str(tmp_path / "x")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_memory_plan_counts_the_4bit_model(tiny_model_dir) -> None:
+    from transformers import AutoConfig
+
+    from agent.engine.checkpoints.model import complete_config, load_model
+    from agent.engine.memory_plan import ModelMemory
+
+    config = AutoConfig.from_pretrained(str(tiny_model_dir))
+    complete_config(config)
+    planned = ModelMemory.from_config(config, torch.float32, 10.0, quantize="int4")
+    measured = ModelMemory.of_model(load_model(str(tiny_model_dir), quantize="int4").model, 10.0)
+    assert planned == measured
+    full = ModelMemory.from_config(config, torch.float32, 10.0)
+    assert planned.weights < full.weights and planned.engine_weights < full.engine_weights
+    assert full.unpacked_experts == 0 < planned.unpacked_experts
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model_dir):
+    from agent.engine.checkpoints.model import load_model
+
+    torch.set_num_threads(1)
+    return load_model(str(tiny_model_dir), quantize="int4")
+
+
+@pytest.fixture(params=["eager", "compiled"])
+def compiled(request, compiled_options) -> dict:
+    return compiled_options if request.param == "compiled" else {}
+
+
+def test_streaming_equals_generate_with_4bit_weights(quantized, compiled) -> None:
+    audio, image = make_audio(1.5, 220, 1), make_image(0)
+    ref = reference(quantized, audio, [image])
+    runner = StreamingRunner(
+        quantized, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **compiled
+    )
+    runner.open_session("s")
+    stream_turn(runner, "s", audio, [image])
+    assert_same(runner.records["s"], ref)
+
+
+def test_two_sessions_stepped_together_equal_generate_with_4bit_weights(quantized, compiled) -> None:
+    from agent.engine.api import ReplyDone
+
+    inputs = {"a": (make_audio(1.2, 200, 3), [make_image(5)]), "b": (make_audio(1.0, 310, 4), [])}
+    runner = StreamingRunner(
+        quantized, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **compiled
+    )
+    for sid, (audio, _) in inputs.items():
+        runner.open_session(sid)
+        for i in range(0, len(audio), 1280):
+            runner.append_audio(sid, audio[i : i + 1280])
+    for sid, (_, images) in inputs.items():
+        runner.begin_reply(sid, images)
+    done = set()
+    while runner.has_work():
+        done |= {o.session_id for o in runner.step() if isinstance(o, ReplyDone)}
+    assert done == {"a", "b"}
+    for sid, (audio, images) in inputs.items():
+        assert_same(runner.records[sid], reference(quantized, audio, images))
+    assert np.all([r.codes.shape[1] > 0 for r in runner.records.values()])
