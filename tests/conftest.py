@@ -25,6 +25,7 @@ COMPILING = (
     "tests/unit/test_gemv.py",
     "tests/unit/test_streaming_exact.py",
     "tests/unit/test_sampling_exact.py",
+    "tests/unit/test_quantized.py",
 )
 LONG = (
     "tests/integration/test_call_leaks.py",

@@ -359,7 +359,8 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
     _delete_app()
     url = f"http://127.0.0.1:{ray_cluster}"
     _deploy_from_config(tiny_model_dir, 2)
-    await _wait(lambda: _replica_states() == Counter(RUNNING=2), 90, "two running replicas", _replica_states)
+    # Each replica loads the model in an engine process of its own: minutes on a loaded machine.
+    await _wait(lambda: _replica_states() == Counter(RUNNING=2), 240, "two running replicas", _replica_states)
     replica_ids = await _wait_idle(url)
     clients: list[AgentClient] = []
     try:
@@ -429,7 +430,7 @@ async def test_autoscaling_adds_a_replica_for_calls(ray_cluster: int, tiny_model
         assert len({owner_of(c.result.call_id) for c in clients}) == 1
         # The decision within 20 s (the replica is being started); serving once its model loaded.
         await _wait(lambda: replicas("STARTING", "RUNNING") == 2, 20, "the policy to add a replica")
-        await _wait(lambda: running() == 2, 60, "the second replica to load its model")
+        await _wait(lambda: running() == 2, 240, "the second replica to load its model")
     finally:
         for c in clients:
             await c.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.compiled import fused_per_batch, generated_code
 from support.engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
 from torch import nn
 from torch.nn import functional as F
@@ -55,12 +56,6 @@ def test_compiled_reductions_equal_the_library_projections(dtype, rows):
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got_normed, want_normed, **tol)
     torch.testing.assert_close(got_plain, want_plain, **tol)
-
-
-def generated_code(counter: KernelCounter) -> list[str]:
-    """The statements (comments left out) of every compiled graph's wrapper the counter saw run."""
-    lines = [line.strip() for source in counter.sources.values() for line in source.splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
 
 
 def compiled_launches(fn, *args) -> dict[str, int]:
@@ -100,22 +95,6 @@ def test_fused_projections_default_to_cuda_only():
     cpu = torch.device("cpu")
     assert Graphing(GraphConfig(compile="on"), cpu, 4).fused_gemv is False
     assert Graphing(GraphConfig(compile="on", fused_gemv=True), cpu, 4).fused_gemv is True
-
-
-def fused_per_batch(loaded, compiled_options):
-    """The engine's graphing as CUDA sets it up, on CPU: one compile per batch bucket (4 only,
-    so one compile each) with fused projections."""
-    from agent.engine.compile.wiring import GraphConfig, Graphing
-
-    config = GraphConfig(
-        mode="off",
-        compile="on",
-        compile_cache=compiled_options["graphs"].compile_cache,
-        batch_sizes=(4,),
-        compile_dynamic_batch=False,
-        fused_gemv=True,
-    )
-    return Graphing(config, loaded.device, 4)
 
 
 def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, compiled_options):

@@ -14,7 +14,9 @@ Pins:
 - the memory plan counts the 4-bit model (weights, fused predictor copies, the prefill's
   unpacked expert stack) from the config alone, as the loaded model measures;
 - with the same 4-bit weights, the streaming runner equals generate() (text, codes, waveform),
-  eager and compiled, one session and two stepped together.
+  eager and compiled, one session and two stepped together;
+- compiled with fused projections (the CUDA default), the decode steps over 4-bit weights equal
+  the eager steps and call no library matmul.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from support.engine_drive import SYSTEM
+from support.compiled import fused_per_batch, generated_code
+from support.engine_drive import SYSTEM, assert_steps_equal_eager, fill_with_noise
 from support.exact import SECONDS, TOKENS, assert_same, make_audio, make_image, reference, stream_turn
 from torch.nn import functional as F
 
+from agent.engine.instruments.kernel_count import KernelCounter
 from agent.engine.quant.apply import CONFIG_KEY, QuantScheme, quantize_model
 from agent.engine.quant.int4 import LEVELS, dequantize, group_for, quantize
 from agent.engine.quant.modules import Int4Experts, Int4Linear
@@ -208,3 +212,29 @@ def test_two_sessions_stepped_together_equal_generate_with_4bit_weights(quantize
     for sid, (audio, images) in inputs.items():
         assert_same(runner.records[sid], reference(quantized, audio, images))
     assert np.all([r.codes.shape[1] > 0 for r in runner.records.values()])
+
+
+def test_fused_decode_steps_read_4bit_weights_in_their_reductions(quantized, compiled_options) -> None:
+    """The GPU's default decode path on CPU: thinker and talker steps compiled per batch with
+    fused projections over 4-bit q/k/v, o_proj, experts and heads equal the eager steps, and the
+    compiled code calls no library matmul: the unpacking is part of the generated reductions."""
+    from agent.engine.ops.fusion import fuse_decoder
+    from agent.engine.ops.moe import fuse_moe
+    from agent.engine.stages.talker import TalkerOps
+    from agent.engine.stages.thinker import ThinkerOps
+
+    model = quantized.model
+    fuse_moe(model)
+    fuse_decoder(model.thinker.model.language_model)
+    fuse_decoder(model.talker.model)
+    assert hasattr(model.thinker.model.language_model.layers[0].self_attn, "qkv_int4")
+    graphing = fused_per_batch(quantized, compiled_options)
+    thinker, talker = ThinkerOps(quantized, 6, 512, graphing), TalkerOps(quantized, 6, 512, graphing=graphing)
+    assert thinker.fused_gemv and talker.fused_gemv
+    gen = torch.Generator().manual_seed(7)
+    fill_with_noise(thinker, talker, gen=gen)
+    with KernelCounter() as counter:
+        assert_steps_equal_eager(thinker, talker, 3, gen)
+    assert len(counter.sources) >= 2, "the steps did not run compiled"
+    code = generated_code(counter)
+    assert not [line for line in code if "extern_kernels.mm" in line or "grouped_mm" in line]

@@ -116,10 +116,14 @@ class Int4Experts(nn.Module):
         """transformers' loop over the experts a batch hit, one expert dequantized at a time."""
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
-            mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+            # One class more than experts, as transformers does: an index equal to num_experts
+            # (a padded pick) hits no expert.
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
         for expert in hit:
             expert = expert[0]
+            if expert == self.num_experts:
+                continue
             pos, token = torch.where(mask[expert])
             gate, up = F.linear(hidden_states[token], self.pick("gate_up_proj", expert)).chunk(2, dim=-1)
             y = F.linear(self.act_fn(gate) * up, self.pick("down_proj", expert))
