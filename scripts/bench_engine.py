@@ -156,6 +156,25 @@ def load(args: argparse.Namespace):
     return load_model(ensure_model(Config(model=args.model)), device=args.device, dtype=args.dtype)
 
 
+CAP_CONTEXT = 4096  # tokens per session slot under --memory-cap-gib: the bench's turns need < 1000
+
+
+def cap_memory(gib: float, device: str) -> None:
+    """--memory-cap-gib: a smaller card's budget on a large one. The caching allocator refuses
+    (out of memory) past `gib` of this process's allocations (the CUDA context is not counted);
+    set before the first allocation, so the load itself runs under it."""
+    import torch
+
+    if not device.startswith("cuda"):
+        print(f"--memory-cap-gib {gib:g}: no cap on {device} (CUDA only)")
+        return
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
+    print(f"memory cap: {gib:g} GiB of {total / 2**30:.1f} GiB on cuda:{index}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="", help="checkpoint path or id (default: the tiny model)")
@@ -176,6 +195,13 @@ def main() -> None:
         "(agent/decoding.py: the choice is then a compiled, graphed step of its own)",
     )
     p.add_argument("--no-reference", action="store_true", help="skip generate() (slow at real size)")
+    p.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        default=0.0,
+        help="CUDA: cap this process's device memory (set_per_process_memory_fraction, before the load) and "
+        f"size the static caches to the run (slots = the largest --batch, {CAP_CONTEXT} tokens each)",
+    )
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="stream eagerly on CUDA")
     p.add_argument(
         "--compile",
@@ -248,6 +274,8 @@ def main() -> None:
     from agent.engine.runner.reference import GenerateRunner
     from agent.engine.runner.streaming import StreamingRunner
 
+    if args.memory_cap_gib:
+        cap_memory(args.memory_cap_gib, args.device)
     loaded = load(args)
     from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, QWEN_THINKER, Decoding
 
@@ -265,6 +293,10 @@ def main() -> None:
         if "compile" not in {f.name for f in fields(Config)}:
             p.error("--compile: this engine's Config has no compile option yet")
         cfg = replace(cfg, compile=args.compile)
+    if args.memory_cap_gib:  # the default 8 slots x 32768 tokens of KV alone are ~29 GiB at real size
+        from dataclasses import replace
+
+        cfg = replace(cfg, max_sessions=max(args.batch), context_limit=CAP_CONTEXT)
     from agent.engine.compile.wiring import GraphConfig
 
     stream = StreamingRunner.from_config(loaded, cfg, graphs=GraphConfig(fused_gemv=args.fused_gemv))
@@ -301,6 +333,11 @@ def main() -> None:
         import torch
 
         print(f"cuda_peak_allocated_gib={torch.cuda.max_memory_allocated() / 2**30:.1f}")
+        if args.memory_cap_gib:
+            print(
+                f"memory_cap_gib={args.memory_cap_gib:g} "
+                f"cuda_peak_reserved_gib={torch.cuda.max_memory_reserved() / 2**30:.2f}"
+            )
     ms = lambda v: "     -" if np.isnan(v) else f"{v * 1000:6.1f}"  # noqa: E731
     print(
         f"\nmodel={args.preset or args.model or 'tiny'} device={args.device} repeats={args.repeats} "

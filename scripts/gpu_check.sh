@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One short GPU check of the engine's CUDA path (~8-10 minutes on an H200; the steps' limits add up to
+# One short GPU check of the engine's CUDA path (~10-13 minutes on an H200; the steps' limits add up to
 # more than one 10-minute device call: if a run is cut short, ONLY="bench_code_predictor bench_compiled"
-# (say) runs the setup and the steps it missed):
+# (say) runs the setup and the steps it missed; ONLY="bench_graphs bench_int4" the bf16/int4 pair):
 #   1. machine, driver and Python versions, nvidia-smi;
 #   2. install: the machine's CUDA torch is kept (the project pins torch==2.13.0, whose CPU wheel
 #      this repo's own machines use; a pip resolve would replace a CUDA build), the rest of the
@@ -10,8 +10,13 @@
 #   3. pytest -m gpu over the test files that hold GPU tests (real CUDA graphs of the engine,
 #      fused MoE, the full-size preset);
 #   4. scripts/bench_engine.py at full size with random weights: batch 1, 4, 10 with CUDA graphs and
-#      compile off; then scripts/bench_code_predictor.py: the compiled, graphed code-predictor loop
-#      with fused projections against library matmuls (time per loop, launches); then the engine
+#      compile off (bench_graphs); then the same engine with 4-bit weights (bench_int4, limit 180 s):
+#      the random model built directly in int4 (presets.build_random(quantize="int4"), never the
+#      bf16 model on the device) under a 24 GiB cap (set_per_process_memory_fraction before the
+#      load: a 24 GiB card's budget), batch 1 and 2, one repeat, ending with
+#      `int4 ttfa_ms_b1= ttfa_ms_b2= rtf_b1= rtf_b2= cuda_peak_gib=` and the bf16 run's batch-1
+#      numbers and ratios beside it (scripts/bench_side_by_side.py); then
+#      scripts/bench_code_predictor.py: the compiled, graphed code-predictor loop with fused projections against library matmuls (time per loop, launches); then the engine
 #      with compile on, with fused projections (the CUDA default) and with library matmuls;
 #      batch 1 eager only with EAGER=1 (measured on 2026-11-30; its table prints peak memory and
 #      the graph counts);
@@ -140,6 +145,20 @@ run pytest_gpu "${GPU_TEST_LIMIT:-240}" "$PY" -m pytest -m gpu -q -rs -p no:cach
 # inductor compiles at real depth: give it the rest), then eager, for the ratio.
 BENCH=("$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weights --device cuda --no-reference)
 run bench_graphs "${BENCH_LIMIT:-150}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile off
+# 4-bit weights under a 24 GiB cap beside the bf16 run above (same device and settings): the build
+# (~20 GiB of int4 plus one expert stack's bf16 weights at a time), then batch 1 and 2.
+bench_int4() {
+  local log rc=0
+  log=$(mktemp)
+  "$@" 2>&1 | tee "$log" || rc=$?
+  "$PY" scripts/bench_side_by_side.py "$RESULTS/bench_graphs.txt" "$log" || { [ "$rc" -ne 0 ] || rc=1; }
+  rm -f "$log"
+  return "$rc"
+}
+export RESULTS
+export -f bench_int4
+run bench_int4 "${INT4_LIMIT:-180}" bash -c 'set -o pipefail; bench_int4 "$@"' _ "${BENCH[@]}" --quantize int4 \
+  --memory-cap-gib "${INT4_CAP_GIB:-24}" --batch 1,2 --repeats 1 --compile off
 # Fused projections vs library matmuls in the compiled loop: decides GraphConfig.fused_gemv's default.
 run bench_code_predictor "${CP_LIMIT:-240}" "$PY" scripts/bench_code_predictor.py --device cuda --batch 1,4 --iters 30
 # Sampled as a real model is by default (agent/decoding.py): the thinker's and talker's choice

@@ -203,10 +203,9 @@ def test_load_random_drives_a_scaled_preset_with_the_tiny_tokenizer(tiny_model_d
 
     real_build = presets.build_random
 
-    def scaled(preset, device, dtype=None, *, overrides=None, seed=0):
-        return real_build(
-            preset, device, dtype, overrides=presets._merge(presets.scaled_overrides(), overrides or {}), seed=seed
-        )
+    def scaled(preset, device, dtype=None, *, overrides=None, seed=0, quantize=""):
+        merged = presets._merge(presets.scaled_overrides(), overrides or {})
+        return real_build(preset, device, dtype, overrides=merged, seed=seed, quantize=quantize)
 
     presets.build_random = scaled
     try:

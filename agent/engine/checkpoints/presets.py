@@ -17,6 +17,14 @@ from the published config.json as recalled (they do not change the parameter cou
 the test pins it against the published 35.3 B total and 3.35 B thinker-active).
 
 `build_random("tiny", ...)` is `agent.engine.checkpoints.tiny.build_model()` moved to the device.
+
+`build_random(..., quantize="int4")` builds the same model directly in 4-bit (agent/engine/quant):
+the structure is swapped on meta (`quantize_model`), then materialised module by module in
+`_init_parameters`' order with the same generator, each quantized module's float weight made on
+the device, packed and freed before the next one. The result is exactly
+`quantize_model(build_random(...))` (same seed, same numbers), but the device never holds more
+than the 4-bit model plus one module's float weight (the largest: one layer's expert stack), so
+the 30B model builds on a card that could not hold it in bf16.
 """
 
 from __future__ import annotations
@@ -312,10 +320,13 @@ def build_random(
     *,
     overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
+    quantize: str = "",
 ) -> Qwen3OmniMoeForConditionalGeneration:
-    """A seeded random model of `preset`, eval mode, no grad. dtype defaults to bf16 on CUDA, fp32 elsewhere."""
+    """A seeded random model of `preset`, eval mode, no grad. dtype defaults to bf16 on CUDA, fp32 elsewhere.
+    `quantize` ("int4"): the model in 4-bit, built without a float copy on the device (module docstring)."""
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    scheme = _scheme(quantize)
     if preset == "tiny":
         if overrides:
             raise ValueError("the tiny preset takes no overrides")
@@ -323,8 +334,15 @@ def build_random(
 
         model, _ = build_model()
         # Floating parameters only: keep buffers' dtypes (fp32 RoPE, int64 offsets).
-        return _cast_parameters(model, dtype).to(device).eval().requires_grad_(False)
+        model = _cast_parameters(model, dtype).to(device).eval().requires_grad_(False)
+        if scheme is not None:  # a few MB: quantized after the build
+            from agent.engine.quant.apply import quantize_model
+
+            quantize_model(model, scheme)
+        return model
     config = preset_config(preset, overrides)
+    if scheme is not None:
+        return _build_quantized(config, device, dtype, seed, scheme)
     model = _cast_parameters(_build_meta(config), dtype)
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -332,6 +350,66 @@ def build_random(
         _init_parameters(model, config.initializer_range, config.code2wav_config.layer_scale_initial_scale, generator)
         _restore_buffers(model)
         calibrate_code2wav(model.code2wav, generator, TARGET_RMS)
+    return model.eval().requires_grad_(False)
+
+
+def _scheme(quantize: str):
+    if not quantize:
+        return None
+    from agent.engine.quant.apply import QuantScheme
+
+    return QuantScheme(method=quantize)  # refuses an unknown method
+
+
+def _build_quantized(
+    config: Qwen3OmniMoeConfig, device: torch.device, dtype: torch.dtype, seed: int, scheme
+) -> Qwen3OmniMoeForConditionalGeneration:
+    """build_random in 4-bit: `quantize_model(build_random(...))` without the float model.
+
+    The float structure's modules are walked in `_init_parameters`' order (model.modules()), with
+    the one generator, so every draw is the one the float build makes: a kept module's tensors
+    are made on the device and initialised in place; a quantized module's float weights are made
+    on the device as temporaries, initialised by the same rule, packed (`quant.int4.quantize`,
+    the group its meta stand-in was given) into the stand-in's buffers, and dropped."""
+    from agent.engine.quant.apply import quantize_model
+    from agent.engine.quant.int4 import Packed, quantize
+
+    model = _cast_parameters(_build_meta(config), dtype)
+    float_modules = list(model.named_modules())  # before the swap: the float modules, in init order
+    report = quantize_model(model, scheme)  # on meta: the structure only
+    stand_ins = {name: model.get_submodule(name) for name in report.quantized}
+    std, layer_scale = config.initializer_range, config.code2wav_config.layer_scale_initial_scale
+    generator = torch.Generator(device=device).manual_seed(seed)
+    made: dict[int, nn.Parameter] = {}  # meta parameter -> its device one (keeps shared ones shared)
+    with torch.no_grad():
+        for name, module in float_modules:
+            stand_in = stand_ins.get(name)
+            params = list(module.named_parameters(recurse=False))
+            if stand_in is None:
+                for pname, param in params:
+                    if id(param) not in made:
+                        made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+                    module._parameters[pname] = made[id(param)]
+                for bname, buf in module.named_buffers(recurse=False):
+                    module._buffers[bname] = torch.empty_like(buf, device=device)  # recomputed below
+                _init_module(module, std, layer_scale, generator)
+                continue
+            for pname, param in params:
+                if id(param) in made:
+                    raise RuntimeError(f"{name}.{pname} is shared with a kept module: cannot quantize it alone")
+                module._parameters[pname] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+            _init_module(module, std, layer_scale, generator)  # the draws the float build makes
+            for pname, param in params:
+                meta = Packed(*(getattr(stand_in, f"{pname}_{part}") for part in ("nibbles", "scale", "low")))
+                packed = quantize(module._parameters[pname], meta.group, meta.scale.dtype)
+                for part in ("nibbles", "scale", "low"):
+                    stand_in._buffers[f"{pname}_{part}"] = getattr(packed, part)
+                module._parameters[pname] = param  # back to meta: the float weight is freed here
+        _restore_buffers(model)
+        calibrate_code2wav(model.code2wav, generator, TARGET_RMS)
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"not materialised: {left[:5]}")
     return model.eval().requires_grad_(False)
 
 
@@ -365,22 +443,27 @@ def _inactive_experts(text_model: nn.Module, text_config) -> int:
 def _init_parameters(model: nn.Module, std: float, layer_scale: float, generator: torch.Generator) -> None:
     """The classes' own init, made explicit (transformers 5.24 skips the talker's experts)."""
     for module in model.modules():
-        kind = type(module).__name__
-        for name, param in module.named_parameters(recurse=False):
-            if "Norm" in kind:
-                param.fill_(1.0 if name == "weight" else 0.0)
-            elif kind.endswith("LayerScale"):
-                param.fill_(layer_scale)
-            elif kind.endswith("ConvNeXtBlock") and name == "gamma":
-                param.fill_(1e-6)  # the class's own layer-scale start
-            elif kind.endswith("SnakeBeta"):
-                param.zero_()  # log-scale alpha/beta: exp(0) = 1
-            elif name == "bias":
-                param.zero_()
-            else:
-                param.normal_(0.0, std, generator=generator)
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            module.weight[module.padding_idx].zero_()
+        _init_module(module, std, layer_scale, generator)
+
+
+def _init_module(module: nn.Module, std: float, layer_scale: float, generator: torch.Generator) -> None:
+    """One module's own parameters (not its children's), drawing from `generator` in order."""
+    kind = type(module).__name__
+    for name, param in module.named_parameters(recurse=False):
+        if "Norm" in kind:
+            param.fill_(1.0 if name == "weight" else 0.0)
+        elif kind.endswith("LayerScale"):
+            param.fill_(layer_scale)
+        elif kind.endswith("ConvNeXtBlock") and name == "gamma":
+            param.fill_(1e-6)  # the class's own layer-scale start
+        elif kind.endswith("SnakeBeta"):
+            param.zero_()  # log-scale alpha/beta: exp(0) = 1
+        elif name == "bias":
+            param.zero_()
+        else:
+            param.normal_(0.0, std, generator=generator)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        module.weight[module.padding_idx].zero_()
 
 
 def _restore_buffers(model: nn.Module) -> None:
@@ -388,9 +471,11 @@ def _restore_buffers(model: nn.Module) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
+    from agent.engine.quant.modules import Int4Experts, Int4Linear
+
     for name, module in model.named_modules():
         owned = {n for n, _ in module.named_buffers(recurse=False)}
-        if not owned:
+        if not owned or isinstance(module, (Int4Linear, Int4Experts)):  # packed weights, made by the build
             continue
         if owned == {"inv_freq", "original_inv_freq"}:
             rope_type = module.rope_type
@@ -464,21 +549,23 @@ def load_random(
     seed: int = 0,
     dtype: torch.dtype | None = None,
     overrides: Mapping[str, Any] | None = None,
+    quantize: str = "",
 ):
     """A LoadedModel of `preset` with random weights, driven by the tokenizer and
     preprocessors saved at `tokenizer_from` (the tiny checkpoint): benchmarks at real size
-    without the checkpoint. `overrides` (e.g. depth_overrides) merge under the token ids."""
+    without the checkpoint. `overrides` (e.g. depth_overrides) merge under the token ids.
+    `quantize` ("int4"): built directly in 4-bit (build_random), as `load_model(quantize=)` gives."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor
 
     from agent.engine.checkpoints.model import LoadedModel, PromptIds, _load_image_processor, complete_config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     merged = _merge(dict(overrides or {}), token_id_overrides(tokenizer))
-    model = build_random(preset, device, dtype, overrides=merged, seed=seed)
+    model = build_random(preset, device, dtype, overrides=merged, seed=seed, quantize=quantize)
     complete_config(model.config)
     model.talker.config.audio_config = model.thinker.config.audio_config
     speakers = model.config.talker_config.speaker_id or {}
-    param = next(model.parameters())
+    param = next(p for p in model.parameters() if p.is_floating_point())
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
