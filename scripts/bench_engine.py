@@ -22,6 +22,14 @@ kernels_end_of_turn=N predicted_rtf_b4=R predicted_ttfa_b1_ms=T`.
 
     .venv/bin/python scripts/bench_engine.py --kernels --preset qwen3-omni-30b-a3b --layers 1,2
 
+With --kernels --quantize int4 (scripts/bench_bytes.py) it counts no kernels: it counts the bytes of
+the 4-bit model against bf16 on the meta device (weights per stack at 1 and 2 layers extrapolated
+to full depth and checked against a full-depth count, the memory plan on a 24 GB card, bytes one
+tick reads). Last line: `weights_gib_bf16=X weights_gib_int4=Y total_gib_2_sessions_int4=Z
+bytes_per_tick_int4_over_bf16=R`.
+
+    .venv/bin/python scripts/bench_engine.py --kernels --preset qwen3-omni-30b-a3b --layers 1,2 --quantize int4
+
 With --load (scripts/bench_load.py, docs/memory.md) it instead measures what loading the real
 checkpoint costs: a hub-shaped random checkpoint at real widths with 1 and 2 layers per stack,
 each loaded in a fresh process as `--model DIR` would be (cuda if there is one, else cpu; bf16),
@@ -152,8 +160,12 @@ def load(args: argparse.Namespace):
     if args.preset:
         from agent.engine.checkpoints.presets import load_random
 
-        return load_random(args.preset, device=args.device, tokenizer_from=ensure_model(Config()))
-    return load_model(ensure_model(Config(model=args.model)), device=args.device, dtype=args.dtype)
+        return load_random(
+            args.preset, device=args.device, tokenizer_from=ensure_model(Config()), quantize=args.quantize
+        )
+    return load_model(
+        ensure_model(Config(model=args.model)), device=args.device, dtype=args.dtype, quantize=args.quantize
+    )
 
 
 CAP_CONTEXT = 4096  # tokens per session slot under --memory-cap-gib: the bench's turns need < 1000
@@ -183,6 +195,13 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--quantize",
+        choices=("", "int4"),
+        default="",
+        help="4-bit weights (agent/engine/quant); with --kernels: count the weight, memory-plan and per-tick "
+        "bytes of the int4 model against bf16 on the meta device instead of counting kernels (scripts/bench_bytes.py)",
+    )
     p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1])
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--max-reply-tokens", type=int, default=24)
@@ -261,6 +280,11 @@ def main() -> None:
 
         if len(set(args.layers)) != 2:
             p.error("--layers takes two different depths, e.g. 1,2")
+        if args.quantize:
+            from bench_bytes import run as run_bytes
+
+            run_bytes(args)
+            return
         if args.threads:
             torch.set_num_threads(args.threads)
         from bench_kernels import run

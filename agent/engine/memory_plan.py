@@ -72,10 +72,12 @@ class Card:
 
 
 # torch reports 79.2 GiB for an H100 80GB (HBM3) and 139.8 GiB for an H200; the CUDA context and
-# the libraries' handles take about 0.5 GiB of it before the load.
+# the libraries' handles take about 0.5 GiB of it before the load. An RTX 4090 is counted at its
+# nominal 24 GiB (the 4-bit model's target card).
 CUDA_CONTEXT_BYTES = GiB // 2
 H100_80G = Card("H100 80GB", int(79.2 * GiB) - CUDA_CONTEXT_BYTES)
 H200 = Card("H200", int(139.8 * GiB) - CUDA_CONTEXT_BYTES)
+RTX4090 = Card("RTX 4090 24GB", 24 * GiB - CUDA_CONTEXT_BYTES)
 
 
 @dataclass(frozen=True)
