@@ -86,8 +86,8 @@ class ModelMemory:
 
     weights: int  # parameters and buffers as loaded
     engine_weights: int  # the code predictor's concatenated projections (code_predictor.FusedWeights)
-    # A 4-bit model's prefill unpacks one layer's whole expert stack for its grouped matmul
-    # (ops/moe.py): the largest such stack in the model's dtype, alive while one layer runs.
+    # A 4-bit model's prefill unpacks one layer's expert stacks for its grouped matmuls, one
+    # after the other (ops/moe.py): the largest gate/up stack in the model's dtype.
     unpacked_experts: int
     thinker_kv_token: int  # K and V of one token in one slot, every thinker layer
     talker_kv_token: int
@@ -136,8 +136,9 @@ class ModelMemory:
             for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
             + (layer.mlp.gate_proj, layer.mlp.up_proj)
         )
+        # Gate/up is unpacked, read and freed before down is: the larger of the two is alive.
         unpacked = [
-            (m.num_experts * 3 * m.intermediate_dim * m.hidden_dim * size)
+            (m.num_experts * 2 * m.intermediate_dim * m.hidden_dim * size)
             for m in model.modules()
             if isinstance(m, Int4Experts)
         ]
@@ -202,7 +203,9 @@ class MemoryPlan:
 
     @property
     def weights(self) -> int:
-        return self.memory.weights + self.memory.engine_weights
+        """Everything weight-shaped: parameters and buffers, the predictor's fused copies, and a
+        4-bit model's unpacked expert stack during a prefill."""
+        return self.memory.weights + self.memory.engine_weights + self.memory.unpacked_experts
 
     @property
     def need(self) -> int:
@@ -218,7 +221,9 @@ class MemoryPlan:
                 f"memory plan ({self.device}, {m.dtype}): {free}",
                 (
                     f"  weights          {_gib(self.weights)} (parameters and buffers {_gib(m.weights)}, the code "
-                    f"predictor's fused projections {_gib(m.engine_weights)})"
+                    f"predictor's fused projections {_gib(m.engine_weights)}"
+                    + (f", a prefill's unpacked experts {_gib(m.unpacked_experts)}" if m.unpacked_experts else "")
+                    + ")"
                 ),
                 (
                     f"  KV per session   {_gib(m.kv_per_slot(self.context))} at {self.context} tokens (a token: thinker "

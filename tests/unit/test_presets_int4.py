@@ -3,8 +3,9 @@
 Pins, on a scaled-down variant of the real preset (one layer per stack) on CPU:
 - the 4-bit build is exactly `quantize_model(build_random(...))` with the same seed, every
   packed weight, kept float weight and buffer bit for bit (so the same init distributions and
-  the same seed logic), and another seed gives another model;
-- no quantized module keeps a float weight: the 4-bit modules own no parameters, nothing is
+  the same seed logic) but code2wav's loudness-calibrated last conv (within 10 %), and another
+  seed gives another model;
+- no quantized module keeps a float weight: the 4-bit modules own no parameter but a bias, nothing is
   left on meta, and the state dict has no float `weight`/`gate_up_proj`/`down_proj` for them;
 - while it builds, no more than one module's float weights exist besides the model's own
   tensors (what lets the 30B model build on a card that cannot hold it in bf16);
@@ -48,7 +49,11 @@ def test_the_4bit_build_is_the_float_build_quantized(built) -> None:
     theirs.update(reference.named_parameters())
     assert ours.keys() == theirs.keys()
     different = [k for k in ours if ours[k].dtype != theirs[k].dtype or not torch.equal(ours[k], theirs[k])]
-    assert not different, different[:5]
+    # But one: code2wav's last conv is scaled to an output loudness measured by running code2wav,
+    # whose transformer is already 4-bit in the 4-bit build (float in the float one).
+    calibrated = "code2wav.decoder.6.conv.weight"
+    assert different in ([], [calibrated]), different[:5]
+    torch.testing.assert_close(ours[calibrated], theirs[calibrated], rtol=0.1, atol=0)
     other = _int4(seed=1).state_dict()
     packed = next(k for k in other if k.endswith("gate_up_proj_nibbles"))
     assert not torch.equal(other[packed], built.state_dict()[packed])
@@ -59,7 +64,8 @@ def test_quantized_modules_hold_no_float_weight(built) -> None:
     assert any(isinstance(m, Int4Experts) for m in stand_ins.values())
     assert any(n.startswith("talker.code_predictor") for n in stand_ins)
     for name, module in stand_ins.items():
-        assert not list(module.parameters(recurse=False)), name
+        # A bias is the one float parameter a 4-bit module may own.
+        assert [n for n, _ in module.named_parameters(recurse=False)] in ([], ["bias"]), name
         assert module.weight_nibbles.dtype if isinstance(module, Int4Linear) else module.gate_up_proj_nibbles.dtype
     keys = built.state_dict().keys()
     floats = {f"{n}.{w}" for n in stand_ins for w in ("weight", "gate_up_proj", "down_proj")}

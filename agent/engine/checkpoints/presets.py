@@ -400,6 +400,9 @@ def _build_quantized(
                 module._parameters[pname] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
             _init_module(module, std, layer_scale, generator)  # the draws the float build makes
             for pname, param in params:
+                if f"{pname}_nibbles" not in stand_in._buffers:  # a bias: float in the stand-in too
+                    stand_in._parameters[pname] = module._parameters[pname]
+                    continue
                 meta = Packed(*(getattr(stand_in, f"{pname}_{part}") for part in ("nibbles", "scale", "low")))
                 packed = quantize(module._parameters[pname], meta.group, meta.scale.dtype)
                 for part in ("nibbles", "scale", "low"):

@@ -79,22 +79,23 @@ def experts_grouped(
     hidden: Tensor,
     top_k_index: Tensor,
     top_k_weights: Tensor,
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
+    gate_up_proj: Tensor | Callable[[], Tensor],
+    down_proj: Tensor | Callable[[], Tensor],
     act: Activation,
     expert_ids: Tensor | None = None,
     decode: bool = False,
 ) -> Tensor:
     """All routed experts via grouped matmuls over the unmodified `[E, out, in]` weights.
 
-    hidden [T, H], top_k_index/top_k_weights [T, K] -> [T, H]. `expert_ids`: arange(E) made
-    once by the caller (else here: a kernel per call and layer in a compiled step). `decode`:
-    few pairs, ordered by `rank_by_expert` instead of a sort.
+    hidden [T, H], top_k_index/top_k_weights [T, K] -> [T, H]. The weights, or functions that
+    make them when they are read (a 4-bit stack's unpacking: one float stack alive at a time).
+    `expert_ids`: arange(E) made once by the caller (else here: a kernel per call and layer in a
+    compiled step). `decode`: few pairs, ordered by `rank_by_expert` instead of a sort.
     """
     num_tokens, k = top_k_index.shape
-    num_experts = gate_up_proj.shape[0]
     flat = top_k_index.reshape(-1)
-    experts = expert_ids if expert_ids is not None else torch.arange(num_experts, device=flat.device)
+    weight = gate_up_proj() if callable(gate_up_proj) else gate_up_proj
+    experts = expert_ids if expert_ids is not None else torch.arange(weight.shape[0], device=flat.device)
     if decode:
         perm, rank, offs = rank_by_expert(flat, experts)
     else:
@@ -103,10 +104,12 @@ def experts_grouped(
         # depends on the data, a host sync that breaks graph capture).
         offs = torch.searchsorted(sorted_ids, experts.to(sorted_ids.dtype), right=True).to(torch.int32)
         rank = None
-    x = hidden.index_select(0, perm // k).to(gate_up_proj.dtype)
-    gate_up = _grouped_matmul(x, gate_up_proj.transpose(-2, -1), offs)
+    x = hidden.index_select(0, perm // k).to(weight.dtype)
+    gate_up = _grouped_matmul(x, weight.transpose(-2, -1), offs)
+    del weight  # (an unpacked stack is freed before the next is made)
     gate, up = gate_up.chunk(2, dim=-1)
-    y = _grouped_matmul(act(gate) * up, down_proj.transpose(-2, -1), offs)
+    weight = down_proj() if callable(down_proj) else down_proj
+    y = _grouped_matmul(act(gate) * up, weight.transpose(-2, -1), offs)
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
     # Undo the order (perm is a permutation: a gather by rank, or a deterministic index_copy)
     # and sum the k experts.
@@ -154,6 +157,13 @@ def experts_gathered(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
     y = torch.bmm(down, (experts.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)
     y = y * top_k_weights.reshape(-1, 1).to(y.dtype)
     return y.view(num_tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def _stack(experts: nn.Module, name: str) -> Tensor | Callable[[], Tensor]:
+    """A float expert stack as experts_grouped takes it: a 4-bit one unpacked when it is read."""
+    if isinstance(experts, Int4Experts):
+        return lambda: getattr(experts, name)
+    return getattr(experts, name)
 
 
 def _probe(experts: nn.Module) -> Tensor:
@@ -208,12 +218,14 @@ class FusedSparseMoeBlock(nn.Module):
         if self.method == "grouped" and not (seq == 1 and isinstance(experts, Int4Experts)):
             # (A 4-bit stack at decode is gathered instead: grouped_mm needs every expert's
             # float weight, which would unpack all of them for the few picked.)
+            # A 4-bit stack is unpacked where experts_grouped reads it, gate/up and then down:
+            # one of the two float stacks is alive at a time (the memory plan's unpacked_experts).
             out = experts_grouped(
                 flat,
                 selected,
                 routing_weights,
-                experts.gate_up_proj,
-                experts.down_proj,
+                _stack(experts, "gate_up_proj"),
+                _stack(experts, "down_proj"),
                 experts.act_fn,
                 self.expert_ids,
                 decode=seq == 1,

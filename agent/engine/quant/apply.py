@@ -1,18 +1,19 @@
 """Which layers become 4-bit, and the swap itself (`quantize_model`).
 
-Quantized: every large linear the per-frame path reads, i.e. the thinker's and talker's attention
-projections, their MoE expert stacks (~90 % of the bytes), the talker's shared-expert down
-projection, the code predictor's layers and its 15 codebook heads, and the thinker's and
-talker's output heads (`QuantScheme.heads`).
+Quantized: every large linear, i.e. the thinker's and talker's attention projections, their MoE
+expert stacks (~85 % of the bf16 bytes), the talker's shared-expert down projection, the code
+predictor's layers and its 15 codebook heads, the thinker's and talker's output heads
+(`QuantScheme.heads`), and the linears of the audio and vision encoders and of code2wav's
+transformer (`QuantScheme.encoders`: 2.4 GiB of bf16 together, the largest part left once the
+decoders are 4-bit; biases stay float).
 
 Kept in the model's dtype, and why (docs/quantization.md has the byte counts):
-- the embeddings: one row per token is read, so they cost memory, not bandwidth;
+- the embeddings: one row per token is read, so they cost memory (0.6 GiB), not bandwidth;
 - norms, the routers, the talker's shared-expert gate and up projections and its one-row gate:
   they are one concatenated matmul with the router (ops/moe.py `entry`), tiny next to the
   experts, and routing decides which experts run, so its precision is worth its bytes;
-- biased linears (the talker's two projection MLPs): small, and the swap assumes no bias;
-- the audio and vision encoders and code2wav: run once per turn or per frame of audio with their
-  own activations dominating, together ~2 % of the bytes.
+- the talker's two projection MLPs (small, read per text token);
+- convolutions (the encoders' stems, code2wav's upsampler: 0.3 GiB);
 A row whose inputs do not split into groups (int4.group_for) also stays, and the report says so.
 """
 
@@ -31,6 +32,9 @@ CONFIG_KEY = "omni_agent_quantization"  # config.json field of a quantized check
 METHODS = ("int4",)
 # Sub-models whose linears are considered (module-name prefixes of the composite model).
 SCOPES = ("thinker.model.language_model.", "thinker.lm_head", "talker.")
+ENCODERS = ("thinker.model.audio_tower.", "thinker.model.visual.", "code2wav.")
+# The talker's projections from the thinker (biased, small, read per text token).
+TALKER_PROJECTIONS = ("talker.text_projection.", "talker.hidden_projection.")
 # Linears kept even inside those scopes (see the module docstring).
 KEPT_SUFFIXES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
 HEADS = ("thinker.lm_head", "talker.codec_head")
@@ -43,6 +47,7 @@ class QuantScheme:
     method: Literal["int4"] = "int4"
     group: int = 128
     heads: bool = True  # the thinker's and talker's output heads too
+    encoders: bool = True  # the audio and vision encoders' and code2wav's linears too
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -53,7 +58,13 @@ class QuantScheme:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "QuantScheme":
-        return cls(**{k: data[k] for k in ("method", "group", "heads") if k in data})
+        # A field a checkpoint's config does not name is False: its writer did not quantize it.
+        return cls(
+            method=data["method"],
+            group=data.get("group", 128),
+            heads=data.get("heads", False),
+            encoders=data.get("encoders", False),
+        )
 
     @classmethod
     def of_config(cls, config: Any) -> "QuantScheme | None":
@@ -71,7 +82,9 @@ class QuantReport:
 
 
 def _in_scope(name: str, scheme: QuantScheme) -> bool:
-    if not name.startswith(SCOPES) or name.endswith(KEPT_SUFFIXES):
+    if name.startswith(ENCODERS):
+        return scheme.encoders
+    if not name.startswith(SCOPES) or name.endswith(KEPT_SUFFIXES) or name.startswith(TALKER_PROJECTIONS):
         return False
     return scheme.heads or name not in HEADS
 
@@ -99,9 +112,6 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> QuantReport:
 
 def _swap(module: nn.Module, scheme: QuantScheme, name: str, report: QuantReport) -> nn.Module | None:
     if type(module) is nn.Linear:
-        if module.bias is not None:
-            report.kept.append((name, "has a bias"))
-            return None
         group = group_for(module.in_features, scheme.group)
         if group is None:
             report.kept.append((name, f"{module.in_features} inputs do not split into groups"))

@@ -42,22 +42,20 @@ def _dequantized(module: nn.Module, name: str, index: Tensor | None = None) -> T
 
 
 class Int4Linear(nn.Module):
-    """A bias-free `nn.Linear` with 4-bit group-wise weights (agent/engine/quant/int4.py)."""
+    """An `nn.Linear` with 4-bit group-wise weights (agent/engine/quant/int4.py); a bias, if any,
+    stays a float parameter."""
 
-    bias = None  # Qwen3-Omni's quantized linears have none (quantize_model refuses others)
-
-    def __init__(self, packed: Packed, persistent: bool = True) -> None:
+    def __init__(self, packed: Packed, bias: Tensor | None = None, persistent: bool = True) -> None:
         super().__init__()
         self.out_features = packed.nibbles.shape[0]
         self.in_features = packed.nibbles.shape[1] * 2
         _register(self, "weight", packed, persistent)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: int) -> "Int4Linear":
-        if linear.bias is not None:
-            raise ValueError("only bias-free linears are quantized")
         with torch.no_grad():
-            return cls(quantize(linear.weight, group))
+            return cls(quantize(linear.weight, group), linear.bias)
 
     @property
     def packed(self) -> Packed:
@@ -69,10 +67,13 @@ class Int4Linear(nn.Module):
         return _dequantized(self, "weight")
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.packed.group}"
+        bias = self.bias is not None
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, group={self.packed.group}"
+        )
 
 
 class Int4Experts(nn.Module):
@@ -150,6 +151,8 @@ def concat_rows(linears: tuple[nn.Module, ...]) -> Tensor | Int4Linear:
         if len({m.packed.group for m in linears}) != 1:
             raise ValueError("linears quantized with different group sizes")
         parts = (torch.cat([getattr(m, f"weight_{p}") for m in linears], dim=0) for p in ("nibbles", "scale", "low"))
+        if any(m.bias is not None for m in linears):
+            raise ValueError("concatenated linears are bias-free")
         return Int4Linear(Packed(*parts), persistent=False)
     return torch.cat([m.weight for m in linears], dim=0)
 
