@@ -141,6 +141,9 @@ class Config:
     # engine a fraction of a conversation (scripts/bench_captions.py --capacity), so a limit
     # sized for conversations would turn most of the caption viewers an engine can serve away.
     max_transcription_sessions: int = 0
+    # Device memory the plan keeps beside weights and caches (agent/engine/memory_plan.py RESERVE_BYTES:
+    # activations, graph pools, workspaces); a small card may lower it at its own risk.
+    memory_reserve_gib: float = 3.0
     connect_timeout_s: float = 15.0  # an answered offer that never connects frees its slot
     max_turns_per_s: float = 20.0  # per engine
     text_only_p95_ms: float = 300.0  # P95 first-response latency above this: text-only replies

@@ -371,6 +371,7 @@ def size_limits(config: Config) -> tuple[Config, MemoryPlan]:
         cap=config.max_sessions,
         default_context=config.context_limit,
         device=str(device),
+        reserve=int(config.memory_reserve_gib * GiB),
     )
     log.info("%s", result.describe())
     if free is not None and config.fallback_model not in ("", "none"):
@@ -398,7 +399,7 @@ def check_after_load(loaded: LoadedModel, config: Config) -> None:
         context=config.context_limit,
         transcription=config.max_transcription_sessions,
     )
-    need = wanted.kv + RESERVE_BYTES + memory.engine_weights
+    need = wanted.kv + int(config.memory_reserve_gib * GiB) + memory.engine_weights + memory.unpacked_experts
     if free < need:
         log.warning(
             "after the load %s is free on %s, the plan needs %s for %d sessions x %d tokens and the reserve: "

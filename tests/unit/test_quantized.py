@@ -260,3 +260,21 @@ def test_fused_decode_steps_read_4bit_weights_in_their_reductions(quantized, com
     assert len(counter.sources) >= 2, "the steps did not run compiled"
     code = generated_code(counter)
     assert not [line for line in code if "extern_kernels.mm" in line or "grouped_mm" in line]
+
+
+def test_a_24_gib_card_holds_the_4bit_model_for_two_sessions_with_a_measured_reserve() -> None:
+    """The real model counted on meta: refused in bf16 and, with the default 3 GiB reserve, in
+    4-bit too; with a 1.5 GiB reserve (--memory-reserve-gib: the H200's measured 1.16 GiB with
+    margin) the plan derives 2 sessions at 8192 tokens with no other flag."""
+    from agent.engine.checkpoints.presets import REAL, preset_config
+    from agent.engine.memory_plan import RTX4090, GiB, MemoryPlanError, ModelMemory, plan
+
+    config = preset_config(REAL)
+    int4 = ModelMemory.from_config(config, torch.bfloat16, 60.0, quantize="int4")
+    assert 17 * GiB < int4.weights < 20 * GiB
+    with pytest.raises(MemoryPlanError):
+        plan(ModelMemory.from_config(config, torch.bfloat16, 60.0), RTX4090.free)
+    with pytest.raises(MemoryPlanError, match="reserve 3.0 GiB"):
+        plan(int4, RTX4090.free)
+    small = plan(int4, RTX4090.free, reserve=int(1.5 * GiB))
+    assert (small.sessions, small.context) == (2, 8192) and small.need <= RTX4090.free
