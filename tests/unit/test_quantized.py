@@ -167,6 +167,7 @@ def test_quantize_command_writes_a_checkpoint_that_loads_the_same(tiny_model_dir
     a, b = stored.state_dict(), after.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(x, y) for x, y in zip(stored.buffers(), after.buffers()))
+    assert stored.generation_config.to_dict() == after.generation_config.to_dict()
 
     assert main(["quantize", str(dst), str(tmp_path / "again")]) == 2
     assert "already quantized" in capsys.readouterr().err

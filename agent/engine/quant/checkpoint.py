@@ -124,6 +124,10 @@ def load_quantized(
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise ValueError(f"{path}: tensors were not loaded: {left[:5]}")
+    if (Path(path) / "generation_config.json").exists():  # as from_pretrained attaches it (generate() reads it)
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
     return model
 
 
