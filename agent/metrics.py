@@ -5,6 +5,10 @@ Names follow the latency words of docs/benchmarks.md: TTFT and TTFA are measured
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from agent.thread_cpu import ThreadCpuCollector
@@ -78,7 +82,20 @@ DEGRADATION_LEVEL = Gauge(
     "agent_degradation_level", "0 audio replies, 1 text-only, 2 fallback model", registry=REGISTRY
 )
 GPU_UTILIZATION = Gauge(
-    "agent_gpu_utilization_ratio", "GPU busy ratio from NVML (absent without a GPU)", registry=REGISTRY
+    "agent_gpu_utilization_ratio",
+    "Busy ratio, from NVML, of the GPU this process uses (the first of CUDA_VISIBLE_DEVICES; absent without a GPU)",
+    registry=REGISTRY,
+)
+GPU_MEMORY_USED = Gauge(
+    "agent_gpu_memory_used_bytes",
+    "Memory in use on the GPU this process uses (every process on it), from NVML",
+    registry=REGISTRY,
+)
+GPU_INFO = Gauge(
+    "agent_gpu_info",
+    "1 for the GPU this process uses: its NVML uuid and index; replicas that report the same uuid share one GPU",
+    ["uuid", "index"],
+    registry=REGISTRY,
 )
 VIDEO_THROTTLE_EVENTS = Counter(
     "agent_video_throttle_events_total",
@@ -129,23 +146,48 @@ def render() -> bytes:
     return generate_latest(REGISTRY)
 
 
+def visible_gpu(environ: Mapping[str, str]) -> str | int:
+    """The GPU CUDA gives this process as device 0, as NVML names it: the first entry of
+    CUDA_VISIBLE_DEVICES, a uuid ("GPU-…", "MIG-…") or an index (Ray and most launchers write
+    indices in NVML's order, the PCI bus order nvidia-smi shows), or index 0 when it is unset."""
+    first = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if not first:
+        return 0
+    return int(first) if first.isdigit() else first
+
+
 class GpuSampler:
-    """Reads GPU utilization through NVML (nvidia-ml-py) when a GPU and the package exist."""
+    """Reads the utilisation and memory of this process's GPU through NVML (nvidia-ml-py) when a
+    GPU and the package exist: the device named by CUDA_VISIBLE_DEVICES, not NVML's device 0, so
+    replicas on one multi-GPU host each report their own. `nvml`: the module (a fake in tests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, nvml: Any = None, environ: Mapping[str, str] | None = None) -> None:
         self._handle = None
+        self.unavailable = ""
         try:
-            import pynvml  # optional: the `gpu` extra
+            if nvml is None:
+                import pynvml as nvml  # optional: the `gpu` extra
 
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            self._nvml = pynvml
+            nvml.nvmlInit()
+            gpu = visible_gpu(os.environ if environ is None else environ)
+            if isinstance(gpu, int):
+                self._handle = nvml.nvmlDeviceGetHandleByIndex(gpu)
+            else:
+                self._handle = nvml.nvmlDeviceGetHandleByUUID(gpu)
+            self._nvml = nvml
+            uuid = nvml.nvmlDeviceGetUUID(self._handle)
+            self.uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+            self.index = int(nvml.nvmlDeviceGetIndex(self._handle))
+            GPU_INFO.labels(uuid=self.uuid, index=str(self.index)).set(1)
         except (ImportError, OSError, RuntimeError) as exc:  # no package / no driver / no device
+            self._handle = None
             self.unavailable = str(exc) or type(exc).__name__
         except Exception as exc:  # pynvml.NVMLError has no common base we can import without pynvml
-            self.unavailable = str(exc)
+            self._handle = None
+            self.unavailable = str(exc) or type(exc).__name__
 
     def sample(self) -> None:
         if self._handle is not None:
             util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
             GPU_UTILIZATION.set(util.gpu / 100.0)
+            GPU_MEMORY_USED.set(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)

@@ -13,12 +13,23 @@ proxy hands the router the ASGI scope it will send, pickled, and the path carrie
   the call ended with its replica; a client never waits for a replica that will not return.
 - No owner (offers, /healthz, /livez, /readyz, the page): the replica with the fewest active
   calls, as each replica reports in its routing stats, plus the offers this router sent it
-  since that report. Draining replicas come last.
+  since that report. Draining replicas come last; equal loads are ordered at random (each
+  router its own draw), so two routers, or a router with no report yet, do not all pick the
+  same replica.
+
+An offer counts against the replica ranked first the moment it is ranked, not when Serve has
+placed it: the offers of a burst are ranked one after another before any placement resolves,
+and counted only at placement they all saw the same loads and went to one replica. When the
+placement resolves, the count moves to the replica that took the offer (a saturated first
+choice), or is released (the placement failed or was cancelled). A replica also refuses offers
+past its own capacity (503 + Retry-After, the agent's admission), so a stale view in another
+router cannot overload it.
 """
 
 from __future__ import annotations
 
 import pickle
+import random
 from collections import Counter
 from typing import Any, List, Optional
 
@@ -61,18 +72,21 @@ class OwnerPinnedRouter(ConsistentHashRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._routed_offers: Counter[str] = Counter()  # replica unique id -> offers this router sent
-        self._placing: set[str] = set()  # offers whose replica is being chosen
+        self._placing: dict[str, str] = {}  # offer being placed -> the replica it is counted against
+        self._rng = random.Random()
 
-    def _load(self, replica: RunningReplica) -> tuple[int, float, str]:
+    def _load(self, replica: RunningReplica) -> tuple[int, float]:
         stats = replica.routing_stats or {}
         rid = replica.replica_id.unique_id
         # Offers sent since the replica last reported: its count lags by up to one stats period.
         unreported = max(0, self._routed_offers[rid] - int(stats.get("offers", 0)))
         calls = float(stats.get("active_calls", 0)) + unreported
-        return (1 if stats.get("draining") else 0, calls, rid)
+        return (1 if stats.get("draining") else 0, calls)
 
     def by_load(self, replicas: List[RunningReplica]) -> List[RunningReplica]:
-        return sorted(replicas, key=self._load)
+        shuffled = list(replicas)
+        self._rng.shuffle(shuffled)  # equal loads in a random order (sorted() is stable)
+        return sorted(shuffled, key=self._load)
 
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
@@ -90,27 +104,37 @@ class OwnerPinnedRouter(ConsistentHashRouter):
                 and scope is not None
                 and is_offer(scope.get("method", ""), scope.get("path", ""))
             ):
-                self._count_when_placed(pending_request)
+                self._count_offer(pending_request, ranked[0])
             return [[r] for r in ranked]
         for replica in candidate_replicas:
             if replica.replica_id.unique_id == owner:
                 return [[replica]]
         return [ranked[:1]]  # the owner is gone: a live replica answers 410 at once
 
-    def _count_when_placed(self, pending: PendingRequest) -> None:
-        # The request's future resolves to the replica chosen for it (whichever rank won), once.
-        # (Serve's on_request_routed hook only runs with strict max_ongoing_requests.)
+    def _count_offer(self, pending: PendingRequest, first: RunningReplica) -> None:
+        """Count the offer against `first` now; at placement move it to the replica that took it,
+        or release it if none did. A retry of the same request (Serve calls again while it backs
+        off) keeps its first count. (Serve's on_request_routed hook runs only with strict
+        max_ongoing_requests, so the request's future is what says where it went.)"""
         key = pending.metadata.internal_request_id
         if key in self._placing:
             return
-        self._placing.add(key)
+        counted = first.replica_id.unique_id
+        self._placing[key] = counted
+        self._routed_offers[counted] += 1
 
         def placed(future: Any) -> None:
-            self._placing.discard(key)
+            self._placing.pop(key, None)
+            self._release(counted)
             if not future.cancelled() and future.exception() is None:
                 self._routed_offers[future.result().replica_id.unique_id] += 1
 
         pending.future.add_done_callback(placed)
+
+    def _release(self, rid: str) -> None:
+        self._routed_offers[rid] -= 1
+        if self._routed_offers[rid] <= 0:
+            del self._routed_offers[rid]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -8,6 +8,7 @@ Pins, with real aiortc peers on loopback and one local Ray instance for the modu
   call's owner, and an SSE stream through the proxy carries the owner's events for that call;
 - admission: with 2 calls per replica and 2 replicas the 5th offer gets 503 + Retry-After,
   and after a hangup a new offer is taken again (by the replica that freed the slot);
+- a burst: 4 offers at the same moment to the 2 idle replicas are all taken, 2 per replica;
 - a killed replica: its calls' follow-ups answer 404/410 without hanging (client timeout 10 s),
   the other replica's call keeps hearing replies, a new call succeeds;
 - a removed replica drains: its call keeps talking while new calls go to the other replica (once
@@ -235,6 +236,41 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
     finally:
         for c in clients:
             await c.close()
+
+
+async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav: Path) -> None:
+    """Four offers at the same moment, both replicas idle, two calls each: every offer is taken,
+    two per replica. (Counted only once Serve had placed them, a burst's offers all saw the same
+    loads and went to one replica, which refused the two past its capacity.)"""
+    url = fixed_app
+    await _wait_idle(url)
+    await asyncio.sleep(1.0)  # two stats periods: the routers' view of the idle replicas is fresh
+    clients = [AgentClient(url, speech_wav, video=False) for _ in range(2 * CALLS_PER_REPLICA)]
+    try:
+        for client in clients:
+            client.pc.addTrack(client.audio)
+            await client.pc.setLocalDescription(await client.pc.createOffer())
+        async with aiohttp.ClientSession() as http:
+
+            async def offer(client: AgentClient) -> tuple[int, str]:
+                async with http.post(
+                    f"{url}/v1/realtime/calls",
+                    data=client.pc.localDescription.sdp,
+                    headers={"Content-Type": "application/sdp"},
+                ) as resp:
+                    return resp.status, resp.headers.get("Location", "")
+
+            answers = await asyncio.gather(*(offer(c) for c in clients))
+            placed = [owner_of(location.rsplit("/", 1)[-1]) for status, location in answers if status == 201]
+            for status, location in answers:
+                if status == 201:
+                    async with http.delete(f"{url}{location}") as gone:
+                        assert gone.status == 204
+        assert [status for status, _ in answers] == [201] * len(clients), answers
+        assert sorted(Counter(placed).values()) == [CALLS_PER_REPLICA, CALLS_PER_REPLICA], placed
+    finally:
+        for client in clients:
+            await client.close()
 
 
 def _replica_actor(replica_id: str) -> Any:

@@ -7,7 +7,10 @@ Pins:
   divided by the target round up, a replica holding calls is never given up;
 - OwnerPinnedRouter on the request the proxy really sends (a pickled StreamingHTTPRequest):
   a follow-up goes only to its owner, to a live replica when the owner is gone, offers to the
-  fewest calls (counting offers sent since the last report), draining replicas last; health
+  fewest calls (counting offers sent since the last report), draining replicas last; a burst
+  of offers counted as each is ranked (8 at once to 2 replicas: 4 each; through 2 routers: 2-6
+  each), the count following the replica that took it or released on failure, equal loads
+  ordered at random; health
   probes (/healthz, /livez, /readyz) to the least busy replica, not counted as offers;
 - OfferGate: draining and the offer rate refuse with 503 + Retry-After;
 - AsgiBridge against a real aiohttp app on a Unix socket: status, headers and a streamed
@@ -22,6 +25,7 @@ import asyncio
 import json
 import os
 import pickle
+import random
 import secrets
 from collections import Counter
 from types import SimpleNamespace
@@ -128,11 +132,12 @@ def _replica(rid: str, calls: int = 0, offers: int = 0, draining: bool = False) 
     )
 
 
-def _router() -> OwnerPinnedRouter:
+def _router(seed: int = 0) -> OwnerPinnedRouter:
     # choose_replicas reads only the load bookkeeping; the rest of a router needs a live Serve.
     router = OwnerPinnedRouter.__new__(OwnerPinnedRouter)
     router._routed_offers = Counter()
-    router._placing = set()
+    router._placing = {}
+    router._rng = random.Random(seed)
     return router
 
 
@@ -158,10 +163,11 @@ async def test_router_pins_follow_ups_to_the_owner() -> None:
 async def test_router_places_offers_on_the_fewest_calls() -> None:
     router = _router()
     a, b = _replica("aaa", calls=2, offers=2), _replica("bbb", calls=1, offers=1)
-    offer = _pending("POST", "/v1/realtime/calls")
-    assert _ids(await router.choose_replicas([a, b], offer)) == [["bbb"], ["aaa"]]
+    first = _pending("POST", "/v1/realtime/calls")
+    assert _ids(await router.choose_replicas([a, b], first)) == [["bbb"], ["aaa"]]
+    first.future.set_result(b)
     # This router places 3 offers on bbb, whose last report saw 1: 2 unreported, so bbb counts 3 calls.
-    for _ in range(3):
+    for _ in range(2):
         placed = _pending("POST", "/v1/realtime/calls")
         await router.choose_replicas([a, b], placed)
         await router.choose_replicas([a, b], placed)  # a retry of the same request counts once
@@ -174,7 +180,46 @@ async def test_router_places_offers_on_the_fewest_calls() -> None:
     assert _ids(await router.choose_replicas([a, b], _pending("POST", "/v1/realtime"))) == [["aaa"], ["bbb"]]
     # A draining replica comes last whatever its load.
     c = _replica("ccc", calls=0, draining=True)
-    assert _ids(await router.choose_replicas([c, a], offer))[-1] == ["ccc"]
+    assert _ids(await router.choose_replicas([c, a], _pending("POST", "/v1/realtime/calls")))[-1] == ["ccc"]
+
+
+async def test_a_burst_of_offers_spreads_before_any_is_placed() -> None:
+    """Eight offers ranked back to back, none placed yet (a burst): each counts against its first
+    choice at once, so they alternate; at placement a count follows the replica that took the
+    offer, and a failed placement releases it."""
+    router = _router()
+    a, b = _replica("aaa"), _replica("bbb")
+    burst = [_pending("POST", "/v1/realtime/calls") for _ in range(8)]
+    firsts = [_ids(await router.choose_replicas([a, b], offer))[0][0] for offer in burst]
+    assert Counter(firsts) == Counter({"aaa": 4, "bbb": 4})
+    assert router._routed_offers == Counter({"aaa": 4, "bbb": 4})
+    # Two offers counted on aaa were taken by bbb (aaa saturated); one placement failed.
+    moved = [offer for offer, rid in zip(burst, firsts) if rid == "aaa"][:2]
+    for offer in moved:
+        offer.future.set_result(b)
+    failed = next(offer for offer, rid in zip(burst, firsts) if rid == "bbb")
+    failed.future.set_exception(RuntimeError("no replica"))
+    await asyncio.sleep(0)
+    assert router._routed_offers == Counter({"aaa": 2, "bbb": 5})
+    assert not set(router._placing) & {o.metadata.internal_request_id for o in (*moved, failed)}
+
+
+async def test_two_routers_spread_a_burst_and_break_ties_at_random() -> None:
+    a, b = _replica("aaa"), _replica("bbb")
+    # Equal loads: the first choice is a draw, not the lowest id.
+    assert {
+        _ids(await _router(seed).choose_replicas([a, b], _pending("GET", "/healthz")))[0][0] for seed in range(20)
+    } == {
+        "aaa",
+        "bbb",
+    }
+    # Two proxies, each its own router and view, four offers each at the same moment.
+    total: Counter[str] = Counter()
+    for seed in (1, 2):
+        router = _router(seed)
+        for _ in range(4):
+            total[_ids(await router.choose_replicas([a, b], _pending("POST", "/v1/realtime/calls")))[0][0]] += 1
+    assert all(2 <= total[r] <= 6 for r in ("aaa", "bbb")), total
 
 
 async def test_router_sends_health_probes_to_any_replica_by_load() -> None:
