@@ -17,6 +17,14 @@ camera playing a synthetic y4m):
   next reply comes as response.output_text.delta, and its readout shows TTFT but no TTFA;
 - Stop hangs up with DELETE on the call's Location (204);
 - a refused offer (the server's 4xx JSON error) is shown to the user, not swallowed;
+- once the call is up the page shows its id (the last segment of the Location) and a link to
+  captions.html?session=<that id>; Mute disables the mic sender's track (aria-pressed) and while
+  the fake mic goes on speaking no speech_started arrives; a question typed in the text box goes
+  out as conversation.item.create + response.create and gets a reply (response.done with deltas),
+  and the transcript panel shows a "you" line with the typed text and an agent line (and
+  "Download transcript" saves them as transcript-<call id>.txt); Unmute brings speech_started back;
+- without getUserMedia (no secure context) the page says the microphone needs localhost or HTTPS
+  and keeps Start disabled;
 - against a server started with --api-key, the page shows its key field, tells the user a
   key is needed when none is given, and with the key mints an ek_ key on its own origin and
   signals with it (the API key itself never goes to /v1/realtime/calls).
@@ -257,3 +265,107 @@ def test_keyed_server_page_mints_an_ephemeral_key(page, keyed_agent_url, api_key
     hung = hang_up(page)
     assert hung["status"] == 204, hung
     assert page.evaluate("window.omni.events.filter((e) => e.type === 'error')") == []
+
+
+def start_call(page, base_url: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    page.goto(base_url)
+    page.get_by_role("button", name="Start the call").click()
+    page.wait_for_function(
+        "window.omni.state === 'connected' && window.omni.events.some((e) => e.type === 'session.updated')",
+        timeout=timeout_s * 1000,
+    )
+
+
+COUNT_JS = "(t) => window.omni.events.filter((e) => e.type === t).length"
+MIC_ENABLED_JS = """() => window.omni.pc.getSenders().find((s) => s.track && s.track.kind === "audio").track.enabled"""
+QUIET_S = 5  # how long a muted mic must start no turn
+
+
+def test_mute_text_box_transcript_and_call_id(page, agent_url):
+    start_call(page, agent_url)
+
+    # The call id and the overlay link that follows it.
+    call_id = page.evaluate("window.omni.callUrl").rsplit("/", 1)[-1]
+    assert re.fullmatch(r"rtc_[0-9a-f]{24}", call_id), call_id
+    assert page.locator("#call-id").inner_text() == call_id
+    link = page.get_by_role("link", name="Captions overlay")
+    assert link.get_attribute("href") == f"captions.html?session={call_id}"
+    assert page.get_by_role("button", name="Copy the captions overlay link").is_enabled()
+
+    # Mute: the sender's track goes disabled; wait out a turn the mute may have cut short.
+    mute = page.get_by_role("button", name="Mute microphone")
+    mute.click()
+    assert mute.get_attribute("aria-pressed") == "true"
+    assert page.evaluate(MIC_ENABLED_JS) is False
+    time.sleep(2)
+    page.wait_for_function(
+        """() => { const n = (t) => window.omni.events.filter((e) => e.type === t).length;
+                   return n("response.created") === n("response.done")
+                     && n("input_audio_buffer.speech_started") === n("input_audio_buffer.speech_stopped"); }""",
+        timeout=30_000,
+    )
+    muted_at = time.monotonic()
+    started = page.evaluate(COUNT_JS, "input_audio_buffer.speech_started")
+
+    # The text box: a typed question gets a reply, and both land in the transcript panel.
+    question = "What colour is the square?"
+    sent_at = page.evaluate("window.omni.events.length")
+    page.get_by_label("Message").fill(question)
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function(
+        """(at) => window.omni.events.slice(at).some((e) => e.type === "response.done")""",
+        arg=sent_at,
+        timeout=CALL_TIMEOUT_S * 1000,
+    )
+    reply = page.evaluate(
+        """(at) => { const evs = window.omni.events.slice(at);
+                     const done = evs.find((e) => e.type === "response.done");
+                     const deltas = evs.filter((e) => e.response_id === done.response.id
+                       && (e.type === "response.output_audio_transcript.delta" || e.type === "response.output_text.delta"));
+                     return { done, deltas: deltas.length, errors: evs.filter((e) => e.type === "error") }; }""",
+        sent_at,
+    )
+    assert not reply["errors"] and reply["done"]["response"]["status"] in ("completed", "incomplete"), reply
+    assert reply["deltas"] > 0, reply
+    page.wait_for_function(
+        """() => document.querySelector('#transcript li[data-speaker="agent"] .said')?.textContent.length > 0""",
+        timeout=10_000,
+    )
+    lines = page.evaluate(
+        """() => [...document.querySelectorAll("#transcript li")].map((li) =>
+             ({ who: li.dataset.speaker, tag: li.querySelector(".who").textContent, text: li.querySelector(".said").textContent }))"""
+    )
+    assert {"who": "you", "tag": "You", "text": question} in lines, lines
+    assert any(line["who"] == "agent" and line["tag"] == "Agent" and line["text"] for line in lines), lines
+    with page.expect_download(timeout=10_000) as download_info:
+        page.get_by_role("button", name="Download transcript").click()
+    download = download_info.value
+    assert download.suggested_filename == f"transcript-{call_id}.txt"
+    assert f"You: {question}\n" in Path(download.path()).read_text(encoding="utf-8")
+
+    # Still muted for QUIET_S at least: no turn began, though the fake mic never stops talking.
+    time.sleep(max(0.0, QUIET_S - (time.monotonic() - muted_at)))
+    assert page.evaluate(COUNT_JS, "input_audio_buffer.speech_started") == started
+
+    # Unmute: the agent hears the mic again.
+    mute.click()
+    assert mute.get_attribute("aria-pressed") == "false" and page.evaluate(MIC_ENABLED_JS) is True
+    page.wait_for_function(
+        "(n) => window.omni.events.filter((e) => e.type === 'input_audio_buffer.speech_started').length > n",
+        arg=started,
+        timeout=30_000,
+    )
+
+    hung = hang_up(page)
+    assert hung["status"] == 204, hung
+    assert page.locator("#call-info").is_hidden()
+
+
+def test_page_without_media_devices_says_why_and_keeps_start_disabled(page, agent_url):
+    # What an http:// page on a LAN address sees: no navigator.mediaDevices (loopback is always secure).
+    page.add_init_script("Object.defineProperty(Navigator.prototype, 'mediaDevices', { get: () => undefined })")
+    page.goto(agent_url)
+    error_box = page.get_by_role("alert")
+    error_box.wait_for(state="visible", timeout=10_000)
+    assert "localhost or HTTPS" in error_box.inner_text()
+    assert page.get_by_role("button", name="Start the call").is_disabled()

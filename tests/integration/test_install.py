@@ -3,7 +3,7 @@
 Pins: a wheel built from the project's sources holds every file under agent/web/; installed
 (not editable) into a fresh virtual environment, its `omni-agent serve`, run from a folder
 outside the repository, imports `agent` from that environment (not from the checkout) and
-answers GET / with the page, a static file next to it, and /readyz 200 once the (tiny) model
+answers GET / with the page, client.js next to it (as JavaScript: the page loads it as an ES module), and /readyz 200 once the (tiny) model
 is loaded.
 
 Nothing is downloaded: the wheel is built with --no-build-isolation from this environment's
@@ -128,6 +128,8 @@ async def test_a_wheel_install_serves_the_page(tiny_model_dir: Path, tmp_path: P
                 assert await resp.text() == (WEB / "index.html").read_text()
             async with http.get(f"{url}/client.js") as resp:
                 assert resp.status == 200 and await resp.read() == (WEB / "client.js").read_bytes()
+                # index.html loads client.js as an ES module: the browser refuses any non-JS MIME type.
+                assert resp.content_type in ("text/javascript", "application/javascript"), resp.content_type
             async with http.get(f"{url}/readyz") as resp:
                 assert resp.status == 200 and (await resp.json())["status"] == "ok"
     finally:

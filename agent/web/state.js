@@ -1,0 +1,34 @@
+// The page's shared state, and the DOM elements every module writes to.
+//
+// Tests and curious people read window.omni: every data-channel message lands in `events`.
+// callUrl is the call's Location (what DELETE hangs up), token the call's ek_ key (null when
+// the server is open), authRequired what GET /v1/omni/config said. camera is the video
+// sender and its own cap ({sender, fps, scale}); throttle the agent's last input_video.throttle.
+// muted says whether the mic track is disabled; transcript is the panel's lines
+// ({who: "you" | "agent", text, responseId?}).
+export const omni = (window.omni = {
+  pc: null, channel: null, state: "new", sessionId: null, callUrl: null, token: null, authRequired: null,
+  events: [], latency: {}, camera: null, throttle: null, muted: false, transcript: [],
+  send(message) {
+    if (omni.channel && omni.channel.readyState === "open") omni.channel.send(JSON.stringify(message));
+  },
+});
+
+const $ = (id) => document.getElementById(id);
+export const ui = {
+  status: $("status"), stateText: $("state-text"), mode: $("mode"), error: $("error"),
+  start: $("start"), stop: $("stop"), mute: $("mute"), video: $("self-view"), placeholder: $("placeholder"),
+  captions: $("captions"), audio: $("agent-audio"), keyForm: $("key-form"), key: $("api-key"),
+  textOnly: $("text-only"), throttle: $("camera-throttle"),
+  ttft: $("ttft"), ttfa: $("ttfa"), eotV2v: $("eot-v2v"), v2v: $("v2v"),
+  textForm: $("text-form"), textInput: $("text-input"), textSend: $("text-send"),
+  transcript: $("transcript"), download: $("download-transcript"),
+  callInfo: $("call-info"), callId: $("call-id"), overlayLink: $("overlay-link"), copyOverlay: $("copy-overlay"),
+};
+
+export function showError(message) {
+  ui.error.textContent = message;
+  ui.error.hidden = !message;
+}
+
+export const ms = (v) => (Number.isFinite(v) ? `${Math.round(v)} ms` : "–");
