@@ -150,11 +150,12 @@ def measure_load(path: str, device: str, dtype: str) -> LoadMemory:
     )
 
 
-def measure_load_in_subprocess(path: str | Path, device: str, dtype: str, timeout_s: float = 3600.0) -> LoadMemory:
-    """`measure_load` in a fresh interpreter (this one's memory and caches count for nothing)."""
+def _fresh(args: list[str], what: str, timeout_s: float) -> dict:
+    """This module's `main` in a new interpreter (this one's memory and caches count for
+    nothing); its last stdout line, as JSON."""
     root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
-        [sys.executable, "-m", "agent.engine.instruments.load_memory", str(path), "--device", device, "--dtype", dtype],
+        [sys.executable, "-m", "agent.engine.instruments.load_memory", *args],
         cwd=root,
         capture_output=True,
         text=True,
@@ -162,8 +163,13 @@ def measure_load_in_subprocess(path: str | Path, device: str, dtype: str, timeou
         check=False,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"load of {path} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return LoadMemory(**json.loads(done.stdout.strip().splitlines()[-1]))
+        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_load_in_subprocess(path: str | Path, device: str, dtype: str, timeout_s: float = 3600.0) -> LoadMemory:
+    """`measure_load` in a fresh interpreter."""
+    return LoadMemory(**_fresh([str(path), "--device", device, "--dtype", dtype], f"load of {path}", timeout_s))
 
 
 @dataclass(frozen=True)
@@ -206,19 +212,8 @@ def measure_quantize_in_subprocess(
     src: str | Path, dst: str | Path, shard_bytes: int, timeout_s: float = 3600.0
 ) -> QuantizeMemory:
     """`measure_quantize` in a fresh interpreter."""
-    root = Path(__file__).resolve().parents[3]
     args = [str(src), "--quantize-to", str(dst), "--shard-bytes", str(shard_bytes)]
-    done = subprocess.run(
-        [sys.executable, "-m", "agent.engine.instruments.load_memory", *args],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"quantize of {src} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return QuantizeMemory(**json.loads(done.stdout.strip().splitlines()[-1]))
+    return QuantizeMemory(**_fresh(args, f"quantize of {src}", timeout_s))
 
 
 def main(argv: list[str] | None = None) -> None:
