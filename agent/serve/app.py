@@ -41,6 +41,10 @@ def deployment_settings(options: ServeOptions, has_gpu: bool) -> dict[str, Any]:
         "ray_actor_options": replica_options(options, has_gpu),
         "max_ongoing_requests": options.max_ongoing_requests,
         "graceful_shutdown_timeout_s": options.graceful_shutdown_s,
+        # Serve calls the replica's __del__ (where it starts refusing offers) only after a loop
+        # that waits this long between counts of in-flight HTTP requests; Serve's 2 s default
+        # is a window in which a stale proxy could still place a new call on a stopping replica.
+        "graceful_shutdown_wait_loop_s": 0.2,
         "health_check_period_s": options.health_check_period_s,
         "health_check_timeout_s": max(5.0, options.health_check_period_s * 3),
         "request_router_config": RequestRouterConfig(

@@ -32,7 +32,7 @@ from agent.serve.admission import OfferGate
 from agent.serve.options import ServeOptions
 from agent.serve.relay import AsgiBridge
 from agent.server import create_app, liveness
-from agent.transport.http import ENGINE_START, SESSIONS
+from agent.transport.http import DRAINING, ENGINE_START, SESSIONS
 from agent.transport.ice import restrict_ice_hosts
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,12 @@ class AgentReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by OwnerPinnedRouter: new calls go to the replica with the fewest."""
-        return {"active_calls": self.active_calls, "offers": self.gate.offers, "draining": self.gate.draining}
+        return {
+            "active_calls": self.active_calls,
+            "capacity": self.config.max_sessions,  # this replica's memory plan: routers skip it when full
+            "offers": self.gate.offers,
+            "draining": self.gate.draining,
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Read by CallsAndGpuPolicy through Serve's aggregated metrics."""
@@ -119,6 +124,7 @@ class AgentReplica:
         if not hasattr(self, "bridge"):  # __init__ failed part way: Serve stops the actor anyway
             return
         self.gate.draining = True
+        self.web[DRAINING].set()  # /healthz and /readyz say so (the gate already refuses offers)
         deadline = time.monotonic() + max(0.0, self.options.graceful_shutdown_s - 5.0)
         log.info("replica %s draining: %d call(s) to finish", self.replica_id, self.active_calls)
         while self.active_calls and time.monotonic() < deadline:

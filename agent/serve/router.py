@@ -13,7 +13,8 @@ proxy hands the router the ASGI scope it will send, pickled, and the path carrie
   the call ended with its replica; a client never waits for a replica that will not return.
 - No owner (offers, /healthz, /livez, /readyz, the page): the replica with the fewest active
   calls, as each replica reports in its routing stats, plus the offers this router sent it
-  since that report. Draining replicas come last; equal loads are ordered at random (each
+  since that report. Draining replicas come last, full ones (calls at the capacity the
+  replica reports) just before them; equal loads are ordered at random (each
   router its own draw), so two routers, or a router with no report yet, do not all pick the
   same replica.
 
@@ -75,13 +76,17 @@ class OwnerPinnedRouter(ConsistentHashRouter):
         self._placing: dict[str, str] = {}  # offer being placed -> the replica it is counted against
         self._rng = random.Random()
 
-    def _load(self, replica: RunningReplica) -> tuple[int, float]:
+    def _load(self, replica: RunningReplica) -> tuple[int, int, float]:
         stats = replica.routing_stats or {}
         rid = replica.replica_id.unique_id
         # Offers sent since the replica last reported: its count lags by up to one stats period.
         unreported = max(0, self._routed_offers[rid] - int(stats.get("offers", 0)))
         calls = float(stats.get("active_calls", 0)) + unreported
-        return (1 if stats.get("draining") else 0, calls)
+        # A full replica would refuse (503): it comes after every replica with room, whatever the
+        # loads (replicas may differ in capacity: their GPUs' memory plans differ).
+        capacity = int(stats.get("capacity", 0))
+        full = 1 if capacity and calls >= capacity else 0
+        return (1 if stats.get("draining") else 0, full, calls)
 
     def by_load(self, replicas: List[RunningReplica]) -> List[RunningReplica]:
         shuffled = list(replicas)

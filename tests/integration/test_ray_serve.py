@@ -8,12 +8,15 @@ Pins, with real aiortc peers on loopback and one local Ray instance for the modu
   call's owner, and an SSE stream through the proxy carries the owner's events for that call;
 - admission: with 2 calls per replica and 2 replicas the 5th offer gets 503 + Retry-After,
   and after a hangup a new offer is taken again (by the replica that freed the slot);
-- a burst: 4 offers at the same moment to the 2 idle replicas are all taken, 2 per replica;
+- a burst: 8 offers at the same moment to the 2 idle replicas: 4 taken, 2 per replica, 4 refused
+  with 503 + Retry-After;
 - a killed replica: its calls' follow-ups answer 404/410 without hanging (client timeout 10 s),
   the other replica's call keeps hearing replies, a new call succeeds;
-- a removed replica drains: its call keeps talking while new calls go to the other replica (once
-  the proxy has heard the replica is stopping, its call's HTTP follow-ups get 410), and it stops
-  once that call has left;
+- a removed replica drains: its call keeps talking while new calls go to the other replica (an
+  offer the stopping replica still receives is refused 503 + Retry-After and lands on the other
+  when offered again), its call's HTTP follow-ups are answered by it or get 410 (whichever, as
+  the proxy hears of the removal when Ray tells it), the other replica's calls are untouched,
+  and it stops once that call has left; no step waits on how fast Ray's proxy learns;
 - autoscaling with CallsAndGpuPolicy: two calls on one replica at a target of one call per
   replica brings a second replica up.
 """
@@ -239,13 +242,14 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
 
 
 async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav: Path) -> None:
-    """Four offers at the same moment, both replicas idle, two calls each: every offer is taken,
-    two per replica. (Counted only once Serve had placed them, a burst's offers all saw the same
-    loads and went to one replica, which refused the two past its capacity.)"""
+    """Eight offers at the same moment to two idle replicas of two calls each: exactly four are
+    taken, two per replica, and the other four are refused with 503 + Retry-After (no replica
+    carries more than its capacity). (Counted only once Serve had placed them, a burst's offers
+    all saw the same loads and went to one replica, which refused all past its capacity.)"""
     url = fixed_app
     await _wait_idle(url)
     await asyncio.sleep(1.0)  # two stats periods: the routers' view of the idle replicas is fresh
-    clients = [AgentClient(url, speech_wav, video=False) for _ in range(2 * CALLS_PER_REPLICA)]
+    clients = [AgentClient(url, speech_wav, video=False) for _ in range(4 * CALLS_PER_REPLICA)]
     try:
         for client in clients:
             client.pc.addTrack(client.audio)
@@ -258,6 +262,8 @@ async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav:
                     data=client.pc.localDescription.sdp,
                     headers={"Content-Type": "application/sdp"},
                 ) as resp:
+                    if resp.status == 503:
+                        assert int(resp.headers["Retry-After"]) > 0
                     return resp.status, resp.headers.get("Location", "")
 
             answers = await asyncio.gather(*(offer(c) for c in clients))
@@ -266,7 +272,7 @@ async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav:
                 if status == 201:
                     async with http.delete(f"{url}{location}") as gone:
                         assert gone.status == 204
-        assert [status for status, _ in answers] == [201] * len(clients), answers
+        assert Counter(status for status, _ in answers) == Counter({201: 4, 503: 4}), answers
         assert sorted(Counter(placed).values()) == [CALLS_PER_REPLICA, CALLS_PER_REPLICA], placed
     finally:
         for client in clients:
@@ -391,7 +397,55 @@ def _deploy_from_config(tiny_model_dir: Path, num_replicas: int) -> None:
     serve.context._get_global_client().deploy_apps(schema)
 
 
+def _replica_ids_in(state: str) -> set[str]:
+    """The replica ids Serve's controller reports in one state (its own record, not the proxy's)."""
+    details = serve.context._get_global_client().get_serve_details()
+    app = details.get("applications", {}).get(APP_NAME) or {}
+    replicas = (app.get("deployments", {}).get("agent") or {}).get("replicas", [])
+    return {r["replica_id"] for r in replicas if r.get("state") == state}
+
+
+class _Refused(Exception):
+    """The offer was answered 503 (the replica it reached is draining or full)."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(retry_after_s)
+        self.retry_after_s = retry_after_s
+
+
+async def _connect_placed(url: str, wav: Path, attempts: int) -> AgentClient:
+    """A new call through the proxy, offered again after each 503 (as a client honouring
+    Retry-After does); at most `attempts` offers."""
+    for _ in range(attempts):
+        client = AgentClient(url, wav, video=False)
+
+        async def signal(offer: str) -> tuple[str, str]:
+            async with aiohttp.ClientSession(timeout=ANSWER_TIMEOUT) as http:
+                async with http.post(
+                    f"{url}/v1/realtime/calls", data=offer, headers={"Content-Type": "application/sdp"}
+                ) as resp:
+                    if resp.status == 503:
+                        raise _Refused(float(resp.headers["Retry-After"]))
+                    assert resp.status == 201, (resp.status, await resp.text())
+                    return await resp.text(), resp.headers["Location"]
+
+        try:
+            await client.connect(signal)
+            return client
+        except _Refused as refused:
+            await client.close()
+            assert refused.retry_after_s > 0
+            await asyncio.sleep(min(refused.retry_after_s, 2.0))
+    pytest.fail(f"no replica took a new call in {attempts} offers")
+
+
 async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir: Path, speech_wav: Path) -> None:
+    """What the product promises while Serve removes a replica, checked at every step without
+    waiting for the proxy to hear (that delay is Ray's, not ours): the stopping replica takes
+    no new call, its own call's follow-ups are answered by it or get 410 and the call keeps
+    talking, the other replica's call is untouched, and the replica stops once its call left.
+    Every wait ends on a state Ray reports (replica states from the controller) or on the
+    agent's own answer, with a generous bound only against a hang."""
     _delete_app()
     url = f"http://127.0.0.1:{ray_cluster}"
     _deploy_from_config(tiny_model_dir, 2)
@@ -407,37 +461,55 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
         await _wait(lambda: all(c.result.first_audible_at is not None for c in clients), 60, "both replies")
 
         _deploy_from_config(tiny_model_dir, 1)  # the same config but the count: one replica is removed
-        await _wait(
-            lambda: _replica_states().get("STOPPING", 0) == 1, 30, "a replica to start stopping", _replica_states
-        )
-        # Serve routes nothing to a stopping replica: HTTP follow-ups for its call say so (410), not
-        # hang, while the other call's still reach their owner (200). The controller tells the proxy
-        # asynchronously: until the proxy has heard, both calls' follow-ups still reach their owners.
-        deadline = time.monotonic() + 30
-        async with aiohttp.ClientSession(timeout=ANSWER_TIMEOUT) as http:
-            while True:
-                heads = [await _sse_head(http, url, c.result.call_id) for c in clients]
-                if sorted(status for status, _ in heads) == [200, 410]:
-                    break
-                assert heads == [(200, owner) for owner in owners], heads
-                assert time.monotonic() < deadline, "the proxy still routes to the stopping replica after 30 s"
-                await asyncio.sleep(0.2)
-            draining, staying = clients if heads[0][0] == 410 else clients[::-1]
-            survivor = owner_of(staying.result.call_id)
-            async with http.get(f"{url}/healthz") as resp:
-                assert resp.headers[REPLICA_HEADER] == survivor  # the only replica the router still offers
+        await _wait(lambda: len(_replica_ids_in("STOPPING")) == 1, 120, "a replica to start stopping", _replica_states)
+        (stopping,) = _replica_ids_in("STOPPING")
+        assert stopping in owners
+        draining = clients[owners.index(stopping)]
+        staying = clients[1 - owners.index(stopping)]
+        survivor = owner_of(staying.result.call_id)
 
-        # Draining: its call goes on talking, new calls go to the survivor.
-        heard = len(draining.result.audible_onsets)
-        await _wait(lambda: len(draining.result.audible_onsets) > heard, 30, "the draining call's next reply")
-        assert _replica_states().get("STOPPING", 0) == 1, "the replica must wait for its call"
-        newcomer = await _connect(url, speech_wav)
+        # Serve has asked the replica to stop; once it runs the replica's __del__ the replica says
+        # it is draining (/healthz 503), or the proxy has already dropped it (410 from another).
+        async def stopping_health() -> tuple[int, str]:
+            async with aiohttp.ClientSession(timeout=ANSWER_TIMEOUT) as http:
+                async with http.get(f"{url}/healthz?replica={stopping}") as resp:
+                    return resp.status, resp.headers.get(REPLICA_HEADER, "")
+
+        for _ in range(600):  # bounded (about 2 min): Serve calls __del__ within its wait loop
+            health = await stopping_health()
+            if health != (200, stopping):
+                break
+            await asyncio.sleep(0.2)
+        assert health in ((503, stopping), (410, survivor)), health
+
+        # A new call lands on the survivor: the proxy either no longer offers the stopping replica
+        # or that replica refuses (503 + Retry-After, it is draining) and the client offers again.
+        newcomer = await _connect_placed(url, speech_wav, attempts=60)
         clients.append(newcomer)
         assert owner_of(newcomer.result.call_id) == survivor
 
+        # Follow-ups: the draining call's come from its owner or say 410; the other call's (and
+        # the newcomer's) always reach their owner. Sampled while the draining call goes on talking.
+        heard = len(draining.result.audible_onsets)
+        seen: Counter = Counter()
+        async with aiohttp.ClientSession(timeout=ANSWER_TIMEOUT) as http:
+            for _ in range(600):  # bounded: one more reply takes seconds, not minutes
+                status, owner = await _sse_head(http, url, draining.result.call_id)
+                assert (status, owner) == (200, stopping) or status == 410, (status, owner)
+                seen[status] += 1
+                for other in (staying, newcomer):
+                    assert await _sse_head(http, url, other.result.call_id) == (200, survivor)
+                if len(draining.result.audible_onsets) > heard:
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                pytest.fail("the draining call heard no further reply")
+        assert stopping in _replica_ids_in("STOPPING"), "the replica must wait for its call"
+        print("draining call follow-ups by status:", dict(seen))
+
         # The client leaves: the drained replica stops.
         await draining.close()
-        await _wait(lambda: _replica_states() == Counter(RUNNING=1), 30, "the drained replica to stop", _replica_states)
+        await _wait(lambda: _replica_states() == Counter(RUNNING=1), 120, "the drained replica to stop", _replica_states)
     finally:
         for c in clients:
             await c.close()

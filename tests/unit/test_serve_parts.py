@@ -125,10 +125,10 @@ def _pending(
     return PendingRequest(args=[request], kwargs={}, metadata=meta)
 
 
-def _replica(rid: str, calls: int = 0, offers: int = 0, draining: bool = False) -> Any:
+def _replica(rid: str, calls: int = 0, offers: int = 0, draining: bool = False, capacity: int = 0) -> Any:
     return SimpleNamespace(
         replica_id=ReplicaID(rid, DeploymentID("agent", "omni-agent")),
-        routing_stats={"active_calls": calls, "offers": offers, "draining": draining},
+        routing_stats={"active_calls": calls, "offers": offers, "draining": draining, "capacity": capacity},
     )
 
 
@@ -181,6 +181,27 @@ async def test_router_places_offers_on_the_fewest_calls() -> None:
     # A draining replica comes last whatever its load.
     c = _replica("ccc", calls=0, draining=True)
     assert _ids(await router.choose_replicas([c, a], _pending("POST", "/v1/realtime/calls")))[-1] == ["ccc"]
+
+
+async def test_full_replicas_come_after_those_with_room() -> None:
+    """A replica at the capacity it reports would refuse the offer: one with room is tried first
+    even if busier; with every replica full, the least loaded is still offered (it answers 503 +
+    Retry-After at once instead of the request queueing in Serve)."""
+    router = _router()
+    small, big = _replica("aaa", calls=2, capacity=2), _replica("bbb", calls=5, capacity=8)
+    assert _ids(await router.choose_replicas([small, big], _pending("POST", "/v1/realtime/calls"))) == [
+        ["bbb"],
+        ["aaa"],
+    ]
+    # This router's own unreported offers fill a replica too: 3 reported + 3 sent = 6 of 6.
+    router = _router()
+    a, b = _replica("aaa", calls=3, capacity=6), _replica("bbb", calls=4, capacity=8)
+    firsts = [_ids(await router.choose_replicas([a, b], _pending("POST", "/v1/realtime/calls")))[0][0] for _ in range(7)]
+    assert Counter(firsts) == Counter({"aaa": 3, "bbb": 4}), firsts
+    # Everything full: still ranked, the least loaded first.
+    router = _router()
+    a, b = _replica("aaa", calls=2, capacity=2), _replica("bbb", calls=3, capacity=3)
+    assert _ids(await router.choose_replicas([a, b], _pending("GET", "/healthz"))) == [["aaa"], ["bbb"]]
 
 
 async def test_a_burst_of_offers_spreads_before_any_is_placed() -> None:
