@@ -9,7 +9,7 @@ Pins, with real aiortc peers on loopback and one local Ray instance for the modu
 - admission: with 2 calls per replica and 2 replicas the 5th offer gets 503 + Retry-After,
   and after a hangup a new offer is taken again (by the replica that freed the slot);
 - a burst: 8 offers at the same moment to the 2 idle replicas: 4 taken, 2 per replica, 4 refused
-  with 503 + Retry-After;
+  with 503 + Retry-After; with room for 6 each, 8 offers at once are all taken, 3 to 5 per replica;
 - a killed replica: its calls' follow-ups answer 404/410 without hanging (client timeout 10 s),
   the other replica's call keeps hearing replies, a new call succeeds;
 - a removed replica drains: its call keeps talking while new calls go to the other replica (an
@@ -54,6 +54,7 @@ from agent.serve.ownership import REPLICA_HEADER, SESSION_HEADER, owner_of  # no
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 CALLS_PER_REPLICA = 2
+BURST_CAPACITY = 6  # calls per replica where a burst of 8 must all be taken
 _RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "disabled",  # ray 2.60 would otherwise write ~/.ray/auth_token
@@ -241,15 +242,10 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
             await c.close()
 
 
-async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav: Path) -> None:
-    """Eight offers at the same moment to two idle replicas of two calls each: exactly four are
-    taken, two per replica, and the other four are refused with 503 + Retry-After (no replica
-    carries more than its capacity). (Counted only once Serve had placed them, a burst's offers
-    all saw the same loads and went to one replica, which refused all past its capacity.)"""
-    url = fixed_app
-    await _wait_idle(url)
-    await asyncio.sleep(1.0)  # two stats periods: the routers' view of the idle replicas is fresh
-    clients = [AgentClient(url, speech_wav, video=False) for _ in range(4 * CALLS_PER_REPLICA)]
+async def _burst(url: str, wav: Path, count: int) -> tuple[list[int], list[str]]:
+    """`count` offers POSTed at the same moment through the proxy; returns their statuses and the
+    owners of those taken (each taken call is hung up again at once; every 503 has a Retry-After)."""
+    clients = [AgentClient(url, wav, video=False) for _ in range(count)]
     try:
         for client in clients:
             client.pc.addTrack(client.audio)
@@ -267,16 +263,28 @@ async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav:
                     return resp.status, resp.headers.get("Location", "")
 
             answers = await asyncio.gather(*(offer(c) for c in clients))
-            placed = [owner_of(location.rsplit("/", 1)[-1]) for status, location in answers if status == 201]
             for status, location in answers:
                 if status == 201:
                     async with http.delete(f"{url}{location}") as gone:
                         assert gone.status == 204
-        assert Counter(status for status, _ in answers) == Counter({201: 4, 503: 4}), answers
-        assert sorted(Counter(placed).values()) == [CALLS_PER_REPLICA, CALLS_PER_REPLICA], placed
+        placed = [owner_of(location.rsplit("/", 1)[-1]) for status, location in answers if status == 201]
+        return [status for status, _ in answers], placed
     finally:
         for client in clients:
             await client.close()
+
+
+async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav: Path) -> None:
+    """Eight offers at the same moment to two idle replicas of two calls each: exactly four are
+    taken, two per replica, and the other four are refused with 503 + Retry-After (no replica
+    carries more than its capacity). (Counted only once Serve had placed them, a burst's offers
+    all saw the same loads and went to one replica, which refused all past its capacity.)"""
+    url = fixed_app
+    await _wait_idle(url)
+    await asyncio.sleep(1.0)  # two stats periods: the routers' view of the idle replicas is fresh
+    statuses, placed = await _burst(url, speech_wav, 4 * CALLS_PER_REPLICA)
+    assert Counter(statuses) == Counter({201: 4, 503: 4}), statuses
+    assert sorted(Counter(placed).values()) == [CALLS_PER_REPLICA, CALLS_PER_REPLICA], placed
 
 
 def _replica_actor(replica_id: str) -> Any:
@@ -363,7 +371,7 @@ def _replica_states() -> Counter:
     return Counter({k: v for k, v in deployment.replica_states.items() if v}) if deployment else Counter()
 
 
-def _deploy_from_config(tiny_model_dir: Path, num_replicas: int) -> None:
+def _deploy_from_config(tiny_model_dir: Path, num_replicas: int, max_sessions: int = CALLS_PER_REPLICA) -> None:
     """Deploy as `serve deploy`/KubeRay do, from a config: Serve then changes the replica count
     in place (an imperative serve.run makes a new version and replaces every replica)."""
     config = _config(tiny_model_dir)
@@ -373,7 +381,7 @@ def _deploy_from_config(tiny_model_dir: Path, num_replicas: int) -> None:
         "model": config.model,
         "threads": 1,
         "fallback_model": "none",
-        "max_sessions": CALLS_PER_REPLICA,
+        "max_sessions": max_sessions,
         "max_reply_seconds": config.max_reply_seconds,
         "max_reply_tokens": config.max_reply_tokens,
         "num_cpus": 0.5,
@@ -448,10 +456,17 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
     agent's own answer, with a generous bound only against a hang."""
     _delete_app()
     url = f"http://127.0.0.1:{ray_cluster}"
-    _deploy_from_config(tiny_model_dir, 2)
+    _deploy_from_config(tiny_model_dir, 2, max_sessions=BURST_CAPACITY)
     # Each replica loads the model in an engine process of its own: minutes on a loaded machine.
     await _wait(lambda: _replica_states() == Counter(RUNNING=2), 240, "two running replicas", _replica_states)
     replica_ids = await _wait_idle(url)
+    # First, on these roomier replicas (6 calls each, deployed anyway for this test), the burst
+    # bar: 8 offers at once through one proxy are all taken, 3 to 5 per replica.
+    await asyncio.sleep(1.0)  # two stats periods: the router's view of the idle replicas is fresh
+    statuses, placed = await _burst(url, speech_wav, 8)
+    assert statuses == [201] * 8, statuses
+    assert all(3 <= n <= 5 for n in Counter(placed).values()) and len(set(placed)) == 2, Counter(placed)
+    assert sorted(await _wait_idle(url)) == sorted(replica_ids)
     clients: list[AgentClient] = []
     try:
         for rid in replica_ids:  # one call on each replica (?replica= names it): whichever Serve removes has one
@@ -460,7 +475,8 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
         assert sorted(owners) == sorted(replica_ids), owners
         await _wait(lambda: all(c.result.first_audible_at is not None for c in clients), 60, "both replies")
 
-        _deploy_from_config(tiny_model_dir, 1)  # the same config but the count: one replica is removed
+        # The same config but the count: one replica is removed.
+        _deploy_from_config(tiny_model_dir, 1, max_sessions=BURST_CAPACITY)
         await _wait(lambda: len(_replica_ids_in("STOPPING")) == 1, 120, "a replica to start stopping", _replica_states)
         (stopping,) = _replica_ids_in("STOPPING")
         assert stopping in owners
