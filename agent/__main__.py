@@ -255,7 +255,15 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
         "--speculation-pause-ms",
         type=int,
         default=d.speculation_pause_ms,
-        help="unvoiced audio inside a turn after which a reply starts speculatively",
+        help="unvoiced audio inside a turn after which a reply starts speculatively (the earliest,"
+        " with the pause learned per session)",
+    )
+    p.add_argument(
+        "--no-adaptive-speculation",
+        dest="speculation_adaptive",
+        action="store_false",
+        help="speculate at every pause of --speculation-pause-ms instead of learning per session"
+        " the pause length after which speakers rarely go on",
     )
     p.add_argument(
         "--max-sessions",

@@ -110,6 +110,9 @@ class Config:
     # speculation, the turn's audio ends at such a pause when no voice follows it.
     speculative_start: bool = True
     speculation_pause_ms: int = 120
+    # Learn the pause per session (agent/media/pauses.py): speculate only past a length the speaker
+    # rarely resumes after, speculation_pause_ms at the earliest (False: always at that length).
+    speculation_adaptive: bool = True
     max_turn_seconds: float = 30.0  # a turn longer than this is ended by force
     video: bool = True  # --no-video: camera frames are dropped unread and the sender is asked to pause
     video_fps: float = 4.0

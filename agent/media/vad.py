@@ -37,6 +37,7 @@ import numpy as np
 from agent.config import INPUT_RATE
 from agent.media.echo import threshold_gain
 from agent.media.ingest import CHUNK_SECONDS, AudioChunk
+from agent.media.pauses import PauseModel
 from agent.media.turn_events import (
     BargeInCandidate,
     BargeInDropped,
@@ -77,16 +78,20 @@ class Endpointer:
         echo: Optional[Callable[[], Optional[float]]] = None,
         detector: Optional[VoiceDetector] = None,
         pause_ms: int = 0,
+        pauses: Optional[PauseModel] = None,
     ) -> None:
         """vad: "silero" or "webrtc" (aggressiveness: webrtcvad's mode; threshold: Silero's
         speech probability); detector overrides both. echo: the level (RMS, 0..1) the agent is
         playing now, None while it is silent; barge_in_ms / echo_margin_db: the guard (above),
         echo_margin_db None leaves the onset threshold alone. pause_ms: report SpeechPaused after
-        this much unvoiced audio in a turn (0: never; only meaningful under silence_ms)."""
+        this much unvoiced audio in a turn (0: never; only meaningful under silence_ms); pauses:
+        learn that length from the speaker's own mid-turn pauses instead (agent/media/pauses.py;
+        pause_ms is then its floor)."""
         assert silence_ms >= SUBFRAME_MS and min_speech_ms >= SUBFRAME_MS and max_turn_s > 0
         assert barge_in_ms >= SUBFRAME_MS
         self._pause_ms = pause_ms if 0 < pause_ms < silence_ms else 0
         self._paused = False  # a SpeechPaused went out and no voice came since
+        self._pauses = pauses if self._pause_ms else None
         self._vad = detector or make_detector(vad, aggressiveness, threshold)
         self._barge_in_ms = barge_in_ms
         self._echo_gain = None if echo_margin_db is None else threshold_gain(echo_margin_db)
@@ -205,9 +210,12 @@ class Endpointer:
                 voiced = self._voiced(sub)
             if self._in_turn:
                 if voiced:
+                    t_start = t_end - SUBFRAME_MS / 1000
+                    if self._pauses is not None:
+                        self._pauses.resumed_after((t_start - self._last_voiced_end) * 1000)
                     if self._paused:
                         self._paused = False
-                        events.append(SpeechResumed(at=t_end - SUBFRAME_MS / 1000))
+                        events.append(SpeechResumed(at=t_start))
                     self._last_voiced_end = t_end
                 elif self._silence_reached(t_end):
                     # The chunk that completes the silence still belongs to the turn.
@@ -321,8 +329,12 @@ class Endpointer:
         return (t - self._last_voiced_end) * 1000 >= self._silence_ms - 1e-6
 
     def _pause(self, t: float) -> list[TurnEvent]:
-        """SpeechPaused, the first time an unvoiced run in the turn reaches pause_ms."""
-        if not self._pause_ms or self._paused or (t - self._last_voiced_end) * 1000 < self._pause_ms - 1e-6:
+        """SpeechPaused, the first time an unvoiced run in the turn reaches pause_ms (or the
+        length the pause model learned)."""
+        if not self._pause_ms or self._paused:
+            return []
+        length_ms = self._pause_ms if self._pauses is None else self._pauses.threshold_ms
+        if (t - self._last_voiced_end) * 1000 < length_ms - 1e-6:
             return []
         self._paused = True
         return [SpeechPaused(at=t, end_of_speech=self._last_voiced_end)]

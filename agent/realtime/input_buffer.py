@@ -11,6 +11,7 @@ import numpy as np
 
 from agent.config import Config
 from agent.media.ingest import CHUNK_SECONDS, AudioIn
+from agent.media.pauses import pause_model
 from agent.media.turn_events import TurnEvent
 from agent.media.vad import Endpointer
 from agent.realtime.session_config import TurnDetection
@@ -34,8 +35,9 @@ class InputBuffer:
 
     def _endpointer(self) -> Endpointer:
         td, c = self.turn_detection, self.config
+        silence_ms = td.silence_ms if td else c.vad_silence_ms
         return Endpointer(
-            silence_ms=td.silence_ms if td else c.vad_silence_ms,
+            silence_ms=silence_ms,
             min_speech_ms=c.vad_min_speech_ms,
             aggressiveness=c.vad_aggressiveness,
             max_turn_s=c.max_turn_seconds,
@@ -46,6 +48,7 @@ class InputBuffer:
             echo_margin_db=c.echo_margin_db if c.echo_guard else None,
             echo=self._echo,
             pause_ms=c.speculation_pause_ms,
+            pauses=pause_model(c.speculation_pause_ms, silence_ms) if c.speculation_adaptive else None,
         )
 
     @property

@@ -525,7 +525,9 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
 
         # The client leaves: the drained replica stops.
         await draining.close()
-        await _wait(lambda: _replica_states() == Counter(RUNNING=1), 120, "the drained replica to stop", _replica_states)
+        await _wait(
+            lambda: _replica_states() == Counter(RUNNING=1), 120, "the drained replica to stop", _replica_states
+        )
     finally:
         for c in clients:
             await c.close()

@@ -196,7 +196,9 @@ async def test_full_replicas_come_after_those_with_room() -> None:
     # This router's own unreported offers fill a replica too: 3 reported + 3 sent = 6 of 6.
     router = _router()
     a, b = _replica("aaa", calls=3, capacity=6), _replica("bbb", calls=4, capacity=8)
-    firsts = [_ids(await router.choose_replicas([a, b], _pending("POST", "/v1/realtime/calls")))[0][0] for _ in range(7)]
+    firsts = [
+        _ids(await router.choose_replicas([a, b], _pending("POST", "/v1/realtime/calls")))[0][0] for _ in range(7)
+    ]
     assert Counter(firsts) == Counter({"aaa": 3, "bbb": 4}), firsts
     # Everything full: still ranked, the least loaded first.
     router = _router()

@@ -1,7 +1,10 @@
 """The Endpointer's pause events (speculative start): with pause_ms set, an unvoiced run inside a
 turn reports SpeechPaused once when it reaches pause_ms and SpeechResumed when voice comes back
 before the end of turn; a pause that becomes the end of turn is SpeechPaused then SpeechStopped;
-pause_ms 0 reports none; the turn's other events are those of an endpointer without pauses."""
+pause_ms 0 reports none; the turn's other events are those of an endpointer without pauses. With a
+pause model (agent/media/pauses.py) the length is learned from the speaker's own mid-turn pauses:
+a habitual mid-sentence pause stops being reported after the first turns, the end of turn is
+still reported before its stop, and the learned length stays between the floor and the ceiling."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import pytest
 from support.speech import audible, espeak_at
 
 from agent.media.ingest import AudioChunk
+from agent.media.pauses import MARGIN_MS, MEMORY, PauseModel, pause_model
 from agent.media.turn_events import SpeechPaused, SpeechResumed, SpeechStarted, SpeechStopped
 from agent.media.vad import Endpointer
 
@@ -58,3 +62,56 @@ def test_no_pause_events_without_pause_ms(words: np.ndarray) -> None:
     paused = run(Endpointer(silence_ms=300, pause_ms=120), audio)
     assert kinds(plain) == ["SpeechStarted", "SpeechStopped"]
     assert [e for e in paused if isinstance(e, (SpeechStarted, SpeechStopped))] == plain
+
+
+@pytest.fixture(scope="module")
+def sentence(tmp_path_factory) -> np.ndarray:
+    """A sentence with a comma: espeak pauses 160-180 ms there (as the load benchmark's speech)."""
+    out = tmp_path_factory.mktemp("say") / "s.wav"
+    return audible(espeak_at("hello agent, what do you see", out, RATE) / 32768).astype(np.float32)
+
+
+def turns_of(sentence: np.ndarray, count: int) -> np.ndarray:
+    """`count` turns of the sentence, each followed by end-of-turn silence."""
+    return np.concatenate([np.concatenate([sentence, np.zeros(int(0.6 * RATE), np.float32)])] * count)
+
+
+def per_turn(names: list[str]) -> list[list[str]]:
+    turns: list[list[str]] = []
+    for name in names:
+        if name == "SpeechStarted":
+            turns.append([])
+        turns[-1].append(name)
+    return turns
+
+
+def test_learned_pause_stops_speculating_on_a_speakers_usual_mid_sentence_pause(sentence: np.ndarray) -> None:
+    """A speaker who pauses at the same comma every turn: with the pause learned, only the first
+    turn speculates on it (SpeechPaused then SpeechResumed); later turns pause-report only at
+    their end, still before SpeechStopped (the end-of-turn speculation keeps its head start).
+    With a fixed pause length every turn speculates on it."""
+    audio = turns_of(sentence, 5)
+    fixed = per_turn(kinds(run(Endpointer(silence_ms=300, pause_ms=120), audio)))
+    learned = per_turn(kinds(run(Endpointer(silence_ms=300, pause_ms=120, pauses=pause_model(120, 300)), audio)))
+    assert len(fixed) == len(learned) == 5
+    assert all("SpeechResumed" in turn for turn in fixed), fixed
+    assert "SpeechResumed" in learned[0]
+    assert all(turn == ["SpeechStarted", "SpeechPaused", "SpeechStopped"] for turn in learned[2:]), learned
+    # The turns themselves are the same: pauses only decide when speculation starts.
+    assert [t[0] for t in fixed] == [t[0] for t in learned] and all(t[-1] == "SpeechStopped" for t in learned)
+
+
+def test_pause_model_floor_quantile_and_ceiling() -> None:
+    model = PauseModel(floor_ms=120, ceiling_ms=200)
+    assert model.threshold_ms == 120  # nothing seen: the floor
+    model.resumed_after(60)  # a gap between syllables is not a pause
+    model.resumed_after(140)
+    assert model.threshold_ms == 120  # one pause is not a habit
+    model.resumed_after(100)
+    assert model.threshold_ms == 140 + MARGIN_MS  # past the longest of two
+    for _ in range(20):
+        model.resumed_after(90)
+    assert model.threshold_ms == 90 + MARGIN_MS  # the odd long pause is the one in ten let through
+    for _ in range(MEMORY):
+        model.resumed_after(400)  # a slow speaker now (the old habit is forgotten): capped
+    assert model.threshold_ms == 200
