@@ -30,16 +30,23 @@ run: $(RUN_STAMP)
 	$(VENV)/bin/omni-agent serve $(ARGS)
 
 # Debian packages the tests drive: Chromium (browser test), espeak-ng (spoken WAVs),
-# sox (the browser's fake-capture WAV), promtool from prometheus (alert rules check).
+# sox (the browser's fake-capture WAV), promtool from prometheus (alert rules check),
+# turnserver from coturn (the relay-only browser call: the tests start their own, on loopback).
+# On a systemd host Debian's coturn enables and starts a system-wide turnserver from the
+# default /etc/turnserver.conf; the tests need none, so one installed here is stopped and disabled.
 system-deps:
 	@need=""; \
 	command -v chromium >/dev/null || need="$$need chromium"; \
+	command -v turnserver >/dev/null || need="$$need coturn"; \
 	command -v espeak-ng >/dev/null || need="$$need espeak-ng"; \
 	command -v promtool >/dev/null || need="$$need prometheus"; \
 	command -v sox >/dev/null || need="$$need sox"; \
 	if [ -n "$$need" ]; then \
 	  echo "installing:$$need"; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$need; \
+	  case "$$need" in *coturn*) \
+	    if [ -d /run/systemd/system ]; then $(SUDO) systemctl disable --now coturn >/dev/null 2>&1 || true; fi;; \
+	  esac; \
 	fi
 
 test: $(TEST_STAMP) system-deps

@@ -43,8 +43,24 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
         dest="ice_servers",
         type=_ice_server,
         metavar="URL[,USERNAME,CREDENTIAL]",
-        help="STUN/TURN server for the agent's peers (repeatable), e.g. "
-        "turn:turn.example.com:3478?transport=udp,alice,s3cret; default: none",
+        help="STUN/TURN server for the agent's peers and the page (repeatable), e.g. "
+        "stun:stun.example.com:3478, turn:turn.example.com:3478?transport=udp (credentials minted "
+        "from --turn-secret) or turn:…,alice,s3cret (static: the agent's own, never sent to the page); default: none",
+    )
+    p.add_argument(
+        "--turn-secret",
+        default=os.environ.get("OMNI_AGENT_TURN_SECRET", d.turn_secret),
+        metavar="SECRET",
+        help="TURN REST shared secret (coturn's static-auth-secret): TURN URLs given without a credential "
+        "get a short-lived one minted per call, for the agent and the page (default: $OMNI_AGENT_TURN_SECRET)",
+    )
+    p.add_argument(
+        "--turn-ttl",
+        type=int,
+        default=d.turn_ttl_s,
+        dest="turn_ttl_s",
+        metavar="SECONDS",
+        help="how long a minted TURN credential can open allocations (default %(default)s)",
     )
     p.add_argument(
         "--cors-origin",
@@ -492,6 +508,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return run_call(options_from_args(ns))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(ns)
+    except ValueError as exc:  # settings that contradict each other (Config.__post_init__)
+        parser.error(str(exc))
     if ns.ray:
         try:
             from agent.serve.app import run as serve_on_ray
@@ -499,12 +519,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"--ray needs Ray Serve: pip install '.[serve]' ({exc})")
         from agent.serve.options import options_from
 
-        serve_on_ray(config_from_args(ns), options_from(vars(ns)))
+        serve_on_ray(config, options_from(vars(ns)))
         return 0
     from agent.engine.memory_plan import MemoryPlanError
 
     try:
-        serve(config_from_args(ns))
+        serve(config)
     except MemoryPlanError as exc:
         print(f"omni-agent: {exc}", file=sys.stderr)
         return 2

@@ -47,6 +47,11 @@ class Config:
     cors_origins: tuple[str, ...] = ()
     # STUN/TURN servers the agent's peers use (agent/transport/ice.py IceServer); () = host candidates only.
     ice_servers: tuple["IceServer", ...] = ()
+    # TURN REST shared secret (coturn's static-auth-secret; agent/transport/turn_credentials.py):
+    # a TURN URL given without a credential gets one minted from it per call, valid for
+    # turn_ttl_s, for the agent's peer and for the page alike. The secret itself never leaves.
+    turn_secret: str = field(default="", repr=False)
+    turn_ttl_s: int = 600
     max_calls_per_minute: int = 60  # new calls (WebRTC or WebSocket) per client address; 0 = no limit
     max_events_per_s: float = 200.0  # client events per session (a flood gets `error` events)
     # SIGTERM/Ctrl-C: stop taking calls, let replies in progress finish for at most this long.
@@ -168,6 +173,11 @@ class Config:
     ladder_window: int = 50  # latest replies the P95 is taken over
 
     def __post_init__(self) -> None:
+        if self.ice_servers or self.turn_secret:
+            # A bare TURN URL without a secret is refused here, at start-up, not at the first call.
+            from agent.transport.turn_credentials import check_turn_settings
+
+            check_turn_settings(self.ice_servers, self.turn_secret, self.turn_ttl_s)
         # The fields the model decides are resolved once, here, so that every reader (the
         # engine thread, the Realtime session defaults) sees the same concrete values.
         if None in (self.system_prompt, self.max_reply_tokens, self.max_reply_seconds, self.sampling):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
@@ -40,6 +41,7 @@ from agent.transport.http import (
     SESSIONS,
     json_error,
 )
+from agent.transport.turn_credentials import PAGE_USER, browser_ice_servers, needs_minting
 from agent.transport.ws import websocket
 
 log = logging.getLogger(__name__)
@@ -106,8 +108,25 @@ async def client_secrets(request: web.Request) -> web.Response:
 
 
 async def omni_config(request: web.Request) -> web.Response:
-    """What the page needs before connecting: whether it must mint an ephemeral key first."""
-    return web.json_response({"auth_required": request.app[KEYS].required})
+    """What the page needs before connecting: whether it must mint an ephemeral key first, and
+    the STUN/TURN servers for its RTCPeerConnection (agent/transport/turn_credentials.py).
+
+    Open, since the page asks before it has a key. Minted TURN credentials are a resource (a
+    relay's bandwidth), so when the agent wants a key they come only with one: the API key or
+    an ek_ key in `Authorization: Bearer` (the page asks again after minting its ek_ key);
+    without one the answer says `turn_needs_key` and lists STUN only; a wrong key is a 401.
+    Fresh credentials on every request, hence no caching."""
+    keys, config = request.app[KEYS], request.app[CONFIG]
+    token = bearer_token(request.headers)
+    if keys.required and token is not None and keys.check(token) is None:
+        return json_error(401, "wrong or expired API key (Authorization: Bearer …)", "invalid_api_key")
+    with_turn = not keys.required or token is not None
+    ice_servers = browser_ice_servers(
+        config.ice_servers, config.turn_secret, config.turn_ttl_s, PAGE_USER, time.time(), with_turn=with_turn
+    )
+    needs_key = not with_turn and any(needs_minting(s) for s in config.ice_servers)
+    body = {"auth_required": keys.required, "ice_servers": ice_servers, "turn_needs_key": needs_key}
+    return web.json_response(body, headers={"Cache-Control": "no-store"})
 
 
 async def healthz(request: web.Request) -> web.Response:

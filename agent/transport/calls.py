@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import time
 from typing import Any, Optional
 
 from aiohttp import BodyPartReader, web
@@ -34,6 +35,7 @@ from agent.transport.ice import keep_loopback_candidates, loopback_only, rtc_con
 from agent.transport.offer import OfferError, check_offer
 from agent.transport.peer import close_peer
 from agent.transport.rtc import RtcCall
+from agent.transport.turn_credentials import AGENT_USER, with_credentials
 
 MAX_OFFER_BYTES = 64 * 1024  # a real offer is a few KB; anything huge is not an offer
 # What an offer may come as: the GA raw form (`application/sdp`; some clients say text/plain or
@@ -81,8 +83,10 @@ async def _part_text(part: BodyPartReader) -> str:
 
 def _peer_connection(config: Config) -> RTCPeerConnection:
     # Only the --ice-server servers (none by default; aiortc's own default is a public STUN
-    # server). Host candidates come from agent.transport.ice.
-    return RTCPeerConnection(rtc_configuration(config.ice_servers))
+    # server). Host candidates come from agent.transport.ice. A TURN URL without a credential
+    # gets one minted for this call from --turn-secret, as the page's does.
+    servers = with_credentials(config.ice_servers, config.turn_secret, config.turn_ttl_s, AGENT_USER, time.time())
+    return RTCPeerConnection(rtc_configuration(servers))
 
 
 async def create_call(request: web.Request) -> web.Response:

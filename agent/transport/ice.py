@@ -68,16 +68,17 @@ _SCHEMES = ("stun:", "stuns:", "turn:", "turns:")
 
 
 def parse_ice_server(text: str) -> IceServer:
-    """`URL` or `URL,USERNAME,CREDENTIAL` (TURN needs both), e.g.
-    `turn:turn.example.com:3478?transport=udp,alice,s3cret`. Raises ValueError."""
+    """`URL` or `URL,USERNAME,CREDENTIAL`, e.g. `turn:turn.example.com:3478?transport=udp,alice,s3cret`.
+    A TURN URL alone is accepted here: its credentials are then minted per call from
+    `--turn-secret`, and Config refuses it when no secret is given. Raises ValueError."""
     url, *rest = text.split(",", 2)
     if not url.startswith(_SCHEMES) or len(url) <= len(url.split(":", 1)[0]) + 1:
         raise ValueError(f"ICE server URL must start with one of {', '.join(_SCHEMES)}: {url!r}")
     if rest and len(rest) != 2:
         raise ValueError("give both USERNAME and CREDENTIAL: URL,USERNAME,CREDENTIAL")
     username, credential = rest if rest else ("", "")
-    if url.startswith(("turn:", "turns:")) and not (username and credential):
-        raise ValueError(f"a TURN server needs a username and credential: {url},USERNAME,CREDENTIAL")
+    if rest and not (username and credential):
+        raise ValueError(f"USERNAME and CREDENTIAL may not be empty: {url},USERNAME,CREDENTIAL")
     return IceServer(url, username, credential)
 
 

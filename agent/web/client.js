@@ -10,12 +10,14 @@
 //   signalling.js  keys, the offer POST, the hang-up DELETE
 //   throttle.js    camera cap and the agent's back-pressure
 //   controls.js    Mute, text box, call id and overlay link
+//   ice.js         the agent's STUN/TURN servers, ?relay
 // This file: start, stop, teardown, the server's events, and the wiring.
 import { omni, ui, showError } from "./state.js";
 import { captions, transcript } from "./transcript.js";
 import { makeMeter, showLatency } from "./meter.js";
 import { loadServerConfig, mintEphemeralKey, iceGatheringDone, postOffer, hangUp } from "./signalling.js";
 import { capVideo, applyThrottle } from "./throttle.js";
+import { newPeerConnection } from "./ice.js";
 import { callControls, enableTextBox, callId, showCallId } from "./controls.js";
 
 let media = null; // the local camera + mic stream
@@ -124,7 +126,7 @@ async function start() {
     ui.placeholder.hidden = true;
     meter.watchMic(media);
 
-    const pc = (omni.pc = new RTCPeerConnection()); // no STUN/TURN: host candidates only
+    const pc = (omni.pc = await newPeerConnection(token)); // the agent's STUN/TURN servers (ice.js)
     pc.addEventListener("connectionstatechange", () => {
       if (omni.pc !== pc) return; // a stopped call reporting late
       setState(pc.connectionState);

@@ -1,6 +1,7 @@
 // Keys and signalling: GET /v1/omni/config, the ek_ key mint, the raw-SDP offer POST, and the
 // hang-up DELETE.
 import { omni, ui } from "./state.js";
+import { requireRelay } from "./ice.js";
 
 // aiortc does no trickle ICE, so the offer must carry every candidate: wait for gathering
 // to finish, but never longer than this (a host with a dead interface can stall it).
@@ -55,7 +56,13 @@ async function httpError(res, what) {
   return `${what} (HTTP ${res.status}): ${reason}` + (retry ? `. Try again in ${retry} s.` : "");
 }
 
-export function iceGatheringDone(pc) {
+// ?relay: a finished gathering without a relay candidate is a failed call (ice.js).
+export async function iceGatheringDone(pc) {
+  await gathered(pc);
+  requireRelay(pc);
+}
+
+function gathered(pc) {
   return new Promise((resolve) => {
     if (pc.iceGatheringState === "complete") return resolve();
     const finish = () => {

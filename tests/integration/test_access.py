@@ -7,7 +7,8 @@ no response carries CORS headers and preflights are not answered; with one, that
 gets them, on preflights and on replies; a client address that opens calls faster than
 `--max-calls-per-minute` gets 429 with Retry-After and a JSON reason, on WebRTC and WebSocket
 alike, while its calls within the limit are answered. `--ice-server` parsing: STUN, TURN with
-credentials, refused forms; the peer configuration carries exactly those servers.
+credentials, refused forms (a bare TURN URL needs `--turn-secret`); the peer configuration
+carries exactly those servers.
 """
 
 from __future__ import annotations
@@ -196,8 +197,12 @@ def test_ice_server_flags() -> None:
         ("turn:turn.example.com:3478?transport=udp", "alice", "s3cret"),
     ]
     assert rtc_configuration(()).iceServers == []  # never aiortc's default public STUN server
-    for bad in ("http://turn.example.com", "turn:turn.example.com", "turn:t.example.com,alice", "stun:"):
+    for bad in ("http://turn.example.com", "turn:t.example.com,alice", "turn:t.example.com,alice,", "stun:"):
         with pytest.raises(ValueError):
             parse_ice_server(bad)
         with pytest.raises(SystemExit):
             parser.parse_args(["--ice-server", bad])
+    # A TURN URL alone parses (its credentials would be minted from --turn-secret), but without
+    # a secret the configuration is refused.
+    with pytest.raises(ValueError, match="--turn-secret"):
+        config_from_args(parser.parse_args(["--ice-server", "turn:turn.example.com"]))
