@@ -23,6 +23,7 @@ from agent.serve.autoscaling import CallsAndGpuPolicy
 from agent.serve.options import ServeOptions, options_from
 from agent.serve.replica import AgentReplica, replica_options
 from agent.serve.router import OwnerPinnedRouter
+from agent.transport.ice import parse_ice_server
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,11 @@ def app_builder(args: Mapping[str, Any]) -> serve.Application:
     """`import_path: agent.serve.app:app_builder` in a Serve config; args name Config/ServeOptions fields."""
     names = {f.name for f in dataclasses.fields(Config)}
     values = {k: v for k, v in args.items() if k in names}
-    if "ice_hosts" in values:
-        values["ice_hosts"] = tuple(values["ice_hosts"])
+    for name in ("ice_hosts", "cors_origins"):
+        if name in values:
+            values[name] = tuple(values[name])
+    if "ice_servers" in values:  # the --ice-server form ("url[,username,credential]"), a list of them
+        values["ice_servers"] = tuple(parse_ice_server(s) for s in values["ice_servers"])
     unknown = set(args) - names - {f.name for f in dataclasses.fields(ServeOptions)}
     if unknown:
         raise ValueError(f"unknown args in the Serve config: {sorted(unknown)}")

@@ -87,3 +87,23 @@ def test_gpu_workers_use_the_node_network_one_per_node() -> None:
     args = yaml.safe_load(_rayservice()["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert grace > args["graceful_shutdown_s"]  # Kubernetes must not kill a draining replica first
     assert spec["rayVersion"] == "2.60.0"
+
+
+def test_ice_servers_in_a_serve_config_are_parsed_as_the_flag_is() -> None:
+    """`ice_servers` in a Serve config's args takes the --ice-server form; a bare TURN URL gets its
+    per-call credentials from `turn_secret` (a bad entry is refused when the app is built)."""
+    built = app_builder(
+        {
+            "ice_servers": ["stun:stun.example.com:3478", "turn:turn.example.com:3478?transport=udp"],
+            "turn_secret": "s3cret",
+            "cors_origins": ["https://example.com"],
+        }
+    )
+    config = built._bound_deployment.init_args[0]
+    assert [s.url for s in config.ice_servers] == [
+        "stun:stun.example.com:3478",
+        "turn:turn.example.com:3478?transport=udp",
+    ]
+    assert config.cors_origins == ("https://example.com",)
+    with pytest.raises(ValueError):
+        app_builder({"ice_servers": ["http://not-ice"]})
