@@ -106,8 +106,16 @@ async def client_secrets(request: web.Request) -> web.Response:
 
 
 async def omni_config(request: web.Request) -> web.Response:
-    """What the page needs before connecting: whether it must mint an ephemeral key first."""
-    return web.json_response({"auth_required": request.app[KEYS].required})
+    """What the page needs before connecting: whether it must mint an ephemeral key first, and
+    the voices its picker offers (the model's talker speakers; none until the model is loaded)."""
+    voices = request.app[ENGINE].voices
+    return web.json_response(
+        {
+            "auth_required": request.app[KEYS].required,
+            "voices": list(voices.names),
+            "default_voice": voices.default or None,
+        }
+    )
 
 
 async def healthz(request: web.Request) -> web.Response:
