@@ -109,7 +109,8 @@ async def client_secrets(request: web.Request) -> web.Response:
 
 async def omni_config(request: web.Request) -> web.Response:
     """What the page needs before connecting: whether it must mint an ephemeral key first, and
-    the STUN/TURN servers for its RTCPeerConnection (agent/transport/turn_credentials.py).
+    the STUN/TURN servers for its RTCPeerConnection (agent/transport/turn_credentials.py), and
+    the voices its picker offers (the model's talker speakers; none until the model is loaded).
 
     Open, since the page asks before it has a key. Minted TURN credentials are a resource (a
     relay's bandwidth), so when the agent wants a key they come only with one: the API key or
@@ -125,7 +126,14 @@ async def omni_config(request: web.Request) -> web.Response:
         config.ice_servers, config.turn_secret, config.turn_ttl_s, PAGE_USER, time.time(), with_turn=with_turn
     )
     needs_key = not with_turn and any(needs_minting(s) for s in config.ice_servers)
-    body = {"auth_required": keys.required, "ice_servers": ice_servers, "turn_needs_key": needs_key}
+    voices = request.app[ENGINE].voices
+    body = {
+        "auth_required": keys.required,
+        "ice_servers": ice_servers,
+        "turn_needs_key": needs_key,
+        "voices": list(voices.names),
+        "default_voice": voices.default or None,
+    }
     return web.json_response(body, headers={"Cache-Control": "no-store"})
 
 

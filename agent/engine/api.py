@@ -75,6 +75,16 @@ class StageTime:
 Output = Union[TextDelta, CallDelta, AudioOut, ReplyDone, StageTime, TranscriptOut]
 
 
+@dataclass(frozen=True)
+class Voices:
+    """The talker speakers a session may name in `audio.output.voice`, and the one "default"
+    means. Read once the model is loaded (the page's voice picker lists them); empty for a runner
+    that speaks with one voice only."""
+
+    names: tuple[str, ...] = ()
+    default: str = ""
+
+
 class Runner(Protocol):
     """The model side of the engine. Every method runs on the engine thread only.
 
@@ -195,6 +205,12 @@ class CallsTools(Protocol):
         ...
 
 
+class Speaks(Protocol):
+    """More than one talker speaker to choose from (what SetVoice picks among)."""
+
+    def voices(self) -> Voices: ...
+
+
 class TakesHistory(Protocol):
     """A runner without KV context (the fallback) is told the recent conversation per reply."""
 
@@ -214,6 +230,14 @@ def supports(runner: Any, capability: type[Capability]) -> TypeGuard[Capability]
             name for name, value in vars(capability).items() if callable(value) and not name.startswith("_")
         )
     return all(callable(getattr(runner, name, None)) for name in members)
+
+
+def voices_of(runner: Any) -> Voices:
+    """The voices a session of this runner may choose: none where it has no choice to offer
+    (the reference and fallback runners speak, if at all, with the loaded speaker)."""
+    if supports(runner, Speaks) and supports(runner, ConversationEditing):
+        return runner.voices()
+    return Voices()
 
 
 class ReplySink(Protocol):

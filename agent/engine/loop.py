@@ -21,7 +21,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from agent import metrics
-from agent.engine.api import EngineBusy, ReplySink, Runner
+from agent.engine.api import EngineBusy, ReplySink, Runner, Voices, voices_of
 from agent.engine.commands import (
     AppendAudio,
     AppendVideo,
@@ -71,6 +71,9 @@ class Engine:
         # Why the engine thread ended while it should be serving (None while it serves): set by
         # the thread itself on its way out, read by /healthz and admission.
         self.failed: Optional[str] = None
+        # The talker speakers sessions may choose, known once the model is loaded (GET
+        # /v1/omni/config lists them for the page's voice picker).
+        self.voices = Voices()
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -190,6 +193,7 @@ class Engine:
             self._loop.call_soon_threadsafe(self._ready.set_exception, exc)
             return
         self.core = EngineCore(runners, ThreadOutside(self._loop), self._handlers, self._frames_per_turn)
+        self.voices = voices_of(runners[0])
         self._loop.call_soon_threadsafe(self._ready.set_result, None)
         try:
             self.core.serve(self._inbox)

@@ -12,7 +12,8 @@ and, where it is answered, a number standing for its future. The child (`serve_c
 with "spawn": torch and threads do not survive a fork) builds the runners from the Config, as
 the engine thread would, and serves the inbox with an EngineCore whose Outside (ChildOutside)
 sends every answer and output back over one queue: ("settle", number, result, error),
-("deliver", session id, sink method, payload), ("stage", StageTime), ("ready" | "failed", …).
+("deliver", session id, sink method, payload), ("stage", StageTime), ("ready", Voices) or
+("failed", reason).
 A reader thread in the parent turns them into call_soon_threadsafe calls on the sinks (the
 Sessions stay in the parent; the child knows their ids) and records stage metrics. If the child
 dies, every session with a reply gets its error (ReplyDone "error") and health checks fail.
@@ -37,7 +38,7 @@ from typing import Any, Callable, Optional, Union
 
 from agent import metrics
 from agent.config import Config
-from agent.engine.api import EngineBusy, ReplyDone, ReplySink, Runner
+from agent.engine.api import EngineBusy, ReplyDone, ReplySink, Runner, voices_of
 from agent.engine.commands import CloseSession, OpenSession, SessionCommand, StreamCommand
 from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope, record_stage, settle
 from agent.engine.loop import Engine
@@ -168,7 +169,8 @@ class ProcessEngine(Engine):
             elif kind == "count" and message[1] in FORWARDED:
                 _, name, labels, delta = message
                 getattr(metrics, name).labels(**labels).inc(delta)
-            elif kind == "ready":
+            elif kind == "ready":  # the runners are loaded; what the parent must know of them
+                self.voices = message[1]
                 loop.call_soon_threadsafe(settle, ready, None, None)
             elif kind == "failed":  # the model did not load
                 loop.call_soon_threadsafe(settle, ready, None, RuntimeError(message[1]))
@@ -275,7 +277,7 @@ def serve_child(
         return
     core = EngineCore(runners, ChildOutside(outbox), dict(SESSION_COMMANDS), frames_per_turn)
     threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
-    outbox.put(("ready",))
+    outbox.put(("ready", voices_of(runners[0])))
     try:
         core.serve(inbox)
     except BaseException as exc:  # the loop itself broke: the parent fails every reply

@@ -11,6 +11,11 @@
 //   throttle.js    camera cap and the agent's back-pressure
 //   controls.js    Mute, text box, call id and overlay link
 //   ice.js         the agent's STUN/TURN servers, ?relay
+//   devices.js     mic and camera pickers, switching mid-call (replaceTrack), Camera off
+//   modes.js       conversation / captions only / interpret, and the session config they make
+//   voices.js      the voice picker
+//   reconnect.js   a new call, with backoff, after a dropped one
+//   vtt.js         the transcript as WebVTT
 // This file: start, stop, teardown, the server's events, and the wiring.
 import { omni, ui, showError } from "./state.js";
 import { captions, transcript } from "./transcript.js";
@@ -18,19 +23,27 @@ import { makeMeter, showLatency } from "./meter.js";
 import { loadServerConfig, mintEphemeralKey, iceGatheringDone, postOffer, hangUp } from "./signalling.js";
 import { capVideo, applyThrottle } from "./throttle.js";
 import { newPeerConnection } from "./ice.js";
-import { callControls, enableTextBox, callId, showCallId } from "./controls.js";
+import { callControls, setMicTrack, enableTextBox, callId, showCallId } from "./controls.js";
+import { listDevices, getMedia, attachCall, detachCall, onCameraToggled } from "./devices.js";
+import * as modes from "./modes.js";
+import { showVoices, onVoiceChosen, voiceRefused } from "./voices.js";
+import { makeReconnector, DISCONNECTED_GRACE_MS } from "./reconnect.js";
 
 let media = null; // the local camera + mic stream
 let meter = null; // WebAudio energy meter, see makeMeter()
+let established = false; // the current call reached "connected" (so losing it is a drop)
+let callIsCaptions = false; // the current call is a transcription session (captions only)
 
 function setState(state) {
   omni.state = state;
   ui.status.dataset.state = state;
   ui.stateText.textContent = state;
-  const live = state === "connecting" || state === "connected";
+  const live = state === "connecting" || state === "connected" || state === "reconnecting";
   ui.start.disabled = live;
   ui.stop.disabled = !live && state !== "disconnected";
 }
+
+const reconnector = makeReconnector({ connect: () => start({ retry: true }), setState });
 
 // ---- server events ---------------------------------------------------------------------
 // GA Realtime events; the project's extras ride in `omni` fields and `omni.*` events.
@@ -39,16 +52,27 @@ function onEvent(ev) {
   switch (ev.type) {
     case "session.created":
       omni.sessionId = ev.session?.id ?? null;
+      omni.firstInstructions ??= ev.session?.instructions; // what leaving interpreter mode restores
+      omni.session = ev.session ?? null;
+      break;
+    case "session.updated":
+      omni.session = ev.session ?? null;
       break;
     case "input_audio_buffer.speech_started":
       captions.clear();
       meter?.cancelTurn();
+      if (transcribing()) transcript.speechStarted(ev.item_id);
       break;
     case "input_audio_buffer.speech_stopped": // the server's end of turn: latency starts here
       meter?.endOfTurn();
+      transcript.speechStopped(ev.item_id);
       break;
-    case "conversation.item.input_audio_transcription.completed": // the user's words (?transcribe)
-      transcript.user(ev.transcript);
+    // The user's words, when the session transcribes them: stable text as it comes, then the final.
+    case "conversation.item.input_audio_transcription.delta":
+      transcript.userDelta(ev.item_id, ev.delta ?? "");
+      break;
+    case "conversation.item.input_audio_transcription.completed":
+      transcript.userCompleted(ev.item_id, ev.transcript);
       break;
     case "response.created":
       captions.line(ev.response.id);
@@ -61,6 +85,9 @@ function onEvent(ev) {
     case "output_audio_buffer.started": // the reply's first audio left the server
       if (ev.omni) showLatency({ ttfa_ms: ev.omni.ttfa_ms });
       break;
+    case "output_audio_buffer.stopped": // the reply has played out: its transcript cue ends
+      transcript.agentStopped(ev.response_id);
+      break;
     case "response.done":
       if (ev.response?.omni) showLatency(ev.response.omni);
       break;
@@ -71,68 +98,86 @@ function onEvent(ev) {
       ui.mode.hidden = ev.mode === "audio";
       ui.mode.textContent = ev.mode === "audio" ? "" : `${ev.mode} mode${ev.reason ? `: ${ev.reason}` : ""}`;
       break;
-    case "error":
+    case "error": // shown whatever it is; a refused voice also puts the picker back
       showError(`Agent error: ${ev.error?.message ?? "unknown"}${ev.error?.code ? ` (${ev.error.code})` : ""}`);
+      if (ev.error?.param === "session.audio.output.voice") voiceRefused();
       break;
   }
 }
 
-// What the page asks of the session: spoken replies unless the box says text only.
-// With ?transcribe in the page's URL, the user's speech is transcribed live too (for
-// captions.html?session=<call id>, which follows the call's events, and the transcript panel).
+const transcribing = () => callIsCaptions || Boolean(omni.session?.audio?.input?.transcription);
+
+// What the page asks of a conversation session (modes.js), sent when the channel opens and
+// on every change of a control. A captions-only call got its session with the offer.
 function sendSessionConfig() {
-  const session = { type: "realtime", output_modalities: [ui.textOnly.checked ? "text" : "audio"] };
-  const query = new URLSearchParams(window.location.search);
-  if (query.has("transcribe")) {
-    session.audio = { input: { transcription: { model: "qwen3-omni-thinker" } } };
+  if (!callIsCaptions) omni.send({ type: "session.update", session: modes.sessionUpdate() });
+}
+
+// A control changed: into the URL, and into the call when there is one. Captions only is a
+// session type, fixed when a call is created: switching to or from it mid-call takes a new call.
+function settingsChanged() {
+  modes.writeUrl();
+  modes.reflectMode();
+  if (!omni.pc) return; // the next Start takes them
+  if (modes.captionsOnly() !== callIsCaptions) {
+    start({ keep: true });
+    return;
   }
-  // ?interpret_to=French: interpreter mode (every utterance answered by its translation).
-  if (query.get("interpret_to")) session.omni = { interpret_to: query.get("interpret_to") };
-  omni.send({ type: "session.update", session });
+  sendSessionConfig();
 }
 
 // ---- call setup ------------------------------------------------------------------------
-async function getMedia() {
-  const audio = { echoCancellation: true, noiseSuppression: true, autoGainControl: true };
-  try {
-    return await navigator.mediaDevices.getUserMedia({
-      audio, video: { width: 640, height: 480, frameRate: 15 },
-    });
-  } catch (err) {
-    // No camera (or camera refused) should not cost the user the conversation.
-    if (err.name !== "NotFoundError" && err.name !== "NotReadableError") throw err;
-    showError("No camera available: voice only.");
-    return navigator.mediaDevices.getUserMedia({ audio });
-  }
-}
-
-async function start() {
+// opts.retry: a reconnect after a drop; opts.keep: a new call in the same sitting (a mode that
+// needs one). Both keep the transcript and its clock: one conversation, however many calls.
+async function start(opts = {}) {
+  const fresh = !opts.retry && !opts.keep;
+  if (!opts.retry) reconnector.cancel();
   teardown(); // a failed call leaves its peer behind until the next Start
-  showError("");
-  captions.clear();
-  transcript.clear();
-  omni.events.length = 0;
+  if (fresh) {
+    showError("");
+    captions.clear();
+    transcript.clear();
+    omni.events.length = 0;
+    omni.callStart = performance.now();
+  }
   omni.latency = {};
   omni.throttle = null;
+  omni.session = null;
   ui.throttle.hidden = true;
+  established = false;
+  callIsCaptions = modes.captionsOnly();
+  modes.newCall();
   setState("connecting");
   meter = makeMeter();
   try {
-    if (omni.authRequired === null) await loadServerConfig(); // first load failed: ask again
-    const token = (omni.token = omni.authRequired ? await mintEphemeralKey() : null);
+    if (omni.authRequired === null || !omni.config.voices?.length) {
+      await loadServerConfig(); // the first load failed, or came before the model was loaded
+      showVoices();
+      modes.reflectMode();
+    }
+    const session = modes.creationSession();
+    const token = (omni.token = omni.authRequired ? await mintEphemeralKey(session) : null);
 
     media = await getMedia();
+    listDevices(); // with permission granted, the pickers can name the devices
     ui.video.srcObject = media;
     ui.placeholder.hidden = true;
     meter.watchMic(media);
 
     const pc = (omni.pc = await newPeerConnection(token)); // the agent's STUN/TURN servers (ice.js)
+    let grace = null; // "disconnected": ICE may come back by itself before this runs out
     pc.addEventListener("connectionstatechange", () => {
       if (omni.pc !== pc) return; // a stopped call reporting late
+      clearTimeout(grace);
       setState(pc.connectionState);
-      if (pc.connectionState === "failed") showError("Connection failed: no media path to the server.");
-      // A dead call should not keep the camera light on; the state line keeps the verdict.
-      if (pc.connectionState === "failed" || pc.connectionState === "closed") teardown();
+      if (pc.connectionState === "connected") {
+        established = true;
+        reconnector.connected();
+      } else if (pc.connectionState === "disconnected") {
+        grace = setTimeout(() => lost(pc, "the connection stayed disconnected"), DISCONNECTED_GRACE_MS);
+      } else if (pc.connectionState === "failed" || pc.connectionState === "closed") {
+        lost(pc, "no media path to the server");
+      }
     });
     pc.addEventListener("track", (e) => {
       if (e.track.kind !== "audio") return;
@@ -147,9 +192,13 @@ async function start() {
     const channel = (omni.channel = pc.createDataChannel("oai-events"));
     channel.addEventListener("open", () => {
       sendSessionConfig();
-      if (omni.channel === channel) enableTextBox(true);
+      if (omni.channel === channel) enableTextBox(!callIsCaptions);
     });
-    channel.addEventListener("close", () => enableTextBox(false));
+    channel.addEventListener("close", () => {
+      enableTextBox(false);
+      // Not ours to close (teardown forgets the channel first): the server ended the call.
+      if (omni.channel === channel) lost(pc, "the server closed the call's events channel");
+    });
     channel.addEventListener("message", (e) => {
       try {
         onEvent(JSON.parse(e.data));
@@ -160,22 +209,46 @@ async function start() {
 
     // sendrecv audio: the server answers on this same transceiver with the agent's voice.
     const [mic] = media.getAudioTracks();
-    pc.addTransceiver(mic, { direction: "sendrecv", streams: [media] });
-    callControls(mic);
+    const micSender = pc.addTransceiver(mic, { direction: "sendrecv", streams: [media] }).sender;
+    callControls(mic, fresh ? false : omni.muted); // Mute carries over a reconnect
     const [cam] = media.getVideoTracks();
-    if (cam) await capVideo(pc.addTransceiver(cam, { direction: "sendonly", streams: [media] }).sender, cam);
+    const camSender = cam ? pc.addTransceiver(cam, { direction: "sendonly", streams: [media] }).sender : null;
+    if (cam) await capVideo(camSender, cam);
+    const watch = meter;
+    await attachCall({
+      stream: media, mic: micSender, cam: camSender,
+      onMic: (track) => { setMicTrack(track); watch.watchMic(new MediaStream([track])); },
+    });
 
     await pc.setLocalDescription(await pc.createOffer());
     await iceGatheringDone(pc);
-    const answer = await postOffer(pc.localDescription.sdp, token);
+    // A transcription session is made by the offer itself (or by the key's session, when keyed).
+    const answer = await postOffer(pc.localDescription.sdp, token, {
+      session: callIsCaptions && !token ? session : null, priority: modes.priority(),
+    });
     if (omni.pc !== pc) return hangUp(answer.callUrl, token); // Stop was pressed meanwhile
     omni.callUrl = answer.callUrl;
     showCallId(callId());
     await pc.setRemoteDescription({ type: "answer", sdp: answer.sdp });
   } catch (err) {
     teardown();
+    if (opts.retry) return reconnector.attemptFailed(err);
     setState("failed");
     showError(err.name === "NotAllowedError" ? "Camera/microphone permission was refused." : err.message);
+  }
+}
+
+// The call went away without the user's Stop. One that was up is reconnected; a reconnect
+// attempt that never got up counts as a failed try; a first call that never got up just failed.
+function lost(pc, reason) {
+  if (omni.pc !== pc) return;
+  const wasUp = established;
+  teardown();
+  if (wasUp) reconnector.dropped(reason);
+  else if (reconnector.active) reconnector.attemptFailed(new Error(reason));
+  else {
+    setState("failed");
+    showError(`Connection failed: ${reason}.`);
   }
 }
 
@@ -186,6 +259,8 @@ function teardown() {
   omni.camera = null;
   hangUp(omni.callUrl, omni.token);
   omni.callUrl = null;
+  established = false;
+  detachCall();
   callControls(null);
   pc?.close();
   media?.getTracks().forEach((t) => t.stop());
@@ -198,6 +273,7 @@ function teardown() {
 }
 
 function stop() {
+  reconnector.cancel(); // the user's Stop: no reconnect
   teardown();
   setState("closed");
 }
@@ -206,7 +282,7 @@ function stop() {
 // elsewhere Start could never work, so say why instead of failing on the click.
 const canCapture = window.isSecureContext && Boolean(navigator.mediaDevices?.getUserMedia);
 if (canCapture) {
-  ui.start.addEventListener("click", start);
+  ui.start.addEventListener("click", () => start());
 } else {
   ui.start.disabled = true;
   showError(
@@ -215,10 +291,24 @@ if (canCapture) {
   );
 }
 ui.stop.addEventListener("click", stop);
-ui.textOnly.addEventListener("change", sendSessionConfig); // takes effect from the next reply
 ui.keyForm.addEventListener("submit", (e) => {
   e.preventDefault(); // Enter in the key field means Start (unless a call is already up)
   if (canCapture && !ui.start.disabled) start();
 });
-window.addEventListener("pagehide", teardown);
-loadServerConfig();
+// Every setting: into the URL and the call (a reply under way keeps what it began with).
+// Camera off also tells the agent (omni.video); a device switch needs no word to the server.
+modes.onChanged(settingsChanged);
+onVoiceChosen(settingsChanged);
+onCameraToggled(settingsChanged);
+window.addEventListener("pagehide", () => {
+  reconnector.cancel();
+  teardown();
+});
+
+const { voice } = modes.readUrl();
+modes.reflectMode();
+listDevices();
+loadServerConfig().then(() => {
+  showVoices(voice);
+  modes.reflectMode();
+});

@@ -11,15 +11,22 @@ function setMuted(muted) {
   ui.mute.setAttribute("aria-pressed", String(muted));
 }
 
-// Called with the mic track once the call has one, and with null when the call ends.
-export function callControls(track) {
+// Called with the mic track once the call has one (and whether it starts muted: a reconnect
+// keeps Mute as it was), and with null when the call ends.
+export function callControls(track, muted = omni.muted) {
   mic = track;
-  setMuted(false);
+  if (track) setMuted(muted);
   ui.mute.disabled = !track;
   if (!track) {
     enableTextBox(false);
     showCallId(null);
   }
+}
+
+// A new mic track mid-call (a device switch): Mute applies to it as it did to the old one.
+export function setMicTrack(track) {
+  mic = track;
+  setMuted(omni.muted);
 }
 
 // The text box works while the data channel is open.
@@ -62,3 +69,4 @@ ui.copyOverlay.addEventListener("click", () => {
   navigator.clipboard?.writeText(ui.overlayLink.href).catch(() => {}); // no clipboard: the link is on screen
 });
 ui.download.addEventListener("click", () => transcript.download(callId()));
+ui.downloadVtt.addEventListener("click", () => transcript.downloadVtt(callId()));

@@ -12,12 +12,13 @@ const ICE_GATHER_TIMEOUT_MS = 2000;
 const EPHEMERAL_KEY_SECONDS = 600;
 
 // GET /v1/omni/config says whether the server wants a key (it needs none itself). If it
-// does, the page shows the key field.
+// does, the page shows the key field. It also names the model's voices (for the picker).
 export async function loadServerConfig() {
   try {
     const res = await fetch("v1/omni/config");
     if (!res.ok) throw new Error(`HTTP ${res.status}`);
-    omni.authRequired = Boolean((await res.json()).auth_required);
+    omni.config = await res.json();
+    omni.authRequired = Boolean(omni.config.auth_required);
   } catch (err) {
     omni.authRequired = null; // unknown: Start will find out from the call's own answer
     console.warn("GET v1/omni/config failed:", err);
@@ -28,7 +29,8 @@ export async function loadServerConfig() {
 // A short-lived ek_ key for one call, minted on this origin. With a key typed in, the page
 // sends it; with none, it sends no Authorization so that a proxy in front of the agent
 // (which knows the real key and authenticates its own users) can add it on this route only.
-export async function mintEphemeralKey() {
+// `session`: the session the key carries (a key's session type and priority are fixed).
+export async function mintEphemeralKey(session) {
   const headers = { "Content-Type": "application/json" };
   const key = ui.key.value.trim();
   if (key) headers.Authorization = `Bearer ${key}`;
@@ -37,13 +39,13 @@ export async function mintEphemeralKey() {
     headers,
     body: JSON.stringify({
       expires_after: { anchor: "created_at", seconds: EPHEMERAL_KEY_SECONDS },
-      session: { type: "realtime", output_modalities: [ui.textOnly.checked ? "text" : "audio"] },
+      session,
     }),
   });
   if (!res.ok) {
     const hint = res.status === 401 ? (key ? " The API key was not accepted." : " This server needs an API key: enter it above.") : "";
     const message = await httpError(res, "The server refused to mint a key");
-    throw new Error(hint ? `${message.replace(/\.?$/, ".")}${hint}` : message);
+    throw httpFailure(res, hint ? `${message.replace(/\.?$/, ".")}${hint}` : message);
   }
   return (await res.json()).value;
 }
@@ -54,6 +56,11 @@ async function httpError(res, what) {
   const reason = body.error?.message ?? body.error ?? res.statusText;
   const retry = res.headers.get("Retry-After");
   return `${what} (HTTP ${res.status}): ${reason}` + (retry ? `. Try again in ${retry} s.` : "");
+}
+
+// The Error thrown for a refused request carries its HTTP status: a reconnect gives up on 401/403.
+function httpFailure(res, message) {
+  return Object.assign(new Error(message), { status: res.status });
 }
 
 // ?relay: a finished gathering without a relay candidate is a failed call (ice.js).
@@ -77,15 +84,23 @@ function gathered(pc) {
 }
 
 // GA signalling: the raw offer in, 201 with the raw answer and the call's Location out.
-export async function postOffer(sdp, token) {
-  const headers = { "Content-Type": "application/sdp", Accept: "application/sdp" };
+// With a `session` (one that must be set at creation: a transcription session) the offer goes
+// as multipart/form-data, parts `sdp` and `session`; `priority`: the session's priority class.
+export async function postOffer(sdp, token, { session = null, priority = null } = {}) {
+  const headers = { Accept: "application/sdp" };
   if (token) headers.Authorization = `Bearer ${token}`;
+  let body = sdp;
+  if (session) {
+    body = new FormData(); // the browser writes the multipart Content-Type with its boundary
+    body.append("sdp", sdp);
+    body.append("session", JSON.stringify(session));
+  } else {
+    headers["Content-Type"] = "application/sdp";
+  }
   // Relative URL: works when the page is served under a path prefix, too.
-  // The page's own ?priority=high (a session's priority class) rides along on the offer.
-  const priority = new URLSearchParams(window.location.search).get("priority");
   const url = priority ? `v1/realtime/calls?priority=${encodeURIComponent(priority)}` : "v1/realtime/calls";
-  const res = await fetch(url, { method: "POST", headers, body: sdp });
-  if (res.status !== 201) throw new Error(await httpError(res, "The server refused the call"));
+  const res = await fetch(url, { method: "POST", headers, body });
+  if (res.status !== 201) throw httpFailure(res, await httpError(res, "The server refused the call"));
   const location = res.headers.get("Location");
   return { sdp: await res.text(), callUrl: location ? new URL(location, res.url).href : null };
 }

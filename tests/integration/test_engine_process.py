@@ -4,7 +4,8 @@ Pins:
 - the agent serves as with the engine thread: over the WebSocket (official `openai` SDK) a text
   turn gets transcript and audio deltas and a completed response.done; a required tool call
   arrives as a function_call item; a command the engine refuses (an unknown voice) comes back
-  as an `error` naming the field; response.cancel mid-reply ends it as cancelled;
+  as an `error` naming the field; response.cancel mid-reply ends it as cancelled; the voices the
+  child's runner offers reach the parent (GET /v1/omni/config lists the tiny model's speakers);
 - over WebRTC (an aiortc peer) a spoken turn is answered with audible audio on the track;
 - the child's CPU counts as `engine` in agent_thread_cpu_seconds_total, and the runners' own
   counters (speculation outcomes) reach the parent's /metrics;
@@ -40,6 +41,9 @@ LIGHT = {
 
 async def test_websocket_turns_through_the_process(agent: RunningAgent, strict_event) -> None:
     assert isinstance(agent.engine, ProcessEngine) and agent.engine.pid != os.getpid()
+    async with aiohttp.ClientSession() as http, http.get(f"{agent.url}/v1/omni/config") as resp:
+        config = await resp.json()
+    assert config["voices"] == ["aiden", "chelsie", "ethan"] and config["default_voice"] == "ethan", config
     async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
         mark = len(ev.all)

@@ -2,7 +2,8 @@
 
 Pins:
 - no key, a wrong key, or a wrong ephemeral key → 401 with a JSON error, on the WebRTC, WebSocket
-  and client_secrets routes; /v1/omni/config and /healthz stay open and say a key is needed;
+  and client_secrets routes; /v1/omni/config and /healthz stay open and say a key is needed
+  (/v1/omni/config also lists the model's voices);
 - the API key works with the official SDK (WebSocket) and on POST /v1/realtime/calls;
 - client_secrets (API key only) mints `ek_…` keys with expires_at and the session they carry;
   `expires_after.seconds` outside 10..7200 is refused naming the param;
@@ -48,7 +49,11 @@ async def _first_event(sdk_key: str, url: str) -> dict:
 async def test_missing_or_wrong_keys_get_401(agent: RunningAgent, speech_wav: Path) -> None:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{agent.url}/v1/omni/config") as resp:
-            assert resp.status == 200 and (await resp.json())["auth_required"] is True
+            config = await resp.json()
+        # The tiny model's talker speakers, for the page's voice picker (engine thread here; the
+        # engine process: tests/integration/test_engine_process.py).
+        assert resp.status == 200 and config["auth_required"] is True, config
+        assert config["voices"] == ["aiden", "chelsie", "ethan"] and config["default_voice"] == "ethan", config
         for headers in (
             {},
             {"Authorization": "Bearer sk-wrong"},

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from agent.decoding import Decoding
-from agent.engine.api import Output, StageTime
+from agent.engine.api import Output, StageTime, Voices
 from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.codecs.output_audio import talker_tokens_for
 from agent.engine.compile.wiring import GraphConfig, Graphing, GraphMode
@@ -279,6 +279,9 @@ class StreamingRunner:
 
     def add_user_text(self, session_id: str, text: str) -> int:
         return self.edits.add_user_text(session_id, text)
+
+    def voices(self) -> Voices:
+        return Voices(tuple(sorted(self.talker.voices)), self.talker.default_voice)
 
     def set_voice(self, session_id: str, voice: str) -> str:
         return self.edits.set_voice(session_id, voice)
