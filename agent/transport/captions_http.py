@@ -17,7 +17,8 @@ reconnect then gets its 401).
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+import logging
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -26,6 +27,8 @@ from agent.transport.calls import call_events
 from agent.transport.caption_book import CaptionBook, scope_of
 from agent.transport.http import KEYS, SESSIONS, grant, json_error
 from agent.transport.rtc import RtcCall
+
+log = logging.getLogger(__name__)
 
 CAPTIONS: web.AppKey[CaptionBook] = web.AppKey("captions", CaptionBook)
 _KEEPALIVE_S = 15.0
@@ -52,7 +55,14 @@ def recorded(create_call: _Handler) -> _Handler:
 def _record(book: CaptionBook, call: RtcCall, scope: str | None) -> None:
     call_id = call.id
     book.start(call_id, scope)
-    call.session.outbox.taps.append(lambda event, text: book.event(call_id, event, text))
+
+    def tap(event: dict[str, Any], text: str) -> None:
+        try:
+            book.event(call_id, event, text)
+        except Exception:  # a caption bug must not break the call that emits the event
+            log.exception("call %s: caption timeline failed on %s", call_id, event.get("type"))
+
+    call.session.outbox.taps.append(tap)
 
     async def ended() -> None:
         book.end(call_id)
