@@ -4,9 +4,11 @@ Routes under /v1/realtime need a key when --api-key is set (see agent/gate/api_k
   POST   /v1/realtime/calls[?model=]        WebRTC offer → 201 SDP answer + Location
   POST   /v1/realtime?model=                the same, older URL form
   DELETE /v1/realtime/calls/{id}            end a call (also POST …/{id}/hangup)
-  GET    /v1/realtime/calls/{id}/events     the call's server events as SSE
+  GET    /v1/realtime/calls/{id}/events     the call's server events as SSE (410 once it has ended)
+  GET    /v1/realtime/calls/{id}/captions.vtt  the call's captions as WebVTT (agent/transport/captions_http.py)
   GET    /v1/realtime?model=                WebSocket transport (?call_id= attaches to a call)
   POST   /v1/realtime/client_secrets        mint an ephemeral ek_ key
+GET /v1/omni/calls/latest/events (SSE: the newest call's events) checks the same key itself.
 Open: GET /, GET /v1/omni/config, GET /healthz, GET /livez, GET /readyz, GET /metrics.
 """
 
@@ -26,8 +28,8 @@ from agent.gate.access import CallRate, cors_middleware
 from agent.gate.api_keys import DEFAULT_TTL_S, KeyStore, bearer_token
 from agent.gate.ladder import Admission
 from agent.realtime import session_config
-from agent.transport import audio_level
-from agent.transport.calls import MAX_OFFER_BYTES, call_events, create_call, hangup
+from agent.transport import audio_level, captions_http
+from agent.transport.calls import MAX_OFFER_BYTES, create_call, hangup
 from agent.transport.http import (
     ADMISSION,
     CALL_RATE,
@@ -241,12 +243,13 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app[CALL_RATE] = CallRate(config.max_calls_per_minute)
     app[DRAINING] = asyncio.Event()
     app.router.add_get("/", index)
-    app.router.add_post("/v1/realtime/calls", create_call)
-    app.router.add_post("/v1/realtime", create_call)
+    captions_http.install(app)  # the caption book, the WebVTT and latest-call routes
+    app.router.add_post("/v1/realtime/calls", captions_http.recorded(create_call))
+    app.router.add_post("/v1/realtime", captions_http.recorded(create_call))
     app.router.add_get("/v1/realtime", websocket)
     app.router.add_delete("/v1/realtime/calls/{call_id}", hangup)
     app.router.add_post("/v1/realtime/calls/{call_id}/hangup", hangup)
-    app.router.add_get("/v1/realtime/calls/{call_id}/events", call_events)
+    app.router.add_get("/v1/realtime/calls/{call_id}/events", captions_http.events_or_gone)
     app.router.add_post("/v1/realtime/client_secrets", client_secrets)
     app.router.add_get("/v1/omni/config", omni_config)
     app.router.add_get("/healthz", healthz)  # kept as it was: loaded, alive and not draining, in one answer

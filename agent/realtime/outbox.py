@@ -15,6 +15,9 @@ class Outbox:
     def __init__(self, send: Callable[[str], None]) -> None:
         self._send = send
         self._sse: list[asyncio.Queue] = []
+        # Listeners that see every event as it goes out (the caption timeline,
+        # agent/transport/caption_book.py): called in order, synchronously, never dropped.
+        self.taps: list[Callable[[dict[str, Any], str], None]] = []
         self.closed = False
 
     def emit(self, event: dict[str, Any]) -> None:
@@ -23,6 +26,8 @@ class Outbox:
         event.setdefault("event_id", new_id("event"))
         text = json.dumps(event)
         self._send(text)
+        for tap in self.taps:
+            tap(event, text)
         for q in list(self._sse):
             try:
                 q.put_nowait(text)
@@ -45,6 +50,7 @@ class Outbox:
         """No more events; SSE readers get their end marker."""
         self.closed = True
         self._send = _drop  # the transport refers to its session: break the cycle
+        self.taps = []  # a tap refers to its listener: the same
         for q in self._sse:
             if not q.full():
                 q.put_nowait(None)

@@ -1,18 +1,56 @@
-// Caption overlay: follows one call's server events over SSE and shows the last few lines of
+// Caption overlay: follows a call's server events over SSE and shows the last few lines of
 // what the user and the agent said. The user's lines come from live input transcription
 // (conversation.item.input_audio_transcription.*, and the project's omni.input_audio_transcription.partial
 // for a hypothesis with no new stable text: `omni.stable_chars` of `omni.text` are final, the rest
 // is shown dimmed), the agent's from its reply transcript.
-"use strict";
+//
+// Which call: `?session=<call id>` follows that call until it ends; `?follow=latest` follows
+// whichever call is newest on the agent (of those the key may see), moving to each new one, so a
+// browser source is set up once (GET v1/omni/calls/latest/events; the server says
+// omni.call.started / omni.call.ended / omni.call.waiting).
+//
+// When to give up: a refusal that asking again cannot change (401/403 key, 404 unknown call,
+// 410 call ended) stops the overlay with the reason on screen; anything else (network, 5xx, 503
+// while the agent restarts) is retried with a backoff of 1 s doubling to 30 s, for ever.
+import { applyStyle } from "./caption_style.js";
+import { HttpError, readEvents } from "./event_stream.js";
 
 const params = new URLSearchParams(window.location.search);
 const callId = params.get("session") || params.get("call_id") || "";
-const maxLines = Math.max(1, Math.min(6, Number(params.get("lines")) || 3));
+const latest = params.get("follow") === "latest";
 const key = params.get("key");
-const ui = { lines: document.getElementById("lines"), latency: document.getElementById("latency") };
+const ui = {
+  lines: document.getElementById("lines"),
+  latency: document.getElementById("latency"),
+  status: document.getElementById("status"),
+};
+const BACKOFF_MS = [1000, 2000, 4000, 8000, 16000, 30000];
+const STEADY_MS = 10_000; // a connection up this long starts the backoff over
 
 // What the page has seen, for tests and debugging (window.captions).
-const state = (window.captions = { connected: false, ended: false, events: 0, lines: [], figures: {} });
+const state = (window.captions = {
+  mode: latest ? "latest" : callId ? "session" : "none",
+  callId: latest ? null : callId,
+  calls: 0, // calls followed (?follow=latest)
+  connected: false,
+  ended: false, // stopped for good: `reason` says why
+  reason: "",
+  status: "",
+  httpStatus: null,
+  retries: 0,
+  events: 0,
+  lines: [],
+  figures: {},
+  style: {},
+  ignored: [],
+});
+let maxLines = 3;
+
+function show(text) {
+  state.status = text;
+  ui.status.textContent = text;
+  ui.status.hidden = !text;
+}
 
 function lineFor(id, speaker) {
   let line = state.lines.find((l) => l.id === id);
@@ -36,13 +74,16 @@ function render() {
         const who = document.createElement("span");
         who.className = "who";
         who.textContent = l.speaker;
+        const said = document.createElement("span");
+        said.className = "said"; // carries the backing colour, line by line when it wraps
         const stable = document.createElement("span");
         stable.className = "stable";
         stable.textContent = l.stable;
         const tail = document.createElement("span");
         tail.className = "tail";
         tail.textContent = l.tail;
-        p.append(who, stable, tail);
+        said.append(stable, tail);
+        p.append(who, said);
         return p;
       }),
   );
@@ -55,6 +96,20 @@ function render() {
 function onEvent(ev) {
   state.events += 1;
   switch (ev.type) {
+    case "omni.call.started": // ?follow=latest: a (newer) call is followed from here on
+      state.callId = ev.call_id;
+      state.calls += 1;
+      state.lines = [];
+      state.figures = {};
+      show("");
+      break;
+    case "omni.call.ended":
+      show("call ended");
+      break;
+    case "omni.call.waiting":
+      state.callId = null;
+      show(state.calls ? "call ended · waiting for the next call" : "waiting for a call");
+      break;
     case "input_audio_buffer.speech_started":
       lineFor(ev.item_id, "user");
       break;
@@ -93,57 +148,64 @@ function onEvent(ev) {
   render();
 }
 
-// EventSource cannot send a key, so the stream is read with fetch.
-async function follow() {
-  const headers = { Accept: "text/event-stream" };
-  if (key) headers.Authorization = `Bearer ${key}`;
-  const res = await fetch(`v1/realtime/calls/${encodeURIComponent(callId)}/events`, { headers });
-  if (res.status === 404) {
-    state.ended = true; // no such call (or it has ended): nothing to follow
-    return;
-  }
-  if (!res.ok) throw new Error(`events: HTTP ${res.status}`);
-  state.connected = true;
-  const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
-  let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buffer += value;
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const block = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      const data = block.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
-      if (data) {
-        try {
-          onEvent(JSON.parse(data));
-        } catch (err) {
-          console.warn("captions: bad event", err);
-        }
-      }
-    }
-  }
+const WHY = { 401: "the key was refused", 403: "not allowed", 404: "no such call", 410: "the call has ended" };
+
+function stop(reason) {
+  state.ended = true;
   state.connected = false;
-  state.ended = true; // the call ended
+  state.reason = reason;
+  show(`stopped: ${reason}`);
 }
 
 async function run() {
+  const { style, ignored } = applyStyle(params);
+  Object.assign(state, { style, ignored });
+  maxLines = style.lines;
   ui.latency.hidden = params.get("latency") === "0";
   document.addEventListener("keydown", (e) => {
     if (e.key === "l" || e.key === "L") ui.latency.hidden = !ui.latency.hidden;
   });
   render();
-  if (!callId) return;
-  // A dropped connection (not an ended call) is followed again after a pause.
+  if (state.mode === "none") {
+    stop("no call to follow: add ?follow=latest or ?session=<call id> to the address");
+    return;
+  }
+  const url = latest ? "v1/omni/calls/latest/events" : `v1/realtime/calls/${encodeURIComponent(callId)}/events`;
+  show("connecting…");
+  let failures = 0;
   while (!state.ended) {
+    const opened = Date.now();
+    let why = "the connection closed"; // the server ended the stream: a call that ended, or a restart
     try {
-      await follow();
+      await readEvents(url, {
+        key,
+        onEvent,
+        onOpen: () => {
+          state.connected = true;
+          state.httpStatus = 200;
+          if (!latest) show("");
+        },
+      });
     } catch (err) {
-      state.connected = false;
-      console.warn("captions:", err);
-      await new Promise((r) => setTimeout(r, 2000));
+      if (err instanceof HttpError) {
+        state.httpStatus = err.status;
+        if (err.final) {
+          stop(`${WHY[err.status] || "refused"} (HTTP ${err.status}): ${err.message}`);
+          break;
+        }
+        why = `HTTP ${err.status}: ${err.message}`;
+      } else {
+        why = err.message;
+      }
+      console.warn("captions:", why);
     }
+    state.connected = false;
+    if (Date.now() - opened > STEADY_MS) failures = 0;
+    const wait = BACKOFF_MS[Math.min(failures, BACKOFF_MS.length - 1)];
+    failures += 1;
+    state.retries += 1;
+    show(`${why} · retrying in ${Math.round(wait / 1000)} s`);
+    await new Promise((r) => setTimeout(r, wait));
   }
 }
 
