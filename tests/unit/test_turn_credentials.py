@@ -19,6 +19,7 @@ import base64
 import hashlib
 import hmac
 import time
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -26,9 +27,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from agent.__main__ import _serve_parser, config_from_args
 from agent.config import Config
+from agent.engine.api import Voices
 from agent.gate.api_keys import KeyStore
 from agent.server import omni_config
-from agent.transport.http import CONFIG, KEYS
+from agent.transport.http import CONFIG, ENGINE, KEYS
 from agent.transport.ice import IceServer, parse_ice_server
 from agent.transport.turn_credentials import browser_ice_servers, mint, with_credentials
 
@@ -133,6 +135,7 @@ async def _get_config(
     app = web.Application()
     app[CONFIG] = config
     app[KEYS] = keys or KeyStore(config.api_key)
+    app[ENGINE] = SimpleNamespace(voices=Voices())  # the endpoint reads only the engine's voices
     app.router.add_get("/v1/omni/config", omni_config)
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         resp = await client.get("/v1/omni/config", headers=headers or {})
