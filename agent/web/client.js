@@ -222,9 +222,10 @@ async function start(opts = {}) {
 
     await pc.setLocalDescription(await pc.createOffer());
     await iceGatheringDone(pc);
-    // A transcription session is made by the offer itself (or by the key's session, when keyed).
+    // The session goes with the offer (or with the key, when keyed): a transcription session is
+    // made by it, and a conversation transcribes its first turn.
     const answer = await postOffer(pc.localDescription.sdp, token, {
-      session: callIsCaptions && !token ? session : null, priority: modes.priority(),
+      session: token ? null : session, priority: modes.priority(),
     });
     if (omni.pc !== pc) return hangUp(answer.callUrl, token); // Stop was pressed meanwhile
     omni.callUrl = answer.callUrl;

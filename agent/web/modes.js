@@ -57,11 +57,17 @@ export function writeUrl() {
 
 export const priority = () => (ui.highPriority.checked ? "high" : null);
 
-// The session part of the offer (and of a minted key): only what must be fixed at creation.
+// The session part of the offer (and of a minted key): what must be fixed at creation, and
+// what the first turn needs (input transcription, the voice): the user may start speaking
+// before the data channel opens and the first session.update can go out.
 export function creationSession() {
   const session = captionsOnly() ? { type: "transcription" } : { type: "realtime" };
   if (priority()) session.omni = { priority: priority() };
-  if (!captionsOnly()) session.output_modalities = [ui.textOnly.checked ? "text" : "audio"];
+  if (!captionsOnly()) {
+    session.output_modalities = [ui.textOnly.checked ? "text" : "audio"];
+    session.audio = { input: { transcription: ui.transcribe.checked ? TRANSCRIBER : null } };
+    if (ui.voiceSelect.value) session.audio.output = { voice: ui.voiceSelect.value };
+  }
   return session;
 }
 

@@ -84,8 +84,9 @@ function gathered(pc) {
 }
 
 // GA signalling: the raw offer in, 201 with the raw answer and the call's Location out.
-// With a `session` (one that must be set at creation: a transcription session) the offer goes
-// as multipart/form-data, parts `sdp` and `session`; `priority`: the session's priority class.
+// With a `session` (what must be set at creation: a transcription session, the first turn's
+// transcription) the offer goes as multipart/form-data, parts `sdp` and `session`; `priority`:
+// the session's priority class.
 export async function postOffer(sdp, token, { session = null, priority = null } = {}) {
   const headers = { Accept: "application/sdp" };
   if (token) headers.Authorization = `Bearer ${token}`;

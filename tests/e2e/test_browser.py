@@ -18,8 +18,9 @@ camera playing a synthetic y4m):
 - Stop hangs up with DELETE on the call's Location (204);
 - a refused offer (the server's 4xx JSON error) is shown to the user, not swallowed;
 - once the call is up the page shows its id (the last segment of the Location) and a link to
-  captions.html?session=<that id>; Mute disables the mic sender's track (aria-pressed) and while
-  the fake mic goes on speaking no speech_started arrives; a question typed in the text box goes
+  captions.html?session=<that id>; Mute disables the mic sender's track (aria-pressed), the
+  level the sender encodes (getStats media-source audioLevel) reaches zero, and while the fake
+  mic goes on speaking no speech_started arrives; a question typed in the text box goes
   out as conversation.item.create + response.create and gets a reply (response.done with deltas),
   and the transcript panel shows a "you" line with the typed text and an agent line (and
   "Download transcript" saves them as transcript-<call id>.txt); Unmute brings speech_started back;
@@ -279,6 +280,11 @@ def start_call(page, base_url: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
 COUNT_JS = "(t) => window.omni.events.filter((e) => e.type === t).length"
 MIC_ENABLED_JS = """() => window.omni.pc.getSenders().find((s) => s.track && s.track.kind === "audio").track.enabled"""
 QUIET_S = 5  # how long a muted mic must start no turn
+SENT_LEVEL_ZERO_JS = """async () => {
+  const stats = await window.omni.pc.getStats();
+  const sources = [...stats.values()].filter((r) => r.type === "media-source" && r.kind === "audio");
+  return sources.length > 0 && sources.every((r) => r.audioLevel === 0);
+}"""
 
 
 def test_mute_text_box_transcript_and_call_id(page, agent_url):
@@ -297,6 +303,9 @@ def test_mute_text_box_transcript_and_call_id(page, agent_url):
     mute.click()
     assert mute.get_attribute("aria-pressed") == "true"
     assert page.evaluate(MIC_ENABLED_JS) is False
+    # What the call sends is silence: the mic's media-source level (what the RTP sender encodes)
+    # reaches zero, although the fake mic goes on speaking.
+    page.wait_for_function(SENT_LEVEL_ZERO_JS, timeout=10_000, polling=200)
     time.sleep(2)
     page.wait_for_function(
         """() => { const n = (t) => window.omni.events.filter((e) => e.type === t).length;

@@ -1,11 +1,11 @@
 """The caption overlay (agent/web/captions.html) in headless Chromium, following a live call over SSE.
 
 Pins, end to end (the package's agent subprocess and Chromium with a fake mic, loopback only):
-- a first page makes a call with agent/web/ and `?transcribe` (its session.update turns on live
-  input transcription); a second page, in its own browser context and with no WebRTC of its
-  own, opens captions.html?session=<that call's id> and shows the user's words (from
-  conversation.item.input_audio_transcription.*) and the agent's (its reply transcript) under
-  speaker labels, at most three lines;
+- a first page makes a call with agent/web/ and `?transcribe` (its offer's session turns on live
+  input transcription, so the call's first turn is transcribed too); a second page, in its own
+  browser context and with no WebRTC of its own, opens captions.html?session=<that call's id>
+  and shows the user's words (from conversation.item.input_audio_transcription.*) and the
+  agent's (its reply transcript) under speaker labels, at most three lines;
 - its background is transparent (a browser source over a stream) and the latency readout shows
   figures, and hides with the L key; `?latency=0` starts it hidden;
 - a screenshot of the overlay goes to the test's tmp_path and test-output/browser/captions.png.
@@ -23,6 +23,11 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_MS = 120_000
 
+FIRST_TURN_TRANSCRIBED_JS = """() => {
+  const first = window.omni.events.find((e) => e.type === "input_audio_buffer.speech_started");
+  return Boolean(first) && window.omni.events.some((e) =>
+    e.type === "conversation.item.input_audio_transcription.completed" && e.item_id === first.item_id);
+}"""
 LINES_JS = """() => [...document.querySelectorAll('#lines .line')].map((p) => ({
   speaker: p.dataset.speaker, text: p.querySelector('.stable').innerText + p.querySelector('.tail').innerText }))"""
 
@@ -33,6 +38,9 @@ def test_overlay_follows_a_call(page, chromium, agent_url, tmp_path):
     page.wait_for_function("window.omni.state === 'connected' && window.omni.callUrl", timeout=TIMEOUT_MS)
     call_id = page.evaluate("window.omni.callUrl").rstrip("/").rsplit("/", 1)[1]
     assert call_id.startswith("rtc_")
+    # The page's session went with its offer, so even the call's first turn (spoken before the
+    # data channel opened) is transcribed.
+    page.wait_for_function(FIRST_TURN_TRANSCRIBED_JS, timeout=TIMEOUT_MS)
 
     context = chromium.new_context(viewport={"width": 1280, "height": 360})
     overlay = context.new_page()
