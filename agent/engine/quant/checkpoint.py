@@ -91,7 +91,18 @@ class SourceShards:
             return s.get_tensor(key)
 
     def dtype(self) -> torch.dtype:
-        return self.get(next(k for k in self.where if k.endswith(".weight"))).dtype
+        """The float type of the checkpoint's weights, read from a shard's header (reading the
+        first weight itself would load an embedding table, ~1 GiB at real size)."""
+        from safetensors import safe_open
+
+        key = next(k for k in self.where if k.endswith(".weight"))
+        with safe_open(str(self.folder / self.where[key]), "pt", device="cpu") as s:
+            name = s.get_slice(key).get_dtype()
+        return _SAFETENSORS_DTYPES[name]
+
+
+# safetensors' header names for the float types a checkpoint's weights come in.
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def load_quantized(
