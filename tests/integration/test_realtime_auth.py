@@ -8,11 +8,14 @@ Pins:
 - client_secrets (API key only) mints `ek_…` keys with expires_at and the session they carry;
   `expires_after.seconds` outside 10..7200 is refused naming the param;
 - a valid ephemeral key connects (SDK over WebSocket, and the browser's subprotocol form, with
-  `realtime` echoed) and its session applies; once expired it gets 401.
+  `realtime` echoed) and its session applies; once expired it gets 401;
+- a key minted for a transcription session (the page's Captions only on a keyed agent) makes a
+  WebRTC call that transcribes and never answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -122,3 +125,32 @@ async def test_ephemeral_keys(agent: RunningAgent) -> None:
         assert info.value.response.status_code == 401
     finally:
         keys.clock = real_clock
+
+
+async def test_an_ephemeral_key_for_transcription_makes_a_transcription_call(
+    agent: RunningAgent, speech_wav: Path
+) -> None:
+    """What the page's Captions only does on a keyed agent: the key carries the session type
+    (a raw offer has no session part), and the call made with it is a transcription session."""
+    async with aiohttp.ClientSession() as http:
+        status, minted = await _mint(http, agent.url, API_KEY, {"session": {"type": "transcription"}})
+        assert status == 200 and minted["session"]["type"] == "transcription", minted
+        client = AgentClient(agent.url, speech_wav, video=False, api_key=minted["value"])
+        try:
+            await client.connect()
+            headers = {"Authorization": f"Bearer {minted['value']}"}
+            async with http.get(
+                f"{agent.url}/v1/realtime/calls/{client.result.call_id}/events", headers=headers
+            ) as resp:
+                assert resp.status == 200
+                seen: list[str] = []
+                async with asyncio.timeout(90):  # a turn of the WAV, then its transcript
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            seen.append(json.loads(line[len(b"data: ") :])["type"])
+                            if seen[-1] == "conversation.item.input_audio_transcription.completed":
+                                break
+            # Transcribed, never answered (a conversation would have created its reply by now).
+            assert "input_audio_buffer.speech_stopped" in seen and "response.created" not in seen, seen
+        finally:
+            await client.close()
