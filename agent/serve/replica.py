@@ -20,9 +20,11 @@ import tempfile
 import time
 from typing import Any
 
+import ray
 from aiohttp import web
 from ray import serve
 from ray.serve import metrics as serve_metrics
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
 from agent import metrics
 from agent.config import Config
@@ -32,6 +34,7 @@ from agent.serve.admission import OfferGate
 from agent.serve.options import ServeOptions
 from agent.serve.relay import AsgiBridge
 from agent.server import create_app, liveness
+from agent.transport.captions_http import CAPTIONS
 from agent.transport.http import DRAINING, ENGINE_START, SESSIONS
 from agent.transport.ice import restrict_ice_hosts
 
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 
 ICE_HOST_ENV = "OMNI_AGENT_ICE_HOST"  # per node (Kubernetes: the pod's host IP), when --ice-host is not set
 _REPORT_EVERY_S = 1.0
+_WATCH_EVERY_S = 1.0  # how often a replica asks the controller whether it is being removed
 
 
 def _node_config(config: Config, replica_id: str) -> Config:
@@ -73,6 +77,7 @@ class AgentReplica:
         self._calls_gauge = serve_metrics.Gauge("omni_agent_active_calls", description="calls this replica carries")
         self._gpu_gauge = serve_metrics.Gauge("omni_agent_gpu_utilization_ratio", description="GPU busy ratio")
         self._report = asyncio.ensure_future(self._report_metrics())
+        self._watch = asyncio.ensure_future(self._watch_for_stop())
         log.info("replica %s ready (%s)", self.replica_id, socket_path)
 
     def __serve_build_asgi_app__(self) -> AsgiBridge:
@@ -119,14 +124,48 @@ class AgentReplica:
             self._gpu_gauge.set(self.gpu_util())
             await asyncio.sleep(_REPORT_EVERY_S)
 
+    def _start_draining(self) -> None:
+        """Take no new call (the gate answers 503, /healthz and /readyz say draining, the router
+        ranks this replica last) and end the caption overlays' streams of the latest call, which
+        would otherwise hold Serve's shutdown of this replica back."""
+        if self.gate.draining:
+            return
+        log.info("replica %s draining: %d call(s) to finish", self.replica_id, self.active_calls)
+        self.gate.draining = True
+        self.web[DRAINING].set()
+        self.web[CAPTIONS].release_followers()
+
+    async def _watch_for_stop(self) -> None:
+        """Drain as soon as Serve's controller marks this replica STOPPING.
+
+        Serve runs __del__ only after every HTTP request in flight here has ended, and a call's
+        SSE stream (a caption overlay through the proxy) lasts as long as the call: until then
+        a proxy that has not yet heard of the removal could still place new calls here. So the
+        replica reads its own state from the controller (once a second; the Serve version is
+        pinned) and starts draining itself; __del__ then only waits for the calls."""
+        ctx = serve.get_replica_context()
+        try:
+            controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:  # no controller (not under Serve): __del__ alone drains
+            return
+        while not self.gate.draining:
+            try:
+                details = await controller.get_deployment_details.remote(ctx.app_name, ctx.deployment)
+                state = next((r.state for r in details.replicas if r.replica_id == self.replica_id), None)
+            except Exception:  # noqa: BLE001 - the controller restarting: ask again next second
+                state = None
+            if state is not None and getattr(state, "value", state) == "STOPPING":
+                self._start_draining()
+                return
+            await asyncio.sleep(_WATCH_EVERY_S)
+
     async def __del__(self) -> None:
         """Serve removes this replica: take no new call, let the current ones finish, then stop."""
         if not hasattr(self, "bridge"):  # __init__ failed part way: Serve stops the actor anyway
             return
-        self.gate.draining = True
-        self.web[DRAINING].set()  # /healthz and /readyz say so (the gate already refuses offers)
+        self._start_draining()
+        self._watch.cancel()
         deadline = time.monotonic() + max(0.0, self.options.graceful_shutdown_s - 5.0)
-        log.info("replica %s draining: %d call(s) to finish", self.replica_id, self.active_calls)
         while self.active_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         log.info("replica %s stopping with %d call(s) left", self.replica_id, self.active_calls)

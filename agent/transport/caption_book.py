@@ -164,6 +164,15 @@ class CaptionBook:
     def unfollow(self, follower: Follower) -> None:
         self._followers.discard(follower)
 
+    def release_followers(self) -> None:
+        """End every follower's stream (this agent is being drained): each overlay reconnects,
+        and through a proxy reaches an agent that goes on serving. An open stream would also
+        hold a Serve replica's shutdown back (agent/serve/replica.py)."""
+        for follower in list(self._followers):
+            follower.dropped = True
+            follower.push(_marker("omni.agent.draining"))  # wakes its stream; full: it ends anyway
+        self._followers.clear()
+
     @property
     def followers(self) -> int:
         return len(self._followers)

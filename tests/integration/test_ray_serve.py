@@ -12,9 +12,10 @@ Pins, with real aiortc peers on loopback and one local Ray instance for the modu
   with 503 + Retry-After; with room for 6 each, 8 offers at once are all taken, 3 to 5 per replica;
 - a killed replica: its calls' follow-ups answer 404/410 without hanging (client timeout 10 s),
   the other replica's call keeps hearing replies, a new call succeeds;
-- a removed replica drains: its call keeps talking while new calls go to the other replica (an
-  offer the stopping replica still receives is refused 503 + Retry-After and lands on the other
-  when offered again), its call's HTTP follow-ups are answered by it or get 410 (whichever, as
+- a removed replica drains at once, even with an SSE stream open on each replica (as a caption
+  overlay's; Serve's own __del__ waits for in-flight requests): its routing stats say draining;
+  its call keeps talking while new calls go to the other replica (an offer the stopping replica
+  still receives is refused 503 + Retry-After and lands on the other when offered again), its call's HTTP follow-ups are answered by it or get 410 (whichever, as
   the proxy hears of the removal when Ray tells it), the other replica's calls are untouched,
   and it stops once that call has left; no step waits on how fast Ray's proxy learns;
 - autoscaling with CallsAndGpuPolicy: two calls on one replica at a target of one call per
@@ -405,6 +406,17 @@ def _deploy_from_config(tiny_model_dir: Path, num_replicas: int, max_sessions: i
     serve.context._get_global_client().deploy_apps(schema)
 
 
+async def _hold_sse(url: str, call: str) -> int:
+    """Read the call's SSE stream through the proxy until it ends; returns the events read."""
+    events = 0
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/v1/realtime/calls/{call}/events") as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                events += line.startswith(b"data: ")
+    return events
+
+
 def _replica_ids_in(state: str) -> set[str]:
     """The replica ids Serve's controller reports in one state (its own record, not the proxy's)."""
     details = serve.context._get_global_client().get_serve_details()
@@ -449,8 +461,9 @@ async def _connect_placed(url: str, wav: Path, attempts: int) -> AgentClient:
 
 async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir: Path, speech_wav: Path) -> None:
     """What the product promises while Serve removes a replica, checked at every step without
-    waiting for the proxy to hear (that delay is Ray's, not ours): the stopping replica takes
-    no new call, its own call's follow-ups are answered by it or get 410 and the call keeps
+    waiting for the proxy to hear (that delay is Ray's, not ours): the stopping replica drains at
+    once even with a request in flight there (an SSE stream held open, as a caption overlay's),
+    takes no new call, its own call's follow-ups are answered by it or get 410 and the call keeps
     talking, the other replica's call is untouched, and the replica stops once its call left.
     Every wait ends on a state Ray reports (replica states from the controller) or on the
     agent's own answer, with a generous bound only against a hang."""
@@ -468,12 +481,16 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
     assert all(3 <= n <= 5 for n in Counter(placed).values()) and len(set(placed)) == 2, Counter(placed)
     assert sorted(await _wait_idle(url)) == sorted(replica_ids)
     clients: list[AgentClient] = []
+    held: list[asyncio.Future] = []
     try:
         for rid in replica_ids:  # one call on each replica (?replica= names it): whichever Serve removes has one
             clients.append(await _connect_to(url, speech_wav, rid))
         owners = [owner_of(c.result.call_id) for c in clients]
         assert sorted(owners) == sorted(replica_ids), owners
         await _wait(lambda: all(c.result.first_audible_at is not None for c in clients), 60, "both replies")
+        # Each call's events held open through the proxy for the whole drain (an HTTP request in
+        # flight on each replica, as a caption overlay keeps one).
+        held += [asyncio.ensure_future(_hold_sse(url, c.result.call_id)) for c in clients]
 
         # The same config but the count: one replica is removed.
         _deploy_from_config(tiny_model_dir, 1, max_sessions=BURST_CAPACITY)
@@ -484,19 +501,17 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
         staying = clients[1 - owners.index(stopping)]
         survivor = owner_of(staying.result.call_id)
 
-        # Serve has asked the replica to stop; once it runs the replica's __del__ the replica says
-        # it is draining (/healthz 503), or the proxy has already dropped it (410 from another).
-        async def stopping_health() -> tuple[int, str]:
-            async with aiohttp.ClientSession(timeout=ANSWER_TIMEOUT) as http:
-                async with http.get(f"{url}/healthz?replica={stopping}") as resp:
-                    return resp.status, resp.headers.get(REPLICA_HEADER, "")
-
-        for _ in range(600):  # bounded (about 2 min): Serve calls __del__ within its wait loop
-            health = await stopping_health()
-            if health != (200, stopping):
+        # The replica drains at once, although a request is in flight there (the held SSE stream,
+        # as a caption overlay's): it reads its STOPPING state from the controller instead of
+        # waiting for Serve's __del__, which comes only once no request is in flight. The
+        # router's own reading of it (routing stats) says draining.
+        actor = _replica_actor(stopping)
+        for _ in range(300):  # bounded (about a minute): the replica asks the controller each second
+            if (await actor.record_routing_stats.remote()).get("draining"):
                 break
             await asyncio.sleep(0.2)
-        assert health in ((503, stopping), (410, survivor)), health
+        else:
+            pytest.fail("the stopping replica did not start draining while a request was in flight")
 
         # A new call lands on the survivor: the proxy either no longer offers the stopping replica
         # or that replica refuses (503 + Retry-After, it is draining) and the client offers again.
@@ -523,12 +538,15 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
         assert stopping in _replica_ids_in("STOPPING"), "the replica must wait for its call"
         print("draining call follow-ups by status:", dict(seen))
 
-        # The client leaves: the drained replica stops.
+        # The client leaves: its events stream ends with its call, and the drained replica stops.
         await draining.close()
+        assert await asyncio.wait_for(held[owners.index(stopping)], timeout=60) > 0
         await _wait(
             lambda: _replica_states() == Counter(RUNNING=1), 120, "the drained replica to stop", _replica_states
         )
     finally:
+        for task in held:
+            task.cancel()
         for c in clients:
             await c.close()
 

@@ -8,6 +8,7 @@ Pins:
 - scopes: a follower with scope None sees every call; one with an ephemeral key's scope only
   the calls made with that key; scope_of names an ephemeral key by its public half only;
 - a follower that falls a queue's length behind is dropped (bounded memory), the others not;
+  draining releases every follower (dropped, woken with `omni.agent.draining`);
 - finished calls are kept keep_s and at most keep_calls of them; a dropped one is "forgotten"
   (410 for the routes), an unknown one is not; a live call is never dropped.
 """
@@ -106,6 +107,20 @@ def test_a_stalled_follower_is_dropped(monkeypatch) -> None:
         _drain(reading)
     assert stalled.dropped and not reading.dropped
     assert book.followers == 1
+
+
+def test_draining_releases_every_follower() -> None:
+    """A replica being removed ends its followers' streams (they reconnect elsewhere): each is
+    dropped and woken with `omni.agent.draining`; the calls themselves stay in the book."""
+    book = CaptionBook(clock=Clock())
+    waiting, following = book.follow(None), book.follow(None)
+    book.start("rtc_a", None)
+    _drain(waiting)
+    book.release_followers()
+    assert waiting.dropped and following.dropped and book.followers == 0
+    assert _drain(waiting) == [{"type": "omni.agent.draining"}]
+    assert _drain(following)[-1] == {"type": "omni.agent.draining"}
+    assert book.get("rtc_a") is not None and not book.ended("rtc_a")  # the call goes on recording
 
 
 def test_finished_calls_are_kept_a_while_and_a_few() -> None:
