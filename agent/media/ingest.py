@@ -21,6 +21,7 @@ from agent.metrics import INGEST_DROPPED
 logger = logging.getLogger(__name__)
 
 CHUNK_SECONDS = INPUT_FRAME_SAMPLES / INPUT_RATE  # 0.08
+MAX_RESAMPLER_DELAY = INPUT_RATE // 200  # 5 ms: more than any swresample filter holds back
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,14 @@ class AudioIn:
             tail = self._flush_resampler()
             self._resampler = av.AudioResampler(format="s16", layout="mono", rate=INPUT_RATE)
             self._source_key = key
-            return np.concatenate([tail, self._to_float(self._resampler.resample(frame))])
+            out = self._to_float(self._resampler.resample(frame))
+            # The filter holds back a few samples (16 of the first 20 ms from 48 kHz). Put that
+            # delay in front as silence, once per resampler: otherwise every 20 ms sub-frame is
+            # completed only by the *next* frame, and each end-of-turn, onset and barge-in
+            # decision waits 20 ms for audio that has in fact arrived.
+            held = round(frame.samples * INPUT_RATE / frame.sample_rate) - len(out)
+            lead = np.zeros(held if 0 < held <= MAX_RESAMPLER_DELAY else 0, dtype=np.float32)
+            return np.concatenate([tail, lead, out])
         assert self._resampler is not None
         return self._to_float(self._resampler.resample(frame))
 

@@ -76,13 +76,19 @@ def test_48k_stereo_frames_become_exact_chunks_on_the_clock():
     assert ain.gaps_filled == 0
 
 
-def test_first_resampled_frame_is_short_then_320_per_frame():
+def test_each_20ms_frame_completes_its_subframe_on_arrival():
+    """The resampler holds back 16 samples of the first frame; they go in front as silence, so
+    after n frames exactly n x 320 samples are on the clock (not 16 short, which made every
+    end-of-turn decision wait for the next frame)."""
     ain = AudioIn()
     fs = frames(tone(0.2, 48000), 48000, 960)
-    # 304 + 320 * 3 = 1264 samples: no chunk yet; the 5th frame completes the first one.
-    assert feed(ain, fs[:4]) == []
-    chunks = ain.push(fs[4])
+    for n, frame in enumerate(fs[:3], start=1):
+        assert ain.push(frame) == []
+        index, partial = ain.partial
+        assert index * 1280 + len(partial) == n * 320
+    chunks = ain.push(fs[3])
     assert [c.index for c in chunks] == [0]
+    assert len(ain.partial[1]) == 0
     assert ain.clock == pytest.approx(CHUNK_SECONDS)
 
 
@@ -96,10 +102,11 @@ def test_gap_in_pts_is_filled_with_silence_and_clock_stays_true():
     assert ain.gaps_filled == 1
     assert ain.silence_filled_s == pytest.approx(0.1)
     out = np.concatenate([c.pcm for c in chunks])
-    # Frames 0-9 are 200 ms = 3200 samples at 16 kHz; then 1600 samples of silence.
-    assert np.all(out[3200 + 4 : 4800 - 4] == 0.0)
+    # Frames 0-9 are 200 ms = 3200 samples at 16 kHz behind the resampler's 16-sample lead;
+    # then 1600 samples of silence, and the restarted resampler's own 16-sample lead.
+    assert np.all(out[3216 + 4 : 4832 - 4] == 0.0)
     assert np.abs(out[3000:3200]).max() > 0.1
-    assert np.abs(out[4800 + 32 : 5200]).max() > 0.1
+    assert np.abs(out[4832 + 32 : 5200]).max() > 0.1
     # The tone after the gap is still the tone (the resampler restarted cleanly).
     assert abs(peak_hz(out[4900:], 16000) - 440) < 3
 
@@ -115,13 +122,13 @@ def test_huge_gap_moves_clock_by_whole_chunks_without_allocating():
     chunks = feed(ain, fs)
     assert ain.clock_jumps == 1 and ain.gaps_filled == 0
     idx = [c.index for c in chunks]
-    # Before the hole: 3200 samples -> chunks 0, 1 and the part-filled chunk 2 (padded).
+    # Before the hole: 16 + 3200 samples -> chunks 0, 1 and the part-filled chunk 2 (padded).
     assert idx[:3] == [0, 1, 2]
-    # 2.7 s = 43200 samples = chunk 33 + 960; then 3200 - 16 more samples: 33, 34, 35.
+    # 2.7 s = 43200 samples = chunk 33 + 960; then 16 + 3184 more samples: 33, 34, 35.
     assert idx[3:] == [33, 34, 35]
     for c in chunks:
         assert c.start == pytest.approx(c.index * 0.08)
-    assert np.all(chunks[2].pcm[640 + 4 :] == 0.0)
+    assert np.all(chunks[2].pcm[656 + 4 :] == 0.0)
     after = REGISTRY.get_sample_value("agent_ingest_dropped_frames_total", {"kind": "audio", "reason": "gap"})
     assert after - before == 30  # chunks 3..32 never existed
     # 2.7 s + 0.2 s of audio = 2.9 s of source time; the clock is within one chunk of it.
@@ -160,7 +167,7 @@ def test_frames_without_pts_are_just_appended():
     for f in fs:
         f.pts = None
     chunks = feed(ain, fs)
-    assert [c.index for c in chunks] == list(range(5))
+    assert [c.index for c in chunks] == list(range(6))  # 0.48 s = 7680 samples, exactly 6
     assert ain.gaps_filled == 0
 
 
@@ -171,4 +178,4 @@ def test_pts_going_back_resyncs_without_silence():
     chunks = feed(ain, fs)
     assert ain.resyncs == 1 and ain.gaps_filled == 0
     assert [c.index for c in chunks] == list(range(len(chunks)))
-    assert len(chunks) == 9  # 0.8 s in -> 12800 - 16 samples -> 9 chunks
+    assert len(chunks) == 10  # 0.8 s in -> 12800 samples (16 lead, 16 still held) -> 10 chunks
