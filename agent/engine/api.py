@@ -254,3 +254,8 @@ class ReplySink(Protocol):
 
 class EngineBusy(RuntimeError):
     """The inbox is full: the engine is not keeping up with this many sessions."""
+
+
+class SlotsExhausted(RuntimeError):
+    """Every slot of the engine's static caches is taken (agent/engine/ops/slots.py SlotPool): the
+    engine is at capacity, which a client hears as such (error code `capacity`), not as a failure."""

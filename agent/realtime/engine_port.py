@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from agent.engine.api import EngineBusy, ReplySink
+from agent.engine.api import EngineBusy, ReplySink, SlotsExhausted
 from agent.engine.commands import SessionCommand, describe
 from agent.engine.loop import Engine
 from agent.realtime.outbox import Outbox
@@ -78,8 +78,14 @@ class EnginePort:
             if param is not None and isinstance(exc, ValueError):
                 self._outbox.error(str(exc), "invalid_value", param=param, event_id=event_id)
                 return
-            code = "unsupported" if isinstance(exc, NotImplementedError) else "engine_error"
-            self._outbox.error(f"{describe(command)}: {exc}", code, event_id=event_id)
+            code = (
+                "unsupported"
+                if isinstance(exc, NotImplementedError)
+                else "capacity"
+                if isinstance(exc, SlotsExhausted)
+                else "engine_error"
+            )
+            self._outbox.error(f"{describe(command)}: {exc}", code, event_id=event_id, param=param)
 
         future.add_done_callback(report)
         return future

@@ -22,6 +22,7 @@ events:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Optional
 
@@ -42,6 +43,7 @@ class InputTranscription:
         self._engine, self._outbox, self._conversation = engine, outbox, conversation
         self._transcription_only = transcription_only
         self.on = False
+        self._asked: Optional[asyncio.Future[Any]] = None  # the latest SetTranscription sent
         self._sent: dict[str, int] = {}  # item -> characters already sent as delta
         self._started: dict[str, float] = {}  # item -> monotonic time of its speech onset
         self._ended: dict[str, float] = {}  # item -> monotonic time of its end of speech
@@ -54,7 +56,17 @@ class InputTranscription:
             return
         self.on = want
         mode = ("only" if self._transcription_only else "on") if want else "off"
-        self._engine.send(SetTranscription(mode), param="session.audio.input.transcription")
+        asked = self._asked = self._engine.send(SetTranscription(mode), param="session.audio.input.transcription")
+        if want:
+            # Refused (a conversation transcribes in a cache slot of its own, and every slot can
+            # be taken): the client has its error event; the session is not transcribing, so
+            # its turns send no transcript items and a later session.update may ask again.
+            asked.add_done_callback(self._refused)
+
+    def _refused(self, asked: "asyncio.Future[Any]") -> None:
+        # Only the latest ask decides: an off and another on may have come since.
+        if asked is self._asked and not asked.cancelled() and asked.exception() is not None:
+            self.on = False
 
     def speech_started(self, item_id: str, onset: Optional[float] = None) -> None:
         """A user turn begins (before its audio goes to the engine): transcribe it as item_id.

@@ -14,6 +14,8 @@ Pins, with max_sessions=1 and max_transcription_sessions=2:
   `…input_audio_transcription.completed`, and no `error` comes;
 - with the limit unset (0, the default) a transcription session counts against max_sessions:
   the same agent config without it refuses it while a conversation holds the only slot;
+- a conversation asking for input transcription with no engine slot left for it: `error` code
+  `capacity` naming the parameter, every time it asks; its turns are still answered;
 - a session admitted but not opened by the engine (fewer slots than admission allows, as when
   two offers pass admission at once): on the WebSocket it gets an `error` (code
   session_failed, naming the cause) and its socket is closed; a WebRTC offer is not answered
@@ -190,3 +192,34 @@ async def test_a_session_the_engine_cannot_open_ends_with_an_error(tiny_model_di
         await wait_no_sessions(short.url, "the failed session stayed open")
     finally:
         await short.stop()
+
+
+async def test_a_conversation_without_a_slot_for_its_transcription_hears_capacity(
+    tiny_model_dir: Path, speech_wav: Path
+) -> None:
+    """A conversation transcribes in a cache slot of its own; with the engine's only slot held by
+    the conversation itself, asking for input transcription gets an `error` with code
+    `capacity` naming the parameter, the conversation goes on (its turn is answered, no
+    transcript events), and the same session.update again is refused again: the session did not
+    go on believing it transcribes (it would have asked the engine nothing the second time)."""
+    single = await start_agent(tiny_model_dir, max_sessions=1, max_reply_seconds=1.0, max_reply_tokens=8)
+    transcribe = {"type": "realtime", "audio": {"input": {"transcription": {"model": "thinker"}}}}
+    try:
+        async with aiohttp.ClientSession() as http:
+            ws = await http.ws_connect(ws_url(single))
+            try:
+                await events_until(ws, "session.created", 15)
+                for _ in range(2):
+                    await ws.send_str(json.dumps({"type": "session.update", "session": transcribe}))
+                    error = (await events_until(ws, "error", 15))[-1]["error"]
+                    assert error["code"] == "capacity", error
+                    assert error["param"] == "session.audio.input.transcription", error
+                    assert "slots are in use" in error["message"], error
+                await speak(ws, pcm24(speech_wav))
+                events = await events_until(ws, "response.done", 60)
+                assert not [e for e in events if e["type"].startswith("conversation.item.input_audio_transcription")]
+                assert not [e for e in events if e["type"] == "error"], events
+            finally:
+                await ws.close()
+    finally:
+        await single.stop()

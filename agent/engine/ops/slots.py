@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from agent.engine.api import SlotsExhausted
 from agent.engine.ops.attention import Backend, KVTraffic, attend, kv_traffic, select_backend
 from agent.engine.ops.fusion import is_fused, qkv, qkv_weight
 from agent.engine.ops.gemv import check_norm, gemv, normed_gemv
@@ -51,7 +52,7 @@ class SlotPool:
 
     def take(self) -> int:
         if not self._free:
-            raise RuntimeError(f"all {self.size} session slots are in use (max_sessions)")
+            raise SlotsExhausted(f"all {self.size} session slots are in use (max_sessions)")
         return self._free.pop(0)
 
     def give(self, slot: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 
+from agent.engine.api import SlotsExhausted
 from agent.engine.ops.slots import SlotPool
 from agent.engine.runner.transcriber import Transcriber
 from agent.engine.state.session import SessionState
@@ -55,7 +56,7 @@ class SessionTable(Mapping[str, SessionState]):
         transcription gives back the slot it took (that session's transcription stops)."""
         try:
             return self.slots.take()
-        except RuntimeError:
+        except SlotsExhausted:
             for session_id, tr in list(self.transcriber.sessions.items()):
                 if tr.own_slot is not None:
                     log.warning("session %s: transcription stopped, its slot went to a new session", session_id)
