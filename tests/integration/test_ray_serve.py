@@ -1,6 +1,7 @@
 """The agent as Ray Serve replicas: two tiny-model replicas behind Serve's HTTP proxy.
 
-Pins, with real aiortc peers on loopback and one local Ray instance for the module:
+Pins, with real aiortc peers on loopback and one local two-node Ray cluster for the module (a
+proxy on each node):
 - offers through the proxy spread 2 + 2 over two replicas (fewest active calls first); each
   call's SDP answer comes from the replica that then carries its media, and each call hears
   a spoken reply; every follow-up (SSE with the id in the path, a request carrying the id in
@@ -9,7 +10,8 @@ Pins, with real aiortc peers on loopback and one local Ray instance for the modu
 - admission: with 2 calls per replica and 2 replicas the 5th offer gets 503 + Retry-After,
   and after a hangup a new offer is taken again (by the replica that freed the slot);
 - a burst: 8 offers at the same moment to the 2 idle replicas: 4 taken, 2 per replica, 4 refused
-  with 503 + Retry-After; with room for 6 each, 8 offers at once are all taken, 3 to 5 per replica;
+  with 503 + Retry-After; with room for 6 each, 8 offers at once are all taken, 3 to 5 per replica,
+  and 8 at once through two proxies (two nodes, 4 each) 2 to 6 per replica;
 - a killed replica: its calls' follow-ups answer 404/410 without hanging (client timeout 10 s),
   the other replica's call keeps hearing replies, a new call succeeds;
 - a removed replica drains at once, even with an SSE stream open on each replica (as a caption
@@ -29,6 +31,7 @@ import json
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -41,7 +44,9 @@ from agent.config import Config
 
 try:
     import ray
+    import ray._private.ray_constants as ray_constants
     from ray import serve
+    from ray.cluster_utils import Cluster
     from ray.serve.schema import ServeDeploySchema
 except ImportError:  # pragma: no cover - depends on the environment
     if os.environ.get("CI") == "true":
@@ -64,25 +69,44 @@ _RAY_ENV = {
 }
 
 
+@dataclass(frozen=True)
+class Proxies:
+    """The HTTP ports of Serve's two proxies: the head node's and the worker node's."""
+
+    head: int
+    worker: int
+
+
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[int]:
-    """One local Ray (2 CPUs: this machine's cores, a small object store) and Serve's proxy on loopback."""
+def ray_cluster() -> Iterator[Proxies]:
+    """Two Ray nodes on this machine (one CPU each: its two cores, small object stores), each
+    with Serve's proxy on loopback: two proxies, two routers with views of their own, as on a
+    real cluster (Serve runs one per node). Serve binds a worker node's proxy to the port in
+    RAY_SERVE_WORKER_PROXY_HTTP_PORT, read on that node, so both fit on one host."""
     saved = {k: os.environ.get(k) for k in _RAY_ENV}
     os.environ.update(_RAY_ENV)
-    ray.init(
-        num_cpus=2,
-        object_store_memory=80 * 1024 * 1024,
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    proxies = Proxies(head=free_port(), worker=free_port())
+    node = {"node_ip_address": "127.0.0.1", "object_store_memory": 80 * 1024 * 1024, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, **node})
     try:
-        yield port
+        cluster.add_node(num_cpus=1, env_vars={"RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(proxies.worker)}, **node)
+        # Ray resolves a loopback address to connect to into this host's outward address (it
+        # expects nodes on other machines): with cluster mode off just for this call it keeps
+        # 127.0.0.1, where the nodes listen. (Inside the suite's loopback-only namespace there
+        # is no outward address and it would anyway.)
+        cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        try:
+            ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+        serve.start(proxy_location="EveryNode", http_options={"host": "127.0.0.1", "port": proxies.head})
+        yield proxies
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        cluster.shutdown()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -112,9 +136,9 @@ def _options(**overrides: Any) -> ServeOptions:
 
 
 @pytest.fixture(scope="module")
-def fixed_app(ray_cluster: int, tiny_model_dir: Path) -> Iterator[str]:
+def fixed_app(ray_cluster: Proxies, tiny_model_dir: Path) -> Iterator[str]:
     serve.run(build(_config(tiny_model_dir), _options()), name=APP_NAME, route_prefix="/")
-    yield f"http://127.0.0.1:{ray_cluster}"
+    yield f"http://127.0.0.1:{ray_cluster.head}"
     _delete_app()
 
 
@@ -243,17 +267,18 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
             await c.close()
 
 
-async def _burst(url: str, wav: Path, count: int) -> tuple[list[int], list[str]]:
-    """`count` offers POSTed at the same moment through the proxy; returns their statuses and the
-    owners of those taken (each taken call is hung up again at once; every 503 has a Retry-After)."""
-    clients = [AgentClient(url, wav, video=False) for _ in range(count)]
+async def _burst(urls: list[str], wav: Path) -> tuple[list[int], list[str]]:
+    """One offer per entry of `urls` (a proxy each), all POSTed at the same moment; returns their
+    statuses and the owners of those taken (each taken call is hung up again at once; every 503
+    has a Retry-After)."""
+    clients = [AgentClient(url, wav, video=False) for url in urls]
     try:
         for client in clients:
             client.pc.addTrack(client.audio)
             await client.pc.setLocalDescription(await client.pc.createOffer())
         async with aiohttp.ClientSession() as http:
 
-            async def offer(client: AgentClient) -> tuple[int, str]:
+            async def offer(url: str, client: AgentClient) -> tuple[int, str]:
                 async with http.post(
                     f"{url}/v1/realtime/calls",
                     data=client.pc.localDescription.sdp,
@@ -263,8 +288,8 @@ async def _burst(url: str, wav: Path, count: int) -> tuple[list[int], list[str]]
                         assert int(resp.headers["Retry-After"]) > 0
                     return resp.status, resp.headers.get("Location", "")
 
-            answers = await asyncio.gather(*(offer(c) for c in clients))
-            for status, location in answers:
+            answers = await asyncio.gather(*(offer(url, c) for url, c in zip(urls, clients)))
+            for url, (status, location) in zip(urls, answers):
                 if status == 201:
                     async with http.delete(f"{url}{location}") as gone:
                         assert gone.status == 204
@@ -275,6 +300,24 @@ async def _burst(url: str, wav: Path, count: int) -> tuple[list[int], list[str]]
             await client.close()
 
 
+async def _wait_proxy(url: str) -> None:
+    """Serve's proxy at `url` answers its health check (a worker node's starts with its first replica)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+
+        async def ok() -> bool:
+            try:
+                async with http.get(f"{url}/-/healthz") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        for _ in range(120):  # bounded: about a minute
+            if await ok():
+                return
+            await asyncio.sleep(0.5)
+    pytest.fail(f"no proxy at {url}: {serve.context._get_global_client().get_serve_details().get('proxies')}")
+
+
 async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav: Path) -> None:
     """Eight offers at the same moment to two idle replicas of two calls each: exactly four are
     taken, two per replica, and the other four are refused with 503 + Retry-After (no replica
@@ -283,7 +326,7 @@ async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav:
     url = fixed_app
     await _wait_idle(url)
     await asyncio.sleep(1.0)  # two stats periods: the routers' view of the idle replicas is fresh
-    statuses, placed = await _burst(url, speech_wav, 4 * CALLS_PER_REPLICA)
+    statuses, placed = await _burst([url] * 4 * CALLS_PER_REPLICA, speech_wav)
     assert Counter(statuses) == Counter({201: 4, 503: 4}), statuses
     assert sorted(Counter(placed).values()) == [CALLS_PER_REPLICA, CALLS_PER_REPLICA], placed
 
@@ -459,7 +502,7 @@ async def _connect_placed(url: str, wav: Path, attempts: int) -> AgentClient:
     pytest.fail(f"no replica took a new call in {attempts} offers")
 
 
-async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir: Path, speech_wav: Path) -> None:
+async def test_removed_replica_drains_its_call(ray_cluster: Proxies, tiny_model_dir: Path, speech_wav: Path) -> None:
     """What the product promises while Serve removes a replica, checked at every step without
     waiting for the proxy to hear (that delay is Ray's, not ours): the stopping replica drains at
     once even with a request in flight there (an SSE stream held open, as a caption overlay's),
@@ -468,7 +511,7 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
     Every wait ends on a state Ray reports (replica states from the controller) or on the
     agent's own answer, with a generous bound only against a hang."""
     _delete_app()
-    url = f"http://127.0.0.1:{ray_cluster}"
+    url = f"http://127.0.0.1:{ray_cluster.head}"
     _deploy_from_config(tiny_model_dir, 2, max_sessions=BURST_CAPACITY)
     # Each replica loads the model in an engine process of its own: minutes on a loaded machine.
     await _wait(lambda: _replica_states() == Counter(RUNNING=2), 240, "two running replicas", _replica_states)
@@ -476,9 +519,20 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
     # First, on these roomier replicas (6 calls each, deployed anyway for this test), the burst
     # bar: 8 offers at once through one proxy are all taken, 3 to 5 per replica.
     await asyncio.sleep(1.0)  # two stats periods: the router's view of the idle replicas is fresh
-    statuses, placed = await _burst(url, speech_wav, 8)
+    statuses, placed = await _burst([url] * 8, speech_wav)
+    print("8 offers through one proxy, calls per replica:", sorted(Counter(placed).values()))
     assert statuses == [201] * 8, statuses
     assert all(3 <= n <= 5 for n in Counter(placed).values()) and len(set(placed)) == 2, Counter(placed)
+    assert sorted(await _wait_idle(url)) == sorted(replica_ids)
+    # And through both proxies at once, 4 offers each: two routers, each counting only its own
+    # offers until the replicas' stats come back, still spread them 2 to 6 per replica.
+    second = f"http://127.0.0.1:{ray_cluster.worker}"
+    await _wait_proxy(second)
+    await asyncio.sleep(1.0)
+    statuses, placed = await _burst([url, second] * 4, speech_wav)
+    print("8 offers through two proxies, calls per replica:", sorted(Counter(placed).values()))
+    assert statuses == [201] * 8, statuses
+    assert all(2 <= n <= 6 for n in Counter(placed).values()) and len(set(placed)) == 2, Counter(placed)
     assert sorted(await _wait_idle(url)) == sorted(replica_ids)
     clients: list[AgentClient] = []
     held: list[asyncio.Future] = []
@@ -551,13 +605,15 @@ async def test_removed_replica_drains_its_call(ray_cluster: int, tiny_model_dir:
             await c.close()
 
 
-async def test_autoscaling_adds_a_replica_for_calls(ray_cluster: int, tiny_model_dir: Path, speech_wav: Path) -> None:
+async def test_autoscaling_adds_a_replica_for_calls(
+    ray_cluster: Proxies, tiny_model_dir: Path, speech_wav: Path
+) -> None:
     _delete_app()  # free the CPUs: this check runs its own application
     options = _options(
         replicas=1, autoscale=True, max_replicas=2, target_calls_per_replica=1, upscale_delay_s=0.5, look_back_s=1.0
     )
     serve.run(build(_config(tiny_model_dir), options), name=APP_NAME, route_prefix="/")
-    url = f"http://127.0.0.1:{ray_cluster}"
+    url = f"http://127.0.0.1:{ray_cluster.head}"
 
     def replicas(*states: str) -> int:
         deployment = serve.status().applications[APP_NAME].deployments["agent"]
