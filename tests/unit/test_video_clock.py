@@ -10,6 +10,8 @@ Pins:
 - the visual-token cap holds over a 20 s turn at 4 fps: the resolution is scaled down so the
   first window fits half of the cap, the first window gets every grid, later grids are thinned,
   and the turn still ends with its last view;
+- grids of two sessions that closed while a third session's reply ran are encoded together,
+  both sessions' grids in one forward of the vision tower;
 - a session with video off (omni.video false, validated as a bool), or a runner without the
   video policy, gets no video tokens; the --video-* flags reach the Config, a value <= 0 refused.
 """
@@ -55,18 +57,18 @@ class Recorder:
 
     def __init__(self, thinker) -> None:
         self.jobs, self.pixels = [], []
-        start, encode = thinker.start_prefill, thinker.encode_video
+        start, encode = thinker.start_prefill, thinker.encode_videos
 
         def start_prefill(state, ids, *args, **kwargs):
             job = start(state, ids, *args, **kwargs)
             self.jobs.append((list(ids), job.rope.float().cpu()))
             return job
 
-        def encode_video(pixels, thw):
-            self.pixels.append(pixels.clone())
-            return encode(pixels, thw)
+        def encode_videos(clips):
+            self.pixels += [pixels.clone() for pixels, _ in clips]
+            return encode(clips)
 
-        thinker.start_prefill, thinker.encode_video = start_prefill, encode_video
+        thinker.start_prefill, thinker.encode_videos = start_prefill, encode_videos
 
 
 def test_30fps_720p_reaches_the_model_as_4fps_grids_at_their_times(loaded):
@@ -147,6 +149,50 @@ def test_30fps_720p_reaches_the_model_as_4fps_grids_at_their_times(loaded):
     assert stats["video_grids_encoded_at_end_of_turn"] <= 1
     assert prefilled_during >= 3 * per_grid
     assert stats["video_grids_prefilled_at_end_of_turn"] <= 1.0 / 0.5 + 1
+
+
+def test_grids_that_waited_through_a_reply_are_encoded_together(loaded):
+    """Two users speak with their cameras on while a third session's reply runs: their closed
+    grids wait (the vision tower has the lowest priority) and are then encoded in shared
+    forwards, grids of both sessions in one call, rather than one session's at a time."""
+    runner = StreamingRunner(
+        loaded,
+        SYSTEM,
+        max_sessions=3,
+        max_reply_tokens=12,
+        max_reply_seconds=1.0,
+        audio_window_s=1.0,
+        video=VideoPolicy(fps=4.0, window_s=2.0, max_tokens=768),
+    )
+    calls: list[list[float]] = []  # per encode_videos call: each grid's mean pixel (tells the sessions apart)
+    encode = runner.thinker.encode_videos
+
+    def encode_videos(clips):
+        calls.append([float(pixels.mean()) for pixels, _ in clips])
+        return encode(clips)
+
+    runner.thinker.encode_videos = encode_videos
+    for sid in ("talk", "a", "b"):
+        runner.open_session(sid)
+    runner.append_audio("talk", speech(1.0, 220, 5, onset_s=0.1))
+    runner.begin_reply("talk", [])
+    dark, light = np.full((240, 320, 3), 20, np.uint8), np.full((240, 320, 3), 235, np.uint8)
+    audio = {"a": speech(2.0, 180, 8, onset_s=0.1), "b": speech(2.0, 260, 9, onset_s=0.1)}
+    for i, start in enumerate(range(0, 32000, 1280)):
+        for sid, frame in (("a", dark), ("b", light)):
+            if i % 3 == 0:  # ~4 fps against 80 ms of audio per piece
+                runner.append_video(sid, frame, start / 16000)
+            runner.append_audio(sid, audio[sid][start : start + 1280])
+        runner.step()
+    for _ in range(400):  # bounded: the reply is at most 12 tokens / 1 s of audio
+        if not runner.has_work():
+            break
+        runner.step()
+
+    sessions = [{m < 0 for m in call} for call in calls]  # normalised pixels: a dark < 0 < b light
+    assert sum(len(call) for call in calls) >= 4, calls
+    assert any(len(s) == 2 for s in sessions), f"no call encoded both sessions' grids: {calls}"
+    assert len(calls) < sum(len(call) for call in calls), calls
 
 
 def test_the_cap_holds_over_a_20s_turn(loaded):

@@ -34,14 +34,15 @@ class Intake:
 
     @torch.inference_mode()
     def append_video(self, session_id: str, image: np.ndarray, at: float) -> None:
-        """A camera frame as it arrives, placed on the turn's audio clock; its grid is encoded as
-        soon as it closes when no reply exists (agent/engine/stages/video_prefill.py). The vision
+        """A camera frame as it arrives, placed on the turn's audio clock; when no reply exists,
+        every closed grid of every session is encoded at once, in one forward (those of the
+        others waited while a reply ran; agent/engine/stages/video_prefill.py). The vision
         encoder has the lowest priority: not even a held speculation waits for it (its commit
         would), and the frames of a pause it answered are not needed if it is committed."""
         state = self.sessions.get(session_id)
         if state is not None:
-            idle = all(s.reply is None for s in self.sessions.values())
-            self.turns.video.add_frame(state, image, self.clock(), encode_now=idle)
+            self.turns.video.add_frame(state, image, self.clock())
+            self._encode_grids()
 
     @torch.inference_mode()
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
@@ -52,7 +53,13 @@ class Intake:
         self.turns.queue_pcm(state, pcm)
         if not self.replies.busy():  # idle engine: encode and prefill now, nothing waits for it
             self.turns.encode_audio(state)
+            self._encode_grids()
             self.turns.flush_audio(state)
+
+    def _encode_grids(self) -> None:
+        """With no reply anywhere: every session's closed grids in one forward of the tower."""
+        if all(s.reply is None for s in self.sessions.values()):
+            self.turns.video.encode_waiting(list(self.sessions.values()))
 
     @torch.inference_mode()
     def discard_turn(self, session_id: str) -> None:

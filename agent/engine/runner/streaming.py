@@ -428,7 +428,7 @@ class StreamingRunner:
     def _stage_times(self) -> list[Output]:
         outputs: list[Output] = []
         for session_id, state in self.sessions.items():
-            outputs += [StageTime(name, s, session_id) for name, s in state.pending_stages]
+            outputs += [StageTime(name, s, session_id, batch=n) for name, s, n in state.pending_stages]
             state.pending_stages.clear()
         outputs += self.frames.stage_times
         self.frames.stage_times = []

@@ -167,15 +167,25 @@ class ThinkerOps:
 
     def encode_video(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> ImageFeatures:
         """One video grid (or clip) through the vision tower, as generate() encodes videos."""
-        grid = torch.tensor([list(grid_thw)], device=self.loaded.device)
-        out = self.thinker.model.get_video_features(
-            pixel_values.to(self.loaded.device, self.loaded.dtype), grid, return_dict=True
-        )
-        return ImageFeatures(
-            embeds=torch.cat(out.pooler_output, dim=0),
-            deepstack=[torch.cat(feat, dim=0) for feat in out.deepstack_features],
-            grids=[tuple(int(x) for x in grid_thw)],
-        )
+        (features,) = self.encode_videos([(pixel_values, grid_thw)])
+        return features
+
+    def encode_videos(self, clips: Sequence[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[ImageFeatures]:
+        """Several grids (of one turn or of several sessions) in one forward of the tower, one
+        ImageFeatures each: the tower attends within each grid's temporal patches only, so a
+        grid's features do not depend on what it is batched with."""
+        device, dtype = self.loaded.device, self.loaded.dtype
+        grids = torch.tensor([list(thw) for _, thw in clips], device=device)
+        pixels = torch.cat([p for p, _ in clips]).to(device, dtype)
+        out = self.thinker.model.get_video_features(pixels, grids, return_dict=True)
+        return [
+            ImageFeatures(
+                embeds=out.pooler_output[i],
+                deepstack=[feat[i] for feat in out.deepstack_features],
+                grids=[tuple(int(x) for x in thw)],
+            )
+            for i, (_, thw) in enumerate(clips)
+        ]
 
     def start_prefill(
         self,

@@ -100,6 +100,8 @@ class TurnPrefill:
         """flush_audio for several sessions, sharing `budget` audio tokens in order (None: no
         bound), all their prefills in one batched forward; returns the audio tokens taken."""
         parts, taken = [], 0
+        # Their grids first, all in one forward of the vision tower (part() then finds them encoded).
+        self.video.encode_waiting([state for state in states if self._flushable(state)])
         for state in states:
             if budget is not None and budget - taken <= 0:
                 break
@@ -110,10 +112,21 @@ class TurnPrefill:
         self.parts.run_parts(parts, [None] * len(parts))
         return taken
 
+    @staticmethod
+    def _flushable(state: SessionState) -> bool:
+        """Audio of the turn being spoken waits and may go into the cache now (not during the
+        session's reply; a held turn goes in before this one, with its reply)."""
+        return (
+            bool(state.turn.pending_audio)
+            and state.reply is None
+            and not state.choices.captions_only
+            and not state.held_turns
+        )
+
     def _flush_part(self, state: SessionState, max_tokens: int | None) -> tuple[TurnJob | None, int]:
         turn = state.turn
-        if not turn.pending_audio or state.reply is not None or state.choices.captions_only or state.held_turns:
-            return None, 0  # (a held turn goes into the cache before this one, with its reply)
+        if not self._flushable(state):
+            return None, 0
         audio = torch.cat(turn.pending_audio, dim=0)
         take = audio.shape[0] if max_tokens is None else min(max_tokens, audio.shape[0])
         turn.pending_audio = [audio[take:]] if take < audio.shape[0] else []

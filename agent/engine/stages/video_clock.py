@@ -21,7 +21,7 @@ half of what is left is used, so a turn of any length stays under the cap and en
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -36,6 +36,9 @@ from agent.engine.stages.video_grid import (
     resize,
     tokens_per_grid,
 )
+
+# The vision tower over several grids at once: (pixels, (t, h, w)) each, one feature set each.
+Encoder = Callable[[Sequence[tuple[torch.Tensor, tuple[int, int, int]]]], Sequence[object]]
 
 
 @dataclass(frozen=True)
@@ -181,26 +184,29 @@ class TurnVideo:
             if g.closed and g.features is None and g.state == "waiting" and (before is None or g.threshold < before)
         ]
 
-    def encode(
-        self,
-        encoder: Callable[[torch.Tensor, tuple[int, int, int]], object],
-        at_end: bool = False,
-        before: int | None = None,
-    ) -> int:
+    def encode(self, encoder: Encoder, at_end: bool = False, before: int | None = None) -> int:
         """Encode the closed grids that wait without features (at the end of the turn only
-        those before its last audio token: the others are dropped); returns how many. The tower
-        attends within each temporal patch, so a grid's features are the same encoded alone or
-        as part of the whole clip."""
+        those before its last audio token: the others are dropped), in one forward; returns how
+        many. The tower attends within each temporal patch, so a grid's features are the same
+        encoded alone, as part of the whole clip, or beside other sessions' grids."""
         todo = self.pending(before)
-        for grid in todo:
-            # Resized only now (idle time): taking a frame stays cheap on the engine thread.
-            pixels, thw = patch_frames([resize(f, self.size) for f in grid.frames], self.spec)
-            grid.features = encoder(pixels, thw)
-            grid.frames = []  # the pixels are not needed any more
-        self.stats.grids_encoded += len(todo)
-        if at_end:
-            self.stats.grids_encoded_at_end += len(todo)
+        if todo:
+            self.store(todo, encoder([self.clip(grid) for grid in todo]), at_end)
         return len(todo)
+
+    def clip(self, grid: Grid) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """A closed grid's pixels as the tower takes them."""
+        # Resized only now (idle time): taking a frame stays cheap on the engine thread.
+        return patch_frames([resize(f, self.size) for f in grid.frames], self.spec)
+
+    def store(self, grids: Sequence[Grid], features: Sequence[object], at_end: bool = False) -> None:
+        """The features of grids clip() gave (in that order)."""
+        for grid, feats in zip(grids, features, strict=True):
+            grid.features = feats
+            grid.frames = []  # the pixels are not needed any more
+        self.stats.grids_encoded += len(grids)
+        if at_end:
+            self.stats.grids_encoded_at_end += len(grids)
 
     def fork(self) -> "TurnVideo":
         """An independent copy (a speculative reply closes and places grids on its own copy)."""

@@ -22,7 +22,7 @@ from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.stages.thinker import ImageFeatures, ThinkerOps
 from agent.engine.stages.video_clock import TurnVideo, VideoPolicy
 from agent.engine.stages.video_grid import PatchSpec, TokenKinds, av_positions
-from agent.engine.state.session import SessionState, TurnState, timed
+from agent.engine.state.session import SessionState, TurnState, timed, timed_all
 from agent.engine.state.video import AVBlock, GridPlace
 
 FRESH_S = 1.0  # a frame older than this (engine clock) does not start a video turn
@@ -83,9 +83,9 @@ class VideoPrefill:
             state.turn.video.grids = self.new_video()
             state.turn.video.grids.add(frame, 0.0)
 
-    def add_frame(self, state: SessionState, frame: np.ndarray, now: float, encode_now: bool) -> None:
-        """A camera frame taken by the engine, placed at the turn's audio time; closed grids are
-        encoded at once when the engine has nothing else to do."""
+    def add_frame(self, state: SessionState, frame: np.ndarray, now: float) -> None:
+        """A camera frame taken by the engine, placed at the turn's audio time (the grids it
+        closes are encoded by encode_waiting, when the engine has time)."""
         state.last_frame = (now, frame)
         turn = state.turn
         if self.policy is None or not state.choices.video or state.choices.captions_only:
@@ -95,8 +95,6 @@ class VideoPrefill:
                 return  # the turn's audio block is open as plain audio: its frames cannot join it
             turn.video.grids = self.new_video()
         turn.video.grids.add(frame, turn.queued_seconds)
-        if encode_now:
-            self.encode(state, turn, at_end=False)
 
     def encode(self, state: SessionState, turn: TurnState, at_end: bool, before: int | None = None) -> int:
         if turn.video.grids is None:
@@ -108,7 +106,28 @@ class VideoPrefill:
         if not turn.video.grids.pending(before):
             return 0
         with timed(state, "vision_encoder"):
-            return turn.video.grids.encode(self.thinker.encode_video, at_end=at_end, before=before)
+            return turn.video.grids.encode(self.thinker.encode_videos, at_end=at_end, before=before)
+
+    def encode_waiting(self, states: Sequence[SessionState]) -> int:
+        """Every closed grid the turns being spoken in these sessions wait on, in one forward of
+        the vision tower (grids of several sessions close around the same time, and those of a
+        reply's length pile up while it plays); returns how many grids."""
+        work = []
+        for state in states:
+            video = state.turn.video.grids
+            if video is None:
+                continue
+            video.close_stale(state.turn.queued_seconds)
+            todo = video.pending()
+            if todo:
+                work.append((state, video, todo))
+        if not work:
+            return 0
+        with timed_all([state for state, _, _ in work], "vision_encoder"):
+            feats = iter(self.thinker.encode_videos([video.clip(grid) for _, video, todo in work for grid in todo]))
+            for _, video, todo in work:
+                video.store(todo, [next(feats) for _ in todo])
+        return sum(len(todo) for _, _, todo in work)
 
     # ---- the turn's tokens ----------------------------------------------------------------------
 

@@ -246,7 +246,8 @@ class SessionState:
     talker_history: TalkerHistory = field(default_factory=TalkerHistory)
     closing: list[int] = field(default_factory=list)  # the previous reply's unfed tail + <|im_end|>\n
     reply: ReplyState | None = None
-    pending_stages: list[tuple[str, float]] = field(default_factory=list)  # emitted by the next step()
+    # (stage, seconds, sessions in the call) for StageTime outputs, emitted by the next step()
+    pending_stages: list[tuple[str, float, int]] = field(default_factory=list)
     choices: SessionChoices = field(default_factory=SessionChoices)  # what the session asked for
     pending_system: list[int] = field(default_factory=list)  # a system message for the next turn's start
     last_reply: LastReply | None = None  # until the next reply begins
@@ -263,7 +264,7 @@ def timed(state: SessionState, stage: str) -> Iterator[None]:
     started = time.perf_counter()
     yield
     elapsed = time.perf_counter() - started
-    state.pending_stages.append((stage, elapsed))
+    state.pending_stages.append((stage, elapsed, 1))
     if state.reply is not None:
         state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed
 
@@ -275,7 +276,9 @@ def timed_all(states: Sequence[SessionState], stage: str) -> Iterator[None]:
     yield
     elapsed = time.perf_counter() - started
     for state in states:
-        state.pending_stages.append((stage, elapsed))
+        # One call: /metrics counts its time and the call once (StageTime.batch), each session's
+        # histogram the whole wait.
+        state.pending_stages.append((stage, elapsed, len(states)))
         if state.reply is not None:
             state.reply.stage_seconds[stage] = state.reply.stage_seconds.get(stage, 0.0) + elapsed
 
