@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.page_watch import watch_call
 
 pytestmark = pytest.mark.browser
 
@@ -98,24 +99,9 @@ def drive_call(page, base_url: str, out_dir: Path, timeout_s: float = CALL_TIMEO
     """
     page.goto(base_url)
     page.get_by_role("button", name="Start the call").click()
-    need = [
-        "connected",
-        "session.updated",
-        "transcript delta",
-        "caption",
-        "audio packets",
-        "audio energy",
-        "response.done",
-        "audible",
-    ]
-    seen: dict[str, dict] = {}
-    snap: dict = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        snap = page.evaluate(SNAPSHOT_JS)
-        assert not snap["errors"], f"agent sent error events: {snap['errors']}"
-        assert snap["state"] not in ("failed", "closed"), f"call {snap['state']}: {snap['errorBox']}"
-        checks = {
+
+    def checks(snap: dict) -> dict[str, bool]:
+        return {
             "connected": snap["state"] == "connected" and snap["statusText"] == "connected",
             "session.updated": snap["updated"] > 0,
             "transcript delta": snap["deltas"] > 0,
@@ -125,18 +111,19 @@ def drive_call(page, base_url: str, out_dir: Path, timeout_s: float = CALL_TIMEO
             "response.done": snap["dones"] > 0,
             "audible": (snap["latency"].get("eot_to_audible_ms") or 0) > 0,
         }
-        for name, ok in checks.items():
-            if ok and name not in seen:
-                seen[name] = snap
-        if len(seen) == len(need) and snap["caption"] and snap["state"] == "connected":
-            shot = out_dir / "page.png"
-            page.screenshot(path=str(shot), full_page=True)
-            snap["screenshot"] = shot
-            return snap
-        time.sleep(0.2)
-    missing = [n for n in need if n not in seen]
-    page.screenshot(path=str(out_dir / "page-timeout.png"), full_page=True)
-    raise AssertionError(f"after {timeout_s} s still missing {missing}; last snapshot: {snap}")
+
+    _, snap = watch_call(
+        page,
+        SNAPSHOT_JS,
+        checks,
+        timeout_s,
+        finished=lambda snap: bool(snap["caption"]) and snap["state"] == "connected",
+        on_timeout=lambda: page.screenshot(path=str(out_dir / "page-timeout.png"), full_page=True),
+    )
+    shot = out_dir / "page.png"
+    page.screenshot(path=str(shot), full_page=True)
+    snap["screenshot"] = shot
+    return snap
 
 
 def switch_to_text(page, timeout_s: float = CALL_TIMEOUT_S) -> dict:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 from support.loopback import free_port
+from support.page_watch import watch_call
 
 from e2e.conftest import serve, stop_server, tail
 
@@ -141,27 +142,18 @@ def relay_call(page, base_url: str, timeout_s: float = CALL_TIMEOUT_S) -> dict:
     relay, the agent's voice was heard and the agent answered the mic (each latched when seen)."""
     page.goto(base_url + "?relay")
     page.get_by_role("button", name="Start the call").click()
-    seen: dict[str, dict] = {}
-    snap: dict = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        snap = page.evaluate(SNAPSHOT_JS)
-        assert not snap["errors"], f"agent sent error events: {snap['errors']}"
-        assert snap["state"] not in ("failed", "closed"), f"call {snap['state']}: {snap['errorBox']}"
-        checks = {
+    seen, snap = watch_call(
+        page,
+        SNAPSHOT_JS,
+        lambda snap: {
             "connected": snap["state"] == "connected" and snap["local"] is not None,
             "audio packets": snap["audioPackets"] > 0,
             "audio energy": snap["audioEnergy"] > 0,
             "response.done": snap["dones"] > 0,
-        }
-        for name, ok in checks.items():
-            if ok and name not in seen:
-                seen[name] = snap
-        if len(seen) == len(checks):
-            return {"first_connected": seen["connected"], "last": snap}
-        time.sleep(0.2)
-    missing = [n for n in checks if n not in seen]
-    raise AssertionError(f"after {timeout_s} s still missing {missing}; last snapshot: {snap}")
+        },
+        timeout_s,
+    )
+    return {"first_connected": seen["connected"], "last": snap}
 
 
 def test_relay_only_call_connects_through_turn(page, turn_server, turn_agent_url):
