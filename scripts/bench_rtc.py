@@ -458,10 +458,11 @@ def print_cpu(results: list[dict]) -> None:
             row.append(f"{value:8.3f}")
         print(f"{stage:>18} " + " ".join(row))
     print(
-        "\nrows per engine call (code predictor / code2wav): "
+        "\nsessions per engine call (code predictor / code2wav / vision encoder): "
         + "; ".join(
             f"n={r['n']}: {r['rows_per_call'].get('code_predictor', float('nan')):.2f} / "
-            f"{r['rows_per_call'].get('code2wav', float('nan')):.2f}"
+            f"{r['rows_per_call'].get('code2wav', float('nan')):.2f} / "
+            f"{r['rows_per_call'].get('vision_encoder', float('nan')):.2f}"
             for r in results
         )
     )
