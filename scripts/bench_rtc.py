@@ -310,7 +310,7 @@ def start_server(
         "--max-sessions",
         # A conversation's input transcription runs in an engine slot of its own: with
         # --transcription every session needs two, or most would be refused theirs (capacity).
-        str((max(args.levels) + 1) * (2 if getattr(args, "transcription", False) else 1)),
+        str((max(args.levels) + 1) * (2 if args.transcription else 1)),
         "--vad-silence-ms",
         str(args.silence_ms),
         "--log-level",

@@ -16,6 +16,7 @@ import cv2
 import numpy as np
 
 from agent.config import INPUT_FRAME_SAMPLES, INPUT_RATE
+from agent.media.resample import resampled_length
 from agent.metrics import INGEST_DROPPED
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class AudioIn:
             # delay in front as silence, once per resampler: otherwise every 20 ms sub-frame is
             # completed only by the *next* frame, and each end-of-turn, onset and barge-in
             # decision waits 20 ms for audio that has in fact arrived.
-            held = round(frame.samples * INPUT_RATE / frame.sample_rate) - len(out)
+            held = resampled_length(frame.samples, frame.sample_rate, INPUT_RATE) - len(out)
             lead = np.zeros(held if 0 < held <= MAX_RESAMPLER_DELAY else 0, dtype=np.float32)
             return np.concatenate([tail, lead, out])
         assert self._resampler is not None

@@ -108,10 +108,10 @@ class VideoPrefill:
         with timed(state, "vision_encoder"):
             return turn.video.grids.encode(self.thinker.encode_videos, at_end=at_end, before=before)
 
-    def encode_waiting(self, states: Sequence[SessionState]) -> int:
+    def encode_waiting(self, states: Sequence[SessionState]) -> None:
         """Every closed grid the turns being spoken in these sessions wait on, in one forward of
         the vision tower (grids of several sessions close around the same time, and those of a
-        reply's length pile up while it plays); returns how many grids."""
+        reply's length pile up while it plays)."""
         work = []
         for state in states:
             video = state.turn.video.grids
@@ -122,12 +122,11 @@ class VideoPrefill:
             if todo:
                 work.append((state, video, todo))
         if not work:
-            return 0
+            return
         with timed_all([state for state, _, _ in work], "vision_encoder"):
             feats = iter(self.thinker.encode_videos([video.clip(grid) for _, video, todo in work for grid in todo]))
             for _, video, todo in work:
                 video.store(todo, [next(feats) for _ in todo])
-        return sum(len(todo) for _, _, todo in work)
 
     # ---- the turn's tokens ----------------------------------------------------------------------
 
