@@ -51,11 +51,14 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def race_noise(seeds: torch.Tensor, draws: torch.Tensor, stage: int, vocab: int) -> torch.Tensor:
     """Exp(1) noise [B, vocab] float32 for draw `draws[b]` of stage `stage` of the reply seeded
-    `seeds[b]` (both [B] int64; seeds are taken mod 2**32)."""
+    `seeds[b]` (both [B] int64; seeds are taken mod 2**32). `draws` may be [B, S]: the noise of
+    S draws per row at once, [B, S, vocab] (the code predictor makes a frame's 15 in one
+    kernel: drawn inside its loop, the hash was 15 kernels to generate and to compile)."""
+    seeds = seeds.view(-1, *([1] * (draws.dim() - 1)))
     key = _mix((seeds & _M32) ^ _mul32(torch.full_like(seeds, stage), 0x9E3779B9))
     key = _mix(key ^ (draws & _M32))
     tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    bits = _mix(_mix(key.unsqueeze(1) ^ _mul32(tokens, 0x85EBCA6B).unsqueeze(0)))
+    bits = _mix(_mix(key.unsqueeze(-1) ^ _mul32(tokens, 0x85EBCA6B)))
     # 23 random bits plus one half: a float32 strictly inside (0, 1), exactly representable.
     uniform = ((bits >> 9).to(torch.float32) + 0.5) * (2.0**-23)
     return -torch.log(uniform)
@@ -90,16 +93,24 @@ def warp(scores: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 def choose(
-    scores: torch.Tensor, sampling: Sampling, seeds: torch.Tensor | None, draws: torch.Tensor | None, stage: int
+    scores: torch.Tensor,
+    sampling: Sampling,
+    seeds: torch.Tensor | None,
+    draws: torch.Tensor | None,
+    stage: int,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The token per row [B] from processed scores [B, vocab] (penalty and suppression already
-    applied): argmax when greedy, else the race over the warped distribution."""
+    applied): argmax when greedy, else the race over the warped distribution. `noise`: the
+    draw's race_noise made beforehand (else made here from seeds and draws)."""
     if not sampling.do_sample:
         return scores.argmax(-1)
-    if seeds is None or draws is None:
-        raise ValueError("sampling needs the rows' seeds and draw indices")
+    if noise is None:
+        if seeds is None or draws is None:
+            raise ValueError("sampling needs the rows' seeds and draw indices")
+        noise = race_noise(seeds, draws, stage, scores.shape[-1])
     probs = torch.softmax(warp(scores, sampling), dim=-1)
-    return (probs / race_noise(seeds, draws, stage, scores.shape[-1])).argmax(-1)
+    return (probs / noise).argmax(-1)
 
 
 def row_tensor(values: list[int], device: torch.device) -> torch.Tensor:

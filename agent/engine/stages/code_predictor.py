@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from agent.decoding import GREEDY, Sampling
 from agent.engine.compile.wiring import Graphing
 from agent.engine.ops.gemv import check_norm, linear, normed_linear
-from agent.engine.ops.sampling import CODE_PREDICTOR, RESIDUAL_GROUPS, choose, penalize
+from agent.engine.ops.sampling import CODE_PREDICTOR, RESIDUAL_GROUPS, choose, penalize, race_noise
 from agent.engine.ops.slots import SlotKV, apply_rope
 from agent.engine.quant.modules import Int4Linear, concat_rows, float_weight
 
@@ -177,6 +177,10 @@ class CodePredictorOps:
             if penalty != 1.0
             else None
         )
+        noise = None
+        if self.sampling.do_sample:  # the frame's 15 draws' noise in one kernel (ops/sampling.py)
+            draws = frames.view(-1, 1) * RESIDUAL_GROUPS + torch.arange(RESIDUAL_GROUPS, device=frames.device)
+            noise = race_noise(seeds, draws, CODE_PREDICTOR, self.heads[0].out_features)
         for step in range(1, self.num_groups):
             start = 0 if step == 1 else step
             hidden = self._forward(kv, inputs, start, ropes[step - 1], fused)
@@ -187,9 +191,8 @@ class CodePredictorOps:
                 logits = head(self.body.norm(hidden))[:, -1]
             if seen is not None:
                 logits = penalize(logits.float(), seen, penalty)
-            if self.sampling.do_sample:
-                draws = frames * RESIDUAL_GROUPS + (step - 1)
-                code = choose(logits.float(), self.sampling, seeds, draws, CODE_PREDICTOR)
+            if noise is not None:
+                code = choose(logits.float(), self.sampling, None, None, CODE_PREDICTOR, noise[:, step - 1])
             else:
                 code = logits.argmax(-1)
             if seen is not None:
