@@ -184,10 +184,15 @@ def meta_model(config, quantize: bool):
 
 def kinds(model: nn.Module) -> Counter[str]:
     """Bytes by kind of tensor: packed nibbles, group scales/offsets, float weights kept, others."""
-    from agent.engine.quant.modules import Int4Experts, Int4Linear
+    from agent.engine.quant.modules import Int4Embedding, Int4Experts, Int4Linear
 
     out: Counter[str] = Counter()
-    packed = {id(b) for m in model.modules() if isinstance(m, (Int4Linear, Int4Experts)) for b in m.buffers(False)}
+    packed = {
+        id(b)
+        for m in model.modules()
+        if isinstance(m, (Int4Linear, Int4Experts, Int4Embedding))
+        for b in m.buffers(False)
+    }
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         nbytes = t.numel() * t.element_size()
         if id(t) in packed:
@@ -214,11 +219,11 @@ def run(args: argparse.Namespace) -> None:
     from agent.engine.instruments.roofline import ByteModel
     from agent.engine.memory_plan import (
         CUDA_CONTEXT_BYTES,
-        PAD_ROWS,
         RESERVE_BYTES,
         RTX4090,
         MemoryPlanError,
         ModelMemory,
+        pad_rows,
         plan,
     )
 
@@ -326,13 +331,14 @@ def run(args: argparse.Namespace) -> None:
         print(f"plan with no flags: {derived.sessions} sessions x {derived.context} tokens")
     except MemoryPlanError as exc:
         print(f"plan with no flags: refused: {exc}")
-    rows = SESSIONS + PAD_ROWS
+    pads = pad_rows(SESSIONS)  # none where every batch size is a graph bucket
+    rows = SESSIONS + pads
     parts = {
         "weights (parameters and buffers)": memory.weights,
         "engine_weights (code predictor's fused copies)": memory.engine_weights,
         "unpacked_experts (prefill's transient expert stack)": memory.unpacked_experts,
         "fixed_state (code predictor cache)": memory.fixed_state,
-        f"KV: {rows} rows ({SESSIONS} sessions + {PAD_ROWS} pad) x kv_per_slot({CONTEXT})": rows
+        f"KV: {rows} rows ({SESSIONS} sessions + {pads} pad) x kv_per_slot({CONTEXT})": rows
         * memory.kv_per_slot(CONTEXT),
         "reserve": RESERVE_BYTES,
         "CUDA context": CUDA_CONTEXT_BYTES,

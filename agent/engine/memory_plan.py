@@ -7,8 +7,9 @@ need while they run. So
     weights + rows x kv_per_slot(context) + reserve  <=  free device memory before the load
 
 where `rows` is every session slot (--max-sessions plus --max-transcription-sessions) plus the
-graphs' pad row (agent/engine/compile/wiring.py: padded batch rows write into a scratch row of every
-cache), and `kv_per_slot(context)` is one row of the thinker's cache (context tokens), the
+graphs' pad row where some batch is padded (agent/engine/compile/wiring.py: padded batch rows write
+into a scratch row of every cache; with one or two slots every batch is a bucket and there is
+none), and `kv_per_slot(context)` is one row of the thinker's cache (context tokens), the
 talker's (context + a reply's frames + 16: agent/engine/runner/streaming.py's talker limit), code2wav's
 per-slot ring and conv state. The code predictor's cache is one batch bucket of 17 tokens,
 counted once.
@@ -56,7 +57,14 @@ MIN_SESSIONS = 2  # the plan lowers the context before it goes under this many s
 MIN_CONTEXT = 8192  # ... but not under this many tokens
 CONTEXT_STEP = 1024  # derived contexts are multiples of this
 LIMITS = ("max_sessions", "context_limit")
-PAD_ROWS = 1  # the graphs' scratch row of every slot cache (counted also when graphs are off)
+
+
+def pad_rows(slots: int) -> int:
+    """The graphs' scratch row of every KV cache for `slots` slots (0 or 1), by the engine's own
+    rule and default buckets (counted also when graphs are off)."""
+    from agent.engine.compile.wiring import GraphConfig, batch_buckets, needs_pad_row
+
+    return int(needs_pad_row(batch_buckets(GraphConfig().batch_sizes, slots), slots))
 
 
 class MemoryPlanError(ValueError):
@@ -86,8 +94,8 @@ class ModelMemory:
 
     weights: int  # parameters and buffers as loaded
     engine_weights: int  # the code predictor's concatenated projections (code_predictor.FusedWeights)
-    # A 4-bit model's prefill unpacks one layer's expert stacks for its grouped matmuls, one
-    # after the other (ops/moe.py): the largest gate/up stack in the model's dtype.
+    # A 4-bit model's prefill unpacks one layer's expert stacks for its grouped matmuls, a slice
+    # of rows at a time (quant/modules.py UNPACK_SLICE_BYTES): the largest slice in float.
     unpacked_experts: int
     thinker_kv_token: int  # K and V of one token in one slot, every thinker layer
     talker_kv_token: int
@@ -120,7 +128,9 @@ class ModelMemory:
         from agent.engine.quant.modules import Int4Experts
 
         config = model.config
-        weight = model.thinker.get_input_embeddings().weight  # never quantized: the model's dtype
+        # The model's dtype from a norm (never quantized; the embedding may be 4-bit, and its
+        # float `weight` would unpack the whole table).
+        weight = model.thinker.model.language_model.norm.weight
         size = weight.element_size()
         weights = _bytes(model)
         slot = SlotCode2Wav(model.code2wav, 1)
@@ -136,12 +146,8 @@ class ModelMemory:
             for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
             + (layer.mlp.gate_proj, layer.mlp.up_proj)
         )
-        # Gate/up is unpacked, read and freed before down is: the larger of the two is alive.
-        unpacked = [
-            (m.num_experts * 2 * m.intermediate_dim * m.hidden_dim * size)
-            for m in model.modules()
-            if isinstance(m, Int4Experts)
-        ]
+        # A prefill unpacks each stack a slice of rows at a time: the largest slice is alive.
+        unpacked = [m.largest_slice_bytes() for m in model.modules() if isinstance(m, Int4Experts)]
         tokens = config.talker_config.num_code_groups + 1  # the talker's hidden state and codebook 0, then 15 codes
         return cls(
             weights=weights,
@@ -194,8 +200,12 @@ class MemoryPlan:
 
     @property
     def rows(self) -> int:
-        """Rows of every slot cache: each session slot and the pad row."""
-        return self.sessions + self.transcription + PAD_ROWS
+        """Rows of every slot cache: each session slot and the pad row, if any."""
+        return self.sessions + self.transcription + self.pad_rows
+
+    @property
+    def pad_rows(self) -> int:
+        return pad_rows(self.sessions + self.transcription)
 
     @property
     def kv(self) -> int:
@@ -231,7 +241,7 @@ class MemoryPlan:
                 ),
                 (
                     f"  KV, all slots    {_gib(self.kv)} ({self.rows} rows: {self.sessions} sessions + {self.transcription} "
-                    f"transcription + {PAD_ROWS} pad)"
+                    f"transcription + {self.pad_rows} pad)"
                 ),
                 f"  reserve          {_gib(self.reserve)} (activations, graph pools, workspaces)",
                 f"  needed           {_gib(self.need)}" + ("" if self.free is None else f" of {_gib(self.free)}"),
@@ -280,10 +290,16 @@ def plan(
     budget = free - memory.fixed - reserve  # for the slot caches
 
     def rows(n: int) -> int:
-        return n + transcription + PAD_ROWS
+        return n + transcription + pad_rows(n + transcription)
 
     def most_sessions(ctx: int) -> int:
-        return max(0, budget // memory.kv_per_slot(ctx) - transcription - PAD_ROWS) if budget > 0 else 0
+        if budget <= 0:
+            return 0
+        fit = budget // memory.kv_per_slot(ctx)  # rows that fit
+        unpadded = fit - transcription  # every row a session's: only where no batch is padded
+        if unpadded >= 1 and pad_rows(fit) == 0:
+            return unpadded
+        return max(0, fit - transcription - 1)
 
     def longest_context(n: int, ceiling: int | None = default_context) -> int:
         per_row = budget // rows(n) - memory.slot_state - memory.talker_kv_token * memory.talker_extra_tokens

@@ -11,6 +11,8 @@ refuse host syncs and check that every replay issues the captured ops on the sam
 - sampled (every stage, a thinker repetition penalty, agent/decoding.py), the same replies as
   the eager runner from the same seed, the thinker's and talker's token choice replayed as graphs
   of their own (agent/engine/stages/token_choice.py) and sampling inside the code-predictor graph;
+- with one or two slots no batch is padded: the KV caches get no scratch row (the start-up
+  captures write into slot 0 before a session takes it) and replies are unchanged;
 - longer contexts get their own attention-length graphs, each captured once, same outputs;
 - a batch above the largest bucket runs eagerly (refused, not captured) with the same outputs;
 - `config.cuda_graphs=False` (--no-cuda-graphs) never captures nor fuses, whatever the graph
@@ -138,6 +140,22 @@ def test_three_sessions_padded_to_four_equal_eager_and_reuse_one_graph_per_size(
         assert captures == at_start[name][0] and refused == 0 and replays > at_start[name][1], (name, after[name])
         graphs = runner.graphing.pools[name]._state.graphs.items()
         assert sum(c.graph.replays - 1 for key, c in graphs if key[0][0][0] == 4) >= 1, name
+
+
+def test_two_slots_keep_no_pad_row_in_their_caches_and_equal_eager(eager_loaded, graph_loaded):
+    """One or two slots: every batch is a bucket, so the KV caches hold no scratch row (a whole
+    session's KV on a 24 GiB card); the start-up captures write into slot 0 before a session
+    takes it, and that session's replies are unchanged."""
+    two = {**OPTIONS, "max_sessions": 2}
+    want = converse(StreamingRunner(eager_loaded, SYSTEM, graphs="off", **two), ["a", "b"], turns=2)
+    runner = StreamingRunner(graph_loaded, SYSTEM, graphs=FAKE, **two)
+    assert runner.graphing.batch_sizes == (1, 2) and runner.thinker.pad_slot == runner.talker.pad_slot == 0
+    assert runner.thinker.kv.keys[0].shape[0] == runner.talker.kv.keys[0].shape[0] == 2
+    assert runner.frames.code2wav.kv.keys[0].shape[0] == 3  # code2wav's few MB keep their scratch row
+    assert_same(converse(runner, ["a", "b"], turns=2), want)
+    assert all(s.replays > 4 and s.refused == 0 and s.eager == 0 for s in runner.graphing.stats().values())
+    three = StreamingRunner(graph_loaded, SYSTEM, graphs=FAKE, **{**OPTIONS, "max_sessions": 3})
+    assert three.thinker.kv.keys[0].shape[0] == 4 and three.thinker.pad_slot == 3  # 3 rows pad to 4
 
 
 def test_sampled_replies_graphed_equal_eager(eager_loaded, graph_loaded):

@@ -3,13 +3,14 @@
 Pins, with the real Qwen3-Omni-30B-A3B config counted on the meta device (no weights):
 - the counts: 65.7 GiB of bf16 weights, 96 KiB (thinker) + 20 KiB (talker) of KV per token and
   session, ~3.6 GiB per session at 32768 tokens;
-- an 80 GB H100 runs with no flags: at least 2 sessions (the context lowered, not under 8192, since
-  2 sessions of 32768 do not fit beside the graphs' pad row and the reserve); an H200 holds more
+- an 80 GB H100 runs with no flags: 2 sessions at 32768 (two slots need no pad row; a third
+  session does not fit); an H200 holds more
   (8, the cap, at 32768); the plan never needs more than is free;
 - a 24 GB card is refused with a message naming --max-sessions and --context-limit;
 - given flags that do not fit are refused, and the message's "lower --max-sessions to N or
   --context-limit to M" both fit; a given flag is kept and the other derived around it;
-- transcription slots and the pad row are rows of every cache;
+- transcription slots and the pad row are rows of every cache; the pad row only where the
+  engine's graphs pad a batch (3 slots or more), by the wiring's own rule;
 - on the CPU nothing is derived or refused: 8 sessions x 32768 tokens, exported on /metrics;
 - the command line records which limits it left out, and `omni-agent` exits 2 with the plan's
   message when the plan is refused (a GPU faked by its free memory).
@@ -57,12 +58,23 @@ def test_real_model_counts(real: ModelMemory) -> None:
 
 def test_an_80gb_h100_runs_with_the_defaults(real: ModelMemory) -> None:
     p = plan(real, H100_80G.free)
-    assert p.sessions >= 2 and MIN_CONTEXT <= p.context <= 32768
+    # Two sessions at the full context: two slots pad no batch, so no scratch row is counted.
+    assert (p.sessions, p.context, p.rows) == (2, 32768, 2)
     assert p.need <= H100_80G.free and p.derived == LIMITS
-    # The context came down because 2 sessions of 32768 tokens (and the pad row) do not fit.
-    with pytest.raises(MemoryPlanError):
-        plan(real, H100_80G.free, sessions=2, context=32768)
-    assert p.rows == p.sessions + 1  # the graphs' pad row
+    # A third would need its row and the pad row (a batch of 3 runs in the bucket of 4).
+    with pytest.raises(MemoryPlanError, match="lower --max-sessions to 2"):
+        plan(real, H100_80G.free, sessions=3, context=32768)
+
+
+def test_the_pad_row_is_counted_where_the_engine_makes_one() -> None:
+    """The plan counts a scratch row by the rule the engine's graph wiring makes it by: only
+    where some batch of sessions is padded up to a bucket (3 of 1, 2, 4, 8, 16: not 1 or 2)."""
+    from agent.engine.compile.wiring import Graphing
+    from agent.engine.instruments.fake_graphs import fake_graph_config
+
+    for slots in range(1, 10):
+        engine = Graphing(fake_graph_config(), torch.device("cpu"), slots).kv_rows(slots)
+        assert slots + memory_plan.pad_rows(slots) == engine == slots + (slots > 2), slots
 
 
 def test_an_h200_holds_more(real: ModelMemory) -> None:
@@ -99,14 +111,14 @@ def test_a_given_flag_is_kept_and_the_other_derived_around_it(real: ModelMemory)
     short = plan(real, H100_80G.free, context=8192)
     assert short.context == 8192 and short.sessions > 2 and short.derived == ("max_sessions",)
     with pytest.raises(MemoryPlanError, match="lower --context-limit to"):
-        plan(real, H100_80G.free, context=65536)
+        plan(real, H100_80G.free, context=131072)
     with pytest.raises(MemoryPlanError, match="lower --max-sessions to"):
         plan(real, H100_80G.free, sessions=30)
 
 
 def test_transcription_slots_are_rows_of_every_cache(real: ModelMemory) -> None:
     alone, with_captions = plan(real, H100_80G.free), plan(real, H100_80G.free, transcription=1)
-    assert with_captions.rows == with_captions.sessions + 1 + 1
+    assert with_captions.rows == with_captions.sessions + 1 + 1  # 3 slots: the pad row too
     assert with_captions.kv == with_captions.rows * real.kv_per_slot(with_captions.context) + real.fixed_state
     # Still 2 conversations: the caption viewer's slot is paid for with context.
     assert with_captions.sessions == alone.sessions and with_captions.context < alone.context

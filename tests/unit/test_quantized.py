@@ -6,8 +6,10 @@ Pins:
   tensors give shapes only, and a row that does not split into groups is refused;
 - `Int4Linear` computes F.linear with its dequantized weight; `Int4Experts` equals transformers'
   experts module loaded with the same dequantized stacks (bit for bit), and a fused MoE block
-  over 4-bit experts equals the float block on the same weights, prefill and decode;
-- `quantize_model` swaps the layers docs/quantization.md lists and keeps the rest;
+  over 4-bit experts equals the float block on the same weights, prefill and decode; a
+  prefill unpacks the stacks a slice of rows at a time (never a whole stack) to the same result;
+- `quantize_model` swaps the layers docs/quantization.md lists (the thinker's token table
+  included, looked up row by row) and keeps the rest;
 - `omni-agent quantize SRC DST` writes a checkpoint whose quantized layers hold no float weight,
   which loads onto the same numbers as quantizing after a float load; a second quantize of
   its output and a folder without config.json are refused with exit status 2;
@@ -34,7 +36,7 @@ from torch.nn import functional as F
 from agent.engine.instruments.kernel_count import KernelCounter
 from agent.engine.quant.apply import CONFIG_KEY, QuantScheme, quantize_model
 from agent.engine.quant.int4 import LEVELS, dequantize, group_for, quantize
-from agent.engine.quant.modules import Int4Experts, Int4Linear
+from agent.engine.quant.modules import Int4Embedding, Int4Experts, Int4Linear
 from agent.engine.runner.streaming import StreamingRunner
 
 
@@ -117,6 +119,38 @@ def test_fused_block_over_4bit_experts_equals_the_float_block(loaded) -> None:
         torch.testing.assert_close(fused(x), dense(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_prefill_unpacks_4bit_experts_a_slice_of_rows_at_a_time(loaded, monkeypatch) -> None:
+    import copy
+
+    from agent.engine.ops import moe
+    from agent.engine.quant import modules
+
+    block = copy.deepcopy(loaded.model.talker.model.layers[0].mlp)
+    block.experts = Int4Experts.from_experts(block.experts, 32, 32)
+    fused = moe.FusedSparseMoeBlock(block)
+    x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(5))
+    whole = fused(x)
+    experts = block.experts
+    stack = experts.gate_up_proj
+    per_row = stack.shape[0] * stack.shape[2] * stack.element_size()
+    # A budget of three rows: gate/up and down each come in several slices.
+    monkeypatch.setattr(modules, "UNPACK_SLICE_BYTES", 3 * per_row)
+    parts = experts.unpacked_slices("gate_up_proj")
+    assert len(parts) == -(-stack.shape[1] // 3) and max(p().shape[1] for p in parts) <= 3
+    assert torch.equal(torch.cat([p() for p in parts], dim=1), stack)
+    assert experts.largest_slice_bytes() == 3 * per_row < stack.numel() * stack.element_size()
+    sizes: list[int] = []
+    grouped = moe._grouped_matmul
+
+    def counted(x, weight, offs):
+        sizes.append(weight.numel() * weight.element_size())
+        return grouped(x, weight, offs)
+
+    monkeypatch.setattr(moe, "_grouped_matmul", counted)
+    torch.testing.assert_close(fused(x), whole, rtol=1e-6, atol=1e-6)
+    assert len(sizes) > 2 and max(sizes) <= 3 * per_row  # never a whole stack
+
+
 def test_quantize_model_swaps_the_listed_layers(tiny_model_dir) -> None:
     from agent.engine.checkpoints.model import load_model
 
@@ -133,8 +167,17 @@ def test_quantize_model_swaps_the_listed_layers(tiny_model_dir) -> None:
     assert not any(n.startswith("talker.text_projection") for n in names)
     fc1 = model.thinker.model.audio_tower.layers[0].fc1
     assert isinstance(fc1, Int4Linear) and fc1.bias is not None  # a bias stays a float parameter
-    assert isinstance(model.thinker.model.language_model.embed_tokens, torch.nn.Embedding)
+    # The thinker's token table is 4-bit, looked up row by row; the other tables stay float.
+    float_table = load_model(str(tiny_model_dir)).model.thinker.model.language_model.embed_tokens
+    table = model.thinker.model.language_model.embed_tokens
+    assert isinstance(table, Int4Embedding) and table.num_embeddings == float_table.num_embeddings
+    ids = torch.tensor([[0, 5, 1056], [7, 7, 3]])
+    assert torch.equal(table(ids), table.weight[ids])
+    assert 0 < float((table(ids) - float_table(ids)).abs().max()) < float(float_table.weight.abs().max())
+    assert isinstance(model.talker.model.codec_embedding, torch.nn.Embedding)
     assert quantize_model(model, QuantScheme()).quantized == []  # idempotent
+    tables_kept = quantize_model(load_model(str(tiny_model_dir)).model, QuantScheme(embeddings=False))
+    assert set(tables_kept.quantized) == names - {"thinker.model.language_model.embed_tokens"}
     heads_kept = quantize_model(load_model(str(tiny_model_dir)).model, QuantScheme(heads=False))
     assert "thinker.lm_head" not in heads_kept.quantized and len(heads_kept.quantized) == len(names) - 2
     decoders = quantize_model(load_model(str(tiny_model_dir)).model, QuantScheme(encoders=False))
@@ -153,7 +196,7 @@ def test_quantize_command_writes_a_checkpoint_that_loads_the_same(tiny_model_dir
     assert main(["quantize", str(tiny_model_dir), str(dst)]) == 0
     assert "modules quantized" in capsys.readouterr().out
     config = json.loads((dst / "config.json").read_text())
-    assert config[CONFIG_KEY] == {"method": "int4", "group": 128, "heads": True, "encoders": True}
+    assert config[CONFIG_KEY] == {"method": "int4", "group": 128, "heads": True, "encoders": True, "embeddings": True}
     assert (dst / "tokenizer.json").exists() and (dst / "preprocessor_config.json").exists()
     index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
     expert = "thinker.model.language_model.layers.0.mlp.experts.gate_up_proj"
@@ -263,19 +306,20 @@ def test_fused_decode_steps_read_4bit_weights_in_their_reductions(quantized, com
     assert not [line for line in code if "extern_kernels.mm" in line or "grouped_mm" in line]
 
 
-def test_a_24_gib_card_holds_the_4bit_model_for_two_sessions_with_a_measured_reserve() -> None:
-    """The real model counted on meta: refused in bf16 and, with the default 3 GiB reserve, in
-    4-bit too; with a 1.5 GiB reserve (--memory-reserve-gib: the H200's measured 1.16 GiB with
-    margin) the plan derives 2 sessions at 8192 tokens with no other flag."""
+def test_a_24_gib_card_holds_the_4bit_model_for_two_sessions_with_no_flags() -> None:
+    """The real model counted on meta: refused in bf16; in 4-bit, with the default 3 GiB reserve,
+    the plan derives 2 sessions at >= 8192 tokens with no flag (no pad row with two slots, the
+    prefill's experts unpacked in slices, the token table 4-bit). Without those three it did
+    not: one session, or a refusal."""
     from agent.engine.checkpoints.presets import REAL, preset_config
-    from agent.engine.memory_plan import RTX4090, GiB, MemoryPlanError, ModelMemory, plan
+    from agent.engine.memory_plan import RESERVE_BYTES, RTX4090, GiB, MemoryPlanError, ModelMemory, plan
 
     config = preset_config(REAL)
     int4 = ModelMemory.from_config(config, torch.bfloat16, 60.0, quantize="int4")
-    assert 17 * GiB < int4.weights < 20 * GiB
+    assert 17 * GiB < int4.weights < 18.5 * GiB and int4.unpacked_experts <= 256 * 2**20
     with pytest.raises(MemoryPlanError):
         plan(ModelMemory.from_config(config, torch.bfloat16, 60.0), RTX4090.free)
-    with pytest.raises(MemoryPlanError, match="reserve 3.0 GiB"):
-        plan(int4, RTX4090.free)
-    small = plan(int4, RTX4090.free, reserve=int(1.5 * GiB))
-    assert (small.sessions, small.context) == (2, 8192) and small.need <= RTX4090.free
+    derived = plan(int4, RTX4090.free)
+    assert derived.reserve == RESERVE_BYTES == 3 * GiB
+    assert derived.sessions == 2 and derived.context >= 8192 and derived.rows == 2
+    assert derived.need <= RTX4090.free

@@ -474,11 +474,13 @@ def _restore_buffers(model: nn.Module) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
-    from agent.engine.quant.modules import Int4Experts, Int4Linear
+    from agent.engine.quant.modules import Int4Embedding, Int4Experts, Int4Linear
 
     for name, module in model.named_modules():
         owned = {n for n, _ in module.named_buffers(recurse=False)}
-        if not owned or isinstance(module, (Int4Linear, Int4Experts)):  # packed weights, made by the build
+        if not owned or isinstance(
+            module, (Int4Linear, Int4Experts, Int4Embedding)
+        ):  # packed weights, made by the build
             continue
         if owned == {"inv_freq", "original_inv_freq"}:
             rope_type = module.rope_type

@@ -10,7 +10,10 @@ What makes a step graphable here:
 - every per-call value is a device tensor input (slots, cache index, RoPE position, mask),
   copied into the graph's static buffers; nothing is read on the host inside the step;
 - pad rows write into a scratch row of every slot cache (`pad_slot`, one row past the
-  sessions' rows), so they can never touch a session's state;
+  sessions' rows), so they can never touch a session's state. When every batch size up to the
+  slots is a bucket (one or two slots: a 24 GiB card's plan), no batch is ever padded and the
+  KV caches get no scratch row (`kv_rows`, `kv_pad_slot`): a whole session's KV saved, the
+  start-up captures writing into slot 0 before any session holds it;
 - caches are reserved at their limit before capture: a graph holds their addresses;
 - attention reads a fixed number of keys, the mask says which are valid. Reading the whole
   context limit (32k keys) every step would cost more than the graph saves, so the read length
@@ -108,12 +111,8 @@ class Graphing:
     def __init__(self, config: GraphConfig, device: torch.device, max_sessions: int) -> None:
         self.config = config
         self.mode = resolve_mode(config.mode, device)
-        sizes = sorted(set(config.batch_sizes))
-        if not sizes or sizes[0] < 1:
-            raise ValueError(f"graph batch sizes must be >= 1, got {config.batch_sizes}")
-        # Buckets above the first one that holds every session would never be used.
-        fits = [b for b in sizes if b >= max_sessions]
-        self.batch_sizes = tuple(b for b in sizes if b < max_sessions) + tuple(fits[:1])
+        self.batch_sizes = batch_buckets(config.batch_sizes, max_sessions)
+        self.slots = max_sessions
         self.compiler: StepCompiler | None = None
         self.fused_gemv = device.type == "cuda" if config.fused_gemv is None else config.fused_gemv
         if resolve_compile(config.compile, device):
@@ -153,8 +152,18 @@ class Graphing:
         return self.backend is not None
 
     def cache_rows(self, slots: int) -> int:
-        """Rows of a slot cache for `slots` sessions: one more (row `slots`) for pad rows."""
+        """Rows of a small per-slot state (code2wav's) for `slots` sessions: one more (row
+        `slots`) for pad rows and the start-up captures, whether or not a batch is ever padded."""
         return slots + 1 if self.enabled else slots
+
+    def kv_rows(self, slots: int) -> int:
+        """Rows of a KV slot cache: the scratch row only where some batch is padded."""
+        return slots + 1 if self.enabled and needs_pad_row(self.batch_sizes, slots) else slots
+
+    def kv_pad_slot(self, slots: int) -> int:
+        """The KV row pad rows and start-up captures write into: the scratch row, or slot 0
+        where there is none (no batch is padded then, and captures run before any session)."""
+        return slots if self.kv_rows(slots) > slots else 0
 
     def pool(
         self,
@@ -233,6 +242,23 @@ class Graphing:
         return DecodeRows(slots, zeros, zeros.clone(), mask, zeros.clone())
 
 
+def batch_buckets(sizes: Sequence[int], slots: int) -> tuple[int, ...]:
+    """The graph buckets for `slots` sessions: the configured sizes up to the first that holds
+    every session (larger ones would never be used)."""
+    ordered = sorted(set(sizes))
+    if not ordered or ordered[0] < 1:
+        raise ValueError(f"graph batch sizes must be >= 1, got {tuple(sizes)}")
+    fits = [b for b in ordered if b >= slots]
+    return tuple(b for b in ordered if b < slots) + tuple(fits[:1])
+
+
+def needs_pad_row(buckets: Sequence[int], slots: int) -> bool:
+    """Whether some batch of 1..slots sessions is padded up to a larger bucket (and so needs a
+    scratch row of every KV cache; one above every bucket runs eagerly, unpadded): the memory
+    plan counts the row by the same rule."""
+    return any(n not in buckets and n < max(buckets) for n in range(1, slots + 1))
+
+
 def slot_cache_with_graph(
     graphing: Graphing | None,
     decoder: torch.nn.Module,
@@ -251,9 +277,9 @@ def slot_cache_with_graph(
     argument `mask_arg` is the [B, key_len] attention mask).
 
     Graphs hold the cache's addresses, so it is reserved at its limit up front and never
-    moves; its extra row (index `slots`) takes the writes of pad rows.
+    moves; its extra row (index `slots`), where some batch is padded, takes pad rows' writes.
     """
-    rows = graphing.cache_rows(slots) if graphing is not None else slots
+    rows = graphing.kv_rows(slots) if graphing is not None else slots
     kv = SlotKV(decoder, rows, limit, device, dtype)
     if graphing is None or not graphing.enabled:
         return kv, None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from agent.engine.quant.modules import Int4Experts, Int4Linear
+from agent.engine.quant.modules import Int4Embedding, Int4Experts, Int4Linear
 
 CODEC_FRAME_S = 0.080  # audio one tick produces per session
 
@@ -62,7 +62,7 @@ def nbytes(module: nn.Module | None, element: int = 2) -> int:
         return 0
     total = sum(p.numel() * (element if p.is_floating_point() else p.element_size()) for p in module.parameters())
     for m in module.modules():
-        if isinstance(m, (Int4Linear, Int4Experts)):
+        if isinstance(m, (Int4Linear, Int4Experts, Int4Embedding)):
             for b in m.buffers(recurse=False):
                 total += b.numel() * (element if b.is_floating_point() else b.element_size())
     return total

@@ -31,7 +31,7 @@ and renormalisation are transformers' own, in its order: routing is identical. T
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -79,23 +79,25 @@ def experts_grouped(
     hidden: Tensor,
     top_k_index: Tensor,
     top_k_weights: Tensor,
-    gate_up_proj: Tensor | Callable[[], Tensor],
-    down_proj: Tensor | Callable[[], Tensor],
+    gate_up_proj: Tensor | Sequence[Callable[[], Tensor]],
+    down_proj: Tensor | Sequence[Callable[[], Tensor]],
     act: Activation,
     expert_ids: Tensor | None = None,
     decode: bool = False,
 ) -> Tensor:
     """All routed experts via grouped matmuls over the unmodified `[E, out, in]` weights.
 
-    hidden [T, H], top_k_index/top_k_weights [T, K] -> [T, H]. The weights, or functions that
-    make them when they are read (a 4-bit stack's unpacking: one float stack alive at a time).
-    `expert_ids`: arange(E) made once by the caller (else here: a kernel per call and layer in a
-    compiled step). `decode`: few pairs, ordered by `rank_by_expert` instead of a sort.
+    hidden [T, H], top_k_index/top_k_weights [T, K] -> [T, H]. The weights, or functions each
+    making a slice of a weight's output rows when it is read (a 4-bit stack's unpacking: one float
+    slice alive at a time, `Int4Experts.unpacked_slices`). `expert_ids`: arange(E) made once by
+    the caller (needed with slices; else made here: a kernel per call and layer in a compiled
+    step). `decode`: few pairs, ordered by `rank_by_expert` instead of a sort.
     """
     num_tokens, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
-    weight = gate_up_proj() if callable(gate_up_proj) else gate_up_proj
-    experts = expert_ids if expert_ids is not None else torch.arange(weight.shape[0], device=flat.device)
+    if expert_ids is None and not isinstance(gate_up_proj, Tensor):
+        raise ValueError("sliced expert stacks need expert_ids")
+    experts = expert_ids if expert_ids is not None else torch.arange(gate_up_proj.shape[0], device=flat.device)
     if decode:
         perm, rank, offs = rank_by_expert(flat, experts)
     else:
@@ -104,12 +106,9 @@ def experts_grouped(
         # depends on the data, a host sync that breaks graph capture).
         offs = torch.searchsorted(sorted_ids, experts.to(sorted_ids.dtype), right=True).to(torch.int32)
         rank = None
-    x = hidden.index_select(0, perm // k).to(weight.dtype)
-    gate_up = _grouped_matmul(x, weight.transpose(-2, -1), offs)
-    del weight  # (an unpacked stack is freed before the next is made)
-    gate, up = gate_up.chunk(2, dim=-1)
-    weight = down_proj() if callable(down_proj) else down_proj
-    y = _grouped_matmul(act(gate) * up, weight.transpose(-2, -1), offs)
+    x = hidden.index_select(0, perm // k)
+    gate, up = _grouped_rows(x, gate_up_proj, offs).chunk(2, dim=-1)
+    y = _grouped_rows(act(gate) * up, down_proj, offs)
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(y.dtype)
     # Undo the order (perm is a permutation: a gather by rank, or a deterministic index_copy)
     # and sum the k experts.
@@ -132,6 +131,20 @@ def rank_by_expert(flat: Tensor, experts: Tensor) -> tuple[Tensor, Tensor, Tenso
     perm = ((rank.view(1, -1) == index.view(-1, 1)) * index.view(1, -1)).sum(1)
     offs = (other <= experts.to(flat.dtype).view(-1, 1)).sum(1).to(torch.int32)
     return perm, rank, offs
+
+
+def _grouped_rows(x: Tensor, weight: Tensor | Sequence[Callable[[], Tensor]], offs: Tensor) -> Tensor:
+    """x [S, in] sorted by expert, times a stack [E, out, in] or its row slices -> [S, out]
+    (in the weight's dtype). A slice is made, read and dropped before the next is made."""
+    if isinstance(weight, Tensor):
+        return _grouped_matmul(x.to(weight.dtype), weight.transpose(-2, -1), offs)
+    outs = [_grouped_matmul_of(x, part, offs) for part in weight]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _grouped_matmul_of(x: Tensor, part: Callable[[], Tensor], offs: Tensor) -> Tensor:
+    weight = part()  # (alive only in this frame: freed before the next slice is made)
+    return _grouped_matmul(x.to(weight.dtype), weight.transpose(-2, -1), offs)
 
 
 def _grouped_matmul(x: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
@@ -159,10 +172,10 @@ def experts_gathered(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
     return y.view(num_tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
 
-def _stack(experts: nn.Module, name: str) -> Tensor | Callable[[], Tensor]:
-    """A float expert stack as experts_grouped takes it: a 4-bit one unpacked when it is read."""
+def _stack(experts: nn.Module, name: str) -> Tensor | list[Callable[[], Tensor]]:
+    """A float expert stack as experts_grouped takes it: a 4-bit one in slices unpacked when read."""
     if isinstance(experts, Int4Experts):
-        return lambda: getattr(experts, name)
+        return experts.unpacked_slices(name)
     return getattr(experts, name)
 
 
@@ -218,8 +231,8 @@ class FusedSparseMoeBlock(nn.Module):
         if self.method == "grouped" and not (seq == 1 and isinstance(experts, Int4Experts)):
             # (A 4-bit stack at decode is gathered instead: grouped_mm needs every expert's
             # float weight, which would unpack all of them for the few picked.)
-            # A 4-bit stack is unpacked where experts_grouped reads it, gate/up and then down:
-            # one of the two float stacks is alive at a time (the memory plan's unpacked_experts).
+            # A 4-bit stack is unpacked where experts_grouped reads it, a slice of rows at a
+            # time: one slice is alive at once (the memory plan's unpacked_experts).
             out = experts_grouped(
                 flat,
                 selected,

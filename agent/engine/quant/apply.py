@@ -8,7 +8,9 @@ transformer (`QuantScheme.encoders`: 2.4 GiB of bf16 together, the largest part 
 decoders are 4-bit; biases stay float).
 
 Kept in the model's dtype, and why (docs/quantization.md has the byte counts):
-- the embeddings: one row per token is read, so they cost memory (0.6 GiB), not bandwidth;
+- the embeddings but the thinker's (`QuantScheme.embeddings`: its 0.58 GiB table is the largest
+  float tensor left, and a lookup unpacks only the rows it reads); the talker's, the code
+  predictor's and code2wav's tables are 0.13 GiB together, read inside the per-frame loop;
 - norms, the routers, the talker's shared-expert gate and up projections and its one-row gate:
   they are one concatenated matmul with the router (ops/moe.py `entry`), tiny next to the
   experts, and routing decides which experts run, so its precision is worth its bytes;
@@ -26,7 +28,7 @@ from typing import Any, Literal
 from torch import nn
 
 from agent.engine.quant.int4 import group_for
-from agent.engine.quant.modules import Int4Experts, Int4Linear
+from agent.engine.quant.modules import Int4Embedding, Int4Experts, Int4Linear
 
 CONFIG_KEY = "omni_agent_quantization"  # config.json field of a quantized checkpoint
 METHODS = ("int4",)
@@ -38,6 +40,7 @@ TALKER_PROJECTIONS = ("talker.text_projection.", "talker.hidden_projection.")
 # Linears kept even inside those scopes (see the module docstring).
 KEPT_SUFFIXES = ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
 HEADS = ("thinker.lm_head", "talker.codec_head")
+EMBEDDINGS = ("thinker.model.language_model.embed_tokens",)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class QuantScheme:
     group: int = 128
     heads: bool = True  # the thinker's and talker's output heads too
     encoders: bool = True  # the audio and vision encoders' and code2wav's linears too
+    embeddings: bool = True  # the thinker's token embedding table too
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -64,6 +68,7 @@ class QuantScheme:
             group=data.get("group", 128),
             heads=data.get("heads", False),
             encoders=data.get("encoders", False),
+            embeddings=data.get("embeddings", False),
         )
 
     @classmethod
@@ -82,6 +87,8 @@ class QuantReport:
 
 
 def _in_scope(name: str, scheme: QuantScheme) -> bool:
+    if name in EMBEDDINGS:
+        return scheme.embeddings
     if name.startswith(ENCODERS):
         return scheme.encoders
     if not name.startswith(SCOPES) or name.endswith(KEPT_SUFFIXES) or name.startswith(TALKER_PROJECTIONS):
@@ -117,6 +124,14 @@ def _swap(module: nn.Module, scheme: QuantScheme, name: str, report: QuantReport
             report.kept.append((name, f"{module.in_features} inputs do not split into groups"))
             return None
         return Int4Linear.from_linear(module, group)
+    if type(module) is nn.Embedding:
+        if name not in EMBEDDINGS:  # (the talker's scope holds its own tables: kept)
+            return None
+        group = group_for(module.embedding_dim, scheme.group)
+        if group is None:
+            report.kept.append((name, f"{module.embedding_dim} dims do not split into groups"))
+            return None
+        return Int4Embedding.from_embedding(module, group)
     if type(module).__name__.endswith("TextExperts") and hasattr(module, "gate_up_proj"):
         up, down = (
             group_for(module.gate_up_proj.shape[-1], scheme.group),
@@ -130,4 +145,4 @@ def _swap(module: nn.Module, scheme: QuantScheme, name: str, report: QuantReport
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (Int4Linear, Int4Experts)) for m in model.modules())
+    return any(isinstance(m, (Int4Linear, Int4Experts, Int4Embedding)) for m in model.modules())

@@ -26,7 +26,7 @@ from torch import Tensor
 from agent.engine.quant.apply import CONFIG_KEY, QuantReport, QuantScheme, quantize_model
 from agent.engine.quant.checkpoint import INDEX, SourceShards, build_skeleton
 from agent.engine.quant.int4 import Packed, quantize
-from agent.engine.quant.modules import Int4Experts, Int4Linear
+from agent.engine.quant.modules import Int4Embedding, Int4Experts, Int4Linear
 
 GiB = 2**30
 EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -133,7 +133,7 @@ def quantize_checkpoint(
     writer = ShardWriter(dst, shard_bytes)
     written: set[str] = set()
     for owner, module in quant_model.named_modules():
-        if isinstance(module, Int4Linear):
+        if isinstance(module, (Int4Linear, Int4Embedding)):
             packed = quantize(live(f"{owner}.weight").to(dtype), module.packed.group)
             written |= _add_packed(writer, owner, "weight", packed)
         elif isinstance(module, Int4Experts):

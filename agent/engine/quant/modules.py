@@ -1,6 +1,6 @@
-"""The quantized stand-ins for a linear layer and a stack of MoE experts.
+"""The quantized stand-ins for a linear layer, an embedding table and a stack of MoE experts.
 
-Both keep the packed weight as buffers (state_dict keys `<module>.<name>_nibbles`, `_scale`,
+Each keeps the packed weight as buffers (state_dict keys `<module>.<name>_nibbles`, `_scale`,
 `_low`: what a quantized checkpoint stores, agent/engine/quant/checkpoint.py) and present the
 float weight under the attribute the original had (`weight`; `gate_up_proj`, `down_proj`),
 computed from the buffers on each read. So transformers' own forwards (the `generate()`
@@ -15,11 +15,31 @@ ops/moe.py), and `forward` dequantizes one hit expert at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from agent.engine.quant.int4 import Packed, dequantize, quantize
+
+# A prefill's grouped matmuls need an expert stack as float weights (grouped_mm reads no 4-bit
+# stack). Unpacked whole, the thinker's gate/up stack is 0.75 GiB of bf16 at real size, memory a
+# 24 GiB card does not have to spare; unpacked in slices of its output rows, one slice alive at a
+# time, it is at most this much (the memory plan counts the same number). Each slice is one more
+# grouped_mm reading the same activations: a few MB, against the slice's hundreds.
+UNPACK_SLICE_BYTES = 256 * 2**20
+
+
+def row_slices(rows: int, bytes_per_row: int, budget: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) row ranges, as even as can be, each at most `budget` bytes (one row at least;
+    default UNPACK_SLICE_BYTES, read when called)."""
+    budget = budget or UNPACK_SLICE_BYTES
+    count = max(1, -(-rows * bytes_per_row // budget))
+    count = min(count, rows)
+    bounds = [rows * i // count for i in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
 
 
 def _register(module: nn.Module, name: str, packed: Packed, persistent: bool = True) -> None:
@@ -76,6 +96,39 @@ class Int4Linear(nn.Module):
         )
 
 
+class Int4Embedding(nn.Module):
+    """An `nn.Embedding` with 4-bit group-wise rows: a lookup gathers the rows' nibbles and
+    scales and unpacks only those (a step reads a few rows of a 0.6 GiB table)."""
+
+    def __init__(self, packed: Packed, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings = packed.nibbles.shape[0]
+        self.embedding_dim = packed.nibbles.shape[1] * 2
+        self.padding_idx = padding_idx
+        _register(self, "weight", packed)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group: int) -> "Int4Embedding":
+        with torch.no_grad():
+            return cls(quantize(embedding.weight, group), embedding.padding_idx)
+
+    @property
+    def packed(self) -> Packed:
+        return _packed(self, "weight")
+
+    @property
+    def weight(self) -> Tensor:
+        """The whole float table (what transformers reads for its dtype and device; a lookup
+        never makes it)."""
+        return _dequantized(self, "weight")
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return _dequantized(self, "weight", ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, group={self.packed.group}"
+
+
 class Int4Experts(nn.Module):
     """transformers' `Qwen3OmniMoe{Thinker,Talker}TextExperts` with 4-bit expert stacks:
     `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] become packed buffers, same forward."""
@@ -104,6 +157,29 @@ class Int4Experts(nn.Module):
     @property
     def down_proj(self) -> Tensor:
         return _dequantized(self, "down_proj")
+
+    def unpacked_slices(self, name: str, budget: int | None = None) -> list[Callable[[], Tensor]]:
+        """The float stack `name` [E, out, in] as functions each unpacking a slice of its output
+        rows [E, out_i, in] when called (concatenated along out, they are the whole stack)."""
+        nibbles = getattr(self, f"{name}_nibbles")
+        experts, rows, half = nibbles.shape
+        size = getattr(self, f"{name}_scale").element_size()
+        return [
+            partial(self._rows, name, start, end) for start, end in row_slices(rows, experts * half * 2 * size, budget)
+        ]
+
+    def largest_slice_bytes(self, budget: int | None = None) -> int:
+        """The most float bytes `unpacked_slices` holds at once, over both stacks."""
+        most = 0
+        for name in ("gate_up_proj", "down_proj"):
+            experts, rows, half = getattr(self, f"{name}_nibbles").shape
+            per_row = experts * half * 2 * getattr(self, f"{name}_scale").element_size()
+            most = max(most, max(end - start for start, end in row_slices(rows, per_row, budget)) * per_row)
+        return most
+
+    def _rows(self, name: str, start: int, end: int) -> Tensor:
+        nibbles, scale, low = (getattr(self, f"{name}_{part}")[:, start:end] for part in ("nibbles", "scale", "low"))
+        return dequantize(nibbles, scale, low)
 
     def group_of(self, name: str) -> int:
         return _packed(self, name).group

@@ -97,7 +97,9 @@ class TalkerOps:
             self.voices = {name.lower(): prefix(sid) for name, sid in (tcfg.speaker_id or {}).items()}
             self.default_voice = loaded.speaker.lower()
         self.graphing = graphing
-        self.pad_slot = slots
+        # Where pad rows (and start-up captures) write: the scratch row, or slot 0 where no
+        # batch is ever padded (agent/engine/compile/wiring.py kv_rows).
+        self.pad_slot = graphing.kv_pad_slot(slots) if graphing is not None else slots
         # Outputs cloned: the hidden rows are kept per reply until the code predictor runs.
         self.kv, self._graph = slot_cache_with_graph(
             graphing,

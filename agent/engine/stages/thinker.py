@@ -101,7 +101,9 @@ class ThinkerOps:
             cfg.thinker_config.video_token_id,
         )
         self.graphing = graphing
-        self.pad_slot = slots
+        # Where pad rows (and start-up captures) write: the scratch row, or slot 0 where no
+        # batch is ever padded (agent/engine/compile/wiring.py kv_rows).
+        self.pad_slot = graphing.kv_pad_slot(slots) if graphing is not None else slots
         # Pad rows: token 0 into the scratch row at index 0, seeing one key (no empty softmax).
         self.kv, self._graph = slot_cache_with_graph(
             graphing,
