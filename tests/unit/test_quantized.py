@@ -11,7 +11,8 @@ Pins:
 - `quantize_model` swaps the layers docs/quantization.md lists (the thinker's token table
   included, looked up row by row) and keeps the rest;
 - `omni-agent quantize SRC DST` writes a checkpoint whose quantized layers hold no float weight,
-  which loads onto the same numbers as quantizing after a float load; a second quantize of
+  which loads onto the same numbers as quantizing after a float load (`--keep-embeddings`: a
+  float token table, loaded as one); a second quantize of
   its output and a folder without config.json are refused with exit status 2;
 - the memory plan counts the 4-bit model (weights, fused predictor copies, the prefill's
   unpacked expert stack) from the config alone, as the loaded model measures;
@@ -211,6 +212,15 @@ def test_quantize_command_writes_a_checkpoint_that_loads_the_same(tiny_model_dir
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(x, y) for x, y in zip(stored.buffers(), after.buffers()))
     assert stored.generation_config.to_dict() == after.generation_config.to_dict()
+
+    table = "thinker.model.language_model.embed_tokens.weight"
+    assert f"{table}_nibbles" in index and table not in index
+    kept = tmp_path / "tables-kept"
+    assert main(["quantize", str(tiny_model_dir), str(kept), "--keep-embeddings"]) == 0
+    assert json.loads((kept / "config.json").read_text())[CONFIG_KEY]["embeddings"] is False
+    assert table in json.loads((kept / "model.safetensors.index.json").read_text())["weight_map"]
+    embed = load_model(str(kept)).model.thinker.model.language_model.embed_tokens
+    assert type(embed) is torch.nn.Embedding
 
     assert main(["quantize", str(dst), str(tmp_path / "again")]) == 2
     assert "already quantized" in capsys.readouterr().err
