@@ -36,8 +36,8 @@ def row_slices(rows: int, bytes_per_row: int, budget: int | None = None) -> list
     """[start, end) row ranges, as even as can be, each at most `budget` bytes (one row at least;
     default UNPACK_SLICE_BYTES, read when called)."""
     budget = budget or UNPACK_SLICE_BYTES
-    count = max(1, -(-rows * bytes_per_row // budget))
-    count = min(count, rows)
+    most = max(1, budget // bytes_per_row)  # rows a slice may hold
+    count = -(-rows // most)  # so that no even slice passes `most` rows
     bounds = [rows * i // count for i in range(count + 1)]
     return list(zip(bounds, bounds[1:]))
 
