@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.loopback import free_port
+from support.loopback import LADDER_OFF_ARGS, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_START_TIMEOUT_S = 120
@@ -133,6 +133,7 @@ def serve(tiny_model_dir: Path, log_dir: Path, *extra: str):
         "127.0.0.1",
         "--model",
         str(tiny_model_dir),
+        *LADDER_OFF_ARGS,
         *extra,
     ]
     proc = start_server(cmd, url, log_dir / "server.log")

@@ -24,7 +24,7 @@ import av
 import numpy as np
 from aiohttp import web
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
-from support.loopback import free_port
+from support.loopback import LADDER_NEVER_MS, free_port
 from support.realtime_helpers import talker_never_ends
 from support.speech import espeak_at
 
@@ -142,6 +142,9 @@ async def speakerphone_call(
         max_reply_tokens=48,
         max_reply_seconds=4.0,
         echo_guard=echo_guard,
+        text_only_p95_ms=LADDER_NEVER_MS,  # the ladder out of reach (support/loopback.py)
+        fallback_p95_ms=LADDER_NEVER_MS,
+        speculation_p95_ms=LADDER_NEVER_MS,
     )
     speech = espeak_24k(
         folder, "Sure. Tomorrow will be sunny in the morning, then rain comes in from the west later in the afternoon."

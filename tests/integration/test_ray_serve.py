@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 import aiohttp
 import pytest
-from support.loopback import free_port
+from support.loopback import LADDER_NEVER_MS, free_port
 
 from agent.client.client import AgentClient
 from agent.config import Config
@@ -124,6 +124,10 @@ def _config(tiny_model_dir: Path) -> Config:
         max_sessions=CALLS_PER_REPLICA,
         max_reply_seconds=1.5,
         max_reply_tokens=12,
+        # The ladder out of reach: a loaded machine must not turn these replies text-only.
+        text_only_p95_ms=LADDER_NEVER_MS,
+        fallback_p95_ms=LADDER_NEVER_MS,
+        speculation_p95_ms=LADDER_NEVER_MS,
     )
 
 
