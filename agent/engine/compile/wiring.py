@@ -112,7 +112,6 @@ class Graphing:
         self.config = config
         self.mode = resolve_mode(config.mode, device)
         self.batch_sizes = batch_buckets(config.batch_sizes, max_sessions)
-        self.slots = max_sessions
         self.compiler: StepCompiler | None = None
         self.fused_gemv = device.type == "cuda" if config.fused_gemv is None else config.fused_gemv
         if resolve_compile(config.compile, device):
