@@ -21,7 +21,7 @@ half of what is left is used, so a turn of any length stays under the cap and en
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -36,9 +36,6 @@ from agent.engine.stages.video_grid import (
     resize,
     tokens_per_grid,
 )
-
-# The vision tower over several grids at once: (pixels, (t, h, w)) each, one feature set each.
-Encoder = Callable[[Sequence[tuple[torch.Tensor, tuple[int, int, int]]]], Sequence[object]]
 
 
 @dataclass(frozen=True)
@@ -183,16 +180,6 @@ class TurnVideo:
             for g in self.grids
             if g.closed and g.features is None and g.state == "waiting" and (before is None or g.threshold < before)
         ]
-
-    def encode(self, encoder: Encoder, at_end: bool = False, before: int | None = None) -> int:
-        """Encode the closed grids that wait without features (at the end of the turn only
-        those before its last audio token: the others are dropped), in one forward; returns how
-        many. The tower attends within each temporal patch, so a grid's features are the same
-        encoded alone, as part of the whole clip, or beside other sessions' grids."""
-        todo = self.pending(before)
-        if todo:
-            self.store(todo, encoder([self.clip(grid) for grid in todo]), at_end)
-        return len(todo)
 
     def clip(self, grid: Grid) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """A closed grid's pixels as the tower takes them."""

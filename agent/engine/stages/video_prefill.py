@@ -20,9 +20,9 @@ import torch
 
 from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.stages.thinker import ImageFeatures, ThinkerOps
-from agent.engine.stages.video_clock import TurnVideo, VideoPolicy
+from agent.engine.stages.video_clock import Grid, TurnVideo, VideoPolicy
 from agent.engine.stages.video_grid import PatchSpec, TokenKinds, av_positions
-from agent.engine.state.session import SessionState, TurnState, timed, timed_all
+from agent.engine.state.session import SessionState, TurnState, timed_all
 from agent.engine.state.video import AVBlock, GridPlace
 
 FRESH_S = 1.0  # a frame older than this (engine clock) does not start a video turn
@@ -97,16 +97,19 @@ class VideoPrefill:
         turn.video.grids.add(frame, turn.queued_seconds)
 
     def encode(self, state: SessionState, turn: TurnState, at_end: bool, before: int | None = None) -> int:
-        if turn.video.grids is None:
+        """Encode the turn's closed grids that wait without features (at the end of the turn it
+        closes them all first, and encodes only those before audio token `before`: the others are
+        dropped); returns how many."""
+        video = turn.video.grids
+        if video is None:
             return 0
         if at_end:
-            turn.video.grids.close_all()
+            video.close_all()
         else:
-            turn.video.grids.close_stale(turn.queued_seconds)
-        if not turn.video.grids.pending(before):
-            return 0
-        with timed(state, "vision_encoder"):
-            return turn.video.grids.encode(self.thinker.encode_videos, at_end=at_end, before=before)
+            video.close_stale(turn.queued_seconds)
+        todo = video.pending(before)
+        self._encode([(state, video, todo)] if todo else [], at_end)
+        return len(todo)
 
     def encode_waiting(self, states: Sequence[SessionState]) -> None:
         """Every closed grid the turns being spoken in these sessions wait on, in one forward of
@@ -121,12 +124,17 @@ class VideoPrefill:
             todo = video.pending()
             if todo:
                 work.append((state, video, todo))
+        self._encode(work)
+
+    def _encode(self, work: Sequence[tuple[SessionState, TurnVideo, list[Grid]]], at_end: bool = False) -> None:
+        # One forward for all of them: the tower attends within each temporal patch, so a grid's
+        # features are the same encoded alone, as part of its clip, or beside other sessions' grids.
         if not work:
             return
         with timed_all([state for state, _, _ in work], "vision_encoder"):
             feats = iter(self.thinker.encode_videos([video.clip(grid) for _, video, todo in work for grid in todo]))
             for _, video, todo in work:
-                video.store(todo, [next(feats) for _ in todo])
+                video.store(todo, [next(feats) for _ in todo], at_end)
 
     # ---- the turn's tokens ----------------------------------------------------------------------
 
