@@ -3,7 +3,9 @@
 Pins:
 - int4 packing: codes by halves of a row (byte j = input j low, input j + K/2 high), every
   weight within half a step of its group's grid, each group's min and max on the grid, meta
-  tensors give shapes only, and a row that does not split into groups is refused;
+  tensors give shapes only, and a row that does not split into groups is refused; a layer only
+  16 divides (the vision blocks' fc2) is 4-bit at group 16, but stays float under the scheme of a
+  checkpoint written before group 16 existed (so that such a checkpoint still loads);
 - `Int4Linear` computes F.linear with its dequantized weight; `Int4Experts` equals transformers'
   experts module loaded with the same dequantized stacks (bit for bit), and a fused MoE block
   over 4-bit experts equals the float block on the same weights, prefill and decode; a
@@ -76,6 +78,7 @@ def test_packing_by_halves_and_round_to_nearest() -> None:
         meta.nibbles.device.type == "meta" and meta.nibbles.shape == (5, 128) and meta.nbytes == 5 * 128 + 2 * 5 * 2 * 4
     )
     assert group_for(256) == 128 and group_for(64) == 64 and group_for(96) == 32 and group_for(20) is None
+    assert group_for(4304) == 16 and group_for(4304, smallest=32) is None  # the vision blocks' fc2
     with pytest.raises(ValueError, match="groups"):
         quantize(w, 48)
 
@@ -187,6 +190,36 @@ def test_quantize_model_swaps_the_listed_layers(tiny_model_dir) -> None:
     )
 
 
+def test_rows_only_16_divides_are_4bit_unless_the_checkpoint_predates_group_16() -> None:
+    def model() -> torch.nn.Module:
+        # The path of the vision blocks' second MLP projection (4304 inputs at real size).
+        root, node = torch.nn.Module(), None
+        root.thinker = torch.nn.Module()
+        root.thinker.model = torch.nn.Module()
+        root.thinker.model.visual = node = torch.nn.Module()
+        node.fc2 = torch.nn.Linear(48, 8)
+        return root
+
+    now = model()
+    report = quantize_model(now, QuantScheme())
+    assert report.quantized == ["thinker.model.visual.fc2"] and report.kept == []
+    fc2 = now.thinker.model.visual.fc2
+    assert isinstance(fc2, Int4Linear) and fc2.packed.group == 16
+    # A checkpoint written before group 16 existed has no smallest_group in its config: loading it
+    # quantizes the meta model as its writer did, so the layer stays float and its weight loads.
+    older = QuantScheme.from_json({"method": "int4", "group": 128, "encoders": True})
+    assert older.smallest_group == 32 and QuantScheme.from_json(QuantScheme().to_json()) == QuantScheme()
+    before = model()
+    report = quantize_model(before, older)
+    assert report.quantized == [] and report.kept == [
+        ("thinker.model.visual.fc2", "48 inputs do not split into groups")
+    ]
+    assert type(before.thinker.model.visual.fc2) is torch.nn.Linear
+    for bad in ({"smallest_group": 8}, {"group": 8}, {"group": 129}):
+        with pytest.raises(ValueError, match="smallest_group"):
+            QuantScheme(**bad)
+
+
 def test_quantize_command_writes_a_checkpoint_that_loads_the_same(tiny_model_dir, tmp_path, capsys) -> None:
     from safetensors import safe_open
 
@@ -197,7 +230,14 @@ def test_quantize_command_writes_a_checkpoint_that_loads_the_same(tiny_model_dir
     assert main(["quantize", str(tiny_model_dir), str(dst)]) == 0
     assert "modules quantized" in capsys.readouterr().out
     config = json.loads((dst / "config.json").read_text())
-    assert config[CONFIG_KEY] == {"method": "int4", "group": 128, "heads": True, "encoders": True, "embeddings": True}
+    assert config[CONFIG_KEY] == {
+        "method": "int4",
+        "group": 128,
+        "smallest_group": 16,
+        "heads": True,
+        "encoders": True,
+        "embeddings": True,
+    }
     assert (dst / "tokenizer.json").exists() and (dst / "preprocessor_config.json").exists()
     index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
     expert = "thinker.model.language_model.layers.0.mlp.experts.gate_up_proj"
@@ -226,6 +266,8 @@ def test_quantize_command_writes_a_checkpoint_that_loads_the_same(tiny_model_dir
     assert "already quantized" in capsys.readouterr().err
     assert main(["quantize", str(tmp_path), str(tmp_path / "x")]) == 2
     assert "no config.json" in capsys.readouterr().err
+    assert main(["quantize", str(tiny_model_dir), str(tmp_path / "y"), "--group", "8"]) == 2
+    assert "smallest_group" in capsys.readouterr().err and not (tmp_path / "y").exists()
 
 
 def test_memory_plan_counts_the_4bit_model(tiny_model_dir) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from torch import nn
 
-from agent.engine.quant.int4 import group_for
+from agent.engine.quant.int4 import GROUPS, group_for
 from agent.engine.quant.modules import Int4Embedding, Int4Experts, Int4Linear
 
 CONFIG_KEY = "omni_agent_quantization"  # config.json field of a quantized checkpoint
@@ -49,6 +49,9 @@ class QuantScheme:
 
     method: Literal["int4"] = "int4"
     group: int = 128
+    # The smallest group a layer whose inputs `group` does not divide may fall back to (int4.GROUPS);
+    # checkpoints written before 16 existed say nothing and mean 32 (they kept such layers float).
+    smallest_group: int = 16
     heads: bool = True  # the thinker's and talker's output heads too
     encoders: bool = True  # the audio and vision encoders' and code2wav's linears too
     embeddings: bool = True  # the thinker's token embedding table too
@@ -56,6 +59,11 @@ class QuantScheme:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown quantization {self.method!r} (known: {', '.join(METHODS)})")
+        if self.smallest_group not in GROUPS or self.group < self.smallest_group or self.group % 2:
+            raise ValueError(
+                f"group {self.group} / smallest_group {self.smallest_group}: the smallest must be one of {GROUPS}"
+                " and the group an even number no smaller"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +74,7 @@ class QuantScheme:
         return cls(
             method=data["method"],
             group=data.get("group", 128),
+            smallest_group=data.get("smallest_group", 32),
             heads=data.get("heads", False),
             encoders=data.get("encoders", False),
             embeddings=data.get("embeddings", False),
@@ -119,7 +128,7 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> QuantReport:
 
 def _swap(module: nn.Module, scheme: QuantScheme, name: str, report: QuantReport) -> nn.Module | None:
     if type(module) is nn.Linear:
-        group = group_for(module.in_features, scheme.group)
+        group = group_for(module.in_features, scheme.group, scheme.smallest_group)
         if group is None:
             report.kept.append((name, f"{module.in_features} inputs do not split into groups"))
             return None
@@ -127,15 +136,15 @@ def _swap(module: nn.Module, scheme: QuantScheme, name: str, report: QuantReport
     if type(module) is nn.Embedding:
         if name not in EMBEDDINGS:  # (the talker's scope holds its own tables: kept)
             return None
-        group = group_for(module.embedding_dim, scheme.group)
+        group = group_for(module.embedding_dim, scheme.group, scheme.smallest_group)
         if group is None:
             report.kept.append((name, f"{module.embedding_dim} dims do not split into groups"))
             return None
         return Int4Embedding.from_embedding(module, group)
     if type(module).__name__.endswith("TextExperts") and hasattr(module, "gate_up_proj"):
         up, down = (
-            group_for(module.gate_up_proj.shape[-1], scheme.group),
-            group_for(module.down_proj.shape[-1], scheme.group),
+            group_for(module.gate_up_proj.shape[-1], scheme.group, scheme.smallest_group),
+            group_for(module.down_proj.shape[-1], scheme.group, scheme.smallest_group),
         )
         if up is None or down is None:
             report.kept.append((name, "expert inputs do not split into groups"))
