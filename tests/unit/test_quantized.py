@@ -205,6 +205,8 @@ def test_rows_only_16_divides_are_4bit_unless_the_checkpoint_predates_group_16()
     assert report.quantized == ["thinker.model.visual.fc2"] and report.kept == []
     fc2 = now.thinker.model.visual.fc2
     assert isinstance(fc2, Int4Linear) and fc2.packed.group == 16
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(fc2(x), F.linear(x, fc2.weight, fc2.bias))
     # A checkpoint written before group 16 existed has no smallest_group in its config: loading it
     # quantizes the meta model as its writer did, so the layer stays float and its weight loads.
     older = QuantScheme.from_json({"method": "int4", "group": 128, "encoders": True})
