@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from support.realtime_helpers import offer_sdp, start_agent
 
-from agent.__main__ import _serve_parser, config_from_args
+from agent.flags import add_serve_arguments, config_from_args
 from agent.transport.ice import IceServer, parse_ice_server, rtc_configuration
 
 SECRET = "top-secret-outside-web"
@@ -173,7 +173,7 @@ def test_ice_server_flags() -> None:
     import argparse
 
     parser = argparse.ArgumentParser()
-    _serve_parser(parser)
+    add_serve_arguments(parser)
     ns = parser.parse_args(
         [
             "--ice-server",

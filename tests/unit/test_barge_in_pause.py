@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from support.echo import FakeClock, LoudIsVoiced, gap, speakerphone, tone
 
-from agent.__main__ import _serve_parser, config_from_args
 from agent.config import Config
+from agent.flags import add_serve_arguments, config_from_args
 from agent.media.ingest import AudioChunk
 from agent.media.playout import AgentAudioTrack
 from agent.media.turn_events import BargeInCandidate, BargeInDropped, SpeechStarted, TurnEvent
@@ -207,7 +207,7 @@ async def test_talking_over_the_reply_silences_it_at_the_candidate(voices, vad):
 
 def test_flags_reach_config():
     parser = argparse.ArgumentParser()
-    _serve_parser(parser)
+    add_serve_arguments(parser)
     default = config_from_args(parser.parse_args([]))
     assert default.barge_in_pause and default.barge_in_pause_max_ms == 600
     off = config_from_args(parser.parse_args(["--no-barge-in-pause", "--barge-in-pause-max-ms", "400"]))

@@ -25,11 +25,11 @@ import torch
 from support.engine_drive import assert_loop_equals_eager, assert_steps_equal_eager, fill_with_noise
 from torch._dynamo.utils import counters
 
-from agent.__main__ import _serve_parser, config_from_args
 from agent.engine.compile.capture import GraphPool
 from agent.engine.compile.inductor import CompiledStep, CompileSettings, PaddedBackend
 from agent.engine.runner.streaming import StreamingRunner
 from agent.engine.stages.bucketed_prefill import PrefillRow
+from agent.flags import add_serve_arguments, config_from_args
 
 BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4
 
@@ -158,7 +158,7 @@ def test_per_bucket_mode_compiles_once_per_bucket_and_runs_big_batches_eagerly()
 
 def test_compile_flags_reach_the_runner(loaded):
     parser = argparse.ArgumentParser()
-    _serve_parser(parser)
+    add_serve_arguments(parser)
     assert config_from_args(parser.parse_args([])).compile == "auto"
     assert config_from_args(parser.parse_args(["--no-compile"])).compile == "off"
     assert config_from_args(parser.parse_args(["--compile", "on"])).compile == "on"

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from support.engine_drive import SYSTEM, make_audio, run_until_idle, speak
 
-from agent.__main__ import _serve_parser, config_from_args
 from agent.engine.codecs.code2wav import SlotCode2Wav
 from agent.engine.compile.wiring import GraphConfig, Graphing
 from agent.engine.runner.streaming import StreamingRunner
+from agent.flags import add_serve_arguments, config_from_args
 
 
 def _replies(loaded, graphs: GraphConfig) -> tuple[StreamingRunner, dict]:
@@ -80,6 +80,6 @@ def test_written_state_survives_replays(loaded) -> None:
 
 def test_serve_flag() -> None:
     parser = argparse.ArgumentParser()
-    _serve_parser(parser)
+    add_serve_arguments(parser)
     assert config_from_args(parser.parse_args([])).cpu_graphs is False
     assert config_from_args(parser.parse_args(["--cpu-graphs"])).cpu_graphs is True

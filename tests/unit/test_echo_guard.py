@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from support.echo import FakeClock, LoudIsVoiced, gap, speakerphone, tone
 
-from agent.__main__ import _serve_parser, config_from_args
 from agent.config import Config
+from agent.flags import add_serve_arguments, config_from_args
 from agent.media.echo import PlayoutLevel
 from agent.media.ingest import AudioChunk
 from agent.media.turn_events import SpeechStarted, TurnEvent
@@ -120,7 +120,7 @@ def test_vad_selection():
     import argparse
 
     parser = argparse.ArgumentParser()
-    _serve_parser(parser)
+    add_serve_arguments(parser)
     default = config_from_args(parser.parse_args([]))
     assert default.vad == "silero" and default.barge_in_ms == 200 and default.echo_guard
     chosen = config_from_args(parser.parse_args(["--vad", "webrtc", "--barge-in-ms", "300", "--no-echo-guard"]))

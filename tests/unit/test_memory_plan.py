@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from agent import metrics
-from agent.__main__ import _serve_parser, config_from_args, main
+from agent.__main__ import main
 from agent.config import Config
 from agent.engine import memory_plan
 from agent.engine.checkpoints.presets import REAL, preset_config
@@ -41,6 +41,7 @@ from agent.engine.memory_plan import (
     ModelMemory,
     plan,
 )
+from agent.flags import add_serve_arguments, config_from_args
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def test_the_command_line_records_the_limits_it_left_out() -> None:
     import argparse
 
     parser = argparse.ArgumentParser()
-    _serve_parser(parser)
+    add_serve_arguments(parser)
     default = config_from_args(parser.parse_args([]))
     assert default.sized_from_memory == LIMITS and (default.max_sessions, default.context_limit) == (8, 32768)
     given = config_from_args(parser.parse_args(["--max-sessions", "3"]))

@@ -25,9 +25,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from agent.__main__ import _serve_parser, config_from_args
 from agent.config import Config
 from agent.engine.api import Voices
+from agent.flags import add_serve_arguments, config_from_args
 from agent.gate.api_keys import KeyStore
 from agent.server import omni_config
 from agent.transport.http import CONFIG, ENGINE, KEYS
@@ -116,7 +116,7 @@ def test_bare_turn_needs_a_secret_at_start_up() -> None:
 def test_command_line_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMNI_AGENT_TURN_SECRET", raising=False)
     parser = argparse.ArgumentParser()
-    _serve_parser(parser)
+    add_serve_arguments(parser)
     flags = ["--ice-server", BARE_TURN.url, "--turn-secret", SECRET, "--turn-ttl", "120"]
     config = config_from_args(parser.parse_args(flags))
     assert (config.ice_servers, config.turn_secret, config.turn_ttl_s) == ((BARE_TURN,), SECRET, 120)
@@ -125,7 +125,7 @@ def test_command_line_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     # The secret may come from the environment instead of the command line (and `ps`).
     monkeypatch.setenv("OMNI_AGENT_TURN_SECRET", "from-env")
     parser = argparse.ArgumentParser()
-    _serve_parser(parser)
+    add_serve_arguments(parser)
     assert config_from_args(parser.parse_args(["--ice-server", BARE_TURN.url])).turn_secret == "from-env"
 
 

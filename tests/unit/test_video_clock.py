@@ -256,10 +256,10 @@ def test_the_session_switch_is_a_validated_omni_extra():
 def test_flags_reach_the_config_and_refuse_non_positive_values():
     import argparse
 
-    from agent.__main__ import _serve_parser, config_from_args
+    from agent.flags import add_serve_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
-    _serve_parser(parser)
+    add_serve_arguments(parser)
     config = config_from_args(
         parser.parse_args(["--video-fps", "2", "--video-window", "3", "--video-turn-tokens", "500"])
     )
