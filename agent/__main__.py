@@ -1,4 +1,5 @@
-"""Command line: `omni-agent [serve] [flags]`, `omni-agent call URL` and `omni-agent make-tiny DIR`."""
+"""Command line: `omni-agent [serve] [flags]`, `omni-agent call URL`, `omni-agent make-tiny DIR` and
+`omni-agent quantize SRC DST` (its flags: agent/engine/quant/command.py; serve's: agent/flags.py)."""
 
 from __future__ import annotations
 

@@ -172,10 +172,10 @@ def part_bytes(model: nn.Module) -> dict[tuple[str, str], int]:
 
 
 def meta_model(config, quantize: bool):
-    from agent.engine.checkpoints.presets import _build_meta, _cast_parameters
+    from agent.engine.checkpoints.presets import cast_parameters, meta_model
     from agent.engine.quant.apply import QuantScheme, quantize_model
 
-    model = _cast_parameters(_build_meta(config), torch.bfloat16)
+    model = cast_parameters(meta_model(config), torch.bfloat16)
     if quantize:
         model = copy.deepcopy(model)
         quantize_model(model, QuantScheme())
@@ -218,7 +218,7 @@ MEASURED_OVERHEAD = int(1.16 * GiB)  # beyond weights and KV, H200, 8 sessions, 
 def run(args: argparse.Namespace) -> None:
     from agent.config import Config
     from agent.engine.checkpoints.model import complete_config
-    from agent.engine.checkpoints.presets import REAL, _merge, depth_overrides, preset_config
+    from agent.engine.checkpoints.presets import REAL, depth_overrides, merge_overrides, preset_config
     from agent.engine.instruments.roofline import ByteModel
     from agent.engine.memory_plan import (
         CUDA_CONTEXT_BYTES,
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> None:
     low, high = sorted(args.layers)
 
     def config_at(layers: int | None):
-        config = preset_config(REAL, None if layers is None else _merge(depth_overrides(layers), {}))
+        config = preset_config(REAL, None if layers is None else merge_overrides(depth_overrides(layers), {}))
         complete_config(config)
         return config
 

@@ -158,7 +158,7 @@ def load(args: argparse.Namespace):
     from agent.engine.checkpoints.tiny import ensure_model
 
     if args.preset:
-        from agent.engine.checkpoints.presets import load_random
+        from agent.engine.checkpoints.random_weights import load_random
 
         return load_random(
             args.preset, device=args.device, tokenizer_from=ensure_model(Config()), quantize=args.quantize

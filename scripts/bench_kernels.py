@@ -215,7 +215,8 @@ def engine_config(args, batches: list[int]) -> Config:
 
 
 def run(args, utterance: Callable[[float], np.ndarray]) -> None:
-    from agent.engine.checkpoints.presets import REAL, _build_meta, _merge, depth_overrides, load_random, preset_config
+    from agent.engine.checkpoints.presets import REAL, depth_overrides, merge_overrides, meta_model, preset_config
+    from agent.engine.checkpoints.random_weights import load_random
     from agent.engine.checkpoints.tiny import ensure_model
     from agent.engine.compile.wiring import GraphConfig
     from agent.engine.instruments.fake_graphs import fake_graph_config
@@ -237,7 +238,7 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
     graph_mode = ""
     for layers in (low, high):
         log(f"building {REAL} with {layers} layer(s) per stack, bf16")
-        overrides = _merge(
+        overrides = merge_overrides(
             depth_overrides(layers), {"thinker_config": {"text_config": {"vocab_size": args.count_vocab}}}
         )
         loaded = load_random(REAL, "cpu", ensure_model(Config()), dtype=torch.bfloat16, overrides=overrides)
@@ -300,7 +301,7 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
             top = counts[high][name].ops.most_common(args.kernel_ops)
             print(f"eager ops, {name} at {high}L: " + ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in top))
 
-    model = ByteModel.of(_build_meta(preset_config(REAL)))
+    model = ByteModel.of(meta_model(preset_config(REAL)))
     turn = counts[high]["end_of_turn"]
     thinker_tokens = sum(turn.calls.get("thinker_prefill", [])) or 1
     talker_tokens = sum(turn.calls.get("talker_prefill", [])) or 1

@@ -57,9 +57,9 @@ def stack_layers(model) -> dict[str, object]:
 
 
 def full_depths(preset: str) -> dict[str, int]:
-    from agent.engine.checkpoints.presets import _build_meta, preset_config
+    from agent.engine.checkpoints.presets import meta_model, preset_config
 
-    return {name: len(layers) for name, layers in stack_layers(_build_meta(preset_config(preset))).items()}
+    return {name: len(layers) for name, layers in stack_layers(meta_model(preset_config(preset))).items()}
 
 
 def extrapolate(low: float, high: float, a: float, b: float, x: float) -> float:

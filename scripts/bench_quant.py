@@ -1,6 +1,6 @@
 """How far the 4-bit model (agent/engine/quant) is from the bf16 one, on a real-width random model.
 
-The thinker's text path of `presets.build_random("qwen3-omni-30b-a3b")` with 1 (or more) layers
+The thinker's text path of `random_weights.build_random("qwen3-omni-30b-a3b")` with 1 (or more) layers
 per stack, at real widths, 128 experts and the real vocabulary (the talker, code2wav and the
 encoders are dropped once built). Its bf16 weights are the reference; copies are quantized with
 `quantize_model(copy, QuantScheme())` (heads quantized, the default) and with
@@ -38,7 +38,8 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent.engine.checkpoints.presets import REAL, build_random, depth_overrides, scaled_overrides  # noqa: E402
+from agent.engine.checkpoints.presets import REAL, depth_overrides, scaled_overrides  # noqa: E402
+from agent.engine.checkpoints.random_weights import build_random
 from agent.engine.quant.apply import QuantScheme, quantize_model  # noqa: E402
 
 STARTED = time.perf_counter()

@@ -11,7 +11,7 @@
 #      fused MoE, the full-size preset);
 #   4. scripts/bench_engine.py at full size with random weights: batch 1, 4, 10 with CUDA graphs and
 #      compile off (bench_graphs); then the same engine with 4-bit weights (bench_int4, limit 180 s):
-#      the random model built directly in int4 (presets.build_random(quantize="int4"), never the
+#      the random model built directly in int4 (random_weights.build_random(quantize="int4"), never the
 #      bf16 model on the device) under a 24 GiB cap (set_per_process_memory_fraction before the
 #      load: a 24 GiB card's budget), batch 1 and 2, one repeat, ending with
 #      `int4 ttfa_ms_b1= ttfa_ms_b2= rtf_b1= rtf_b2= cuda_peak_gib=` and the bf16 run's batch-1

@@ -109,10 +109,10 @@ class ModelMemory:
         """From a `Qwen3OmniMoeConfig` (complete_config applied), nothing allocated: the model is
         built on the meta device and counted; 4-bit as the checkpoint's config says it is stored,
         or as `quantize` (--quantize) will make it."""
-        from agent.engine.checkpoints.presets import _build_meta, _cast_parameters
+        from agent.engine.checkpoints.presets import cast_parameters, meta_model
         from agent.engine.quant.apply import QuantScheme, quantize_model
 
-        model = _cast_parameters(_build_meta(config), dtype)
+        model = cast_parameters(meta_model(config), dtype)
         scheme = QuantScheme.of_config(config) or (QuantScheme(method=quantize) if quantize else None)
         if scheme is not None:
             quantize_model(model, scheme)

@@ -17,14 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agent.engine.checkpoints.presets import (
-    GUESSED_FIELDS,
-    REAL,
-    build_random,
-    count_parameters,
-    preset_config,
-    scaled_overrides,
-)
+from agent.engine.checkpoints.presets import GUESSED_FIELDS, REAL, count_parameters, preset_config, scaled_overrides
+from agent.engine.checkpoints.random_weights import build_random
 
 torch.set_num_threads(1)
 
@@ -198,20 +192,21 @@ def test_load_random_drives_a_scaled_preset_with_the_tiny_tokenizer(tiny_model_d
     import numpy as np
 
     from agent.engine.api import AudioOut, ReplyDone
-    from agent.engine.checkpoints import presets
+    from agent.engine.checkpoints import random_weights
+    from agent.engine.checkpoints.presets import merge_overrides
     from agent.engine.runner.streaming import StreamingRunner
 
-    real_build = presets.build_random
+    real_build = random_weights.build_random
 
     def scaled(preset, device, dtype=None, *, overrides=None, seed=0, quantize=""):
-        merged = presets._merge(presets.scaled_overrides(), overrides or {})
+        merged = merge_overrides(scaled_overrides(), overrides or {})
         return real_build(preset, device, dtype, overrides=merged, seed=seed, quantize=quantize)
 
-    presets.build_random = scaled
+    random_weights.build_random = scaled
     try:
-        loaded = presets.load_random(presets.REAL, "cpu", str(tiny_model_dir))
+        loaded = random_weights.load_random(REAL, "cpu", str(tiny_model_dir))
     finally:
-        presets.build_random = real_build
+        random_weights.build_random = real_build
     assert loaded.model.config.thinker_config.audio_token_id == loaded.ids.audio_pad
     runner = StreamingRunner(loaded, "hi", max_reply_tokens=4, max_reply_seconds=0.5)
     runner.open_session("s")

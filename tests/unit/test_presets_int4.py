@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from agent.engine.checkpoints import presets
-from agent.engine.checkpoints.presets import REAL, build_random, scaled_overrides
+from agent.engine.checkpoints import random_weights
+from agent.engine.checkpoints.presets import REAL, scaled_overrides
+from agent.engine.checkpoints.random_weights import build_random
 from agent.engine.quant import int4
 from agent.engine.quant.apply import QuantScheme, quantize_model
 from agent.engine.quant.modules import Int4Experts, Int4Linear
@@ -93,7 +94,7 @@ def test_one_module_of_float_weights_at_a_time(monkeypatch) -> None:
     models: list[torch.nn.Module] = []
     foreign: list[int] = []
     stacks: list[bool] = []
-    build_meta, quantize = presets._build_meta, int4.quantize
+    build_meta, quantize = random_weights.meta_model, int4.quantize
 
     def tracking_meta(config):
         gc.collect()
@@ -112,7 +113,7 @@ def test_one_module_of_float_weights_at_a_time(monkeypatch) -> None:
         foreign.append(sum(t.numel() * t.element_size() for t in stray.values()))
         return quantize(weight, group, dtype)
 
-    monkeypatch.setattr(presets, "_build_meta", tracking_meta)
+    monkeypatch.setattr(random_weights, "meta_model", tracking_meta)
     monkeypatch.setattr(int4, "quantize", counting)
     model = _int4()
     largest = max(
@@ -129,7 +130,7 @@ def test_load_random_in_4bit_speaks_a_reply(tiny_model_dir) -> None:
     from agent.engine.api import AudioOut, ReplyDone
     from agent.engine.runner.streaming import StreamingRunner
 
-    loaded = presets.load_random(REAL, "cpu", str(tiny_model_dir), overrides=OVERRIDES, quantize="int4")
+    loaded = random_weights.load_random(REAL, "cpu", str(tiny_model_dir), overrides=OVERRIDES, quantize="int4")
     assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
     assert isinstance(loaded.model.thinker.lm_head, Int4Linear)
     assert loaded.model.config.thinker_config.audio_token_id == loaded.ids.audio_pad

@@ -19,10 +19,10 @@ import torch
 
 from agent.engine.checkpoints.presets import (
     REAL,
-    _build_meta,
-    _cast_parameters,
+    cast_parameters,
     count_parameters,
     depth_overrides,
+    meta_model,
     preset_config,
     scaled_overrides,
 )
@@ -42,7 +42,7 @@ def test_expected_experts_spread():
 @pytest.fixture(scope="module")
 def real():
     config = preset_config(REAL)
-    return config, ByteModel.of(_build_meta(config))
+    return config, ByteModel.of(meta_model(config))
 
 
 def test_batch_one_decode_reads_the_active_parameters(real):
@@ -69,7 +69,7 @@ def test_time_model():
 
 def test_depth_overrides_keep_every_per_layer_size(real):
     _, full = real
-    one, two = (ByteModel.of(_build_meta(preset_config(REAL, depth_overrides(n)))) for n in (1, 2))
+    one, two = (ByteModel.of(meta_model(preset_config(REAL, depth_overrides(n)))) for n in (1, 2))
     assert (two.thinker.layers, two.talker.layers) == (2, 2)
     for a, b in ((two.thinker, full.thinker), (two.talker, full.talker)):
         assert (a.dense_per_layer, a.expert, a.experts, a.top_k, a.head, a.embed_row) == (
@@ -100,7 +100,7 @@ def _held(module: torch.nn.Module) -> int:
 
 def test_a_quantized_model_is_counted_in_packed_bytes():
     config = preset_config(REAL, scaled_overrides(layers=2))
-    model = _cast_parameters(_build_meta(config), torch.bfloat16)
+    model = cast_parameters(meta_model(config), torch.bfloat16)
     float_bm = ByteModel.of(model, element=2)
     quantize_model(model, QuantScheme())
     bm = ByteModel.of(model, element=2)

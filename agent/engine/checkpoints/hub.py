@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from agent.engine.checkpoints.presets import REAL, build_random, depth_overrides
+from agent.engine.checkpoints.presets import REAL, depth_overrides
+from agent.engine.checkpoints.random_weights import build_random
 
 # The transformers release the published config.json was written with.
 RELEASED_TRANSFORMERS = "4.57.0.dev0"
