@@ -27,11 +27,14 @@ from agent.engine.factory import fallback_factory, inbox_size, runner_factory
 from agent.engine.loop import Engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-FRAME_DELAY_S = 0.05  # per talker step: a 4 s reply takes >= 2.5 s to make, longer than a gap
+# Per talker step: a 4 s reply (50 steps) takes >= 5 s to make, about twice the ~2.6 s from one
+# speech_stopped to the next (1.8 s of speech, 0.8 s of silence). At 0.05 s (>= 2.5 s) a fast CI
+# machine finished a reply just before the next utterance ended, and the overlap never happened.
+FRAME_DELAY_S = 0.1
 
 
 def slow_long_replies(config: Config) -> Engine:
-    """Replies that run to max_reply_seconds and are made no faster than ~1.6x real time, so
+    """Replies that run to max_reply_seconds and are made no faster than ~0.8x real time, so
     the next utterance ends while one is still being made, whatever the machine's speed."""
     build = runner_factory(config)
 
