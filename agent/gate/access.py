@@ -7,6 +7,7 @@ a client that opens calls faster than a person could.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from typing import Awaitable, Callable, Optional
@@ -15,6 +16,8 @@ from aiohttp import web
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _WINDOW_S = 60.0
+_BASE_HEADERS = ("Authorization", "Content-Type", "OpenAI-Beta")
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$")  # an HTTP token (RFC 9110)
 
 
 class CallRate:
@@ -57,7 +60,6 @@ def cors_middleware(origins: tuple[str, ...]) -> Callable:
     Requests from other origins get no CORS headers, so browsers keep their pages out."""
     allowed = set(origins)
     methods = "GET, POST, DELETE, OPTIONS"
-    headers = "Authorization, Content-Type, OpenAI-Beta"
 
     def allow(origin: Optional[str]) -> Optional[str]:
         if origin is None:
@@ -87,7 +89,9 @@ def cors_middleware(origins: tuple[str, ...]) -> Callable:
                 headers={
                     "Access-Control-Allow-Origin": origin,
                     "Access-Control-Allow-Methods": methods,
-                    "Access-Control-Allow-Headers": headers,
+                    "Access-Control-Allow-Headers": _allowed_headers(
+                        request.headers.get("Access-Control-Request-Headers", "")
+                    ),
                     "Access-Control-Max-Age": "600",
                     "Vary": "Origin",
                 },
@@ -100,3 +104,13 @@ def cors_middleware(origins: tuple[str, ...]) -> Callable:
         return response
 
     return cors
+
+
+def _allowed_headers(requested: str) -> str:
+    """The preflight's allowed headers: ours, and those the page asks for when they are plain
+    header names. SDKs add their own (the openai SDK's x-stainless-*, the Agents SDK's
+    x-openai-agents-sdk); a fixed list would make the browser refuse every call they make.
+    The allowed origins are the gate, not the header names, so reflecting them opens nothing."""
+    names = [n.strip() for n in requested.split(",") if n.strip()][:64]
+    extra = [n for n in names if _HEADER_NAME.match(n) and n.lower() not in {h.lower() for h in _BASE_HEADERS}]
+    return ", ".join([*_BASE_HEADERS, *extra])

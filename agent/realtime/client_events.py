@@ -182,7 +182,9 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
     if not isinstance(item, dict):
         raise BadEvent("item must be an object", "missing_required_parameter", "item")
     previous = event.get("previous_item_id")
-    if previous is not None and previous != session.conversation.last_id():
+    last = session.conversation.last_id()
+    # "root" asks for the beginning (LiveKit sends it for the first item): the end while empty.
+    if previous is not None and previous != last and not (previous == "root" and last is None):
         raise BadEvent("items can only be added at the end of the conversation", "unsupported", "previous_item_id")
     if item.get("type") == "function_call_output":
         _call_output(session, item, event)
@@ -293,7 +295,10 @@ def _response_create(session: "Session", event: dict[str, Any]) -> None:
 
 
 def _response_cancel(session: "Session", event: dict[str, Any]) -> None:
-    session.replies.cancel_response(_event_id(event))
+    response_id = event.get("response_id")
+    if response_id is not None and not isinstance(response_id, str):
+        raise BadEvent("response_id must be a string", param="response_id")
+    session.replies.cancel_response(_event_id(event), response_id)
 
 
 def _output_clear(session: "Session", event: dict[str, Any]) -> None:

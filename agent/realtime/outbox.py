@@ -11,6 +11,13 @@ from agent.realtime.events import error_event, new_id
 _SSE_QUEUE = 256  # per SSE subscriber; a subscriber that falls this far behind is dropped
 
 
+def is_extra(kind: str) -> bool:
+    """An event type the GA protocol does not define: the project's `omni.*` events and the
+    camera's `input_video.throttle`. Some client libraries raise on a type they do not know
+    (Pipecat's parse_server_event), so a transport gets these only when its session asks."""
+    return kind.startswith("omni.") or kind == "input_video.throttle"
+
+
 class Outbox:
     def __init__(self, send: Callable[[str], None]) -> None:
         self._send = send
@@ -19,13 +26,17 @@ class Outbox:
         # agent/transport/caption_book.py): called in order, synchronously, never dropped.
         self.taps: list[Callable[[dict[str, Any], str], None]] = []
         self.closed = False
+        # Whether the transport gets the extra event types (is_extra); SSE and taps always do.
+        # The session sets it from session.omni.events (session_config.extra_events).
+        self.extras = True
 
     def emit(self, event: dict[str, Any]) -> None:
         if self.closed:
             return
         event.setdefault("event_id", new_id("event"))
         text = json.dumps(event)
-        self._send(text)
+        if self.extras or not is_extra(event["type"]):
+            self._send(text)
         for tap in self.taps:
             tap(event, text)
         for q in list(self._sse):

@@ -217,9 +217,13 @@ class Replies:
         for event in reply.message_started(previous):
             self._outbox.emit(event)
 
-    def cancel_response(self, event_id: Optional[str]) -> None:
-        if self.current is None:
-            self._outbox.error("there is no response to cancel", "response_cancel_not_active", event_id=event_id)
+    def cancel_response(self, event_id: Optional[str], response_id: Optional[str] = None) -> None:
+        """response.cancel: the current response, or only the one named by `response_id`."""
+        if self.current is None or response_id not in (None, self.current.id):
+            # OpenAI's own wording and code: clients match on them.
+            self._outbox.error(
+                "Cancellation failed: no active response found", "response_cancel_not_active", event_id=event_id
+            )
             return
         self.interrupt("client_cancelled")
 

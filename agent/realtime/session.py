@@ -78,6 +78,7 @@ class Session:
         self._settings = session_config.SessionSettings(settings or session_config.default_session(config))
         self.settings["id"] = self.id
         self.priority = session_config.priority_of(self.settings)  # fixed for the session's life
+        self.outbox.extras = session_config.extra_events(self.settings, webrtc)
         # A transcription session (GA type "transcription"): the user's speech is transcribed,
         # nothing is answered, nothing is sent back on the audio track. Fixed for its life.
         self.transcription_only = self.settings["type"] == "transcription"
@@ -268,6 +269,7 @@ class Session:
     def apply_settings(self, merged: dict[str, Any]) -> None:
         """A validated session.update: act on what changed, then answer session.updated."""
         old, self.settings = self.settings, merged
+        self.outbox.extras = session_config.extra_events(merged, self.webrtc)
         self.transcription.apply(merged)
         if self.transcription_only:
             pass  # no instructions, no voice: nothing is answered

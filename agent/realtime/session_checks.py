@@ -130,6 +130,8 @@ def _validate_omni(s: dict[str, Any]) -> None:
         "session.omni.priority",
     )
     check(isinstance(omni.get("video", True), bool), "omni.video must be true or false", "session.omni.video")
+    events = omni.get("events")
+    check(events is None or isinstance(events, bool), "omni.events must be true or false", "session.omni.events")
     lang = omni.get("interpret_to")
     check(
         lang is None or (isinstance(lang, str) and 0 < len(lang.strip()) <= 64 and s["type"] == "realtime"),

@@ -107,7 +107,9 @@ def default_session(config: Config, model: str = "") -> dict[str, Any]:
         "instructions": config.system_prompt,
         "tools": [],
         "tool_choice": "auto",
-        "max_output_tokens": config.max_reply_tokens,
+        # "inf": the server's own cap (max_reply_tokens) still ends a reply; that cap copied here
+        # would make every session.update invalid once it passes GA's 4096.
+        "max_output_tokens": "inf",
         "tracing": None,
         "truncation": "auto",
         "prompt": None,
@@ -121,7 +123,8 @@ def default_session(config: Config, model: str = "") -> dict[str, Any]:
             },
             "output": {"format": dict(PCM_FORMAT), "voice": config.speaker or "default", "speed": 1.0},
         },
-        # Project extras (strict clients ignore them): the session's priority class.
+        # Project extras: the session's priority class (omni.video, omni.events and
+        # omni.interpret_to are read with their defaults when absent).
         "omni": {"priority": priority.NORMAL},
     }
 
@@ -235,6 +238,14 @@ def merge(session: dict[str, Any], update: Any, vad_silence_ms: int = Config.vad
 def video_on(session: dict[str, Any]) -> bool:
     """Whether the camera enters the session's turns as video (omni.video, default true)."""
     return bool((session.get("omni") or {}).get("video", True))
+
+
+def extra_events(session: dict[str, Any], webrtc: bool) -> bool:
+    """Whether the session's transport gets the project's extra event types (outbox.is_extra):
+    omni.events when set; otherwise yes on WebRTC (the page and the agent's client read them)
+    and no on a WebSocket, where strict client libraries raise on a type they do not know."""
+    events = (session.get("omni") or {}).get("events")
+    return webrtc if events is None else bool(events)
 
 
 def priority_of(session: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@ Pins, against a real agent (tiny model) on loopback: requests that try to leave 
 percent-encoded `..%2f` and `%2e%2e`, double-encoded, backslashes, absolute paths, a symlink
 inside web/ that points outside) never return a file from outside it; with no `--cors-origin`
 no response carries CORS headers and preflights are not answered; with one, that origin (only)
-gets them, on preflights and on replies; a client address that opens calls faster than
+gets them, on preflights (the request headers SDKs add are allowed, when they are header
+names) and on replies; a client address that opens calls faster than
 `--max-calls-per-minute` gets 429 with Retry-After and a JSON reason, on WebRTC and WebSocket
 alike, while its calls within the limit are answered. `--ice-server` parsing: STUN, TURN with
 credentials, refused forms (a bare TURN URL needs `--turn-secret`); the peer configuration
@@ -117,6 +118,13 @@ async def test_cors_for_the_named_origin_only(tiny_model_dir: Path) -> None:
                 assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example"
                 assert "POST" in resp.headers["Access-Control-Allow-Methods"]
                 assert "authorization" in resp.headers["Access-Control-Allow-Headers"].lower()
+            # The headers SDKs add are allowed too (a fixed list would fail every call they make);
+            # what is not a header name is not echoed.
+            sdk = {**good, "Access-Control-Request-Headers": "authorization, x-openai-agents-sdk, x-stainless-os, a b"}
+            async with http.options(f"{running.url}/v1/realtime/calls", headers=sdk) as resp:
+                allowed = [h.strip().lower() for h in resp.headers["Access-Control-Allow-Headers"].split(",")]
+                assert resp.status == 204 and {"x-openai-agents-sdk", "x-stainless-os"} <= set(allowed)
+                assert "a b" not in allowed and allowed.count("authorization") == 1
             async with http.options(
                 f"{running.url}/v1/realtime/calls", headers={**good, "Origin": "https://evil.example"}
             ) as resp:

@@ -16,7 +16,12 @@ Pins:
 - every server event received validates (strict pydantic) against the SDK's GA server event
   union `RealtimeServerEvent`, or is one of the project's extra event types (EXTRAS): in the
   runs above and in a spoken turn with server VAD and input transcription (whose settings
-  came as nulls).
+  came as nulls); a WebSocket session that did not ask for the extra types (session.omni.events)
+  gets none of them, even with input transcription on;
+- what client libraries send and expect: a first item placed at `previous_item_id: "root"`
+  (LiveKit) is added; a later one there is refused (items are only added at the end); the
+  default session's `max_output_tokens` is "inf"; response.cancel with no active response
+  gets OpenAI's code and wording, and one naming another response cancels nothing.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ agent = module_agent(max_reply_seconds=0.5, max_reply_tokens=4)
 
 SERVER_EVENT = pydantic.TypeAdapter(RealtimeServerEvent)
 # Server event types outside the SDK's union: the project's extras (docs/realtime.md, "Project
-# extras"), which strict clients ignore.
+# extras"), sent on a WebSocket only to a session that asks (session.omni.events).
 EXTRAS = {
     "omni.response.mode",  # the degradation ladder changed level
     "omni.input_audio_transcription.partial",  # a transcription hypothesis with no new stable text
@@ -340,6 +345,32 @@ async def test_spoken_turn_events(agent: RunningAgent, speech_wav: Path) -> None
                 "response.output_audio.delta",
                 "response.output_audio_transcript.done",
             } <= kinds, kinds
+            assert not kinds & EXTRAS, kinds  # this session did not ask for them
+        finally:
+            await conn.close()
+
+
+async def test_what_client_libraries_send_and_expect(agent: RunningAgent) -> None:
+    async with aiohttp.ClientSession() as http:
+        conn, session = await open_conn(http, agent)
+        try:
+            assert session["max_output_tokens"] == "inf"
+            hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}
+            first = await conn.exchange({"type": "conversation.item.create", "previous_item_id": "root", "item": hello})
+            added = [e for e in first if e["type"] == "conversation.item.added"]
+            assert not errors(first) and len(added) == 1 and added[0]["previous_item_id"] is None
+            again = {"type": "conversation.item.create", "previous_item_id": "root", "item": hello}
+            assert errors(await conn.exchange(again)) == [("unsupported", "previous_item_id")]
+            none = [e for e in await conn.exchange({"type": "response.cancel"}) if e["type"] == "error"]
+            assert none[0]["error"]["message"] == "Cancellation failed: no active response found"
+            start = len(conn.events)
+            await conn.ws.send_str(json.dumps({"type": "response.create"}))
+            other = {"type": "response.cancel", "response_id": "resp_not_this_one"}
+            assert errors(await conn.exchange(other)) == [("response_cancel_not_active", None)]
+            done = conn.events[await conn.wait("response.done", start)]
+            assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
+            bad = {"type": "response.cancel", "response_id": 7}
+            assert errors(await conn.exchange(bad)) == [("invalid_value", "response_id")]
         finally:
             await conn.close()
 

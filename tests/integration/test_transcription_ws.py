@@ -1,8 +1,8 @@
 """Live input transcription over the WebSocket transport, with the `openai` SDK and the tiny model.
 
 Pins (the tiny model's words are random: the protocol and the prefix property, not words):
-- a transcription session (GET /v1/realtime?intent=transcription) streaming a ~4 s utterance
-  in real time gets partials (conversation.item.input_audio_transcription.delta, or the extra
+- a transcription session (GET /v1/realtime?intent=transcription) that asked for the project's
+  extra events (`omni.events: true`) streaming a ~4 s utterance in real time gets partials (conversation.item.input_audio_transcription.delta, or the extra
   omni.input_audio_transcription.partial when no new text became stable) *before*
   input_audio_buffer.speech_stopped, each partial's `omni.text` starts with the previous
   partial's stable prefix (`omni.stable_chars`, never shrinking), no delta is empty, the
@@ -11,7 +11,8 @@ Pins (the tiny model's words are random: the protocol and the prefix property, n
 - that session sends no response.* event and no audio at all, refuses response.create, and
   keeps transcribing turn after turn (the item holds its transcript on retrieve);
 - a conversation session with `audio.input.transcription` set transcribes its user turns as
-  well as answering them; without it, none of these events come;
+  well as answering them; without it, none of these events come; a WebSocket session that did
+  not ask for the extra events never gets omni.input_audio_transcription.partial;
 - with speculative start on (the default), a turn answered by a committed speculation keeps
   its transcript: the deltas, non-empty, add up to the non-empty `completed` transcript;
 - every event validates strictly against the SDK's GA models.
@@ -83,6 +84,8 @@ async def test_transcription_session(agent: RunningAgent, long_speech: Path, str
         created = await ev.wait("session.created")
         assert created["session"]["type"] == "transcription"
         assert created["session"]["audio"]["input"]["transcription"] is not None
+        await conn.send({"type": "session.update", "session": {"type": "transcription", "omni": {"events": True}}})
+        assert (await ev.wait("session.updated"))["session"]["omni"]["events"] is True
         for _turn in range(2):
             start = len(ev.all)
             await stream_realtime(conn, pcm24(long_speech), tail_silence_s=1.2)
@@ -127,6 +130,7 @@ async def test_conversation_with_input_transcription(agent: RunningAgent, speech
         await ev.wait(COMPLETED, after=start, timeout=60)
         await ev.wait("response.done", after=start)
         check_partials(ev.all[start:], stopped["item_id"])
+        assert not ev.of(PARTIAL), "an extra event type on a WebSocket that did not ask for it"
     finally:
         ev.close()
         await manager.__aexit__(None, None, None)

@@ -1,7 +1,8 @@
 """The protocol pieces that need no network: session config merging, keys, G.711 decoding.
 
 Pins:
-- the default session validates strictly as the SDK's GA session model; an update merges
+- the default session validates strictly as the SDK's GA session model (its max_output_tokens
+  "inf", whatever the server's own cap); an update merges
   nested objects field by field, drops unknown top-level fields, keeps tolerated ones
   (tracing, tools, transcription model, noise reduction) and leaves the session unchanged
   when refused, naming the param; turn detection maps to the endpointer's settings;
@@ -12,10 +13,15 @@ Pins:
 - keys: open without an API key; with one, only it or a live ephemeral key passes; expired or
   tampered ephemeral keys fail; TTLs outside 10..7200 s are refused; the WebSocket
   subprotocol form is read;
-- µ-law and A-law decode to the G.711 reference values.
+- µ-law and A-law decode to the G.711 reference values;
+- the project's extra event types (omni.*, input_video.throttle) reach a session's transport only
+  when it asks (omni.events; default on for WebRTC, off for a WebSocket, where some client
+  libraries raise on a type they do not know); SSE readers and taps get every event.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -24,11 +30,16 @@ from openai.types.realtime import RealtimeSessionCreateRequest
 from agent.config import Config
 from agent.gate.api_keys import KeyStore, bearer_token
 from agent.realtime import audio_codec, session_config
+from agent.realtime.config_error import ConfigError
+from agent.realtime.outbox import Outbox
 
 
 def test_default_session_is_a_ga_session() -> None:
     s = session_config.default_session(Config(), model="m")
     RealtimeSessionCreateRequest.model_validate(s)
+    # The server's reply cap is not the session's field: a cap above GA's 4096 keeps it valid.
+    long = session_config.default_session(Config(max_reply_tokens=8192))
+    assert session_config.merge(long, {"type": "realtime"}, 300)["max_output_tokens"] == "inf"
     assert s["type"] == "realtime" and s["id"].startswith("sess_") and s["output_modalities"] == ["audio"]
 
 
@@ -178,3 +189,33 @@ def test_g711_decoding() -> None:
     assert frame.sample_rate == 8000 and frame.samples == 160
     pcm = np.arange(2400, dtype=np.int16)
     assert len(audio_codec.to_16k("audio/pcm", pcm.tobytes())) == 1600
+
+
+def test_extra_event_types_only_for_sessions_that_ask() -> None:
+    sent: list[str] = []
+    tapped: list[str] = []
+    outbox = Outbox(sent.append)
+    outbox.taps.append(lambda event, text: tapped.append(event["type"]))
+    sse = outbox.subscribe()
+    kinds = ["response.created", "omni.response.mode", "input_video.throttle", "omni.input_audio_transcription.partial"]
+    outbox.extras = False
+    for kind in kinds:
+        outbox.emit({"type": kind})
+    assert [json.loads(t)["type"] for t in sent] == ["response.created"]
+    assert tapped == kinds
+    assert [json.loads(sse.get_nowait())["type"] for _ in kinds] == kinds
+    outbox.extras = True
+    outbox.emit({"type": "omni.response.mode"})
+    assert json.loads(sent[-1])["type"] == "omni.response.mode"
+
+    base = session_config.default_session(Config())
+    assert session_config.extra_events(base, webrtc=True) is True
+    assert session_config.extra_events(base, webrtc=False) is False
+    on = session_config.merge(base, {"type": "realtime", "omni": {"events": True}}, 300)
+    off = session_config.merge(base, {"type": "realtime", "omni": {"events": False}}, 300)
+    assert session_config.extra_events(on, webrtc=False) is True
+    assert session_config.extra_events(off, webrtc=True) is False
+    assert on["omni"]["priority"] == base["omni"]["priority"]  # merged field by field
+    with pytest.raises(ConfigError) as refused:
+        session_config.merge(base, {"type": "realtime", "omni": {"events": "yes"}}, 300)
+    assert refused.value.param == "session.omni.events"
