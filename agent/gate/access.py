@@ -17,6 +17,7 @@ from aiohttp import web
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _WINDOW_S = 60.0
 _BASE_HEADERS = ("Authorization", "Content-Type", "OpenAI-Beta")
+_BASE_LOWER = frozenset(h.lower() for h in _BASE_HEADERS)
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$")  # an HTTP token (RFC 9110)
 
 
@@ -112,5 +113,5 @@ def _allowed_headers(requested: str) -> str:
     x-openai-agents-sdk); a fixed list would make the browser refuse every call they make.
     The allowed origins are the gate, not the header names, so reflecting them opens nothing."""
     names = [n.strip() for n in requested.split(",") if n.strip()][:64]
-    extra = [n for n in names if _HEADER_NAME.match(n) and n.lower() not in {h.lower() for h in _BASE_HEADERS}]
+    extra = [n for n in names if _HEADER_NAME.match(n) and n.lower() not in _BASE_LOWER]
     return ", ".join([*_BASE_HEADERS, *extra])

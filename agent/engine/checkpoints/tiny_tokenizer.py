@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 BPE_VOCAB_SIZE = 1024
+SEED = 1234  # draws the training text's random sentences: the vocabulary depends on it
 
 # The real checkpoint's added tokens, in its order (ids 151643..151675 there).
 # (token, special): Qwen3 marks the tool/think tags as non-special added tokens.
@@ -84,9 +85,8 @@ _WORDS = (
 ).split()
 
 
-def build_tokenizer(seed: int = 1234):
-    """Byte-level BPE with Qwen2's pre-tokenizer, trained on the fixed corpus above; `seed`
-    draws its random sentences (the tiny build passes its own, tiny.SEED, which is this default)."""
+def build_tokenizer():
+    """Byte-level BPE with Qwen2's pre-tokenizer, trained on the fixed corpus above."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -106,7 +106,7 @@ def build_tokenizer(seed: int = 1234):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    bpe.train_from_iterator(_training_text(seed), trainer=trainer)
+    bpe.train_from_iterator(_training_text(), trainer=trainer)
     model = json.loads(bpe.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     # Give the added tokens their ids in the vocab itself, in the real order: Qwen2Tokenizer
@@ -142,11 +142,11 @@ def build_tokenizer(seed: int = 1234):
     return tokenizer
 
 
-def _training_text(seed: int) -> list[str]:
+def _training_text() -> list[str]:
     """The fixed corpus plus seeded random sentences over a word list, enough for ~1024 merges."""
     import random
 
-    rng = random.Random(seed)
+    rng = random.Random(SEED)
     sentences = []
     for _ in range(400):
         words = rng.choices(_WORDS, k=rng.randint(4, 12))
