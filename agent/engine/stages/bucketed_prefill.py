@@ -104,7 +104,11 @@ class BucketedPrefill:
                 pads,
                 clone_outputs=True,
                 variants=variants,
-                compiled=True,
+                # Not compiled with flex on CUDA: inductor failed there on 2026-12-04 (H200, torch
+                # 2.11: "CantSplit: 32768 not divisible by 16*s55", the symbolic batch times a
+                # token bucket against the cache's length). Captured eagerly, as measured on
+                # 2026-11-30; the per-frame steps stay compiled.
+                compiled=not static_tokens,
                 dynamic_dims=dynamic,
                 dynamic_batch=True,
             )
