@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
 import aiohttp
 import numpy as np
@@ -168,10 +169,17 @@ class Conn:
             raise self._task.exception()
 
 
-async def open_conn(http: aiohttp.ClientSession, agent: RunningAgent, query: str = "") -> tuple[Conn, dict]:
-    conn = Conn(await http.ws_connect(f"{agent.url}/v1/realtime{query}", protocols=("realtime",)))
-    created = conn.events[await conn.wait("session.created", 0, timeout=10)]
-    return conn, created["session"]
+@contextlib.asynccontextmanager
+async def connected(agent: RunningAgent, query: str = "") -> AsyncIterator[tuple[Conn, dict]]:
+    """A WebSocket session of the agent, from session.created to a close that re-raises what the
+    reader's schema check found: yields the connection and the session it was created with."""
+    async with aiohttp.ClientSession() as http:
+        conn = Conn(await http.ws_connect(f"{agent.url}/v1/realtime{query}", protocols=("realtime",)))
+        try:
+            created = conn.events[await conn.wait("session.created", 0, timeout=10)]
+            yield conn, created["session"]
+        finally:
+            await conn.close()
 
 
 def errors(events: list[dict[str, Any]]) -> list[tuple[str, Optional[str]]]:
@@ -211,206 +219,182 @@ def check_echo(before: dict[str, Any], update: dict[str, Any], echo: dict[str, A
     ],
 )
 async def test_session_update_shapes(agent: RunningAgent, query: str, td: type, kind: str) -> None:
-    async with aiohttp.ClientSession() as http:
-        conn, session = await open_conn(http, agent, query)
-        try:
-            sent = 0
-            for shape in shapes(td, {"type": kind}):
-                for event in event_shapes(SessionUpdateEventParam, {"type": "session.update", "session": shape}):
-                    got = await conn.exchange(event)
-                    if refused(shape):
-                        assert errors(got) == [refused(shape)], (shape, got)
-                        continue
-                    assert not errors(got), (shape, errors(got))
-                    [updated] = [e for e in got if e["type"] == "session.updated"]
-                    check_echo(session, shape, updated["session"])
-                    session, sent = updated["session"], sent + 1
-            assert sent >= 30  # (the shapes were generated: the SDK's types were read)
-        finally:
-            await conn.close()
+    async with connected(agent, query) as (conn, session):
+        sent = 0
+        for shape in shapes(td, {"type": kind}):
+            for event in event_shapes(SessionUpdateEventParam, {"type": "session.update", "session": shape}):
+                got = await conn.exchange(event)
+                if refused(shape):
+                    assert errors(got) == [refused(shape)], (shape, got)
+                    continue
+                assert not errors(got), (shape, errors(got))
+                [updated] = [e for e in got if e["type"] == "session.updated"]
+                check_echo(session, shape, updated["session"])
+                session, sent = updated["session"], sent + 1
+        assert sent >= 30  # (the shapes were generated: the SDK's types were read)
 
 
 async def test_audio_buffer_and_item_shapes(agent: RunningAgent) -> None:
-    async with aiohttp.ClientSession() as http:
-        conn, _ = await open_conn(http, agent)
-        try:
-            manual = {
-                "type": "session.update",
-                "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}},
-            }
-            assert not errors(await conn.exchange(manual))
-            append = {"type": "input_audio_buffer.append", "audio": SILENCE}
-            for event in event_shapes(InputAudioBufferAppendEventParam, append):
-                assert not errors(await conn.exchange(event))
-            for event in event_shapes(InputAudioBufferCommitEventParam, {"type": "input_audio_buffer.commit"}):
-                await conn.exchange(append)
-                got = await conn.exchange(event)
-                assert not errors(got) and [e["type"] for e in got][:2] == [
-                    "input_audio_buffer.committed",
-                    "conversation.item.added",
-                ]
-            for event in event_shapes(InputAudioBufferClearEventParam, {"type": "input_audio_buffer.clear"}):
-                await conn.exchange(append)
-                got = await conn.exchange(event)
-                assert not errors(got) and [e["type"] for e in got] == ["input_audio_buffer.cleared"]
-            parts = [{"type": "input_text", "text": "hello"}, {"type": "input_audio", "audio": SILENCE}]
-            items = []
-            for part in [p for base in parts for p in shapes(Content, base, depth=0)]:
-                user = {"type": "message", "role": "user", "content": [part]}
-                for item in shapes(RealtimeConversationItemUserMessageParam, user, depth=0):
-                    base = {"type": "conversation.item.create", "item": item}
-                    for event in event_shapes(ConversationItemCreateEventParam, base):
-                        got = await conn.exchange(event)
-                        assert not errors(got), (event, errors(got))
-                        added = [e for e in got if e["type"] == "conversation.item.added"]
-                        assert len(added) == 1 and added[0]["item"]["content"][0]["type"] == part["type"]
-                        items.append(added[0]["item"]["id"])
-            assert len(items) == 16
-            retrieve = {"type": "conversation.item.retrieve", "item_id": items[-1]}
-            for event in event_shapes(ConversationItemRetrieveEventParam, retrieve):
-                got = await conn.exchange(event)
-                assert not errors(got) and got[0]["type"] == "conversation.item.retrieved"
-            out_clear = {"type": "output_audio_buffer.clear"}
-            for event in event_shapes(OutputAudioBufferClearEventParam, out_clear):
-                # WebSocket audio is the client's to play: a WebRTC call's event, refused here.
-                assert errors(await conn.exchange(event)) == [("unsupported", "type")]
-        finally:
-            await conn.close()
+    async with connected(agent) as (conn, _):
+        manual = {
+            "type": "session.update",
+            "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}},
+        }
+        assert not errors(await conn.exchange(manual))
+        append = {"type": "input_audio_buffer.append", "audio": SILENCE}
+        for event in event_shapes(InputAudioBufferAppendEventParam, append):
+            assert not errors(await conn.exchange(event))
+        for event in event_shapes(InputAudioBufferCommitEventParam, {"type": "input_audio_buffer.commit"}):
+            await conn.exchange(append)
+            got = await conn.exchange(event)
+            assert not errors(got) and [e["type"] for e in got][:2] == [
+                "input_audio_buffer.committed",
+                "conversation.item.added",
+            ]
+        for event in event_shapes(InputAudioBufferClearEventParam, {"type": "input_audio_buffer.clear"}):
+            await conn.exchange(append)
+            got = await conn.exchange(event)
+            assert not errors(got) and [e["type"] for e in got] == ["input_audio_buffer.cleared"]
+        parts = [{"type": "input_text", "text": "hello"}, {"type": "input_audio", "audio": SILENCE}]
+        items = []
+        for part in [p for base in parts for p in shapes(Content, base, depth=0)]:
+            user = {"type": "message", "role": "user", "content": [part]}
+            for item in shapes(RealtimeConversationItemUserMessageParam, user, depth=0):
+                base = {"type": "conversation.item.create", "item": item}
+                for event in event_shapes(ConversationItemCreateEventParam, base):
+                    got = await conn.exchange(event)
+                    assert not errors(got), (event, errors(got))
+                    added = [e for e in got if e["type"] == "conversation.item.added"]
+                    assert len(added) == 1 and added[0]["item"]["content"][0]["type"] == part["type"]
+                    items.append(added[0]["item"]["id"])
+        assert len(items) == 16
+        retrieve = {"type": "conversation.item.retrieve", "item_id": items[-1]}
+        for event in event_shapes(ConversationItemRetrieveEventParam, retrieve):
+            got = await conn.exchange(event)
+            assert not errors(got) and got[0]["type"] == "conversation.item.retrieved"
+        out_clear = {"type": "output_audio_buffer.clear"}
+        for event in event_shapes(OutputAudioBufferClearEventParam, out_clear):
+            # WebSocket audio is the client's to play: a WebRTC call's event, refused here.
+            assert errors(await conn.exchange(event)) == [("unsupported", "type")]
 
 
 async def test_response_shapes(agent: RunningAgent) -> None:
-    async with aiohttp.ClientSession() as http:
-        conn, _ = await open_conn(http, agent)
-        try:
-            hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}
-            assert not errors(await conn.exchange({"type": "conversation.item.create", "item": hello}))
-            last = None
-            creates = [{"type": "response.create"}]  # no `response` at all, then each params shape
-            for params in shapes(RealtimeResponseCreateParamsParam, {}):
-                creates += event_shapes(ResponseCreateEventParam, {"type": "response.create", "response": params})
-            for event in creates:
-                got = await conn.exchange(event, until="response.done")
-                assert not errors(got), (event, errors(got))
-                done = [e for e in got if e["type"] == "response.done"]
-                assert done[0]["response"]["status"] in ("completed", "incomplete"), done[0]["response"]
-                last = done[0]["response"]
-            assert len(creates) >= 20 and last["output"][0]["content"][0]["type"] == "output_audio"
-            truncate = {"type": "conversation.item.truncate", "item_id": last["output"][0]["id"]}
-            truncate |= {"content_index": 0, "audio_end_ms": 0}
-            for event in event_shapes(ConversationItemTruncateEventParam, truncate):
-                got = await conn.exchange(event, until="conversation.item.truncated")
-                assert not errors(got)
-            for event in event_shapes(ConversationItemDeleteEventParam, {"type": "conversation.item.delete"}):
-                reply = await conn.exchange({"type": "response.create"}, until="response.done")
-                item_id = [e for e in reply if e["type"] == "response.done"][0]["response"]["output"][0]["id"]
-                got = await conn.exchange({**event, "item_id": item_id}, until="conversation.item.deleted")
-                assert not errors(got)
-            for event in event_shapes(ResponseCancelEventParam, {"type": "response.cancel"}):
-                # With no response in flight the cancel is refused for the state; with one, it
-                # is cancelled (or had already ended: refused the same way).
-                assert errors(await conn.exchange(event)) == [("response_cancel_not_active", None)]
-                start = len(conn.events)
-                await conn.ws.send_str(json.dumps({"type": "response.create"}))
-                got = await conn.exchange(event, until="response.done")
-                done = conn.events[await conn.wait("response.done", start)]
-                assert errors(got) in ([], [("response_cancel_not_active", None)])
-                assert (done["response"]["status"] == "cancelled") == (not errors(got)), done["response"]
-        finally:
-            await conn.close()
+    async with connected(agent) as (conn, _):
+        hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}
+        assert not errors(await conn.exchange({"type": "conversation.item.create", "item": hello}))
+        last = None
+        creates = [{"type": "response.create"}]  # no `response` at all, then each params shape
+        for params in shapes(RealtimeResponseCreateParamsParam, {}):
+            creates += event_shapes(ResponseCreateEventParam, {"type": "response.create", "response": params})
+        for event in creates:
+            got = await conn.exchange(event, until="response.done")
+            assert not errors(got), (event, errors(got))
+            done = [e for e in got if e["type"] == "response.done"]
+            assert done[0]["response"]["status"] in ("completed", "incomplete"), done[0]["response"]
+            last = done[0]["response"]
+        assert len(creates) >= 20 and last["output"][0]["content"][0]["type"] == "output_audio"
+        truncate = {"type": "conversation.item.truncate", "item_id": last["output"][0]["id"]}
+        truncate |= {"content_index": 0, "audio_end_ms": 0}
+        for event in event_shapes(ConversationItemTruncateEventParam, truncate):
+            got = await conn.exchange(event, until="conversation.item.truncated")
+            assert not errors(got)
+        for event in event_shapes(ConversationItemDeleteEventParam, {"type": "conversation.item.delete"}):
+            reply = await conn.exchange({"type": "response.create"}, until="response.done")
+            item_id = [e for e in reply if e["type"] == "response.done"][0]["response"]["output"][0]["id"]
+            got = await conn.exchange({**event, "item_id": item_id}, until="conversation.item.deleted")
+            assert not errors(got)
+        for event in event_shapes(ResponseCancelEventParam, {"type": "response.cancel"}):
+            # With no response in flight the cancel is refused for the state; with one, it
+            # is cancelled (or had already ended: refused the same way).
+            assert errors(await conn.exchange(event)) == [("response_cancel_not_active", None)]
+            start = len(conn.events)
+            await conn.ws.send_str(json.dumps({"type": "response.create"}))
+            got = await conn.exchange(event, until="response.done")
+            done = conn.events[await conn.wait("response.done", start)]
+            assert errors(got) in ([], [("response_cancel_not_active", None)])
+            assert (done["response"]["status"] == "cancelled") == (not errors(got)), done["response"]
 
 
 async def test_spoken_turn_events(agent: RunningAgent, speech_wav: Path) -> None:
-    async with aiohttp.ClientSession() as http:
-        conn, _ = await open_conn(http, agent)
-        try:
-            transcribed = {"transcription": {"model": None, "language": None, "prompt": None}}
-            update = {"type": "session.update", "session": {"type": "realtime", "audio": {"input": transcribed}}}
-            assert not errors(await conn.exchange(update))
-            start = len(conn.events)
-            pcm = np.concatenate([pcm24(speech_wav), np.zeros(24_000, np.int16)])  # a second of silence ends it
-            begun = time.monotonic()
-            for i, offset in enumerate(range(0, len(pcm), 480)):  # 20 ms appends, paced like a microphone
-                await conn.ws.send_str(
-                    json.dumps({"type": "input_audio_buffer.append", "audio": b64(pcm[offset : offset + 480])})
-                )
-                await asyncio.sleep(max(0.0, begun + (i + 1) * 0.02 - time.monotonic()))
-            await conn.wait("response.done", start)
-            await conn.wait("conversation.item.input_audio_transcription.completed", start)
-            kinds = {e["type"] for e in conn.events[start:]}
-            assert not errors(conn.events[start:])
-            assert {
-                "input_audio_buffer.speech_started",
-                "input_audio_buffer.speech_stopped",
-                "input_audio_buffer.committed",
-                "response.output_audio.delta",
-                "response.output_audio_transcript.done",
-            } <= kinds, kinds
-            assert not kinds & EXTRAS, kinds  # this session did not ask for them
-        finally:
-            await conn.close()
+    async with connected(agent) as (conn, _):
+        transcribed = {"transcription": {"model": None, "language": None, "prompt": None}}
+        update = {"type": "session.update", "session": {"type": "realtime", "audio": {"input": transcribed}}}
+        assert not errors(await conn.exchange(update))
+        start = len(conn.events)
+        pcm = np.concatenate([pcm24(speech_wav), np.zeros(24_000, np.int16)])  # a second of silence ends it
+        begun = time.monotonic()
+        for i, offset in enumerate(range(0, len(pcm), 480)):  # 20 ms appends, paced like a microphone
+            await conn.ws.send_str(
+                json.dumps({"type": "input_audio_buffer.append", "audio": b64(pcm[offset : offset + 480])})
+            )
+            await asyncio.sleep(max(0.0, begun + (i + 1) * 0.02 - time.monotonic()))
+        await conn.wait("response.done", start)
+        await conn.wait("conversation.item.input_audio_transcription.completed", start)
+        kinds = {e["type"] for e in conn.events[start:]}
+        assert not errors(conn.events[start:])
+        assert {
+            "input_audio_buffer.speech_started",
+            "input_audio_buffer.speech_stopped",
+            "input_audio_buffer.committed",
+            "response.output_audio.delta",
+            "response.output_audio_transcript.done",
+        } <= kinds, kinds
+        assert not kinds & EXTRAS, kinds  # this session did not ask for them
 
 
 async def test_what_client_libraries_send_and_expect(agent: RunningAgent) -> None:
-    async with aiohttp.ClientSession() as http:
-        conn, session = await open_conn(http, agent)
-        try:
-            assert session["max_output_tokens"] == "inf"
-            hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}
-            first = await conn.exchange({"type": "conversation.item.create", "previous_item_id": "root", "item": hello})
-            added = [e for e in first if e["type"] == "conversation.item.added"]
-            assert not errors(first) and len(added) == 1 and added[0]["previous_item_id"] is None
-            again = {"type": "conversation.item.create", "previous_item_id": "root", "item": hello}
-            assert errors(await conn.exchange(again)) == [("unsupported", "previous_item_id")]
-            none = [e for e in await conn.exchange({"type": "response.cancel"}) if e["type"] == "error"]
-            assert none[0]["error"]["message"] == "Cancellation failed: no active response found"
-            start = len(conn.events)
-            await conn.ws.send_str(json.dumps({"type": "response.create"}))
-            other = {"type": "response.cancel", "response_id": "resp_not_this_one"}
-            assert errors(await conn.exchange(other)) == [("response_cancel_not_active", None)]
-            done = conn.events[await conn.wait("response.done", start)]
-            assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
-            bad = {"type": "response.cancel", "response_id": 7}
-            assert errors(await conn.exchange(bad)) == [("invalid_value", "response_id")]
-        finally:
-            await conn.close()
+    async with connected(agent) as (conn, session):
+        assert session["max_output_tokens"] == "inf"
+        hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}
+        first = await conn.exchange({"type": "conversation.item.create", "previous_item_id": "root", "item": hello})
+        added = [e for e in first if e["type"] == "conversation.item.added"]
+        assert not errors(first) and len(added) == 1 and added[0]["previous_item_id"] is None
+        again = {"type": "conversation.item.create", "previous_item_id": "root", "item": hello}
+        assert errors(await conn.exchange(again)) == [("unsupported", "previous_item_id")]
+        none = [e for e in await conn.exchange({"type": "response.cancel"}) if e["type"] == "error"]
+        assert none[0]["error"]["message"] == "Cancellation failed: no active response found"
+        start = len(conn.events)
+        await conn.ws.send_str(json.dumps({"type": "response.create"}))
+        other = {"type": "response.cancel", "response_id": "resp_not_this_one"}
+        assert errors(await conn.exchange(other)) == [("response_cancel_not_active", None)]
+        done = conn.events[await conn.wait("response.done", start)]
+        assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
+        bad = {"type": "response.cancel", "response_id": 7}
+        assert errors(await conn.exchange(bad)) == [("invalid_value", "response_id")]
 
 
 async def test_function_call_shapes(agent: RunningAgent) -> None:
     """Function tools in every shape the SDK allows (optional fields absent, null), a named call,
     and the result in every function_call_output shape: no error, every server event GA."""
     schema = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}
-    async with aiohttp.ClientSession() as http:
-        conn, _ = await open_conn(http, agent)
-        try:
-            tool = {"type": "function", "name": "switch", "parameters": schema}
-            for shape in shapes(RealtimeFunctionToolParam, {"name": "switch"}, depth=0) + [tool]:
-                update = {
-                    "type": "session.update",
-                    "session": {"type": "realtime", "tools": [shape], "tool_choice": None},
-                }
-                got = await conn.exchange(update, until="session.updated")
-                assert not errors(got), (shape, errors(got))
-                echoed = [e for e in got if e["type"] == "session.updated"][-1]["session"]
-                assert [t["name"] for t in echoed["tools"]] == ["switch"] and echoed["tool_choice"] == "auto"
-            hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "lights on"}]}
-            assert not errors(await conn.exchange({"type": "conversation.item.create", "item": hello}))
-            named = {"type": "response.create", "response": {"tool_choice": {"type": "function", "name": "switch"}}}
-            got = await conn.exchange(named, until="response.done")
-            assert not errors(got), errors(got)
-            output = [e for e in got if e["type"] == "response.done"][0]["response"]["output"]
-            assert [o["type"] for o in output] == ["function_call"] and json.loads(output[0]["arguments"])["on"] in (
-                True,
-                False,
-            )
-            base = {"type": "function_call_output", "call_id": output[0]["call_id"], "output": "done"}
-            for item in shapes(RealtimeConversationItemFunctionCallOutputParam, base, depth=0):
-                got = await conn.exchange({"type": "conversation.item.create", "item": item})
-                assert not errors(got), (item, errors(got))
-                added = [e for e in got if e["type"] == "conversation.item.added"]
-                assert len(added) == 1 and added[0]["item"]["type"] == "function_call_output"
-            got = await conn.exchange(
-                {"type": "response.create", "response": {"tool_choice": "none"}}, until="response.done"
-            )
-            assert not errors(got) and [o["type"] for o in got[-1]["response"]["output"]] == ["message"]
-        finally:
-            await conn.close()
+    async with connected(agent) as (conn, _):
+        tool = {"type": "function", "name": "switch", "parameters": schema}
+        for shape in shapes(RealtimeFunctionToolParam, {"name": "switch"}, depth=0) + [tool]:
+            update = {
+                "type": "session.update",
+                "session": {"type": "realtime", "tools": [shape], "tool_choice": None},
+            }
+            got = await conn.exchange(update, until="session.updated")
+            assert not errors(got), (shape, errors(got))
+            echoed = [e for e in got if e["type"] == "session.updated"][-1]["session"]
+            assert [t["name"] for t in echoed["tools"]] == ["switch"] and echoed["tool_choice"] == "auto"
+        hello = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "lights on"}]}
+        assert not errors(await conn.exchange({"type": "conversation.item.create", "item": hello}))
+        named = {"type": "response.create", "response": {"tool_choice": {"type": "function", "name": "switch"}}}
+        got = await conn.exchange(named, until="response.done")
+        assert not errors(got), errors(got)
+        output = [e for e in got if e["type"] == "response.done"][0]["response"]["output"]
+        assert [o["type"] for o in output] == ["function_call"] and json.loads(output[0]["arguments"])["on"] in (
+            True,
+            False,
+        )
+        base = {"type": "function_call_output", "call_id": output[0]["call_id"], "output": "done"}
+        for item in shapes(RealtimeConversationItemFunctionCallOutputParam, base, depth=0):
+            got = await conn.exchange({"type": "conversation.item.create", "item": item})
+            assert not errors(got), (item, errors(got))
+            added = [e for e in got if e["type"] == "conversation.item.added"]
+            assert len(added) == 1 and added[0]["item"]["type"] == "function_call_output"
+        got = await conn.exchange(
+            {"type": "response.create", "response": {"tool_choice": "none"}}, until="response.done"
+        )
+        assert not errors(got) and [o["type"] for o in got[-1]["response"]["output"]] == ["message"]
