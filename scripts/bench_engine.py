@@ -163,6 +163,13 @@ def main() -> None:
     )
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     p.add_argument(
+        "--compile-dynamic-batch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one compile per step for every batch bucket, or one per bucket (default: the engine's, "
+        "per bucket on CUDA: 4 buckets x 6 steps of cold compiles at real depth)",
+    )
+    p.add_argument(
         "--profile-ticks",
         type=int,
         default=0,
@@ -261,7 +268,9 @@ def main() -> None:
         cfg = replace(cfg, max_sessions=max(args.batch), context_limit=CAP_CONTEXT)
     from agent.engine.compile.wiring import GraphConfig
 
-    stream = StreamingRunner.from_config(loaded, cfg, graphs=GraphConfig(fused_gemv=args.fused_gemv))
+    stream = StreamingRunner.from_config(
+        loaded, cfg, graphs=GraphConfig(fused_gemv=args.fused_gemv, compile_dynamic_batch=args.compile_dynamic_batch)
+    )
     image = camera_frame()
     short, long_ = utterance(1.0), utterance(8.0, seed=1)
 

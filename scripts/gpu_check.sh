@@ -5,6 +5,7 @@
 # takes ~90 s; the compiled one's cold compiles at real depth take well over 140 s, so a session's
 # first call is best
 #   ONLY=bench_compiled COMPILED_LIMIT=540 COMPILED_BATCH=1,4 bash scripts/gpu_check.sh
+# (one compile per step for all batches; PER_BUCKET=1 compiles each bucket, the CUDA default)
 # and the second ONLY="pytest_gpu bench_graphs" (or "bench_graphs bench_int4", the bf16/int4 pair):
 #   1. machine, driver and Python versions, nvidia-smi;
 #   2. install: the machine's CUDA torch is kept (the project pins torch==2.13.0, whose CPU wheel
@@ -176,8 +177,11 @@ run bench_int4 "${INT4_LIMIT:-180}" bash -c 'set -o pipefail; bench_int4 "$@"' _
 run bench_code_predictor "${CP_LIMIT:-240}" "$PY" scripts/bench_code_predictor.py --device cuda --batch 1,4 --iters 30
 # Sampled as a real model is by default (agent/decoding.py): the thinker's and talker's choice
 # are compiled, graphed steps of their own, the code predictor samples inside its loop.
+# One compile per step for every batch (--compile-dynamic-batch; PER_BUCKET=1: the CUDA
+# default, one per bucket, four times the cold compiles): on 2026-12-04 the per-bucket compiles
+# at real depth outlasted a 230 s limit before the first row. bench_engine logs each compile.
 run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch "${COMPILED_BATCH:-1,4,10}" --repeats 2 --compile on \
-  --decoding "${DECODING:-sample}" --profile-ticks 8
+  --"${PER_BUCKET:+no-}compile-dynamic-batch" --decoding "${DECODING:-sample}" --profile-ticks 8
 # The same with library matmuls in every compiled decode step (thinker, talker, code predictor):
 # with bench_compiled, decides GraphConfig.fused_gemv's default (usually a second device call).
 run bench_compiled_library "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on \
