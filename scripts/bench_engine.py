@@ -207,6 +207,10 @@ def main() -> None:
     )
     m.add_argument("--load-dir", default=None, help="where the temporary checkpoints go (default: the system temp dir)")
     args = p.parse_args()
+    # Each step's compile time as it finishes: a cold compile at real depth can outlast a time
+    # limit on the device, and the log then says how far it got.
+    logging.basicConfig(format="# %(relativeCreated)7.0f ms  %(message)s", stream=sys.stdout)
+    logging.getLogger("agent.engine.compile").setLevel(logging.INFO)
     if args.load:
         if len(set(args.layers)) != 2:
             p.error("--layers takes two different depths, e.g. 1,2")
@@ -239,10 +243,6 @@ def main() -> None:
 
     if args.memory_cap_gib:
         cap_memory(args.memory_cap_gib, args.device)
-    # Each step's compile time as it finishes: a cold compile at real depth can outlast a time
-    # limit on the device, and the log then says how far it got.
-    logging.basicConfig(format="# %(relativeCreated)7.0f ms  %(message)s", stream=sys.stdout)
-    logging.getLogger("agent.engine.compile").setLevel(logging.INFO)
     started = time.perf_counter()
     loaded = load(args)
     print(f"# loaded in {time.perf_counter() - started:.1f} s", flush=True)
