@@ -105,7 +105,7 @@ def probe_runner(runner) -> Probe:
     probe.wrap(runner.talker, "step", "talker_step", rows)
     probe.wrap(runner.frames.predictor, "run", "code_predictor", lambda out, hidden, *a, **k: hidden.shape[0])
     probe.wrap(runner.frames.code2wav, "push", "code2wav", lambda out, slots, *a, **k: len(slots))
-    probe.wrap(runner.turns, "start_reply", "audio_tail")
+    probe.wrap(runner.turns.end, "start_reply", "audio_tail")
     # End-of-turn prefills are batched over the sessions whose turns end in the same tick.
     probe.wrap(runner.thinker, "run_prefills", "thinker_prefill", lambda out, *a, **k: sum(out))
     probe.wrap(runner.turns, "talker_prefills", "talker_prefill")
