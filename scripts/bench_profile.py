@@ -73,6 +73,14 @@ def tick_kernels(runner, audio: np.ndarray, image: np.ndarray, sessions: int, ti
     }
 
 
+def short(kernel: str, width: int = 110) -> str:
+    """A kernel's name without the namespace noise that every ATen kernel repeats (what tells two
+    elementwise kernels apart is the functor deep in the template arguments)."""
+    for noise in ("void ", "at::native::", "(anonymous namespace)::", "c10::"):
+        kernel = kernel.replace(noise, "")
+    return kernel[:width]
+
+
 def report(rows: list[dict]) -> None:
     print("\nkernels the device ran per steady tick (torch.profiler; CUDA graph replays included)")
     print(
@@ -84,6 +92,6 @@ def report(rows: list[dict]) -> None:
             f"{r['host_launches_per_tick']:>13.1f} {r['graph_launches_per_tick']:>14.1f}"
         )
     for r in rows:
-        top = ", ".join(f"{name[:60]} x{n}" for name, n in r["top"])
+        top = ", ".join(f"{short(name)} x{n}" for name, n in r["top"])
         print(f"top kernels at {r['sessions']} session(s): {top or '(none: no CUDA device)'}")
     print(" ".join(f"gpu_kernels_per_tick_b{r['sessions']}={r['kernels_per_tick']:.0f}" for r in rows), flush=True)
