@@ -94,8 +94,8 @@ class BucketedPrefill:
             # Compiled like the per-frame steps, with the batch, the token count (embeds,
             # positions, mask) and the key window symbolic: one compile serves every (batch,
             # token, window) bucket, so start-up pays for one, not dozens. Except flex attention
-            # on CUDA, whose prefill kernels need a static query length (agent/engine/ops/attention.py):
-            # there dynamo compiles once per token bucket (five), the batch still symbolic.
+            # on CUDA, whose prefill kernels need a static query length (agent/engine/ops/attention.py),
+            # and where the compile with a symbolic batch failed (below): captured uncompiled.
             static_tokens = self.kv.backend == "flex" and torch.device(self.kv.device).type == "cuda"
             dynamic = (() if static_tokens else ((0, 1), (3, 2), (5, 1))) + (((5, 2),) if self._windowed else ())
             self.pool = graphing.pool(
@@ -106,8 +106,8 @@ class BucketedPrefill:
                 variants=variants,
                 # Not compiled with flex on CUDA: inductor failed there on 2026-12-04 (H200, torch
                 # 2.11: "CantSplit: 32768 not divisible by 16*s55", the symbolic batch times a
-                # token bucket against the cache's length). Captured eagerly, as measured on
-                # 2026-11-30; the per-frame steps stay compiled.
+                # token bucket against the cache's length). Captured as eager graphs, as measured
+                # on 2026-11-30 and 2026-12-04; the per-frame steps stay compiled.
                 compiled=not static_tokens,
                 dynamic_dims=dynamic,
                 dynamic_batch=True,
