@@ -101,6 +101,17 @@ def app_builder(args: Mapping[str, Any]) -> serve.Application:
     return build(Config(**values), options_from(args))
 
 
+# Serve's controller kills a proxy whose start-up answer takes over 5 s, or whose health check
+# takes over 10 s three times in a row, and restarts it: on a node whose cores the replicas'
+# engine threads keep busy (a CPU host, a compile at start-up) a live proxy misses those, and
+# `serve.start` then fails on the killed one (seen on a loaded 2-core machine). Longer limits,
+# read by the Ray processes this run starts (a cluster at RAY_ADDRESS keeps its own).
+PROXY_CHECK_TIMEOUTS = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+}
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -116,6 +127,8 @@ def run(config: Config, options: ServeOptions) -> None:
     """`omni-agent serve --ray`: a local Ray (or RAY_ADDRESS's cluster), the proxy on --host/--port."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # ray 2.60 otherwise writes ~/.ray/auth_token
+    for name, seconds in PROXY_CHECK_TIMEOUTS.items():
+        os.environ.setdefault(name, seconds)
     # SIGTERM ends the run like Ctrl-C, so the local Ray this process started goes with it.
     signal.signal(signal.SIGTERM, _interrupt)
     started_ray = not ray.is_initialized()

@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on the environment
         raise  # CI installs the `test` extra, which pins ray[serve]: missing is a failure there
     pytest.skip("ray[serve] is not installed (pip install '.[serve]')", allow_module_level=True)
 
-from agent.serve.app import APP_NAME, build  # noqa: E402  (needs ray)
+from agent.serve.app import APP_NAME, PROXY_CHECK_TIMEOUTS, build  # noqa: E402  (needs ray)
 from agent.serve.options import ServeOptions  # noqa: E402
 from agent.serve.ownership import REPLICA_HEADER, SESSION_HEADER, owner_of  # noqa: E402
 
@@ -66,6 +66,9 @@ _RAY_ENV = {
     "RAY_AUTH_MODE": "disabled",  # ray 2.60 would otherwise write ~/.ray/auth_token
     # Replicas push their autoscaling metrics every 0.5 s instead of every 10 s.
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    # The proxy check limits `omni-agent serve --ray` sets: with Serve's own (5 s to start up),
+    # a loaded machine got a proxy killed while `serve.start` waited for it.
+    **PROXY_CHECK_TIMEOUTS,
 }
 
 

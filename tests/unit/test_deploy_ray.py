@@ -3,7 +3,8 @@
 Pins: deploy/ray/serve.yaml and the RayService's serveConfigV2 validate against Serve's own
 config schema; their import path builds the AgentReplica deployment with the owner-pinned
 router (and, when autoscaling, the calls/GPU policy) from their args; the GPU workers run on
-the node's network, one pod per node, with a GPU each and the node's address for ICE.
+the node's network, one pod per node, with a GPU each and the node's address for ICE; the head,
+where Serve's controller runs, gets the proxy check limits `serve --ray` sets for its own Ray.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import yaml
 try:
     from ray.serve.schema import ServeDeploySchema
 
-    from agent.serve.app import POLICY_PATH, ROUTER_PATH, app_builder
+    from agent.serve.app import POLICY_PATH, PROXY_CHECK_TIMEOUTS, ROUTER_PATH, app_builder
 except ImportError:  # pragma: no cover - depends on the environment
     if os.environ.get("CI") == "true":
         raise  # the `test` extra pins ray[serve]: missing is a failure in CI
@@ -87,6 +88,13 @@ def test_gpu_workers_use_the_node_network_one_per_node() -> None:
     args = yaml.safe_load(_rayservice()["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert grace > args["graceful_shutdown_s"]  # Kubernetes must not kill a draining replica first
     assert spec["rayVersion"] == "2.60.0"
+
+
+def test_the_head_gets_the_proxy_check_limits_serve_ray_sets() -> None:
+    spec = _rayservice()["spec"]["rayClusterConfig"]
+    (head,) = spec["headGroupSpec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    assert PROXY_CHECK_TIMEOUTS and {k: env.get(k) for k in PROXY_CHECK_TIMEOUTS} == PROXY_CHECK_TIMEOUTS
 
 
 def test_ice_servers_in_a_serve_config_are_parsed_as_the_flag_is() -> None:
