@@ -75,6 +75,10 @@ class Config:
     # torch.compile of the per-frame step functions: auto = on CUDA only (on CPU the start-up
     # compile costs more than it saves here: agent/engine/compile/inductor.py); on | off.
     compile: str = "auto"
+    # Compiled, each decoder layer one nested region: one layer's code generated and called per
+    # layer, so the cold compile does not grow with depth (agent/engine/ops/slots.py; on CPU the
+    # thinker's step at 48 layers: ~54 s against ~970 s). Off until a GPU measures a tick with it.
+    compile_regions: bool = False
     runner: str = "stream"  # stream | reference (transformers' generate(): whole reply at once)
     speaker: str = ""  # "" = first speaker in the talker config
     # Left None, these are the model's own (agent/decoding.py): the tiny random model gets a

@@ -126,6 +126,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="same as --compile off")
     p.add_argument(
+        "--compile-regions",
+        default=d.compile_regions,
+        action="store_true",
+        help="compile each decoder layer once and call it per layer: a first start that does not grow "
+        "with depth (48 thinker layers), no fusion across layers (docs/running.md)",
+    )
+    p.add_argument(
         "--runner",
         default=d.runner,
         choices=["stream", "reference"],

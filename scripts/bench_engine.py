@@ -170,6 +170,12 @@ def main() -> None:
         "per bucket on CUDA: 4 buckets x 6 steps of cold compiles at real depth)",
     )
     p.add_argument(
+        "--compile-regions",
+        action="store_true",
+        help="compile each decoder layer once as a nested region, called per layer (GraphConfig.compile_regions: "
+        "a cold compile that does not grow with depth; scripts/bench_compile.py)",
+    )
+    p.add_argument(
         "--profile-ticks",
         type=int,
         default=0,
@@ -268,9 +274,12 @@ def main() -> None:
         cfg = replace(cfg, max_sessions=max(args.batch), context_limit=CAP_CONTEXT)
     from agent.engine.compile.wiring import GraphConfig
 
-    stream = StreamingRunner.from_config(
-        loaded, cfg, graphs=GraphConfig(fused_gemv=args.fused_gemv, compile_dynamic_batch=args.compile_dynamic_batch)
+    graphs = GraphConfig(
+        fused_gemv=args.fused_gemv,
+        compile_dynamic_batch=args.compile_dynamic_batch,
+        compile_regions=args.compile_regions,
     )
+    stream = StreamingRunner.from_config(loaded, cfg, graphs=graphs)
     image = camera_frame()
     short, long_ = utterance(1.0), utterance(8.0, seed=1)
 

@@ -232,7 +232,7 @@ def run(args, utterance: Callable[[float], np.ndarray]) -> None:
     # "fake": the CPU capture backend is injected here (production never imports it).
     graphs = fake_graph_config(check_replays=False) if args.graphs == "fake" else GraphConfig(mode=args.graphs)
     # What a CUDA run compiles (fused projections), unless --no-fused-gemv.
-    graphs = replace(graphs, fused_gemv=args.fused_gemv is not False)
+    graphs = replace(graphs, fused_gemv=args.fused_gemv is not False, compile_regions=args.compile_regions)
     audio = utterance(args.kernel_utterance_s)
     counts: dict[int, dict[str, Phase]] = {}
     graph_mode = ""

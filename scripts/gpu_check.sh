@@ -2,10 +2,12 @@
 # One short GPU check of the engine's CUDA path. The steps' limits add up to more than one 10-minute
 # device call (15 minutes of device time a session): ONLY="..." runs the setup (~20 s) and the steps
 # named. Measured on 2026-12-04 (bench/results/engine-h200-2026-12-04.txt): the graphs-only bench
-# takes ~90 s; the compiled one's cold compiles at real depth take well over 140 s, so a session's
-# first call is best
-#   ONLY=bench_compiled COMPILED_LIMIT=540 COMPILED_BATCH=1,4 bash scripts/gpu_check.sh
-# (one compile per step for all batches; PER_BUCKET=1 compiles each bucket, the CUDA default)
+# takes ~90 s; the compiled one's cold compiles at real depth take well over 140 s (on CPU the
+# thinker's step alone ~970 s at 48 layers; bench/results/compile-regions-cpu-2026-12-04.txt),
+# so a session's first call is best
+#   ONLY=bench_compiled REGIONS=1 COMPILED_LIMIT=540 COMPILED_BATCH=1,4 bash scripts/gpu_check.sh
+# (one compile per step for all batches; PER_BUCKET=1 compiles each bucket, the CUDA default;
+# REGIONS=1, any value: each decoder layer compiled once, ~54 s for that step on CPU)
 # and the second ONLY="pytest_gpu bench_graphs" (or "bench_graphs bench_int4", the bf16/int4 pair):
 #   1. machine, driver and Python versions, nvidia-smi;
 #   2. install: the machine's CUDA torch is kept (the project pins torch==2.13.0, whose CPU wheel
@@ -180,8 +182,11 @@ run bench_code_predictor "${CP_LIMIT:-240}" "$PY" scripts/bench_code_predictor.p
 # One compile per step for every batch (--compile-dynamic-batch; PER_BUCKET=1: the CUDA
 # default, one per bucket, four times the cold compiles): on 2026-12-04 the per-bucket compiles
 # at real depth outlasted a 230 s limit before the first row. bench_engine logs each compile.
+# REGIONS=1 (any value; unset: inlined): each decoder layer compiled once and called per layer
+# (--compile-regions), a cold compile that does not grow with depth (scripts/bench_compile.py).
 run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch "${COMPILED_BATCH:-1,4,10}" --repeats 2 --compile on \
-  --"${PER_BUCKET:+no-}compile-dynamic-batch" --decoding "${DECODING:-sample}" --profile-ticks 8
+  --"${PER_BUCKET:+no-}compile-dynamic-batch" --decoding "${DECODING:-sample}" --profile-ticks 8 \
+  ${REGIONS:+--compile-regions}
 # The same with library matmuls in every compiled decode step (thinker, talker, code predictor):
 # with bench_compiled, decides GraphConfig.fused_gemv's default (usually a second device call).
 run bench_compiled_library "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on \

@@ -12,9 +12,9 @@ def generated_code(counter: KernelCounter) -> list[str]:
     return [line for line in lines if line and not line.startswith("#")]
 
 
-def fused_per_batch(loaded, compiled_options):
+def fused_per_batch(loaded, compiled_options, regions: bool = False):
     """The engine's graphing as CUDA sets it up, on CPU: one compile per batch bucket (4 only,
-    so one compile each) with fused projections."""
+    so one compile each) with fused projections; `regions`: each decoder layer a nested region."""
     from agent.engine.compile.wiring import GraphConfig, Graphing
 
     config = GraphConfig(
@@ -24,5 +24,6 @@ def fused_per_batch(loaded, compiled_options):
         batch_sizes=(4,),
         compile_dynamic_batch=False,
         fused_gemv=True,
+        compile_regions=regions,
     )
     return Graphing(config, loaded.device, 4)

@@ -12,7 +12,7 @@ Pins:
   start-up: the runner's constructor compiles, live calls do not (dynamo compiles no new graph);
 - per-bucket mode compiles once per bucket seen, never for a padded batch's own size, and runs a
   batch above every bucket eagerly;
-- `--compile` / `--no-compile` reach the runner, and "auto" leaves CPU eager.
+- `--compile` / `--no-compile` / `--compile-regions` reach the runner, and "auto" leaves CPU eager.
 The streaming-equals-generate() tests run with compilation on as well (test_streaming_exact.py).
 """
 
@@ -164,3 +164,8 @@ def test_compile_flags_reach_the_runner(loaded):
     assert config_from_args(parser.parse_args(["--compile", "on"])).compile == "on"
     eager = StreamingRunner.from_config(loaded, config_from_args(parser.parse_args(["--max-sessions", "1"])))
     assert eager.graphing.compiler is None and not eager.graphing.enabled  # auto: CPU stays eager
+    assert not eager.graphing.config.compile_regions
+    args = parser.parse_args(["--max-sessions", "1", "--no-compile", "--compile-regions"])
+    regions = StreamingRunner.from_config(loaded, config_from_args(args))
+    assert regions.graphing.config.compile_regions  # reaches the graphing (a no-op without compiling)
+    assert not regions.graphing.compiles_regions and not regions.thinker.regions

@@ -13,7 +13,9 @@ Pins:
   compiles it, gives the eager loop's codes exactly and its embedding sums for a batch of 3
   (padded to 4: one compile, ~1 min here), and the compiled loop calls no library matmul;
 - so do its thinker decode and talker steps (fused MoE experts too: no grouped matmul), equal
-  to the eager steps for ragged rows in random slots;
+  to the eager steps for ragged rows in random slots; and so again with each decoder layer a
+  nested compile region (`compile_regions`), whose one generated body each step calls once per
+  layer;
 - a decoder the fused path would compute wrongly (dense MLPs, layer scales, another norm) is
   refused when the steps are built.
 """
@@ -28,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeRMSNorm
 
-from agent.engine.instruments.kernel_count import KernelCounter, wrapper_launches
+from agent.engine.instruments.kernel_count import KernelCounter, region_functions, wrapper_launches
 from agent.engine.ops.gemv import check_norm, gemv, normed_gemv
 
 K, N = 64, 96
@@ -132,6 +134,34 @@ def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded,
             assert_steps_equal_eager(thinker, talker, batch, gen)
     assert len(counter.sources) >= 2, "the steps did not run compiled"
     assert not [line for line in generated_code(counter) if "extern_kernels.mm" in line or "grouped_mm" in line]
+
+
+def test_decode_steps_with_one_region_per_layer_equal_eager(loaded, compiled_options):
+    """`GraphConfig(compile_regions=True)`: a cold compile that does not grow with depth (one
+    layer generated, called per layer), the same numbers."""
+    from agent.engine.ops.fusion import fuse_decoder
+    from agent.engine.ops.moe import fuse_moe
+    from agent.engine.stages.talker import TalkerOps
+    from agent.engine.stages.thinker import ThinkerOps
+
+    model = loaded.model
+    fuse_moe(model)
+    fuse_decoder(model.thinker.model.language_model)
+    fuse_decoder(model.talker.model)
+    graphing = fused_per_batch(loaded, compiled_options, regions=True)
+    thinker, talker = ThinkerOps(loaded, 6, 512, graphing), TalkerOps(loaded, 6, 512, graphing=graphing)
+    assert thinker.regions and talker.regions
+    gen = torch.Generator().manual_seed(11)
+    fill_with_noise(thinker, talker, gen=gen)
+    with KernelCounter() as counter:
+        for batch in (3, 4):
+            assert_steps_equal_eager(thinker, talker, batch, gen)
+    layers = sorted((len(thinker.lm.layers), len(talker.talker.model.layers)))
+    calls = []
+    for source in counter.sources.values():
+        (region,) = region_functions(source)  # one body, generated once
+        calls.append(source.count(f"= {region}("))
+    assert sorted(calls) == layers, calls  # the thinker's step and the talker's: one call per layer
 
 
 def test_a_decoder_the_fused_path_would_get_wrong_is_refused(loaded):

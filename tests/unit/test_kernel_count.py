@@ -8,7 +8,9 @@ run-time extern ops are not counted again, and eager ops around it are still cou
 wrapper parser counts generated, extern and fallback calls (CPU and Triton style) and nothing
 else; with scheduler marks on, a graph whose two reductions the C++ backend merges into one
 launch counts 1 launch and 2 scheduled kernels, and a graph generated without marks has no
-scheduled count; only one counter may be active.
+scheduled count; a nested compile region (generated once, called per layer) counts its body's
+launches and scheduled kernels at every call, as many as the same layers inlined give up to one
+per layer (what fuses across a region's boundary when inlined); only one counter may be active.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from agent.engine.instruments.kernel_count import (
     KernelCounter,
     is_view,
     marking_scheduled_kernels,
+    region_functions,
     scheduled_kernels,
     wrapper_launches,
 )
@@ -144,6 +147,34 @@ def test_merged_cpu_kernels_count_one_launch_and_their_scheduled_nodes():
     with KernelCounter() as counter:
         plain(x)
     assert counter.unmarked_graphs == 1 and counter.scheduled["other"] == counter.kernels["other"] == 1
+
+
+def test_a_nested_region_counts_its_body_at_every_call():
+    def layer(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w) * 2 + x  # a matmul and a fused pointwise kernel
+
+    region = torch.compiler.nested_compile_region(layer)
+    weights, x = [torch.randn(8, 8) for _ in range(3)], torch.randn(2, 8)
+    counts = {}
+    for name, fn in (("inlined", layer), ("regions", region)):
+
+        def stack(x: torch.Tensor, fn=fn) -> torch.Tensor:
+            for w in weights:
+                x = fn(w, x)
+            return x.sum()
+
+        torch._dynamo.reset()
+        with marking_scheduled_kernels():
+            compiled = torch.compile(stack, fullgraph=True, dynamic=False)
+            compiled(x)
+        with KernelCounter() as counter:
+            compiled(x)
+        (source,) = counter.sources.values()
+        counts[name] = (counter.kernels["other"], counter.scheduled["other"])
+    (region,) = region_functions(source)  # the regions' one body, generated once
+    assert source.count(f"= {region}(") == 3  # and called per layer
+    for i in (0, 1):  # launches, scheduled
+        assert counts["inlined"][i] <= counts["regions"][i] <= counts["inlined"][i] + len(weights), counts
 
 
 def test_one_counter_at_a_time():

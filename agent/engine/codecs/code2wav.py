@@ -105,6 +105,7 @@ class SlotCode2Wav:
         # Pad rows: code 0 at frame 0, not fresh, in the scratch slot. Outputs cloned: callers
         # keep the samples (numpy views of a CPU tensor would see the next replay).
         self._graph = None
+        self.regions = graphing is not None and graphing.compiles_regions
         if graphing is not None:
             pads = (0, self.pad_slot, 0, 0)
             self._graph = graphing.pool("code2wav", self._step, pads, clone_outputs=True, compiled=True)
@@ -218,7 +219,7 @@ class SlotCode2Wav:
         mask = ((seen <= query) & (seen > query - self.window)).unsqueeze(1)
         kv_rows = Rows([], index, self.ring, mask, rows.range, rows.index)
         body = self.code2wav.pre_transformer
-        hidden, _ = decoder_forward(body, self.kv, kv_rows, embeds, positions)
+        hidden, _ = decoder_forward(body, self.kv, kv_rows, embeds, positions, regions=self.regions)
         return hidden
 
     def _run(self, module: nn.Module, x: torch.Tensor, rows: _Batch) -> torch.Tensor:

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
+from torch._dynamo.utils import counters
 
 from agent.engine.compile.capture import Outputs, StepFn
 
@@ -89,7 +90,7 @@ def use_cache_dir(path: Path) -> None:
 
 @dataclass
 class CompileStats:
-    compiles: dict[int, float] = field(default_factory=dict)  # bucket (0: all) -> seconds of its first call
+    compiles: dict[int, float] = field(default_factory=dict)  # bucket (0: all) -> seconds of the calls that compiled
     calls: int = 0
     eager: int = 0  # batches above every bucket
 
@@ -143,14 +144,16 @@ class CompiledStep:
             self._mark_batch(args)
         self.stats.calls += 1
         key = 0 if self.dynamic_batch else batch
-        if key in self.stats.compiles:
-            return self._call(batch, args)
+        # A call that made dynamo compile a graph: its first for the key, or one more (a dynamic
+        # batch's compile may specialise batch 1 in a graph of its own): all of them counted.
+        graphs = counters["stats"]["unique_graphs"]
         started = time.perf_counter()
         out = self._call(batch, args)
-        self.stats.compiles[key] = time.perf_counter() - started
-        log.info(
-            "compiled %s for batch %s in %.1f s", self.name, "any" if key == 0 else batch, self.stats.compiles[key]
-        )
+        if key in self.stats.compiles and counters["stats"]["unique_graphs"] == graphs:
+            return out
+        seconds = time.perf_counter() - started
+        self.stats.compiles[key] = self.stats.compiles.get(key, 0.0) + seconds
+        log.info("compiled %s for batch %s in %.1f s", self.name, "any" if key == 0 else batch, seconds)
         return out
 
     def _mark_batch(self, args: Sequence[Tensor]) -> None:

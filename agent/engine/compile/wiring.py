@@ -69,6 +69,10 @@ class GraphConfig:
     compile_cache: Path | None = None  # inductor's on-disk cache (None: the environment's)
     cudagraphs: CudaGraphImpl = "own"  # with compile on CUDA: our capture, or inductor's
     compile_dynamic_batch: bool | None = None  # one compile for all buckets (None: on CPU only)
+    # Each decoder layer a nested compile region (agent/engine/ops/slots.py decoder_forward):
+    # one layer's code generated and reused for all of them, so the cold compile of a step does
+    # not grow with depth. Off until measured on a GPU (what it costs a tick there is unknown).
+    compile_regions: bool = False
     # Compiled code-predictor projections as reductions with the norms and residual adds fused
     # in (agent/engine/ops/gemv.py), or library matmuls. None: on CUDA only (compiled for all batches
     # at once, as CPU compiles, inductor's C++ loops for them are slow: the loop 5x slower at
@@ -144,6 +148,11 @@ class Graphing:
     def fuses_projections(self) -> bool:
         """Whether compiled decode steps take the fused projections (agent/engine/ops/gemv.py)."""
         return self.compiler is not None and self.fused_gemv
+
+    @property
+    def compiles_regions(self) -> bool:
+        """Whether compiled steps run each decoder layer as a nested compile region."""
+        return self.compiler is not None and self.config.compile_regions
 
     @property
     def enabled(self) -> bool:

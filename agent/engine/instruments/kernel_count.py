@@ -249,27 +249,42 @@ _NOT_LAUNCHES = re.compile(
 _CALL = re.compile(r"^(?:[\w, \[\]]+ = )?([A-Za-z_][\w\.]*)\(")
 
 
-def _call_body(source: str) -> Iterator[str]:
-    """The stripped, non-empty lines of the `call()` in inductor's generated wrapper `source`."""
+def _function_body(source: str, name: str) -> Iterator[str]:
+    """The stripped, non-empty lines of function `name` in inductor's generated wrapper `source`."""
     lines = source.splitlines()
-    start = next((i for i, line in enumerate(lines) if re.match(r"\s*def call\(", line)), None)
+    start = next((i for i, line in enumerate(lines) if re.match(rf"\s*def {name}\(", line)), None)
     if start is None:
-        raise ValueError("no call() in the generated code")
+        raise ValueError(f"no {name}() in the generated code")
     indent = len(lines[start]) - len(lines[start].lstrip())
     for line in lines[start + 1 :]:
         stripped = line.strip()
         if not stripped:
             continue
         if len(line) - len(line.lstrip()) <= indent:
-            return  # the end of call()'s body
+            return  # the end of the function's body
         yield stripped
 
 
-def wrapper_launches(source: str) -> Counter[str]:
-    """Launching statements of the `call()` in inductor's generated wrapper `source`, by callee
-    (trailing kernel numbers dropped: `cpp_fused_add_3` -> `cpp_fused_add`)."""
+# A nested compile region (`torch.compiler.nested_compile_region`, one per decoder layer with
+# `GraphConfig(compile_regions=True)`) is generated once as a top-level function of the wrapper
+# (`repeated_subgraph0`, or `auto_functionalized_subgraph_0` when it writes its inputs, as the
+# KV cache writes do) and called per layer: each call launches what its body launches.
+def region_functions(source: str) -> set[str]:
+    """Names of the nested regions' functions defined in a generated wrapper `source`."""
+    return set(re.findall(r"^def (\w*subgraph\w*)\(args\):", source, re.MULTILINE))
+
+
+def _launches_and_marks(source: str, name: str = "call") -> tuple[Counter[str], int]:
+    """Launching statements by callee and scheduler marks of function `name`, the bodies of the
+    nested regions it calls counted at every call."""
     launches: Counter[str] = Counter()
-    for stripped in _call_body(source):
+    marks = 0
+    regions: dict[str, tuple[Counter[str], int]] = {}
+    defined = region_functions(source)
+    for stripped in _function_body(source, name):
+        if stripped == SCHEDULED_MARK:
+            marks += 1
+            continue
         if stripped.startswith("#"):
             continue
         match = _CALL.match(stripped)
@@ -280,17 +295,29 @@ def wrapper_launches(source: str) -> Counter[str]:
             callee = callee[: -len(".run")]  # a Triton kernel's launch
         if _NOT_LAUNCHES.match(callee) or callee in ("del", "print"):
             continue
+        if callee in defined:
+            if callee not in regions:
+                regions[callee] = _launches_and_marks(source, callee)
+            launches.update(regions[callee][0])
+            marks += regions[callee][1]
+            continue
         launches[re.sub(r"_\d+$", "", callee)] += 1
-    return launches
+    return launches, marks
+
+
+def wrapper_launches(source: str) -> Counter[str]:
+    """Launching statements of the `call()` in inductor's generated wrapper `source`, by callee
+    (trailing kernel numbers dropped: `cpp_fused_add_3` -> `cpp_fused_add`), a nested region's
+    counted at each of its calls."""
+    return _launches_and_marks(source)[0]
 
 
 def scheduled_kernels(source: str) -> int | None:
     """Fused nodes (scheduler marks) plus library and fallback calls of a generated `call()`;
     its launches where no C++ kernel is called (Triton's launches already are its fused nodes);
     None for C++ kernels generated without marks."""
-    launches = wrapper_launches(source)
+    launches, marks = _launches_and_marks(source)
     cpp = sum(n for callee, n in launches.items() if callee.startswith("cpp_"))
-    marks = sum(1 for line in _call_body(source) if line == SCHEDULED_MARK)
     if cpp and not marks:
         return None
     return marks + sum(launches.values()) - cpp

@@ -191,7 +191,7 @@ class StreamingRunner:
     @classmethod
     def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
         """From agent.config.Config (system_prompt, max_reply_tokens, max_reply_seconds,
-        audio_window_s, engine_slots, context_limit, cuda_graphs, compile, cache_dir). `graphs`: graph
+        audio_window_s, engine_slots, context_limit, cuda_graphs, compile, compile_regions, cache_dir). `graphs`: graph
         settings (default "auto": graphs on a CUDA device); `config.cuda_graphs=False`
         (--no-cuda-graphs) turns them off whatever they say; `config.compile` decides compilation."""
         graphs = graphs or GraphConfig()
@@ -201,7 +201,12 @@ class StreamingRunner:
         if not config.cuda_graphs:
             graphs = replace(graphs, mode="off")
         # --compile, its cache beside the tiny model's (a restart does not recompile from scratch).
-        graphs = replace(graphs, compile=config.compile, compile_cache=Path(config.cache_dir) / "compile")
+        graphs = replace(
+            graphs,
+            compile=config.compile,
+            compile_cache=Path(config.cache_dir) / "compile",
+            compile_regions=config.compile_regions or graphs.compile_regions,
+        )
         return cls(
             loaded,
             system_prompt=config.system_prompt,

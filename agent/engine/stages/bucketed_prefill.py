@@ -263,6 +263,7 @@ class BucketedPrefill:
             capture_layer=self.capture_layer,
             deepstack=deepstack,
             visual_mask=visual,
+            regions=self.graphing is not None and self.graphing.compiles_regions,
         )
         pick = last.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
         last_hidden = hidden.gather(1, pick)

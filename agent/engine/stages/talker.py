@@ -115,6 +115,7 @@ class TalkerOps:
         )
         # Compiled, the step's projections are reductions with the norms folded in (gemv.py).
         self.fused_gemv = graphing is not None and graphing.fuses_projections
+        self.regions = graphing is not None and graphing.compiles_regions
         if self.fused_gemv:
             check_fused_decoder(self.talker.model)
             if self.talker.codec_head.bias is not None:
@@ -242,7 +243,8 @@ class TalkerOps:
         rope = positions.view(1, -1, 1).expand(3, -1, -1)
         fused = self.fused_gemv and torch.compiler.is_compiling()
         body = self.talker.model
-        hidden, _ = decoder_forward(body, self.kv, Rows.static(slots, index, mask), embeds, rope, fused=fused)
+        rows = Rows.static(slots, index, mask)
+        hidden, _ = decoder_forward(body, self.kv, rows, embeds, rope, fused=fused, regions=self.regions)
         if fused:  # the normed hidden is an output (the code predictor's input): no folding
             hidden = body.norm(hidden)
             return gemv(hidden[:, -1], self.talker.codec_head.weight).float(), hidden

@@ -120,6 +120,7 @@ class ThinkerOps:
         # Compiled, the decode step's projections are reductions with the norms folded in
         # (agent/engine/ops/gemv.py), the final norm in the LM head's.
         self.fused_gemv = graphing is not None and graphing.fuses_projections
+        self.regions = graphing is not None and graphing.compiles_regions
         if self.fused_gemv:
             check_fused_decoder(self.lm)
             check_norm(self.lm.norm, thinker.lm_head.weight)
@@ -341,7 +342,8 @@ class ThinkerOps:
         embeds = self.embed(tokens.view(-1, 1))
         rope = positions.view(1, -1, 1).expand(3, -1, -1)
         fused = self.fused_gemv and torch.compiler.is_compiling()
-        hidden, _ = decoder_forward(self.lm, self.kv, Rows.static(slots, index, mask), embeds, rope, fused=fused)
+        rows = Rows.static(slots, index, mask)
+        hidden, _ = decoder_forward(self.lm, self.kv, rows, embeds, rope, fused=fused, regions=self.regions)
         if fused:  # the final norm folded into the head's reduction
             return normed_gemv(hidden[:, -1], self.lm.norm, self.thinker.lm_head.weight).float()
         return self.thinker.lm_head(hidden[:, -1]).float()
