@@ -112,9 +112,10 @@ def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, com
     assert not [line for line in generated_code(counter) if "extern_kernels.mm" in line]
 
 
-def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded, compiled_options):
-    """Their decode steps compiled per batch with fused projections and MoE experts (as CUDA
-    compiles them) against the eager steps (library matmuls, grouped experts), ragged rows."""
+def _fused_steps_equal_eager(loaded, compiled_options, seed: int, regions: bool = False):
+    """Thinker and talker steps compiled per batch with fused projections (and, with `regions`,
+    one nested region per layer), checked against the eager steps for batches 3 and 4; the
+    ops and the kernel counter that watched the compiled calls."""
     from agent.engine.ops.fusion import fuse_decoder
     from agent.engine.ops.moe import fuse_moe
     from agent.engine.stages.talker import TalkerOps
@@ -124,14 +125,22 @@ def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded,
     fuse_moe(model)  # what the runner does first (no-ops when already done)
     fuse_decoder(model.thinker.model.language_model)
     fuse_decoder(model.talker.model)
-    graphing = fused_per_batch(loaded, compiled_options)
+    graphing = fused_per_batch(loaded, compiled_options, regions=regions)
     thinker, talker = ThinkerOps(loaded, 6, 512, graphing), TalkerOps(loaded, 6, 512, graphing=graphing)
     assert thinker.fused_gemv and talker.fused_gemv
-    gen = torch.Generator().manual_seed(7)
+    assert thinker.regions == talker.regions == regions
+    gen = torch.Generator().manual_seed(seed)
     fill_with_noise(thinker, talker, gen=gen)
     with KernelCounter() as counter:
         for batch in (3, 4):
             assert_steps_equal_eager(thinker, talker, batch, gen)
+    return thinker, talker, counter
+
+
+def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded, compiled_options):
+    """Their decode steps compiled per batch with fused projections and MoE experts (as CUDA
+    compiles them) against the eager steps (library matmuls, grouped experts), ragged rows."""
+    _, _, counter = _fused_steps_equal_eager(loaded, compiled_options, seed=7)
     assert len(counter.sources) >= 2, "the steps did not run compiled"
     assert not [line for line in generated_code(counter) if "extern_kernels.mm" in line or "grouped_mm" in line]
 
@@ -139,23 +148,7 @@ def test_the_thinker_and_talker_steps_with_fused_projections_equal_eager(loaded,
 def test_decode_steps_with_one_region_per_layer_equal_eager(loaded, compiled_options):
     """`GraphConfig(compile_regions=True)`: a cold compile that does not grow with depth (one
     layer generated, called per layer), the same numbers."""
-    from agent.engine.ops.fusion import fuse_decoder
-    from agent.engine.ops.moe import fuse_moe
-    from agent.engine.stages.talker import TalkerOps
-    from agent.engine.stages.thinker import ThinkerOps
-
-    model = loaded.model
-    fuse_moe(model)
-    fuse_decoder(model.thinker.model.language_model)
-    fuse_decoder(model.talker.model)
-    graphing = fused_per_batch(loaded, compiled_options, regions=True)
-    thinker, talker = ThinkerOps(loaded, 6, 512, graphing), TalkerOps(loaded, 6, 512, graphing=graphing)
-    assert thinker.regions and talker.regions
-    gen = torch.Generator().manual_seed(11)
-    fill_with_noise(thinker, talker, gen=gen)
-    with KernelCounter() as counter:
-        for batch in (3, 4):
-            assert_steps_equal_eager(thinker, talker, batch, gen)
+    thinker, talker, counter = _fused_steps_equal_eager(loaded, compiled_options, seed=11, regions=True)
     layers = sorted((len(thinker.lm.layers), len(talker.talker.model.layers)))
     calls = []
     for source in counter.sources.values():
