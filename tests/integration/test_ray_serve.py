@@ -149,9 +149,27 @@ def fixed_app(ray_cluster: Proxies, tiny_model_dir: Path) -> Iterator[str]:
     _delete_app()
 
 
+# A replica still holding a call drains for up to graceful_shutdown_s (60 s here) before it
+# stops, and a previous test's call can take seconds to end on a loaded machine, so deleting the
+# application may take longer than serve.delete's own blocking wait (a fixed 60 s): its timeout
+# failed the drain test in a loaded series (2026-12-04). The wait here is Serve's state, bounded
+# by the drain plus a margin for a slow controller.
+DELETE_WITHIN_S = 60.0 + 90.0
+
+
 def _delete_app() -> None:
-    if APP_NAME in serve.status().applications:
-        serve.delete(APP_NAME)
+    """Delete the application and wait until Serve no longer lists it (its replicas are gone)."""
+    if APP_NAME not in serve.status().applications:
+        return
+    serve.delete(APP_NAME, _blocking=False)
+    deadline = time.monotonic() + DELETE_WITHIN_S
+    while (app := serve.status().applications.get(APP_NAME)) is not None:
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{APP_NAME} still listed {DELETE_WITHIN_S:.0f} s after its deletion: {app.status} "
+                f"{app.message!r}; replicas {_replica_states()}"
+            )
+        time.sleep(0.5)
 
 
 async def _connect(url: str, wav: Path, **kwargs: Any) -> AgentClient:
