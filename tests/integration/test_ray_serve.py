@@ -222,14 +222,12 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
     url = fixed_app
     clients = []
     try:
-        # Every call speaks again every few seconds. The first call's SSE stream, opened once all
-        # four are placed, may come after its first reply (a proxy hop takes seconds on a busy
-        # machine) and must still see one of its replies end. In a loaded series (2026-12-05) some
-        # call had no reply after 90 s (which one and why went unsaid: the wait now says); a
-        # replica far behind drops the oldest of its bounded input by design and can miss a single
-        # utterance, while this test is about placement, pinning and admission, not that utterance.
-        for _ in range(2 * CALLS_PER_REPLICA):
-            clients.append(await _connect(url, speech_wav, repeat_after_s=3.0))
+        # The first call speaks again every few seconds: its SSE stream, opened once all four are
+        # placed, may come after its first reply (a proxy hop takes seconds on a busy machine), and
+        # must still see one of its replies end.
+        clients.append(await _connect(url, speech_wav, repeat_after_s=3.0))
+        for _ in range(2 * CALLS_PER_REPLICA - 1):
+            clients.append(await _connect(url, speech_wav))
         owners = [owner_of(c.result.call_id) for c in clients]
         assert None not in owners, [c.result.call_id for c in clients]
         assert sorted(Counter(owners).values()) == [2, 2], owners
@@ -252,17 +250,7 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
         stream = asyncio.ensure_future(follow(clients[0].result.call_id))
         await _wait(lambda: opened.is_set() or stream.done(), 30, "the SSE stream to open", stream_state)
         assert opened.is_set(), stream_state()
-
-        def replies() -> str:  # per call: its replica, and the events it saw, counted by type
-            return "; ".join(
-                f"{c.result.call_id} on {owner_of(c.result.call_id)}: audible={c.result.first_audible_at is not None} "
-                f"{dict(Counter(e.get('type') for e in c.result.events))}"
-                for c in clients
-            )
-
-        await _wait(
-            lambda: all(c.result.first_audible_at is not None for c in clients), 180, "every call's reply", replies
-        )
+        await _wait(lambda: all(c.result.first_audible_at is not None for c in clients), 90, "every call's reply")
 
         def reply_on_stream() -> bool:
             # The stream is this call's: a reply of this call (its id known only to the owner) ended on it.
