@@ -126,17 +126,23 @@ def test_scheduled_count_is_marks_plus_library_calls():
     assert scheduled_kernels(triton_only) == 3
 
 
+def _count_marked(fn, *args: torch.Tensor) -> KernelCounter:
+    """Compile `fn` afresh with its scheduled kernels marked, warm it once, and count one call."""
+    torch._dynamo.reset()
+    with marking_scheduled_kernels():
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+        compiled(*args)
+    with KernelCounter() as counter:
+        compiled(*args)
+    return counter
+
+
 def test_merged_cpu_kernels_count_one_launch_and_their_scheduled_nodes():
     def two_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x.sin().sum(0), x.cos().sum(1)  # reductions over different dims: two nodes
 
     x = torch.randn(8, 16)
-    torch._dynamo.reset()
-    with marking_scheduled_kernels():
-        compiled = torch.compile(two_sums, fullgraph=True, dynamic=False)
-        compiled(x)
-    with KernelCounter() as counter:
-        compiled(x)
+    counter = _count_marked(two_sums, x)
     assert counter.kernels["other"] == 1  # one C++ function
     assert counter.scheduled["other"] == 2
     assert counter.unmarked_graphs == 0
@@ -163,12 +169,7 @@ def test_a_nested_region_counts_its_body_at_every_call():
                 x = fn(w, x)
             return x.sum()
 
-        torch._dynamo.reset()
-        with marking_scheduled_kernels():
-            compiled = torch.compile(stack, fullgraph=True, dynamic=False)
-            compiled(x)
-        with KernelCounter() as counter:
-            compiled(x)
+        counter = _count_marked(stack, x)
         (source,) = counter.sources.values()
         counts[name] = (counter.kernels["other"], counter.scheduled["other"])
     (region,) = region_functions(source)  # the regions' one body, generated once
