@@ -156,7 +156,7 @@ class Config:
     # Device memory the plan keeps beside weights and caches (agent/engine/memory_plan.py RESERVE_BYTES:
     # activations, graph pools, workspaces); a small card may lower it at its own risk.
     memory_reserve_gib: float = 3.0
-    connect_timeout_s: float = 15.0  # an answered offer that never connects frees its slot
+    connect_timeout_s: float = 15.0  # an answered offer that never connects frees its slot (counted from the answer)
     max_turns_per_s: float = 20.0  # per engine
     text_only_p95_ms: float = 300.0  # P95 first-response latency above this: text-only replies
     fallback_p95_ms: float = 500.0  # above this: the text-only fallback model

@@ -313,7 +313,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--connect-timeout-s",
         type=float,
         default=d.connect_timeout_s,
-        help="close a session whose peer has not connected by then (frees its slot)",
+        help="close a call whose peer has not connected this long after its answer was sent (frees its slot); "
+        "the answer itself waits at most this long for the engine to open the session",
     )
     p.add_argument("--max-turns-per-s", type=float, default=d.max_turns_per_s, help="turn rate limit per engine")
     p.add_argument(

@@ -150,6 +150,15 @@ async def create_call(request: web.Request) -> web.Response:
         metrics.OFFERS_REJECTED.labels(reason="busy").inc()
         return json_error(503, "engine is overloaded", "busy", kind="server_error", **{"Retry-After": "5"})
     remember(app, call.id, call)
+    try:
+        return await _answer(config, call, pc)
+    except BaseException:  # a cancelled request or a failure: the session must not outlive it
+        await call.close()
+        raise
+
+
+async def _answer(config: Config, call: RtcCall, pc: RTCPeerConnection) -> web.Response:
+    """The call's SDP answer, once the engine has its session; a refusal closes the call."""
     # No answer before the engine has the session: one it cannot open (no slot left, as when
     # offers passed admission at the same instant) is a 503 now, not a call that connects and
     # is then closed. A slow engine only delays the answer up to the connect timeout.
@@ -167,12 +176,16 @@ async def create_call(request: web.Request) -> web.Response:
             kind="server_error",
             **{"Retry-After": "10"},
         )
+    if call.session.closed:  # ended while it waited (the server stopping): no 201 for a dead call
+        return json_error(
+            503, "the call ended before it was answered", "call_ended", kind="server_error", **{"Retry-After": "5"}
+        )
     try:
         await pc.setLocalDescription(await pc.createAnswer())
     except Exception as exc:  # e.g. a media section without a direction aiortc can intersect
         await call.close()
         return _bad(400, f"cannot answer this offer: {type(exc).__name__}: {exc}", "bad_sdp", param="sdp")
-    call.answered = True
+    call.answer_sent()
     return web.Response(
         status=201,
         text=pc.localDescription.sdp,

@@ -74,7 +74,14 @@ class RtcCall:
 
     def start(self) -> None:
         self.session.start()
-        # A peer that takes its answer and never connects would hold a session slot forever.
+
+    def answer_sent(self) -> None:
+        """The SDP answer is on its way. A peer that takes it and never connects would hold a
+        session slot forever, so the connect deadline starts now: not at the offer, since the
+        answer waits for the engine to open the session (up to connect_timeout_s as well), and a
+        slow open must not eat the peer's time to connect (a call answered after 17 s on a
+        loaded replica was closed before its peer had the answer)."""
+        self.answered = True
         self._deadline = asyncio.get_running_loop().call_later(self.config.connect_timeout_s, self._connect_deadline)
 
     async def close(self) -> None:

@@ -5,19 +5,24 @@ route (POST /v1/realtime/calls, `oai-events` channel) gets the Realtime events i
 (speech_started → speech_stopped → transcript deltas → response.done), and hears AUDIBLE
 agent audio after its speech ended; the agent's own TTFT/TTFA land in /metrics; bad offers
 get 4xx JSON reasons; a second session works while the first is connected; barge-in clears
-the output buffer; bad client events get `error` events; text-only sessions stay silent.
+the output buffer; bad client events get `error` events; text-only sessions stay silent; an
+answered offer whose peer never connects is closed, and the connect deadline counts from the
+answer, so an engine slow to open the session does not eat the peer's time to connect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from support.realtime_helpers import start_agent, wait_no_sessions
 
 from agent.client.client import AgentClient
+from agent.engine.factory import build_engine
 
 
 @pytest.fixture
@@ -246,4 +251,47 @@ async def test_offer_that_never_connects_frees_its_slot(tiny_model_dir: Path, sp
         await real.close()
     finally:
         await ghost.close()
+        await running.stop()
+
+
+class _SlowOpen:
+    """The real runner, its sessions' opens taking `delay_s` on the engine thread (a busy engine)."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self._inner = inner
+        self._delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def open_session(self, session_id: str) -> None:
+        time.sleep(self._delay_s)
+        self._inner.open_session(session_id)
+
+
+async def test_a_slow_session_open_leaves_the_peer_its_connect_time(tiny_model_dir: Path, speech_wav: Path) -> None:
+    """The answer waits up to connect_timeout_s for the engine to open the session; the connect
+    deadline starts at the answer, so an open slower than the deadline still leaves the peer its
+    whole connect_timeout_s (counted from the offer, it closed such a call before its peer had
+    the answer: a 201 for a dead call)."""
+    timeout_s = 2.0
+    running = await start_agent(
+        tiny_model_dir,
+        engine=lambda config: build_engine(config, wrap=lambda runner: _SlowOpen(runner, 1.5 * timeout_s)),
+        max_sessions=1,
+        connect_timeout_s=timeout_s,
+    )
+    client = AgentClient(running.url, speech_wav, video=False)
+    try:
+        offered = time.monotonic()
+        await client.connect()
+        assert time.monotonic() - offered >= timeout_s  # the scenario: the answer came after the old deadline
+        await client.wait_event("session.created", timeout=30)
+        await asyncio.sleep(timeout_s + 0.5)  # past the deadline counted from the answer: still connected
+        assert client.pc.connectionState == "connected" and not client.result.of_type("error")
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{running.url}/v1/realtime/calls/{client.result.call_id}/events") as resp:
+                assert resp.status == 200  # the call is still the agent's
+    finally:
+        await client.close()
         await running.stop()

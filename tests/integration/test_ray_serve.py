@@ -250,7 +250,17 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
         stream = asyncio.ensure_future(follow(clients[0].result.call_id))
         await _wait(lambda: opened.is_set() or stream.done(), 30, "the SSE stream to open", stream_state)
         assert opened.is_set(), stream_state()
-        await _wait(lambda: all(c.result.first_audible_at is not None for c in clients), 90, "every call's reply")
+
+        def replies() -> str:  # per call: its replica, and the events it saw, counted by type
+            return "; ".join(
+                f"{c.result.call_id} on {owner_of(c.result.call_id)}: audible={c.result.first_audible_at is not None} "
+                f"{dict(Counter(e.get('type') for e in c.result.events))}"
+                for c in clients
+            )
+
+        await _wait(
+            lambda: all(c.result.first_audible_at is not None for c in clients), 90, "every call's reply", replies
+        )
 
         def reply_on_stream() -> bool:
             # The stream is this call's: a reply of this call (its id known only to the owner) ended on it.
