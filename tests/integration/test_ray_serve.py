@@ -178,6 +178,12 @@ async def _connect(url: str, wav: Path, **kwargs: Any) -> AgentClient:
     return client
 
 
+# A replica's start is a bound against a hang, not a timing: each replica imports torch and loads
+# the model in an engine process of its own, which took over 240 s while a loaded series ran the
+# compiling tests, a CPU hog and a second agent beside it (2026-12-05; the app of the first test,
+# whose serve.run waits unbounded, took 7 min there once).
+REPLICA_START_S = 600.0
+
 # Follow-ups for a call whose replica is gone must get an answer, never hang (a hang is open-ended).
 # 10 s, not less: a proxy hop took over 2 s while the suite's other worker was compiling.
 ANSWER_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
@@ -563,8 +569,9 @@ async def test_removed_replica_drains_its_call(ray_cluster: Proxies, tiny_model_
     _delete_app()
     url = f"http://127.0.0.1:{ray_cluster.head}"
     _deploy_from_config(tiny_model_dir, 2, max_sessions=BURST_CAPACITY)
-    # Each replica loads the model in an engine process of its own: minutes on a loaded machine.
-    await _wait(lambda: _replica_states() == Counter(RUNNING=2), 240, "two running replicas", _replica_states)
+    await _wait(
+        lambda: _replica_states() == Counter(RUNNING=2), REPLICA_START_S, "two running replicas", _replica_states
+    )
     replica_ids = await _wait_idle(url)
     # First, on these roomier replicas (6 calls each, deployed anyway for this test), the burst
     # bar: 8 offers at once through one proxy are all taken, 3 to 5 per replica.
@@ -680,7 +687,7 @@ async def test_autoscaling_adds_a_replica_for_calls(
         assert len({owner_of(c.result.call_id) for c in clients}) == 1
         # The decision within 20 s (the replica is being started); serving once its model loaded.
         await _wait(lambda: replicas("STARTING", "RUNNING") == 2, 20, "the policy to add a replica")
-        await _wait(lambda: running() == 2, 240, "the second replica to load its model")
+        await _wait(lambda: running() == 2, REPLICA_START_S, "the second replica to load its model")
     finally:
         for c in clients:
             await c.close()
