@@ -135,7 +135,8 @@ class Speculating(Protocol):
         ...
 
     def take_ready(self) -> list[Output]:
-        """The held output a committed speculation released (the loop emits it at once)."""
+        """Output made by a command, not a step: the held output a committed speculation
+        released, a cancelled reply's end (the loop emits it at once)."""
         ...
 
 

@@ -362,6 +362,8 @@ class EngineCore:
     def _cancel_reply(self, sid: str, cmd: CancelReply) -> None:
         for runner in self.runners:  # only the one with a reply in flight answers
             runner.cancel_reply(sid)
+            if supports(runner, Speculating):  # its ReplyDone, made by the cancel itself, goes out now
+                self.emit(runner.take_ready())
 
     def _close_session(self, sid: str, cmd: CloseSession) -> None:
         # The session is forgotten here whatever a runner's close does: a sink left in

@@ -4,7 +4,11 @@ conversation.item.truncate, or the server's own barge-in on WebRTC) or delete it
 Both go through one mechanism, `cut_latest_reply`: the engine keeps the reply's text tokens the
 talker had consumed by the last heard codec frame (frame i is made after reading reply token i),
 closes the assistant turn there and drops the rest from the session's KV slot
-(TruncateReply: StreamingRunner.truncate_reply), once every cancelled reply has ended in the engine.
+(TruncateReply: StreamingRunner.truncate_reply). It is sent at once, right behind the cancel of a
+reply still running: the engine applies its commands in order and ends a cancelled reply at the
+cancel itself, so the truncation finds that reply ended and comes before the next reply's begin.
+(Sent only once the cancelled reply's end had come back, it could land behind a reply begun
+meanwhile, when a loaded engine answered late, and was refused with an `error` event.)
 `Edits` is owned by the Session and given only the ports it needs: the session's replies, its
 engine port, its conversation and its outbox. It runs on the asyncio loop.
 """
@@ -92,23 +96,19 @@ class Edits:
 
     def cut_latest_reply(self, audio_frames: int, event_id: Optional[str], then: Callable[[int], None]) -> None:
         """Keep the latest reply's first `audio_frames` frames' text in the model's context (a reply
-        still running is cancelled first), then call `then(kept_tokens)`. Nothing is called once
-        the session has closed: the engine port cancels the command then."""
+        still running is cancelled first, in the command before), then call `then(kept_tokens)`.
+        Nothing is called once the session has closed: the engine port cancels the command then."""
         replies, engine = self._replies, self._engine
         if replies.last is replies.current:
             replies.interrupt("client_cancelled")
+        future = engine.send(TruncateReply(audio_frames), event_id=event_id)
 
-        def cut() -> None:
-            future = engine.send(TruncateReply(audio_frames), event_id=event_id)
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None or engine.closed:
+                return  # the engine port reported it
+            then(f.result()["kept_tokens"])
 
-            def done(f: asyncio.Future) -> None:
-                if f.cancelled() or f.exception() is not None or engine.closed:
-                    return  # the engine port reported it
-                then(f.result()["kept_tokens"])
-
-            future.add_done_callback(done)
-
-        replies.after_engine_idle(cut)
+        future.add_done_callback(done)
 
     def _announce_truncation(self, reply: Response, audio_end_ms: int) -> Callable[[int], None]:
         conversation, outbox = self._conversation, self._outbox

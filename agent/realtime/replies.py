@@ -399,7 +399,8 @@ class Replies:
             self.after_engine_idle(self._answer_held)
 
     def after_engine_idle(self, fn: Callable[[], None]) -> None:
-        """Run fn once the engine has ended every cancelled reply (a truncation needs that)."""
+        """Run fn once every cancelled reply's end has come back from the engine (a held turn's
+        answer waits for that: until then the engine's output still belongs to the old reply)."""
         if self._stale_done:
             self._when_engine_idle.append(fn)
         else:

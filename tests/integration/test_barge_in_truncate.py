@@ -4,7 +4,12 @@ Pins: when the user speaks over a spoken reply (WebRTC), the agent announces
 `conversation.item.truncated` for that reply, and the session's KV slot then holds exactly the
 reply tokens of the frames the track had played (one text token per codec frame: the talker
 reads reply token i for frame i), the assistant turn closed after them; checked by the tokens
-in the slot (StreamingRunner.context), not by timing.
+in the slot (StreamingRunner.context), not by timing. And when the engine is behind (its thread
+held), a truncation of the running reply and the next response.create, both queued behind the
+reply's cancel, cut that reply and then answer: the truncated event, the next reply's
+response.done, and no `error` event (the truncation used to wait for the cancelled reply's end
+to come back and land behind the next reply's begin, refused; the begin replaced the cancelled
+reply unended).
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from support.realtime_helpers import long_replies_engine, start_agent
+from support.engine_hold import HeldEngine, Hold
+from support.realtime_helpers import long_replies_engine, start_agent, talker_never_ends
 
-from agent.client.client import AgentClient
+from agent.client.client import AgentClient, WsAgentClient
 from agent.engine.commands import Context
+from agent.transport.http import SESSIONS
 
 
 async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_wav: Path, strict_events) -> None:
@@ -87,3 +94,53 @@ async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_
     else:
         assert context["thinker_length"] == end
         assert context["closing"][: heard_frames - last["fed"]] == last["tokens"][last["fed"] :]
+
+
+async def test_truncate_and_next_reply_queued_behind_a_cancel_on_a_busy_engine(tiny_model_dir: Path, speech_wav: Path):
+    held = HeldEngine(wrap=talker_never_ends)
+    agent = await start_agent(
+        tiny_model_dir, engine=held, max_sessions=1, max_reply_tokens=48, max_reply_seconds=4.0, speculative_start=False
+    )
+    client = WsAgentClient(agent.url, speech_wav)
+    try:
+        await client.connect()
+        first = await client.wait_event("response.output_item.added", timeout=60)
+        for _ in range(200):  # bounded: two codec frames of its audio have come
+            if client.result.received_samples >= 2 * 1920:
+                break
+            await asyncio.sleep(0.05)
+        assert client.result.received_samples >= 2 * 1920
+        session_id = next(iter(agent.app[SESSIONS]))  # the WebSocket session's id
+        holding = agent.engine.send(session_id, Hold())  # the engine thread is busy from here on
+        await client.send(
+            {
+                "type": "conversation.item.truncate",
+                "item_id": first["item"]["id"],
+                "content_index": 0,
+                "audio_end_ms": 80,
+            }
+        )
+        await client.send({"type": "response.create"})
+        await client.wait_event("response.done", timeout=30)  # the first, cancelled by the truncation
+        for _ in range(100):  # bounded: the second response.created (its begin is queued as well)
+            if len(client.result.of_type("response.created")) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(client.result.of_type("response.created")) == 2
+        held.release()
+        await holding
+        truncated = await client.wait_event("conversation.item.truncated", timeout=30)
+        for _ in range(600):  # bounded: the second reply ends (4 s cap)
+            if len(client.result.of_type("response.done")) == 2:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        held.release()
+        await client.close()
+        await agent.stop()
+    r = client.result
+    assert not r.of_type("error"), r.of_type("error")
+    assert truncated["item_id"] == first["item"]["id"] and truncated["audio_end_ms"] == 80
+    statuses = [d["response"]["status"] for d in r.of_type("response.done")]
+    assert len(statuses) == 2 and statuses[0] == "cancelled" and statuses[1] in ("completed", "incomplete"), statuses
+    assert r.of_type("response.done")[1]["response"]["output"], "the second reply said nothing"

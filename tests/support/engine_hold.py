@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from agent.config import Config
 from agent.engine.commands import SessionCommand
@@ -38,13 +38,15 @@ class _Holdable:
 
 
 class HeldEngine:
-    """An engine builder (start_agent's `engine=`) that remembers how to release its hold."""
+    """An engine builder (start_agent's `engine=`) that remembers how to release its hold.
+    `wrap`: applied to the real runner first (e.g. realtime_helpers.talker_never_ends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wrap: Callable[[Any], Any] = lambda runner: runner) -> None:
         self._released = threading.Event()
+        self._wrap = wrap
 
     def __call__(self, config: Config) -> Engine:
-        engine = build_engine(config, wrap=lambda runner: _Holdable(runner, self._released))
+        engine = build_engine(config, wrap=lambda runner: _Holdable(self._wrap(runner), self._released))
         engine.register(Hold, lambda runner, sid, _cmd: runner.hold(sid))
         return engine
 

@@ -9,7 +9,9 @@ Pins, by the tokens in the session's KV slot:
   read by then: the cache is cut there and the assistant turn closed (<|im_end|>) before the
   next turn; a turn already being prefilled is taken back out and prefilled again after it;
 - per-response instructions are a system message right before that reply's assistant header;
-- a truncation while a reply runs is refused;
+- a truncation while a reply runs is refused; a cancel ends the reply at once (its ReplyDone
+  ready before any tick), so a truncation of it and the next reply's begin queued right behind
+  the cancel (one drain of a busy engine's inbox) cut that reply and begin after it;
 - a session's voice picks the talker speaker: naming the loaded speaker changes nothing,
   another speaker changes the reply's audio, an unknown one is refused with the list.
 """
@@ -120,6 +122,32 @@ def test_truncate_while_replying_is_refused(runner) -> None:
     runner.step()
     with pytest.raises(RuntimeError):
         runner.truncate_reply("s", 1)
+
+
+def test_a_cancel_ends_the_reply_at_once_for_the_truncation_and_begin_behind_it(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    runner.add_user_text("s", "Tell me a story")
+    runner.begin_reply("s", [])
+    frames = 0
+    for _ in range(200):  # bounded: until it has spoken three frames
+        outputs = runner.step()
+        assert not [o for o in outputs if isinstance(o, ReplyDone)], "the reply ended before its cancel"
+        frames += sum(isinstance(o, AudioOut) for o in outputs)
+        if frames >= 3:
+            break
+    assert frames >= 3
+    # No step from here on until the next reply runs: a busy engine's one drain of its inbox.
+    runner.cancel_reply("s")
+    ended = runner.take_ready()
+    assert isinstance(ended[-1], ReplyDone) and ended[-1].reason == "cancelled"
+    assert state.reply is None and state.last_reply is not None
+    last = state.last_reply
+    assert runner.truncate_reply("s", 2)["kept_tokens"] == 2
+    assert state.thinker.length == last.start_length + min(2, last.fed)
+    runner.add_user_text("s", "And then?")
+    done = run_reply(runner, "s")
+    assert done.reason in ("stop", "length") and done.stats["prefill_tokens"] > 0
 
 
 def test_per_response_instructions_sit_before_the_assistant_header(runner, loaded) -> None:

@@ -63,9 +63,6 @@ class Replies:
         """A reply needs engine work (a held speculation does not: it waits for its commit)."""
         return any(s.reply is not None and s.reply.phase is not ReplyPhase.HELD for s in self.sessions.values())
 
-    def cancelling(self) -> bool:
-        return any(s.reply is not None and s.reply.phase is ReplyPhase.CANCELLING for s in self.sessions.values())
-
     def take_ready(self) -> list[Output]:
         ready, self.ready = self.ready, []
         return ready
@@ -172,13 +169,17 @@ class Replies:
 
     # ---- a reply in flight ---------------------------------------------------------------------
 
-    def cancel(self, state: SessionState) -> None:
-        """Cancel asked: a speculation is discarded (nothing of it was seen: nothing to end),
-        a reply being prefilled or streamed ends at the start of the next tick."""
+    def cancel(self, session_id: str, state: SessionState) -> None:
+        """Cancel asked: a speculation is discarded (nothing of it was seen: nothing to end); a
+        reply being prefilled or streamed ends now, its ReplyDone released at once (take_ready).
+        Not at the next tick: the commands queued behind the cancel (the truncation of this
+        reply, the next reply's begin) are applied in the same drain of the inbox when the
+        engine is behind, and must find it ended (a begin used to replace it unended)."""
         if state.reply.phase.speculative:
             self.discard(state)
         elif state.reply.phase in (ReplyPhase.PREFILLING, ReplyPhase.STREAMING):
             state.reply.move(ReplyPhase.CANCELLING)
+            self.ready += self.finish(session_id, state, "cancelled")
 
     def first_frame(self, state: SessionState) -> None:
         """Its first frame (or token) is made: it streams; a speculation parks, its output held."""

@@ -249,7 +249,7 @@ class StreamingRunner:
     def cancel_reply(self, session_id: str) -> None:
         state = self.sessions.get(session_id)
         if state is not None and state.reply is not None:
-            self.replies.cancel(state)
+            self.replies.cancel(session_id, state)
 
     def take_ready(self) -> list[Output]:
         """Output ready outside a step (a committed speculation's held frame): the engine loop
@@ -337,7 +337,7 @@ class StreamingRunner:
     def idle_s(self) -> float:
         """Seconds until a step is of use (0: now). Replies far enough ahead of real time are
         not stepped before they need to be (agent/engine/runner/scheduler.py); other work is due now."""
-        if self.replies.ready or self.replies.cancelling():
+        if self.replies.ready:
             return 0.0
         if self._other_work():
             return 0.0
@@ -350,9 +350,6 @@ class StreamingRunner:
         replies: one token); first-audio replies get their prefill (chunk) and first frame;
         speculative ones too, when nothing else needs the tick, their output held."""
         outputs: list[Output] = self.take_ready()
-        for session_id, state in list(self.sessions.items()):
-            if state.reply is not None and state.reply.phase is ReplyPhase.CANCELLING:
-                outputs += self.replies.finish(session_id, state, "cancelled")
         now = self.clock()
         replies = self.estimates.scheduled()
         plan = plan_tick(self.estimates.views(replies, now), self.schedule, other_work=self._other_work())

@@ -36,7 +36,7 @@ class ReplyPhase(Enum):
     HELD = "held"  # speculative, first frame made and held; parked until commit or discard
     PREFILLING = "prefilling"  # end-of-turn prefill pending or running (in chunks)
     STREAMING = "streaming"  # prefilled: thinker one token ahead of the talker, a frame a tick
-    CANCELLING = "cancelling"  # cancel asked: ended at the start of the next tick
+    CANCELLING = "cancelling"  # cancel asked (or its work failed): ended at once, by the same call
     ENDED = "ended"  # stopped, capped or cancelled: its ReplyDone went out
     DISCARDED = "discarded"  # a speculation the user spoke over: rolled back, never seen
 
