@@ -230,8 +230,14 @@ class EngineCore:
                     runner.cancel_reply(sid)
                 except Exception:
                     log.exception("engine: cancel after failure failed")
-                # The runner's own "cancelled" done comes later and is dropped by emit.
                 outputs.append(ReplyDone(sid, "error", stats={"error": str(exc)}))
+            if supports(runner, Speculating):
+                # The cancels ended those replies at once: their own "cancelled" ends (and text
+                # tails) are replaced by the errors. Left for a later step, a "cancelled" done
+                # would end the session's next reply instead. (A runner that ends a cancelled
+                # reply at its next step has that done dropped by emit: nothing is in flight.)
+                ended = {o.session_id for o in outputs}
+                outputs += [o for o in runner.take_ready() if getattr(o, "session_id", None) not in ended]
         self.emit(outputs)
 
     def fail_all(self, reason: str) -> None:

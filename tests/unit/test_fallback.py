@@ -6,7 +6,8 @@ exactly; the prompt is the system prompt, the history and the spoken-duration no
 prompt cap drops the oldest history first; batched stepping (staggered joins, rows leaving)
 gives the same greedy tokens as each session alone and as HF generate(), with one forward per
 step for all running rows; text deltas concatenate to the final text with no U+FFFD the full
-decode lacks; cancel, close, stop and length semantics; it serves replies inside the real Engine.
+decode lacks; cancel, close, stop and length semantics (a reply begun right behind a cancel is
+taken, after the cancelled one's end); it serves replies inside the real Engine.
 """
 
 from __future__ import annotations
@@ -314,6 +315,21 @@ def test_cancel_semantics(text_model_dir):
     out = runner.step()
     assert [(o.session_id, o.reason) for o in out] == [("c", "cancelled")] and not runner.has_work()
     assert len(calls) == sum(1 for s in steps for o in s if isinstance(o, StageTime))
+
+    # The next reply begun right behind a cancel, before any step (one drain of a busy engine's
+    # inbox): taken, and the cancelled one's ReplyDone comes first, then the new reply's words.
+    runner.begin_reply("c", [])
+    runner.step()
+    runner.cancel_reply("c")
+    runner.begin_reply("c", [])
+    out = [o for o in runner.step() if not isinstance(o, StageTime)]
+    assert isinstance(out[0], ReplyDone) and out[0].reason == "cancelled"
+    assert all(o.session_id == "c" and not isinstance(o, ReplyDone) for o in out[1:])
+    for _ in range(50):  # bounded: the new reply ends by itself
+        if not runner.has_work():
+            break
+        out += runner.step()
+    assert [o.reason for o in out if isinstance(o, ReplyDone)][1:] in (["stop"], ["length"])
 
 
 def test_close_mid_reply_is_silent_and_leaves_others_intact(text_model_dir):

@@ -204,9 +204,10 @@ class FallbackRunner:
         self._sessions[session_id] = _Session()
 
     def close_session(self, session_id: str) -> None:
-        session = self._sessions.pop(session_id, None)
-        if session is not None and session.reply is not None:
-            session.reply.done = True  # its row goes at the next step, with no output
+        self._sessions.pop(session_id, None)
+        for reply in [*self._queue, *(self._batch.rows if self._batch else ())]:
+            if reply.session_id == session_id:  # its reply, and one cancelled not yet ended
+                reply.done = True  # its row goes at the next step, with no output
 
     def append_audio(self, session_id: str, pcm: np.ndarray) -> None:
         self._sessions[session_id].samples += int(np.asarray(pcm).size)
@@ -233,7 +234,11 @@ class FallbackRunner:
     def cancel_reply(self, session_id: str) -> None:
         session = self._sessions.get(session_id)
         if session is not None and session.reply is not None:
+            # Detached now, ended (its ReplyDone) at the start of the next step: the next reply's
+            # begin may come before that step (one drain of a busy engine's inbox) and must not
+            # find this one still active.
             session.reply.cancelled = True
+            session.reply = None
 
     def has_work(self) -> bool:
         return bool(self._queue) or self._batch is not None
