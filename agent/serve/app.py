@@ -47,7 +47,7 @@ def deployment_settings(options: ServeOptions, has_gpu: bool) -> dict[str, Any]:
         # is a window in which a stale proxy could still place a new call on a stopping replica.
         "graceful_shutdown_wait_loop_s": 0.2,
         "health_check_period_s": options.health_check_period_s,
-        "health_check_timeout_s": max(5.0, options.health_check_period_s * 3),
+        "health_check_timeout_s": options.health_check_timeout_s,
         "request_router_config": RequestRouterConfig(
             request_router_class=ROUTER_PATH,
             request_routing_stats_period_s=options.stats_period_s,

@@ -30,7 +30,13 @@ class ServeOptions:
     # Requests a replica handles at once: open SSE streams count, so far above Serve's default 5.
     max_ongoing_requests: int = 256
     stats_period_s: float = 1.0  # how often replicas report active calls to the router
-    health_check_period_s: float = 2.0  # a dead replica leaves the routing table this quickly
+    health_check_period_s: float = 2.0  # how often Serve asks each replica check_health()
+    # How long a replica may take to answer one check; three misses in a row and Serve stops it,
+    # with every call it carries. A replica that died is known at once (its actor's death), so
+    # this only judges a live one that is slow: at 5 s a loaded test machine (a CPU hog, a
+    # compile, a second agent) had both replicas, calls and all, stopped in mid-test. Serve's
+    # own default.
+    health_check_timeout_s: float = 30.0
     start_timeout_s: float = 300.0  # model load inside a replica
 
 

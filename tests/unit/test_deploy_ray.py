@@ -2,7 +2,8 @@
 
 Pins: deploy/ray/serve.yaml and the RayService's serveConfigV2 validate against Serve's own
 config schema; their import path builds the AgentReplica deployment with the owner-pinned
-router (and, when autoscaling, the calls/GPU policy) from their args; the GPU workers run on
+router (and, when autoscaling, the calls/GPU policy) from their args, with a health check that
+gives a slow replica 30 s before it counts as failed; the GPU workers run on
 the node's network, one pod per node, with a GPU each and the node's address for ICE; the head,
 where Serve's controller runs, gets the proxy check limits `serve --ray` sets for its own Ray.
 """
@@ -53,6 +54,8 @@ def test_serve_configs_validate_and_build_the_agent(index: int) -> None:
     dconf = deployment._deployment_config
     assert dconf.request_router_config.request_router_class == ROUTER_PATH
     assert dconf.graceful_shutdown_timeout_s == app["args"]["graceful_shutdown_s"]
+    # A slow check is no death: a loaded replica keeps its calls (a dead one is known at once).
+    assert dconf.health_check_timeout_s >= 30
     gpus = deployment.ray_actor_options.get("num_gpus", 0)
     assert gpus == (1 if app["args"].get("device") == "cuda" else 0)  # a whole GPU per replica on CUDA
     if app["args"].get("autoscale"):
