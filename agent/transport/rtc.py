@@ -108,7 +108,12 @@ class RtcCall:
             self._closing = asyncio.ensure_future(self.close())
 
     async def _on_connection_state(self) -> None:
-        if self.pc.connectionState in ("failed", "closed"):
+        state = self.pc.connectionState
+        if state == "failed" and not self.session.closed:
+            # The peer stopped answering (ICE consent lost, DTLS failed): the call ends without a
+            # word from the client, so say it where an operator looks.
+            log.warning("call %s: connection failed (ICE %s), ending the call", self.id, self.pc.iceConnectionState)
+        if state in ("failed", "closed"):
             await self.close()
 
     # ---- media ----------------------------------------------------------------------------

@@ -197,6 +197,15 @@ async def _wait(predicate, timeout_s: float, what: str, state=lambda: "") -> Non
         await asyncio.sleep(0.1)
 
 
+def _peer_state(client: AgentClient) -> str:
+    """What the client's side saw of a call: its peer's states and its last events."""
+    pc, events = client.pc, client.result.events
+    return (
+        f"{client.result.call_id}: connection {pc.connectionState}, ICE {pc.iceConnectionState}; "
+        f"{len(events)} events, the last {[(e.get('type'), round(e.get('_t', 0), 1)) for e in events[-4:]]}"
+    )
+
+
 async def _sse_head(http: aiohttp.ClientSession, url: str, call: str) -> tuple[int, str]:
     """Open the call's SSE stream through the proxy (id in the path only) and close it again."""
     async with http.get(f"{url}/v1/realtime/calls/{call}/events") as resp:
@@ -284,7 +293,7 @@ async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path
             for c in clients:
                 call = c.result.call_id
                 for _ in range(3):
-                    assert await _sse_head(http, url, call) == (200, owner_of(call))
+                    assert await _sse_head(http, url, call) == (200, owner_of(call)), _peer_state(c)
                     async with http.get(f"{url}/healthz", headers={SESSION_HEADER: call}) as resp:
                         assert resp.headers[REPLICA_HEADER] == owner_of(call)
 
