@@ -21,6 +21,7 @@ from support.engine_hold import HeldEngine, Hold
 from support.realtime_helpers import long_replies_engine, start_agent, talker_never_ends
 
 from agent.client.client import AgentClient, WsAgentClient
+from agent.config import CODEC_FRAME_SAMPLES
 from agent.engine.commands import Context
 from agent.transport.http import SESSIONS
 
@@ -106,10 +107,10 @@ async def test_truncate_and_next_reply_queued_behind_a_cancel_on_a_busy_engine(t
         await client.connect()
         first = await client.wait_event("response.output_item.added", timeout=60)
         for _ in range(200):  # bounded: two codec frames of its audio have come
-            if client.result.received_samples >= 2 * 1920:
+            if client.result.received_samples >= 2 * CODEC_FRAME_SAMPLES:
                 break
             await asyncio.sleep(0.05)
-        assert client.result.received_samples >= 2 * 1920
+        assert client.result.received_samples >= 2 * CODEC_FRAME_SAMPLES
         session_id = next(iter(agent.app[SESSIONS]))  # the WebSocket session's id
         holding = agent.engine.send(session_id, Hold())  # the engine thread is busy from here on
         await client.send(
