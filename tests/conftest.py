@@ -61,9 +61,11 @@ def loopback_ice():
     if importlib.util.find_spec("aiortc") is None and os.environ.get("CI") != "true":
         yield
         return
+    from agent.transport.consent import install_consent_freshness
     from agent.transport.ice import restrict_ice_hosts
 
     restrict_ice_hosts(["127.0.0.1"])
+    install_consent_freshness()  # the test peers made with a bare RTCPeerConnection, too
     yield
 
 

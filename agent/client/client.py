@@ -25,6 +25,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from agent.client.media import PatternVideoTrack, ThrottledVideoTrack, WavTrack, load_wav_mono, speech_end_sample
+from agent.transport.consent import install_consent_freshness
 from agent.transport.jitter import lower_audio_jitter_hold
 from agent.transport.peer import close_peer
 
@@ -98,6 +99,7 @@ class AgentClient:
         self.video = ThrottledVideoTrack(source, video_max_fps) if source is not None else None
         self._on_event = on_event
         self._on_audio = on_audio
+        install_consent_freshness()  # as the agent's side: consent lasts 30 s past the last answer
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.result = ClientResult()
         self._prefetch = receive_prefetch

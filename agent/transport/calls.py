@@ -20,6 +20,7 @@ from agent import metrics
 from agent.config import Config
 from agent.engine.api import EngineBusy
 from agent.realtime import session_config
+from agent.transport.consent import install_consent_freshness
 from agent.transport.http import (
     ADMISSION,
     CONFIG,
@@ -86,6 +87,7 @@ def _peer_connection(config: Config) -> RTCPeerConnection:
     # server). Host candidates come from agent.transport.ice. A TURN URL without a credential
     # gets one minted for this call from --turn-secret, as the page's does.
     servers = with_credentials(config.ice_servers, config.turn_secret, config.turn_ttl_s, AGENT_USER, time.time())
+    install_consent_freshness()  # a call outlives a peer that answers consent checks late
     return RTCPeerConnection(rtc_configuration(servers))
 
 

@@ -186,11 +186,11 @@ async def agent(tiny_model_dir: Path, short_wav: Path):
 
 
 def _quick_consent(monkeypatch: pytest.MonkeyPatch) -> None:
-    # aioice checks a connected peer's consent every 5 s and gives up after 6 misses, so
-    # the agent notices a vanished client after ~30 s. Checking every 0.5 s takes the same
-    # path (consent expires, ICE closes, the session closes) in about 3 s; still 6 misses in a
-    # row, so that a loaded machine that stalls the loop for a second or two does not end
-    # live calls (3 misses did, under load).
+    # Consent is checked every 5 s and expires once no check was answered for 5 s x 6 = 30 s
+    # (agent/transport/consent.py), so the agent notices a vanished client after ~30 s.
+    # Checking every 0.5 s takes the same path (consent expires, ICE closes, the session
+    # closes) in about 3 s, long enough that a loaded machine that stalls a loop for a second
+    # or two does not end live calls.
     monkeypatch.setattr(aioice.ice, "CONSENT_INTERVAL", 0.5)
     monkeypatch.setattr(aioice.ice, "CONSENT_FAILURES", 6)
 
@@ -215,9 +215,9 @@ async def _call(url: str, app: web.Application, wav: Path, ending: str, index: i
                 await client.wait_event("response.created", timeout=CALL_TIMEOUT_S / 2)  # mid-reply
             except asyncio.TimeoutError:
                 if client.result.session_id not in app[SESSIONS]:
-                    # The agent already ended it: on a machine too loaded to answer ICE consent
-                    # checks in time (0.5 s each here) aioice gives the call up. It still must
-                    # leave nothing.
+                    # The agent already ended it: on a machine so loaded that no consent check
+                    # was answered for 3 s (the shortened timeout here) the call is given up.
+                    # It still must leave nothing.
                     ENDED_EARLY[ending] += 1
                     return
                 NOT_MID_REPLY[ending] += 1  # ended below all the same, before its reply
