@@ -9,6 +9,7 @@ tokens in the real order (ids differ: they follow our ~1024-entry vocabulary).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import tempfile
@@ -248,15 +249,22 @@ def calibrate_code2wav(code2wav, generator: torch.Generator, target_rms: float) 
     last.bias.zero_()
     device = last.weight.device
     codes = torch.randint(0, cfg.codebook_size, (1, cfg.num_quantizers, 24), generator=generator, device=device)
+    # A bf16 conv on the CPU has no fast kernel: at real size this measurement took ~280 s of the
+    # ~310 s it takes to write a one-layer checkpoint. It runs on a float32 copy there instead
+    # (a few hundred MB, dropped at once); only the scale it yields touches the model.
+    probe = code2wav
+    if device.type == "cpu" and last.weight.dtype != torch.float32:
+        probe = copy.deepcopy(code2wav).float()
     # The output clamps at +-1, so measure before the clamp by running the stack by hand.
-    hidden = code2wav.code_embedding(codes + code2wav.code_offset).mean(1)
-    hidden = code2wav.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
-    for blocks in code2wav.upsample:
+    hidden = probe.code_embedding(codes + probe.code_offset).mean(1)
+    hidden = probe.pre_transformer(inputs_embeds=hidden).last_hidden_state.permute(0, 2, 1)
+    for blocks in probe.upsample:
         for block in blocks:
             hidden = block(hidden)
-    for block in code2wav.decoder:
+    for block in probe.decoder:
         hidden = block(hidden)
     rms = hidden.float().pow(2).mean().sqrt().item()
+    del probe, hidden
     if not rms > 0:
         raise RuntimeError("code2wav produced silence before calibration")
     last.weight.mul_(target_rms / rms)
