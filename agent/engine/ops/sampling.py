@@ -40,13 +40,22 @@ def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
     return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
     """lowbias32: a 32-bit integer hash with good avalanche."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
     x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
+
+
+# Each step of the hash reads its input two or three times, and inductor inlines an unrealised
+# elementwise input at every read while it generates code: four hashes in a row were ~32**4
+# calls of the first one's code, and compiling race_noise alone took 133 s on this CPU (a sampled
+# stage's pick ~105 s, against ~0.1 s to run it). As a nested compile region each hash is traced
+# once and its output is a buffer the next one reads: 16 s, the same bits. Outside a compile
+# this is a plain call.
+_mix = torch.compiler.nested_compile_region(_lowbias32)
 
 
 def race_noise(seeds: torch.Tensor, draws: torch.Tensor, stage: int, vocab: int) -> torch.Tensor:
