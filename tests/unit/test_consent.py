@@ -3,8 +3,8 @@ answered for the consent timeout, not after a run of checks answered later than 
 
 Two aioice connections on loopback, the consent interval shortened to 0.5 s (the timeout to
 0.5 s x 6 = 3 s, as test_call_leaks shortens it). Pins:
-- a peer that answers every consent check 1 s late keeps the connection for twice the timeout;
-  aioice's own rule (one 0.5 s try per check, six misses in a row) closes it within that time,
+- a peer that answers every consent check 1 s late keeps the connection for four times the
+  timeout; aioice's own rule (one 0.5 s try per check, six misses in a row) closes it within that time,
   which is how a loaded replica lost a live call;
 - a peer that then stops answering altogether is given up, after the timeout and not before its
   answers stop;
@@ -24,6 +24,9 @@ from agent.transport.consent import AIOICE_QUERY_CONSENT, install_consent_freshn
 INTERVAL, FAILURES = 0.5, 6
 TIMEOUT = INTERVAL * FAILURES
 LATE_S = 1.0
+# How long both rules are watched under late answers. aioice's checks run one after another, each
+# failing 0.5 s after a 0.4-0.6 s sleep, so its six misses take 5.4-6.6 s (more on a busy loop).
+WATCH_S = 4 * TIMEOUT
 
 
 @pytest.fixture
@@ -72,7 +75,7 @@ async def test_late_answers_keep_consent_and_silence_expires_it(quick_consent) -
     a, b = await _connected()
     try:
         _answer(b, "late")
-        assert await _open_for(a, 2 * TIMEOUT), "consent expired although every check was answered"
+        assert await _open_for(a, WATCH_S), "consent expired although every check was answered"
         _answer(b, "never")
         silent_since = asyncio.get_running_loop().time()
         assert not await _open_for(a, TIMEOUT + 2 * INTERVAL + 5), "a peer that never answers kept consent"
@@ -90,7 +93,7 @@ async def test_aioice_rule_gives_up_on_late_answers(quick_consent, monkeypatch) 
     a, b = await _connected()
     try:
         _answer(b, "late")
-        assert not await _open_for(a, 2 * TIMEOUT)
+        assert not await _open_for(a, WATCH_S)
     finally:
         await a.close()
         await b.close()
