@@ -63,11 +63,7 @@ async def _query_consent(self: aioice.ice.Connection) -> None:
             await asyncio.sleep(interval * (0.8 + 0.4 * random.random()))
             if loop.time() - last_answer >= interval * aioice.ice.CONSENT_FAILURES:
                 log.info("ICE consent expired: no check answered for %.1f s", loop.time() - last_answer)
-                for task in list(checks):
-                    task.cancel()
-                self._query_consent_task = None  # close() must not cancel the task running it
-                await self.close()
-                return
+                break
             for pair in self._nominated.values():
                 check = asyncio.ensure_future(
                     pair.protocol.request(
@@ -79,9 +75,11 @@ async def _query_consent(self: aioice.ice.Connection) -> None:
                 )
                 checks.add(check)
                 check.add_done_callback(answered)
-    finally:
+    finally:  # expired or cancelled (close()): no check outlives the loop
         for task in list(checks):
             task.cancel()
+    self._query_consent_task = None  # close() must not cancel the task running it
+    await self.close()
 
 
 AIOICE_QUERY_CONSENT = aioice.ice.Connection.query_consent  # aioice's own rule, for comparison
