@@ -17,14 +17,25 @@ padded buckets on CPU) and, for each variant in one process, reports:
 Timing on a shared CPU is noisy and not what the variants are for (a GPU's launch cost is):
 on CPU read the launch columns. Last line:
 `cp_ms_b1_fused=T cp_ms_b1_library=T cp_speedup_b1=R launches_fused=N launches_library=N`.
+
+`--steps` compares instead how the loop's steps are compiled, both with fused projections:
+each step one nested compile region, generated once and called 15 times (`CodeStep.forward`,
+the engine's way), against every step inlined, the loop unrolled (`CodeStep.step` called
+directly). Its table adds the cold compile (a fresh inductor cache per variant, so each is a
+cold start); last line `cp_compile_s_regions=S cp_compile_s_unrolled=S compile_speedup=R
+sched_regions=N sched_unrolled=N cp_ms_b1_regions=T cp_ms_b1_unrolled=T`.
+
+    python scripts/bench_code_predictor.py --steps --layers 1 --batch 1 --iters 3
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 import types
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -59,19 +70,32 @@ def sync(device: torch.device) -> None:
 
 
 def measure(
-    talker, fused: bool, batches: list[int], iters: int, device: torch.device, dtype: torch.dtype, dynamic_batch: bool
+    talker,
+    fused: bool,
+    batches: list[int],
+    iters: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    dynamic_batch: bool,
+    unrolled: bool = False,
 ):
     from agent.engine.compile.wiring import GraphConfig, Graphing
     from agent.engine.instruments.kernel_count import KernelCounter, marking_scheduled_kernels
     from agent.engine.stages.code_predictor import CodePredictorOps
 
     config = GraphConfig(
-        batch_sizes=tuple(batches), compile="on", compile_dynamic_batch=dynamic_batch, fused_gemv=fused
+        batch_sizes=tuple(batches),
+        compile="on",
+        compile_dynamic_batch=dynamic_batch,
+        fused_gemv=fused,
+        compile_cache=Path(tempfile.mkdtemp(prefix="bench-cp-")),  # a cold compile per variant
     )
     graphing = Graphing(config, device, max(batches))
     torch._dynamo.reset()  # the other variant's compiled loop must not serve this one
     with marking_scheduled_kernels(), KernelCounter() as counter:
         ops = CodePredictorOps(talker, device, dtype, graphing)
+        if unrolled:  # each step called as a plain method: dynamo inlines it, the loop unrolled
+            ops.code_step.forward = ops.code_step.step
         started = time.perf_counter()
         ops.capture_graphs()  # compiles, then warms (and on CUDA captures) every bucket
         sync(device)
@@ -105,6 +129,11 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument(
+        "--steps",
+        action="store_true",
+        help="compare the steps as nested compile regions (the engine's way) with the loop unrolled, both fused",
+    )
+    p.add_argument(
         "--dynamic-batch",
         action="store_true",
         help="one compile for every batch (the engine's CPU default) instead of one per batch (its CUDA "
@@ -117,10 +146,20 @@ def main() -> None:
     dtype = torch.bfloat16
     talker = build(args.layers, device, dtype)
     results = {}
+    variants = (
+        (("regions", True, False), ("unrolled", True, True))
+        if args.steps
+        else (("fused", True, False), ("library", False, False))
+    )
     with torch.inference_mode():
-        for name, fused in (("fused", True), ("library", False)):
-            results[name] = measure(talker, fused, args.batch, args.iters, device, dtype, args.dynamic_batch)
+        for name, fused, unrolled in variants:
+            results[name] = measure(
+                talker, fused, args.batch, args.iters, device, dtype, args.dynamic_batch, unrolled=unrolled
+            )
             print(f"# {name}: compiled and captured in {results[name][3]:.0f} s", flush=True)
+    if args.steps:
+        report_steps(args, results, device)
+        return
     mode = results["fused"][4]
     compiles = "one compile for all batches" if args.dynamic_batch else "one compile per batch"
     print(
@@ -139,6 +178,32 @@ def main() -> None:
         f"cp_ms_b{b1}_fused={fused_ms:.2f} cp_ms_b{b1}_library={library_ms:.2f} "
         f"cp_speedup_b{b1}={library_ms / fused_ms:.2f} launches_fused={results['fused'][1]:.0f} "
         f"launches_library={results['library'][1]:.0f}"
+    )
+
+
+def report_steps(args: argparse.Namespace, results: dict, device: torch.device) -> None:
+    compiles = "one compile for all batches" if args.dynamic_batch else "one compile per batch"
+    print(
+        f"\nCODE PREDICTOR STEPS (15 steps x {args.layers} layers, real width, bf16, {device}, fused projections, "
+        f"{compiles}, torch {torch.__version__}); cold compile and capture in s; launches and sched per loop; "
+        f"ms per loop, median of {args.iters}"
+    )
+    print(
+        f"{'steps':<10} {'compile s':>10} {'launches':>9} {'sched':>7} "
+        + " ".join(f"{f'b{b} ms':>8}" for b in args.batch)
+    )
+    for name, (times, launches, scheduled, compile_s, _) in results.items():
+        print(
+            f"{name:<10} {compile_s:>10.1f} {launches:>9.0f} {scheduled:>7.0f} "
+            + " ".join(f"{times[b] * 1e3:>8.2f}" for b in args.batch)
+        )
+    b1 = args.batch[0]
+    regions, unrolled = results["regions"], results["unrolled"]
+    print(
+        f"cp_compile_s_regions={regions[3]:.1f} cp_compile_s_unrolled={unrolled[3]:.1f} "
+        f"compile_speedup={unrolled[3] / regions[3]:.2f} sched_regions={regions[2]:.0f} "
+        f"sched_unrolled={unrolled[2]:.0f} cp_ms_b{b1}_regions={regions[0][b1] * 1e3:.2f} "
+        f"cp_ms_b{b1}_unrolled={unrolled[0][b1] * 1e3:.2f}"
     )
 
 

@@ -12,6 +12,8 @@ Pins:
 - the tiny model's code-predictor loop, compiled per batch with fused projections as CUDA
   compiles it, gives the eager loop's codes exactly and its embedding sums for a batch of 3
   (padded to 4: one compile, ~1 min here), and the compiled loop calls no library matmul;
+  its 14 one-token steps are one nested compile region, generated once and called 14 times
+  (the loop is not unrolled);
 - so do its thinker decode and talker steps (fused MoE experts too: no grouped matmul), equal
   to the eager steps for ragged rows in random slots; and so again with each decoder layer a
   nested compile region (`compile_regions`), whose one generated body each step calls once per
@@ -21,6 +23,9 @@ Pins:
 """
 
 from __future__ import annotations
+
+import re
+from collections import Counter
 
 import pytest
 import torch
@@ -110,6 +115,11 @@ def test_the_code_predictor_loop_with_fused_projections_equals_eager(loaded, com
             assert_loop_equals_eager(ops, batch, seed=300 + batch)
     assert counter.sources, "the loop did not run compiled"
     assert not [line for line in generated_code(counter) if "extern_kernels.mm" in line]
+    (source,) = counter.sources.values()  # batch 3 ran padded to 4: one graph
+    calls = Counter(re.findall(r"= (\w*subgraph\w*)\(", source))
+    assert set(calls) <= region_functions(source), calls
+    # The one-token steps share one generated body (the first step, two tokens, is another shape).
+    assert max(calls.values()) == ops.num_groups - 2 and sum(calls.values()) <= ops.num_groups - 1, calls
 
 
 def _fused_steps_equal_eager(loaded, compiled_options, seed: int, regions: bool = False):

@@ -4,13 +4,23 @@ transformers' path costs a `generate()` (or, in our earlier loop, 15 model forwa
 building masks, output records and a DynamicCache) per frame and per session. Here the whole
 loop runs on the decoder's own layers with one tiny static cache shared by all batches: every row of the
 batch is at the same position at every step (a frame always starts from the talker's hidden
-state and codebook 0), so the cache is written and read with plain slices (no per-row index,
-no mask: a step sees every key written so far, the first one's two tokens are causal) and the
-RoPE tables are made once. Codes stay on the device until the loop is done: one host sync per
+state and codebook 0), so one write position and one key mask per step serve every row (no
+per-row index). Positions, masks and RoPE tables are small tensors made once; every step reads
+the cache's first 16 keys, the mask hiding those not written yet (the first step's two tokens
+causal). Codes stay on the device until the loop is done: one host sync per
 frame batch, and nothing in the loop that a CUDA graph could not capture. With graphs on, the
 whole loop (15 steps, each code's choice and the embedding sums included: argmax, or the
 seeded draw of agent/engine/ops/sampling.py from the rows' seeds and frame indices, graph inputs) is
-one captured graph per batch bucket, and with compilation on one compiled region (agent/engine/compile/inductor.py).
+one captured graph per batch bucket, and with compilation on one compiled function (agent/engine/compile/inductor.py).
+
+Compiled, each step is a nested compile region (`CodeStep`): since positions and masks are
+tensors, the 14 one-token steps are the same code, which inductor generates once and calls 14
+times, instead of the unrolled loop's 15 x layers decoder layers (75 at real size), which made
+the code predictor the longest compile of the engine's start-up. Measured on CPU
+(scripts/bench_code_predictor.py --steps; bench/results/code-predictor-steps-cpu-2026-12-05.txt):
+at real width and depth (5 layers) the cold compile takes 87 s against 322 s unrolled, for 977
+scheduled kernels a loop against 963 (the region's inputs and outputs are materialised where the
+unrolled loop fused across steps).
 
 Launches are what the loop costs (15 steps x 5 layers at real size), so each layer's q/k/v
 projections are one matmul and its gate/up projections another, over weights concatenated once
@@ -90,6 +100,7 @@ class CodePredictorOps:
         self.device, self.dtype = device, dtype
         with torch.no_grad():
             self.fused = [FusedWeights.of(layer) for layer in self.body.layers]
+        self.code_step = CodeStep(self.body, self.fused, sampling)
         # Compiled, the projections are reductions with the norms and residual adds fused in
         # (agent/engine/ops/gemv.py); eagerly, and with the option off, library matmuls.
         self.fused_gemv = graphing is not None and graphing.fuses_projections
@@ -102,6 +113,8 @@ class CodePredictorOps:
                 raise ValueError("fused projections assume bias-free codebook heads")
         self._kv: SlotKV | None = None
         self._ropes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._positions: list[torch.Tensor] = []  # per step: the cache positions it writes
+        self._masks: list[torch.Tensor] = []  # per step: [n, 16] the keys it reads
         # Pad rows: a zero hidden state, code 0, seed 0, frame 0 (their cache rows are rewritten
         # by every call). Outputs cloned: the codec sums are kept per reply until its next talker step.
         self._graph = (
@@ -136,11 +149,14 @@ class CodePredictorOps:
             self._kv.reserve(self.num_groups + 1)  # now, not inside a graph capture
         if not self._ropes:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)  # rotary_emb reads only its dtype
+            read = self.num_groups  # keys at positions 0..15: every step reads them all, masked
             for step in range(1, self.num_groups):
                 start, n = (0, 2) if step == 1 else (step, 1)
-                self._ropes.append(
-                    self.body.rotary_emb(probe, torch.arange(start, start + n, device=self.device).view(1, -1))
-                )
+                positions = torch.arange(start, start + n, device=self.device)
+                self._ropes.append(self.body.rotary_emb(probe, positions.view(1, -1)))
+                self._positions.append(positions)
+                keys = torch.arange(read, device=self.device)
+                self._masks.append(keys.view(1, -1) <= positions.view(-1, 1))
         return self._kv, self._ropes
 
     def run(
@@ -182,50 +198,122 @@ class CodePredictorOps:
             draws = frames.view(-1, 1) * RESIDUAL_GROUPS + torch.arange(RESIDUAL_GROUPS, device=frames.device)
             noise = race_noise(seeds, draws, CODE_PREDICTOR, self.heads[0].out_features)
         for step in range(1, self.num_groups):
-            start = 0 if step == 1 else step
-            hidden = self._forward(kv, inputs, start, ropes[step - 1], fused)
-            head = self.heads[step - 1]
-            if fused:  # the final norm inside the head's reduction, the last position only
-                logits = normed_linear(hidden[:, -1], self.body.norm, head.weight, True)
-            else:  # the head on every fed position, then the last: the shapes transformers uses
-                logits = head(self.body.norm(hidden))[:, -1]
-            if seen is not None:
-                logits = penalize(logits.float(), seen, penalty)
-            if noise is not None:
-                code = choose(logits.float(), self.sampling, None, None, CODE_PREDICTOR, noise[:, step - 1])
-            else:
-                code = logits.argmax(-1)
-            if seen is not None:
-                seen = seen.scatter(1, code.unsqueeze(1), True)
+            cos, sin = ropes[step - 1]
+            code, inputs, *penalized = self.code_step(
+                kv.keys,
+                kv.values,
+                inputs,
+                self._positions[step - 1],
+                self._masks[step - 1],
+                cos,
+                sin,
+                self.heads[step - 1],
+                self.tables[step - 1],
+                None if noise is None else noise[:, step - 1],
+                seen,
+                fused,
+            )
+            seen = penalized[0] if penalized else None
             codes.append(code)
-            inputs = self.tables[step - 1](code.view(batch, 1))
             pieces.append(inputs)
         return torch.stack(codes, dim=1), torch.cat(pieces, dim=1).sum(1, keepdim=True)
 
-    def _forward(
-        self, kv: SlotKV, hidden: torch.Tensor, start: int, rope: tuple[torch.Tensor, torch.Tensor], fused: bool
-    ) -> torch.Tensor:
-        """The decoder on `hidden` [B, n, hidden], new tokens at cache index start.. for all rows;
-        the last layer's output, before the final norm. `fused`: projections as fused reductions."""
-        batch, n_new, _ = hidden.shape
-        cos, sin = rope
-        for i, (layer, weights) in enumerate(zip(self.body.layers, self.fused)):
-            attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = normed_linear(hidden, layer.input_layernorm, weights.qkv, fused).split(weights.splits, dim=-1)
-            d = attn.head_dim
-            # Head counts from the weights (plain ints: the batch may be symbolic when compiled).
-            heads, kv_heads = weights.splits[0] // d, weights.splits[1] // d
-            q = apply_rope(attn.q_norm(q.view(batch, n_new, heads, d)).transpose(1, 2), cos, sin)
-            k = apply_rope(attn.k_norm(k.view(batch, n_new, kv_heads, d)).transpose(1, 2), cos, sin)
-            end = start + n_new
-            kv.keys[i][:batch, :, start:end] = k
-            kv.values[i][:batch, :, start:end] = v.view(batch, n_new, kv_heads, d).transpose(1, 2)
-            keys, values = kv.keys[i][:batch, :, :end], kv.values[i][:batch, :, :end]
-            # bool(): a Python flag even where a trace (agent/engine/compile/cpu_traces.py) reads sizes as tensors
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=bool(n_new > 1), scale=attn.scaling, enable_gqa=heads != kv_heads
-            )
-            hidden = hidden + linear(out.transpose(1, 2).reshape(batch, n_new, -1), attn.o_proj.weight, fused)
-            gate, up = normed_linear(hidden, layer.post_attention_layernorm, weights.gate_up, fused).chunk(2, dim=-1)
-            hidden = hidden + linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, fused)
-        return hidden
+
+class CodeStep(nn.Module):
+    """One step of the loop: the decoder on the step's inputs (written into the cache), the
+    step's head on the last position, the code chosen and its embedding, the next step's input.
+
+    A module, its forward a nested compile region: compiled, the step's code is traced and
+    generated once per input shape (two: the first step's two tokens, then the 14 one-token
+    steps) and called at every step, where an unrolled loop made inductor generate 15 x layers
+    decoder layers (the single longest start-up compile). Dynamo reuses a region only when
+    its inputs are tensors, constants or modules, and its outputs tensors: hence a module
+    holding the weights and the sampling, and no None among the outputs."""
+
+    def __init__(self, body: nn.Module, weights: list[FusedWeights], sampling: Sampling) -> None:
+        super().__init__()
+        self.body = body
+        self.weights = weights
+        self.sampling = sampling
+
+    def step(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        head: nn.Module,
+        table: nn.Module,
+        noise: torch.Tensor | None,
+        seen: torch.Tensor | None,
+        fused: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        """inputs [B, n, hidden] at cache positions `positions` [n], reading the keys `mask`
+        [n, 16] allows; `noise` [B, vocab]: the race's draw (None: argmax); `seen` [B, vocab]
+        bool: the repetition penalty's codes so far (None without one). Returns (code [B], its
+        embedding [B, 1, hidden]) and, with a penalty, the updated `seen`."""
+        batch = inputs.shape[0]
+        body = self.body
+        hidden = decoder_pass(body.layers, self.weights, keys, values, inputs, positions, mask, (cos, sin), fused)
+        if fused:  # the final norm inside the head's reduction, the last position only
+            logits = normed_linear(hidden[:, -1], body.norm, head.weight, True)
+        else:  # the head on every fed position, then the last: the shapes transformers uses
+            logits = head(body.norm(hidden))[:, -1]
+        if seen is not None:
+            logits = penalize(logits.float(), seen, self.sampling.repetition_penalty)
+        if noise is not None:
+            code = choose(logits.float(), self.sampling, None, None, CODE_PREDICTOR, noise)
+        else:
+            code = logits.argmax(-1)
+        embedded = table(code.view(batch, 1))
+        if seen is None:
+            return code, embedded
+        return code, embedded, seen.scatter(1, code.unsqueeze(1), True)
+
+    # Compiled, every call one nested region (scripts/bench_code_predictor.py --steps compares
+    # it with `step` itself, each call then inlined: the loop unrolled).
+    forward = torch.compiler.nested_compile_region(step)
+
+
+def decoder_pass(
+    layers: nn.ModuleList,
+    weights: list[FusedWeights],
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    fused: bool,
+) -> torch.Tensor:
+    """The decoder on `hidden` [B, n, hidden], its tokens written at cache positions `positions`
+    [n] of every row, attending to the keys `mask` [n, L] allows out of the cache's first L; the
+    last layer's output, before the final norm. `fused`: projections as fused reductions."""
+    batch, n_new, _ = hidden.shape
+    cos, sin = rope
+    read = mask.shape[-1]
+    for i, (layer, w) in enumerate(zip(layers, weights)):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = normed_linear(hidden, layer.input_layernorm, w.qkv, fused).split(w.splits, dim=-1)
+        d = attn.head_dim
+        # Head counts from the weights (plain ints: the batch may be symbolic when compiled).
+        heads, kv_heads = w.splits[0] // d, w.splits[1] // d
+        q = apply_rope(attn.q_norm(q.view(batch, n_new, heads, d)).transpose(1, 2), cos, sin)
+        k = apply_rope(attn.k_norm(k.view(batch, n_new, kv_heads, d)).transpose(1, 2), cos, sin)
+        keys[i][:batch].index_copy_(2, positions, k)
+        values[i][:batch].index_copy_(2, positions, v.view(batch, n_new, kv_heads, d).transpose(1, 2))
+        out = F.scaled_dot_product_attention(
+            q,
+            keys[i][:batch, :, :read],
+            values[i][:batch, :, :read],
+            attn_mask=mask,
+            scale=attn.scaling,
+            enable_gqa=heads != kv_heads,
+        )
+        hidden = hidden + linear(out.transpose(1, 2).reshape(batch, n_new, -1), attn.o_proj.weight, fused)
+        gate, up = normed_linear(hidden, layer.post_attention_layernorm, w.gate_up, fused).chunk(2, dim=-1)
+        hidden = hidden + linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, fused)
+    return hidden
