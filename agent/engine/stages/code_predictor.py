@@ -112,9 +112,8 @@ class CodePredictorOps:
             if any(head.bias is not None for head in self.heads):
                 raise ValueError("fused projections assume bias-free codebook heads")
         self._kv: SlotKV | None = None
-        self._ropes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._positions: list[torch.Tensor] = []  # per step: the cache positions it writes
-        self._masks: list[torch.Tensor] = []  # per step: [n, 16] the keys it reads
+        # Per step: (the cache positions it writes [n], the keys it reads [n, 16], RoPE cos, sin).
+        self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # Pad rows: a zero hidden state, code 0, seed 0, frame 0 (their cache rows are rewritten
         # by every call). Outputs cloned: the codec sums are kept per reply until its next talker step.
         self._graph = (
@@ -138,26 +137,24 @@ class CodePredictorOps:
 
         self._graph.capture_all(example)
 
-    def _plan(self, batch: int) -> tuple[SlotKV, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _plan(self, batch: int) -> tuple[SlotKV, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]]:
         """The cache (rows 0..batch-1 of it serve a call of `batch` rows: every call writes the
-        positions it reads, so calls can share it) and RoPE (cos, sin) per step, [1, n, dim],
-        broadcast over the rows. Grown on demand eagerly; with pools it is made for the largest
+        positions it reads, so calls can share it) and each step's inputs: its write positions,
+        key mask and RoPE (cos, sin) [1, n, dim], broadcast over the rows. Grown on demand eagerly; with pools it is made for the largest
         bucket up front, and a compiled loop then never depends on the batch beyond shapes."""
         if self._kv is None or self._kv.slots < batch:
             # Step 1 feeds [talker hidden, embed(c0)] at positions 0, 1; step k feeds code k-1 at k.
             self._kv = SlotKV(self.body, batch, self.num_groups + 1, self.device, self.dtype)
             self._kv.reserve(self.num_groups + 1)  # now, not inside a graph capture
-        if not self._ropes:
+        if not self._steps:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)  # rotary_emb reads only its dtype
-            read = self.num_groups  # keys at positions 0..15: every step reads them all, masked
+            keys = torch.arange(self.num_groups, device=self.device)  # 0..15: every step reads them all, masked
             for step in range(1, self.num_groups):
                 start, n = (0, 2) if step == 1 else (step, 1)
                 positions = torch.arange(start, start + n, device=self.device)
-                self._ropes.append(self.body.rotary_emb(probe, positions.view(1, -1)))
-                self._positions.append(positions)
-                keys = torch.arange(read, device=self.device)
-                self._masks.append(keys.view(1, -1) <= positions.view(-1, 1))
-        return self._kv, self._ropes
+                cos, sin = self.body.rotary_emb(probe, positions.view(1, -1))
+                self._steps.append((positions, keys.view(1, -1) <= positions.view(-1, 1), cos, sin))
+        return self._kv, self._steps
 
     def run(
         self,
@@ -180,7 +177,7 @@ class CodePredictorOps:
         self, last_hidden: torch.Tensor, code0: torch.Tensor, seeds: torch.Tensor, frames: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         batch = code0.shape[0]
-        kv, ropes = self._plan(batch)
+        kv, steps = self._plan(batch)
         c0_embed = self.talker_embed(code0.view(batch, 1))
         inputs = torch.cat([last_hidden, c0_embed], dim=1)
         codes, pieces = [code0], [c0_embed]
@@ -197,14 +194,13 @@ class CodePredictorOps:
         if self.sampling.do_sample:  # the frame's 15 draws' noise in one kernel (ops/sampling.py)
             draws = frames.view(-1, 1) * RESIDUAL_GROUPS + torch.arange(RESIDUAL_GROUPS, device=frames.device)
             noise = race_noise(seeds, draws, CODE_PREDICTOR, self.heads[0].out_features)
-        for step in range(1, self.num_groups):
-            cos, sin = ropes[step - 1]
+        for step, (positions, mask, cos, sin) in enumerate(steps, start=1):
             code, inputs, *penalized = self.code_step(
                 kv.keys,
                 kv.values,
                 inputs,
-                self._positions[step - 1],
-                self._masks[step - 1],
+                positions,
+                mask,
                 cos,
                 sin,
                 self.heads[step - 1],
