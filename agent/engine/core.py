@@ -31,6 +31,7 @@ from agent.engine.api import (
     ReplyDone,
     ReplySink,
     Runner,
+    SlotsExhausted,
     Speculating,
     StageTime,
     TakesHistory,
@@ -302,7 +303,12 @@ class EngineCore:
                 runner.open_session(sid)
                 opened.append(runner)
         except Exception as exc:
-            log.exception("engine: open for %s failed", sid)
+            if isinstance(exc, SlotsExhausted):
+                # A full engine is admission, not a fault: the offer is answered 503 and the
+                # client retries. One line, no traceback (a burst of offers logs one each).
+                log.warning("engine: no slot for %s: %s", sid, exc)
+            else:
+                log.exception("engine: open for %s failed", sid)
             for runner in opened:
                 try:
                     runner.close_session(sid)

@@ -11,7 +11,8 @@ Pins, with the real engine thread driving the real streaming runner (tiny model,
   sink (the Session, in the agent) is no longer held, and the next session is served;
 - a session the engine cannot open (every slot taken) is told so through its sink's
   on_open_failed, naming the cause, and is not held; its later commands are ignored; once a
-  slot is free the next session opens and is answered;
+  slot is free the next session opens and is answered; the engine logs it as one warning
+  line, without a traceback (it is admission, not a fault);
 - an error that escapes the engine loop itself (not a model error) is reported: the
   thread ends, `Engine.failed` says why, `alive` is False, and replies in flight get their
   error instead of waiting for ever.
@@ -20,6 +21,7 @@ Pins, with the real engine thread driving the real streaming runner (tiny model,
 from __future__ import annotations
 
 import asyncio
+import logging
 import weakref
 from typing import Any
 
@@ -182,7 +184,8 @@ async def test_a_failing_close_still_forgets_the_session(engine: Engine) -> None
     assert engine.alive and engine.failed is None
 
 
-async def test_a_session_without_a_slot_is_told_and_not_held(engine: Engine) -> None:
+async def test_a_session_without_a_slot_is_told_and_not_held(engine: Engine, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="agent.engine.core")
     runner: StreamingRunner = engine.runner  # type: ignore[attr-defined]
     slots = runner.sessions.slots.size
     sinks = [Sink() for _ in range(slots)]
@@ -197,7 +200,8 @@ async def test_a_session_without_a_slot_is_told_and_not_held(engine: Engine) -> 
         await asyncio.sleep(0.05)
     assert len(extra.open_failed) == 1 and "slots are in use" in extra.open_failed[0], extra.open_failed
     assert not extra.done and extra.audio == 0
-    # (Not a weakref check: pytest's log capture keeps the logged traceback, whose frames hold it.)
+    told = [r for r in caplog.records if "extra" in r.getMessage()]
+    assert [(r.levelno, r.exc_info) for r in told] == [(logging.WARNING, None)], [r.getMessage() for r in told]
     assert engine.core is not None and "extra" not in engine.core.sinks, (
         "the engine holds the sink of a session it could not open"
     )
