@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, TextIO
 from aiortc.contrib.media import MediaPlayer
 
 from agent.client.client import AgentClient
-from agent.client.media import DeviceSink, SilenceAfterEnd, WavSink
+from agent.client.media import DeviceSink, LoopedVideoFile, SilenceAfterEnd, WavSink
 from agent.transport.ice import restrict_ice_hosts
 
 log = logging.getLogger(__name__)
@@ -156,12 +156,19 @@ class Call:
     def _sources(self) -> tuple[Any, Any]:
         o = self.opts
         if o.audio_file is not None:
-            audio = SilenceAfterEnd(MediaPlayer(str(o.audio_file)).audio)
+            try:
+                spoken = MediaPlayer(str(o.audio_file)).audio
+            except (OSError, ValueError) as exc:  # no such file, not media: retrying cannot help
+                raise _Fatal(f"cannot play {o.audio_file} as the microphone: {exc}") from None
+            audio = SilenceAfterEnd(spoken) if spoken is not None else None
         else:
             audio = MediaPlayer(o.mic, format=o.mic_format).audio
         video = None
         if o.video_file is not None:
-            video = MediaPlayer(str(o.video_file), loop=True).video
+            try:
+                video = LoopedVideoFile(o.video_file)
+            except (OSError, ValueError) as exc:  # no such file, not media, no video in it
+                raise _Fatal(f"cannot play {o.video_file} as the camera: {exc}") from None
         elif o.camera:
             video = MediaPlayer(
                 o.camera, format=o.camera_format, options={"video_size": o.camera_size, "framerate": "15"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import fractions
+import threading
 import time
 import wave
 from collections import deque
@@ -138,6 +139,70 @@ class PatternVideoTrack(MediaStreamTrack):
         return frame
 
 
+class LoopedVideoFile(MediaStreamTrack):
+    """A video file played over and over like a camera: frames at the file's own rate, paced
+    to the wall clock across every pass, with pts that keep rising.
+
+    Not aiortc's MediaPlayer(loop=True): it paces a file by the file's timestamps, which
+    restart at every pass, so from the second pass on its thread decodes as fast as the CPU
+    allows into an unbounded queue, and each frame it posts writes to the event loop's wake-up
+    pipe. A full pipe drops signals: Ctrl-C was lost that way (the call never hung up).
+    Frames are decoded on an executor thread, one per recv: decoding is never ahead of use.
+    """
+
+    kind = "video"
+    CLOCK = 90_000
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self._container = av.open(str(path))
+        if not self._container.streams.video:
+            self._container.close()
+            raise ValueError(f"no video stream in {path}")
+        self._stream = self._container.streams.video[0]
+        rate = self._stream.average_rate or self._stream.guessed_rate or 15
+        self.period = 1 / float(rate)
+        self._frames = self._container.decode(self._stream)
+        self._lock = threading.Lock()  # decode (executor) vs close (stop, on the loop)
+        self._closed = False
+        self._n = 0  # frames sent
+        self._start: Optional[float] = None
+        self.passes = 1  # times the file was started
+
+    async def recv(self) -> av.VideoFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start is None:
+            self._start = time.monotonic()
+        wait = self._start + self._n * self.period - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        frame = await asyncio.get_running_loop().run_in_executor(None, self._decode_next)
+        frame.pts, frame.time_base = round(self._n * self.period * self.CLOCK), fractions.Fraction(1, self.CLOCK)
+        self._n += 1
+        return frame
+
+    def _decode_next(self) -> av.VideoFrame:
+        with self._lock:
+            for _ in range(2):  # the rest of this pass, else the start of the next
+                if self._closed:
+                    raise MediaStreamError
+                try:
+                    return next(self._frames)
+                except StopIteration:
+                    self._container.seek(0)
+                    self._frames = self._container.decode(self._stream)
+                    self.passes += 1
+            raise MediaStreamError  # a file whose every pass is empty
+
+    def stop(self) -> None:
+        super().stop()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._container.close()
+
+
 class ThrottledVideoTrack(MediaStreamTrack):
     """A video source as the agent asked for it: `input_video.throttle` events (max_fps,
     scale_resolution_down_by, paused) take effect on the next frame. While paused, source
@@ -174,8 +239,8 @@ class ThrottledVideoTrack(MediaStreamTrack):
         return sum(1 for t in self.sent_at if now - t <= window_s) / window_s
 
     async def recv(self) -> av.VideoFrame:
-        # Sources are live or paced to real time (a camera, a file through MediaPlayer), so the
-        # arrival time is the frame's time. The pts is restamped from it: a looping file's pts
+        # Sources are live or paced to real time (a camera, LoopedVideoFile), so the arrival
+        # time is the frame's time. The pts is restamped from it: a looping file's pts
         # jumps back at every loop, and the VP8 encoder refuses a pts that goes backwards.
         while True:
             frame = await self._source.recv()

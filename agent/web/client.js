@@ -29,6 +29,9 @@ import * as modes from "./modes.js";
 import { showVoices, onVoiceChosen, voiceRefused } from "./voices.js";
 import { makeReconnector, DISCONNECTED_GRACE_MS } from "./reconnect.js";
 
+// How long a hung-up call's peer waits for the server's answer to the DELETE before closing.
+const HANGUP_WAIT_MS = 5000;
+
 let media = null; // the local camera + mic stream
 let meter = null; // WebAudio energy meter, see makeMeter()
 let established = false; // the current call reached "connected" (so losing it is a drop)
@@ -195,11 +198,15 @@ async function start(opts = {}) {
       if (omni.channel === channel) enableTextBox(!callIsCaptions);
     });
     channel.addEventListener("close", () => {
+      // Not ours to close (teardown forgets the channel first, and callControls(null) shut
+      // the text box): the server ended the call. A hung-up call's channel closes later, maybe
+      // after the next call began: it must not touch that call's page.
+      if (omni.channel !== channel) return;
       enableTextBox(false);
-      // Not ours to close (teardown forgets the channel first): the server ended the call.
-      if (omni.channel === channel) lost(pc, "the server closed the call's events channel");
+      lost(pc, "the server closed the call's events channel");
     });
     channel.addEventListener("message", (e) => {
+      if (omni.channel !== channel) return; // a hung-up call's last words, after Stop
       try {
         onEvent(JSON.parse(e.data));
       } catch (err) {
@@ -258,12 +265,17 @@ function teardown() {
   omni.pc = null; // before close(): its late state events are ignored
   omni.channel = null;
   omni.camera = null;
-  hangUp(omni.callUrl, omni.token);
+  const ended = hangUp(omni.callUrl, omni.token);
   omni.callUrl = null;
   established = false;
   detachCall();
   callControls(null);
-  pc?.close();
+  // The peer closes once the server has answered the DELETE (or after a bound): closed at
+  // once, its DTLS close can reach the server first, which then ends the call as a dropped
+  // peer and answers the DELETE 404. Our tracks stop now, so nothing is sent meanwhile.
+  const closePeer = () => pc?.close();
+  const bound = setTimeout(closePeer, HANGUP_WAIT_MS);
+  ended.finally(() => { clearTimeout(bound); closePeer(); });
   media?.getTracks().forEach((t) => t.stop());
   media = null;
   meter?.close();

@@ -106,11 +106,12 @@ export async function postOffer(sdp, token, { session = null, priority = null } 
   return { sdp: await res.text(), callUrl: location ? new URL(location, res.url).href : null };
 }
 
-// DELETE on the call's Location ends it on the server at once (closing the peer alone would
-// leave the server waiting for ICE to time out). keepalive lets it outlive a closing page.
+// DELETE on the call's Location ends it on the server at once, as a hang-up (the server logs
+// and counts it as one). keepalive lets it outlive a closing page. The promise settles when
+// the server has answered (or the request failed): the caller closes the peer after that.
 export function hangUp(callUrl, token) {
-  if (!callUrl) return;
-  fetch(callUrl, {
+  if (!callUrl) return Promise.resolve();
+  return fetch(callUrl, {
     method: "DELETE", keepalive: true, headers: token ? { Authorization: `Bearer ${token}` } : {},
   }).catch((err) => console.warn("hang-up failed:", err));
 }

@@ -15,7 +15,8 @@ camera playing a synthetic y4m):
 - the page asked the camera sender for 4 fps (RTCRtpSender.setParameters);
 - ticking "Text replies only" mid-call sends session.update (output_modalities ["text"]); the
   next reply comes as response.output_text.delta, and its readout shows TTFT but no TTFA;
-- Stop hangs up with DELETE on the call's Location (204);
+- Stop hangs up with DELETE on the call's Location (204), and the page keeps its peer open
+  until the server answers: a DELETE held a second on its way still finds the call;
 - a refused offer (the server's 4xx JSON error) is shown to the user, not swallowed;
 - once the call is up the page shows its id (the last segment of the Location) and a link to
   captions.html?session=<that id>; Mute disables the mic sender's track (aria-pressed), the
@@ -148,10 +149,25 @@ def switch_to_text(page, timeout_s: float = CALL_TIMEOUT_S) -> dict:
     }""")
 
 
-def hang_up(page) -> dict:
-    """Press Stop and return the DELETE the page sent to the call's Location."""
+def hang_up(page, hold_s: float = 1.0) -> dict:
+    """Press Stop, hold the page's DELETE for `hold_s` (a slow network), then let it through;
+    return what the server answered. The page must keep its peer open until the answer: a
+    peer closed at once reaches the server first (DTLS close), and the DELETE then finds no
+    call (404)."""
+    held: list = []
+    page.route(
+        "**/v1/realtime/calls/*",
+        lambda route: held.append(route) if route.request.method == "DELETE" else route.continue_(),
+    )
     with page.expect_response(lambda r: r.request.method == "DELETE") as response_info:
         page.get_by_role("button", name="Stop the call").click()
+        for _ in range(200):  # bounded: 10 s for the page to send it
+            if held:
+                break
+            page.wait_for_timeout(50)
+        assert held, "Stop sent no DELETE"
+        page.wait_for_timeout(hold_s * 1000)
+        held[0].continue_()
     response = response_info.value
     return {"url": response.url, "status": response.status, "state": page.evaluate("window.omni.state")}
 

@@ -6,7 +6,10 @@ microphone and a video file as the camera, against the agent (tiny model) on loo
   once the agent answers, prints the agent's reply text as captions on stdout ("agent: …"),
   writes the agent's voice to the WAV (non-silent), and exits 0 after --max-replies;
 - Ctrl-C (SIGINT) mid-call hangs up (the agent is left with no session), closes the WAV so
-  it is a valid file, and exits 0.
+  it is a valid file, and exits 0 (the looped video, past its first pass, must not flood the
+  event loop: a flood once filled its wake-up pipe and the signal was lost);
+- an --audio or --video file it cannot play (missing, no video stream) exits 2 at once with
+  the reason, without retrying.
 """
 
 from __future__ import annotations
@@ -145,7 +148,10 @@ async def test_ctrl_c_hangs_up_and_leaves_a_valid_wav(tiny_model_dir: Path, spee
             await asyncio.sleep(0.1)
         assert proc.returncode is None, "\n".join(stderr[-20:])
         proc.send_signal(signal.SIGINT)
-        rc = await asyncio.wait_for(proc.wait(), 20)
+        try:
+            rc = await asyncio.wait_for(proc.wait(), 20)
+        except asyncio.TimeoutError:
+            raise AssertionError("Ctrl-C did not end the call in 20 s:\n" + "\n".join(stderr[-20:])) from None
         await asyncio.gather(*readers)
         assert rc == 0, "\n".join(stderr[-20:])
         await wait_no_sessions(agent.url, "the client's Ctrl-C did not hang up the call")
@@ -156,3 +162,24 @@ async def test_ctrl_c_hangs_up_and_leaves_a_valid_wav(tiny_model_dir: Path, spee
             proc.kill()
             await proc.wait()
         await agent.stop()
+
+
+async def test_a_media_file_it_cannot_play_ends_it_at_once_with_the_reason(speech_wav: Path, tmp_path: Path) -> None:
+    # Retrying cannot make a missing file or a file with no pictures playable: exit 2 and say
+    # why, instead of reconnecting forever. No agent is needed: media open before signalling.
+    url = f"http://127.0.0.1:{free_port()}"
+    cases = [
+        (("--audio", str(tmp_path / "missing.wav")), "as the microphone"),
+        (("--audio", str(speech_wav), "--video", str(speech_wav)), "no video stream"),
+    ]
+    for args, reason in cases:
+        proc = await _spawn(url, *args, "--max-seconds", "60")
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        text = err.decode(errors="replace")
+        assert proc.returncode == 2, text
+        assert "call refused: cannot play" in text and reason in text and "reconnecting" not in text, text
