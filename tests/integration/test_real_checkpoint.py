@@ -58,6 +58,10 @@ from agent.engine.instruments.load_memory import (
 from agent.engine.runner.streaming import StreamingRunner
 
 ROOT = Path(__file__).resolve().parents[2]
+# The measuring processes run torch on one thread, as every test here does: what they measure is
+# memory, and with two OpenMP threads a loaded machine made the quantize ~14x slower than alone
+# (364 s against 26 s: each op's barrier waits for a descheduled thread that spins when it runs).
+THREADS = 1
 TOKENS, FRAMES = 5, 6
 INSTRUCTIONS = "Answer in one short sentence."
 
@@ -148,14 +152,14 @@ def test_transformers_reads_the_released_config_as_the_preset(checkpoint: Path) 
 
 
 def test_a_load_onto_another_device_keeps_the_checkpoint_off_the_host(checkpoint: Path) -> None:
-    load = measure_load_in_subprocess(checkpoint, "meta", "bfloat16")
+    load = measure_load_in_subprocess(checkpoint, "meta", "bfloat16", threads=THREADS)
     assert load.device == "meta" and load.model_bytes > 0.9 * _bytes(checkpoint)
     assert load.staging <= 0.10 * _bytes(checkpoint), _report(load, checkpoint)
     assert load.anon_after - load.anon_before <= 0.5 * 2**30, _report(load, checkpoint)
 
 
 def test_a_float32_load_onto_the_cpu_works_without_a_second_copy(checkpoint: Path) -> None:
-    load = measure_load_in_subprocess(checkpoint, "cpu", "float32")
+    load = measure_load_in_subprocess(checkpoint, "cpu", "float32", threads=THREADS)
     assert (load.device, load.dtype, load.param_dtypes) == ("cpu", "float32", "float32")
     assert load.model_bytes > 1.9 * _bytes(checkpoint)  # bf16 on disk, float32 in memory
     assert load.staging <= 0.5 * load.model_bytes, _report(load, checkpoint)
@@ -166,14 +170,17 @@ def test_quantizing_streams_and_its_output_loads_without_a_float_copy(checkpoint
     checkpoint (here 256 MiB shards); the 4-bit checkpoint then loads onto the CPU holding little
     more than itself (its tensors are the model: no float copy of a quantized layer is made)."""
     shard = 256 * 2**20
-    quant = measure_quantize_in_subprocess(checkpoint, tmp_path / "int4", shard)
+    quant = measure_quantize_in_subprocess(checkpoint, tmp_path / "int4", shard, threads=THREADS)
     # At one layer per stack the float embeddings are a third of the checkpoint (at real depth the
     # written share is 0.28: docs/quantization.md).
     assert quant.written_bytes < 0.5 * quant.source_bytes
-    # A source tensor, its serialised copy in the shard being written, and the allocator's slack
-    # (measured: 1.9 GiB with a 0.58 GiB largest tensor), never the checkpoint or its float model.
-    assert quant.staging <= 3 * quant.largest_source_tensor + shard + 2**28, quant
-    load = measure_load_in_subprocess(tmp_path / "int4", "cpu", "bfloat16")
+    # At most the source tensor being read, a shard's worth of output plus the tensor that fills
+    # it (as large as the largest source tensor: a float table is written as it is), and 256 MiB
+    # for the interpreter and allocator; never the checkpoint (3.3 GiB) or its float model.
+    # Measured: 0.81 GB with a 0.62 GB largest tensor and 0.27 GB shards, against 1.78 GB here.
+    # (Stacking per-expert pieces once made glibc hold 0.8-2.4 GB, varying run to run.)
+    assert quant.staging <= 2 * quant.largest_source_tensor + shard + 2**28, quant
+    load = measure_load_in_subprocess(tmp_path / "int4", "cpu", "bfloat16", threads=THREADS)
     assert load.model_bytes < 0.5 * _bytes(checkpoint)
     assert load.staging <= shard + 2**28, _report(load, tmp_path / "int4")
 

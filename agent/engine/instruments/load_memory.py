@@ -150,12 +150,12 @@ def measure_load(path: str, device: str, dtype: str) -> LoadMemory:
     )
 
 
-def _fresh(args: list[str], what: str, timeout_s: float) -> dict:
+def _fresh(args: list[str], what: str, timeout_s: float, threads: int) -> dict:
     """This module's `main` in a new interpreter (this one's memory and caches count for
     nothing); its last stdout line, as JSON."""
     root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
-        [sys.executable, "-m", "agent.engine.instruments.load_memory", *args],
+        [sys.executable, "-m", "agent.engine.instruments.load_memory", *args, "--threads", str(threads)],
         cwd=root,
         capture_output=True,
         text=True,
@@ -167,9 +167,12 @@ def _fresh(args: list[str], what: str, timeout_s: float) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure_load_in_subprocess(path: str | Path, device: str, dtype: str, timeout_s: float = 3600.0) -> LoadMemory:
-    """`measure_load` in a fresh interpreter."""
-    return LoadMemory(**_fresh([str(path), "--device", device, "--dtype", dtype], f"load of {path}", timeout_s))
+def measure_load_in_subprocess(
+    path: str | Path, device: str, dtype: str, timeout_s: float = 3600.0, threads: int = 0
+) -> LoadMemory:
+    """`measure_load` in a fresh interpreter; `threads`: torch's CPU threads there (0: its default)."""
+    args = [str(path), "--device", device, "--dtype", dtype]
+    return LoadMemory(**_fresh(args, f"load of {path}", timeout_s, threads))
 
 
 @dataclass(frozen=True)
@@ -209,11 +212,11 @@ def measure_quantize(src: str, dst: str, shard_bytes: int) -> QuantizeMemory:
 
 
 def measure_quantize_in_subprocess(
-    src: str | Path, dst: str | Path, shard_bytes: int, timeout_s: float = 3600.0
+    src: str | Path, dst: str | Path, shard_bytes: int, timeout_s: float = 3600.0, threads: int = 0
 ) -> QuantizeMemory:
-    """`measure_quantize` in a fresh interpreter."""
+    """`measure_quantize` in a fresh interpreter; `threads` as for a load."""
     args = [str(src), "--quantize-to", str(dst), "--shard-bytes", str(shard_bytes)]
-    return QuantizeMemory(**_fresh(args, f"quantize of {src}", timeout_s))
+    return QuantizeMemory(**_fresh(args, f"quantize of {src}", timeout_s, threads))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,7 +226,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantize-to", default="", help="measure `omni-agent quantize PATH DST` instead of a load")
     p.add_argument("--shard-bytes", type=int, default=2**31)
+    # Memory does not depend on it; time does. On a busy machine two OpenMP threads wait for each
+    # other at every op's barrier, spinning while the other is descheduled.
+    p.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: its default)")
     args = p.parse_args(argv)
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.quantize_to:
         print(json.dumps(asdict(measure_quantize(args.path, args.quantize_to, args.shard_bytes))), flush=True)
         return

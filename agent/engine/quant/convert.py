@@ -111,7 +111,10 @@ def quantize_checkpoint(
         raise ValueError(f"{key}: {len(parts)} checkpoint tensors, not an expert stack")
 
     def packed_experts(key: str, group: int) -> Packed:
-        """An expert stack quantized one expert at a time."""
+        """An expert stack quantized one expert at a time, each into its slot of the stack: a
+        list of per-expert pieces stacked at the end held the packed stack twice, and its
+        small long-lived pieces, strewn among each expert's freed temporaries, kept the heap
+        from reusing them (glibc then held ~4x the live bytes at the peak)."""
         parts = revert_weight_conversion(float_model, {key: float_state[key]})
         by_expert: dict[int, dict[str, str]] = {}
         for name in parts:
@@ -119,15 +122,22 @@ def quantize_checkpoint(
             if match is None:
                 raise ValueError(f"{key}: unexpected checkpoint key {name}")
             by_expert.setdefault(int(match.group(1)), {})[match.group(2)] = name
-        pieces = []
-        for e in sorted(by_expert):
+        stack: Packed | None = None
+        for slot, e in enumerate(sorted(by_expert)):
             names = by_expert[e]
             if key.endswith("gate_up_proj"):
                 w = torch.cat([source.get(names["gate_proj"]), source.get(names["up_proj"])], dim=0)
             else:
                 w = source.get(names["down_proj"])
-            pieces.append(quantize(w.to(dtype), group))
-        return Packed(*(torch.stack([getattr(p, f) for p in pieces]) for f in ("nibbles", "scale", "low")))
+            piece = quantize(w.to(dtype), group)
+            del w
+            if stack is None:
+                stack = Packed(*(torch.empty(len(by_expert), *t.shape, dtype=t.dtype) for t in _fields(piece)))
+            for into, part in zip(_fields(stack), _fields(piece)):
+                into[slot].copy_(part)
+        if stack is None:
+            raise ValueError(f"{key}: no experts in the checkpoint")
+        return stack
 
     dst.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(dst, shard_bytes)
@@ -145,6 +155,10 @@ def quantize_checkpoint(
     writer.close()
     _copy_side_files(src, dst, scheme)
     return QuantizeSummary(report, source_bytes, writer.total, len(writer.files))
+
+
+def _fields(packed: Packed) -> tuple[Tensor, Tensor, Tensor]:
+    return packed.nibbles, packed.scale, packed.low
 
 
 def _add_packed(writer: ShardWriter, owner: str, name: str, packed: Packed) -> set[str]:
