@@ -47,6 +47,9 @@ from agent.engine.ops.sampling import CODE_PREDICTOR, RESIDUAL_GROUPS, choose, p
 from agent.engine.ops.slots import SlotKV, apply_rope
 from agent.engine.quant.modules import Int4Linear, concat_rows, float_weight
 
+# One step's inputs, made once: write positions [n], key mask [n, groups], RoPE cos and sin.
+StepInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class FusedWeights:
@@ -113,7 +116,7 @@ class CodePredictorOps:
                 raise ValueError("fused projections assume bias-free codebook heads")
         self._kv: SlotKV | None = None
         # Per step: (the cache positions it writes [n], the keys it reads [n, 16], RoPE cos, sin).
-        self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._steps: list[StepInputs] = []
         # Pad rows: a zero hidden state, code 0, seed 0, frame 0 (their cache rows are rewritten
         # by every call). Outputs cloned: the codec sums are kept per reply until its next talker step.
         self._graph = (
@@ -137,11 +140,12 @@ class CodePredictorOps:
 
         self._graph.capture_all(example)
 
-    def _plan(self, batch: int) -> tuple[SlotKV, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    def _plan(self, batch: int) -> tuple[SlotKV, list[StepInputs]]:
         """The cache (rows 0..batch-1 of it serve a call of `batch` rows: every call writes the
         positions it reads, so calls can share it) and each step's inputs: its write positions,
-        key mask and RoPE (cos, sin) [1, n, dim], broadcast over the rows. Grown on demand eagerly; with pools it is made for the largest
-        bucket up front, and a compiled loop then never depends on the batch beyond shapes."""
+        key mask and RoPE (cos, sin) [1, n, dim], broadcast over the rows. Grown on demand
+        eagerly; with pools it is made for the largest bucket up front, and a compiled loop then
+        never depends on the batch beyond shapes."""
         if self._kv is None or self._kv.slots < batch:
             # Step 1 feeds [talker hidden, embed(c0)] at positions 0, 1; step k feeds code k-1 at k.
             self._kv = SlotKV(self.body, batch, self.num_groups + 1, self.device, self.dtype)
