@@ -50,15 +50,16 @@ def test_overlay_follows_a_call(page, chromium, agent_url, tmp_path):
         overlay.goto(f"{agent_url}captions.html?session={call_id}")
         overlay.wait_for_function("window.captions.connected", timeout=30_000)
         # Both speakers on screen at once (the fake mic loops: a turn, a reply, the next turn).
-        overlay.wait_for_function(
+        # The lines are read in the same evaluation that saw both: the fake mic's next turn can
+        # change the screen between two calls from here (it did once, on a loaded machine).
+        lines = overlay.wait_for_function(
             """() => {
           const shown = [...document.querySelectorAll('#lines .line')];
           const said = (who) => shown.some((p) => p.dataset.speaker === who && p.innerText.trim().length > who.length);
-          return said('user') && said('agent');
-        }""",
+          return said('user') && said('agent') && (LINES_JS)();
+        }""".replace("LINES_JS", LINES_JS),
             timeout=TIMEOUT_MS,
-        )
-        lines = overlay.evaluate(LINES_JS)
+        ).json_value()
         assert 2 <= len(lines) <= 3, lines
         assert {line["speaker"] for line in lines} <= {"user", "agent"}
         assert overlay.evaluate("getComputedStyle(document.body).backgroundColor") == "rgba(0, 0, 0, 0)"

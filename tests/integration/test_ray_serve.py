@@ -262,6 +262,7 @@ async def _offer_status(url: str, wav: Path) -> tuple[int, dict[str, str], str]:
 
 async def test_calls_spread_pinned_and_admitted(fixed_app: str, speech_wav: Path) -> None:
     url = fixed_app
+    await _wait_routed(url, 2)
     clients = []
     try:
         # The first call speaks again every few seconds: its SSE stream, opened once all four are
@@ -416,6 +417,7 @@ async def test_a_burst_of_offers_fills_both_replicas(fixed_app: str, speech_wav:
     carries more than its capacity). (Counted only once Serve had placed them, a burst's offers
     all saw the same loads and went to one replica, which refused all past its capacity.)"""
     url = fixed_app
+    await _wait_routed(url, 2)
     await _wait_idle(url)
     await asyncio.sleep(1.0)  # two stats periods: the routers' view of the idle replicas is fresh
     statuses, placed = await _burst([url] * 4 * CALLS_PER_REPLICA, speech_wav)
@@ -432,6 +434,7 @@ def _replica_actor(replica_id: str) -> Any:
 
 async def test_killed_replica_ends_its_calls_at_once_others_go_on(fixed_app: str, speech_wav: Path) -> None:
     url = fixed_app
+    await _wait_routed(url, 2)
     replica_ids = await _wait_idle(url)
     clients: list[AgentClient] = []
     try:
@@ -477,6 +480,43 @@ async def _connect_to(url: str, wav: Path, replica: str) -> AgentClient:
 
     await client.connect(signal)
     return client
+
+
+def _running_replicas() -> list[str]:
+    """The ids of this app's replicas the controller reports RUNNING."""
+    details = serve.context._get_global_client().get_serve_details()
+    app = (details.get("applications") or {}).get(APP_NAME) or {}
+    return sorted(
+        r["replica_id"]
+        for deployment in (app.get("deployments") or {}).values()
+        for r in deployment.get("replicas") or []
+        if str(r.get("state")).endswith("RUNNING")
+    )
+
+
+async def _wait_routed(url: str, count: int) -> list[str]:
+    """Bounded (REPLICA_START_S, against a hang): until `count` replicas run and the proxy at `url`
+    routes to each (a request pinned to it with ?replica= comes back from it). serve.run returns
+    once the replicas run, but a proxy learns of them from the controller later, seconds later
+    on a loaded machine: until then its offers all go to the replicas it knows (in a loaded
+    series the first three offers of a fresh app went to one replica, and the third got 503)."""
+    deadline = time.monotonic() + REPLICA_START_S
+    routed: list[str] = []
+    async with aiohttp.ClientSession(timeout=ANSWER_TIMEOUT) as http:
+        while time.monotonic() < deadline:
+            running = _running_replicas()
+            routed = []
+            for rid in running:
+                try:
+                    async with http.get(f"{url}/healthz?replica={rid}") as resp:
+                        if resp.status == 200 and resp.headers.get(REPLICA_HEADER) == rid:
+                            routed.append(rid)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    pass
+            if len(running) == count and routed == running:
+                return routed
+            await asyncio.sleep(0.2)
+    pytest.fail(f"the proxy at {url} routes to {routed}, not to {count} running replicas ({_running_replicas()})")
 
 
 async def _wait_idle(url: str) -> list[str]:
@@ -608,6 +648,7 @@ async def test_removed_replica_drains_its_call(ray_cluster: Proxies, tiny_model_
     await _wait(
         lambda: _replica_states() == Counter(RUNNING=2), REPLICA_START_S, "two running replicas", _replica_states
     )
+    await _wait_routed(url, 2)
     replica_ids = await _wait_idle(url)
     # First, on these roomier replicas (6 calls each, deployed anyway for this test), the burst
     # bar: 8 offers at once through one proxy are all taken, 3 to 5 per replica.
@@ -621,6 +662,7 @@ async def test_removed_replica_drains_its_call(ray_cluster: Proxies, tiny_model_
     # offers until the replicas' stats come back, still spread them 2 to 6 per replica.
     second = f"http://127.0.0.1:{ray_cluster.worker}"
     await _wait_proxy(second)
+    await _wait_routed(second, 2)
     await asyncio.sleep(1.0)
     statuses, placed = await _burst([url, second] * 4, speech_wav)
     print("8 offers through two proxies, calls per replica:", sorted(Counter(placed).values()))
