@@ -2,7 +2,8 @@
 // what the user and the agent said. The user's lines come from live input transcription
 // (conversation.item.input_audio_transcription.*, and the project's omni.input_audio_transcription.partial
 // for a hypothesis with no new stable text: `omni.stable_chars` of `omni.text` are final, the rest
-// is shown dimmed), the agent's from its reply transcript.
+// is shown dimmed), the agent's from its reply transcript. The completed transcript replaces a
+// user line's partials (it may be empty: the line goes), and marks the line data-final.
 //
 // Which call: `?session=<call id>` follows that call until it ends; `?follow=latest` follows
 // whichever call is newest on the agent (of those the key may see), moving to each new one, so a
@@ -71,6 +72,7 @@ function render() {
         const p = document.createElement("p");
         p.className = "line";
         p.dataset.speaker = l.speaker;
+        if (l.final) p.dataset.final = "true"; // the user's completed transcript: no longer changes
         const who = document.createElement("span");
         who.className = "who";
         who.textContent = l.speaker;
@@ -127,8 +129,9 @@ function onEvent(ev) {
     }
     case "conversation.item.input_audio_transcription.completed": {
       const line = lineFor(ev.item_id, "user");
-      line.stable = ev.transcript || "";
+      line.stable = ev.transcript || ""; // the final word: it may take back every partial
       line.tail = "";
+      line.final = true;
       if (ev.omni) state.figures.final_ms = ev.omni.after_end_ms;
       break;
     }

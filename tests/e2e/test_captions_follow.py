@@ -4,8 +4,9 @@ a call's WebVTT, in headless Chromium against the package's agent subprocess (lo
 Pins:
 - captions.html?follow=latest opened before any call says it is waiting (a visible status), then
   shows the user's and the agent's words of a call started after it (agent/web/ with
-  `?transcribe`); when the call ends it says so and waits; a second call is followed too, its
-  lines replacing the first call's; with `position=top` the status and latency readouts move to
+  `?transcribe`), the user's line marked final once its completed transcript came; when the
+  call ends it says so and waits; a second call is followed too, its lines replacing the first
+  call's; with `position=top` the status and latency readouts move to
   the bottom edge, off the lines;
 - style parameters apply (`size` → the font size, `color` → the text colour, `position=top`)
   and a bad value (`bg=red;x`) is ignored and listed, the default backing kept; the defaults
@@ -14,7 +15,8 @@ Pins:
   test-output/browser/captions-follow.png (and the WebVTT beside it), and with
   OMNI_SCREENSHOTS=1 to bench/results/captions-overlay.png (the committed one);
 - the call's GET /v1/realtime/calls/{id}/captions.vtt parses with webvtt-py: cues in start
-  order, none ending before it starts, both speakers (`<v user>`, `<v agent>`) with text;
+  order, none ending before it starts, both speakers (`<v user>`, `<v agent>`) with text, and
+  each final user line the overlay showed is a user cue with the same words;
 - the overlay stops for good, with the reason on screen, on 410 (a call that has ended), 404
   (no such call), 403 and 401 (a wrong key on an agent with --api-key), and retries a 503 with
   backoff until the agent answers.
@@ -22,6 +24,7 @@ Pins:
 
 from __future__ import annotations
 
+import html
 import os
 import shutil
 import urllib.request
@@ -35,11 +38,18 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_MS = 120_000
 
+# Both speakers on screen, the user's line final: a partial may still be taken back by its
+# completed transcript (the tiny random model's final can come out empty), and the WebVTT keeps
+# what the completed transcript said, so only a final line is sure to be in it.
 SAID_BOTH_JS = """() => {
   const shown = [...document.querySelectorAll('#lines .line')];
-  const said = (who) => shown.some((p) => p.dataset.speaker === who && p.querySelector('.said').innerText.trim());
-  return said('user') && said('agent');
+  const said = (who, final) => shown.some((p) => p.dataset.speaker === who && (!final || p.dataset.final === 'true')
+    && p.querySelector('.said').innerText.trim());
+  return said('user', true) && said('agent', false);
 }"""
+FINAL_USER_JS = (
+    "window.captions.lines.filter((l) => l.speaker === 'user' && l.final && l.stable.trim()).map((l) => l.stable)"
+)
 
 
 def _start_call(page, agent_url: str) -> str:
@@ -47,6 +57,10 @@ def _start_call(page, agent_url: str) -> str:
     page.get_by_role("button", name="Start the call").click()
     page.wait_for_function("window.omni.state === 'connected' && window.omni.callUrl", timeout=TIMEOUT_MS)
     return page.evaluate("window.omni.callUrl").rstrip("/").rsplit("/", 1)[1]
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _ms(stamp: str) -> int:
@@ -99,6 +113,8 @@ def test_overlay_follows_the_latest_call(page, chromium, agent_url, tmp_path):
         if os.environ.get("OMNI_SCREENSHOTS") == "1":  # the copy the README shows
             shutil.copyfile(shot, REPO / "bench" / "results" / "captions-overlay.png")
         first_ids = overlay.evaluate("window.captions.lines.map((l) => l.id)")
+        finals = overlay.evaluate(FINAL_USER_JS)
+        assert finals, overlay.evaluate("window.captions.lines")
 
         page.get_by_role("button", name="Stop the call").click()
         overlay.wait_for_function("/call ended/.test(window.captions.status)", timeout=30_000)
@@ -115,6 +131,11 @@ def test_overlay_follows_the_latest_call(page, chromium, agent_url, tmp_path):
         assert all(_ms(c.end) >= _ms(c.start) for c in cues), text
         for who in ("user", "agent"):
             assert any(c.voice == who and c.text.strip() for c in cues), text
+        # Each final user line the overlay showed is a user cue, word for word: the two are built
+        # from the same server events.
+        said = {_words(html.unescape(c.text)) for c in cues if c.voice == "user"}
+        for line in finals:
+            assert _words(line) in said, (line, text)
         print(f"\n{len(cues)} cues; screenshot {shot} (copy: {keep})")
 
         # A second call: followed, and the first call's lines are gone.

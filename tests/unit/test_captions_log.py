@@ -8,7 +8,8 @@ Pins:
   completed, reply transcript deltas, output_audio_buffer.started/stopped) gives one user cue
   per item and one agent cue per response, the agent's from when its audio started, times from
   the call's start, in start order; open cues end at "now" while the call runs and at its end
-  after; an empty transcription shows no cue;
+  after; an empty completed transcription shows no cue, even after partials showed words (the
+  completed transcript is the final word, as on the overlay);
 - the file parses with webvtt-py, with the cues' text and voices as recorded;
 - memory: past max_chars the oldest cues are dropped and a NOTE says how many.
 """
@@ -74,8 +75,9 @@ def _call() -> CallCaptions:
     ev({"type": "response.output_audio_transcript.done", "response_id": "resp_1", "transcript": "Fish & chips."}, 103.3)
     ev({"type": "response.done", "response": {"id": "resp_1"}}, 103.4)
     ev({"type": "output_audio_buffer.stopped", "response_id": "resp_1"}, 105.0)
-    # A second turn that transcribes to nothing, and a third still being said.
+    # A second turn whose partial the empty final takes back, and a third still being said.
     ev({"type": "input_audio_buffer.speech_started", "item_id": "item_2"}, 106.0)
+    ev({"type": "omni.input_audio_transcription.partial", "item_id": "item_2", "omni": {"text": "uh"}}, 106.2)
     ev({"type": "input_audio_buffer.speech_stopped", "item_id": "item_2"}, 106.4)
     ev({"type": "conversation.item.input_audio_transcription.completed", "item_id": "item_2", "transcript": ""}, 106.6)
     ev({"type": "input_audio_buffer.speech_started", "item_id": "item_3"}, 107.0)
