@@ -18,7 +18,8 @@ The calls run in rounds with the cycle collector switched off, and each round's 
 and threads are counted before anything is collected: in a real agent the loaded model
 makes the long-lived heap so large that full collections are rare, so whatever a call
 leaves in a reference cycle (with the native threads its FFmpeg objects own) stays for
-hours. Memory is read after a warm-up.
+hours. Memory is read after a warm-up. When a round leaves objects, the failure names what
+held each one (three levels of referrers) and whether the cycle collector then freed it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import statistics
 import sys
 import threading
 import time
+import types
 import wave
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -159,6 +162,59 @@ def _alive() -> Counter:
     return Counter(type(o).__name__ for o in gc.get_objects() if type(o) in PER_CALL)
 
 
+_OWN_FRAMES = {"_why_alive", "_referrers", "_walk", "test_calls_leave_no_threads_objects_or_memory"}
+
+
+def _referrers(obj: object, skip: set[int]) -> list[object]:
+    """What refers to `obj`, less this module's bookkeeping (the lists and frames looking at it)."""
+    return [
+        r
+        for r in gc.get_referrers(obj)
+        if id(r) not in skip and not (isinstance(r, types.FrameType) and r.f_code.co_name in _OWN_FRAMES)
+    ]
+
+
+def _describe(ref: object) -> str:
+    if isinstance(ref, types.FrameType):
+        return f"frame {ref.f_code.co_name} ({Path(ref.f_code.co_filename).name}:{ref.f_lineno})"
+    if isinstance(ref, (types.CoroutineType, asyncio.Future)):
+        return repr(ref)[:200]
+    if isinstance(ref, types.MethodType):
+        return f"bound method {ref.__qualname__}"
+    if isinstance(ref, dict):
+        return f"dict {[k for k in list(ref)[:8] if isinstance(k, str)]}"
+    return type(ref).__name__
+
+
+def _why_alive(found: list[object]) -> str:
+    """For the failure message: who holds each per-call object a round left (three levels of
+    referrers), and whether the cycle collector then frees it (a reference cycle) or not
+    (something live holds it: a pending task, a registry). Empties `found`."""
+    skip = {id(found)}
+    lines: list[str] = []
+
+    def _walk(obj: object, level: int) -> None:
+        held = _referrers(obj, skip)[:4]
+        skip.add(id(held))
+        for i in range(len(held)):  # by index: an iterator over `held` would refer to its items
+            ref = held[i]
+            lines.append("    " + "  " * level + _describe(ref))
+            if level < 2 and not isinstance(ref, type):
+                _walk(ref, level + 1)
+
+    for obj in found:
+        lines.append(f"  {type(obj).__name__} held by:")
+        _walk(obj, 0)
+    refs = [weakref.ref(o) for o in found]
+    found.clear()
+    gc.collect()
+    survivors = Counter(type(r()).__name__ for r in refs if r() is not None)
+    verdict = (
+        f"still alive after gc.collect(): {dict(survivors)}" if survivors else "all freed by gc.collect() (a cycle)"
+    )
+    return "\n".join([f"left by a round, {verdict}", *lines])
+
+
 @pytest.fixture(scope="module")
 def short_wav(speech_wav: Path, tmp_path_factory) -> Path:
     """The first second of the spoken WAV (0.3 s lead-in, then speech): a short utterance."""
@@ -284,6 +340,7 @@ async def test_calls_leave_no_threads_objects_or_memory(
     rss_rounds: list[float] = []
     heap_rounds: list[float] = []
     alive: Counter = Counter()
+    why: list[str] = []  # what held them, for the failure message
     threads_after = threads_first
     gc.disable()
     try:
@@ -291,7 +348,10 @@ async def test_calls_leave_no_threads_objects_or_memory(
             await _calls(url, app, short_wav, ending, size)
             await _settle(app, threads_first)
             # Counted before any collection: a round's calls must be gone already.
-            alive += _alive()
+            left = [o for o in gc.get_objects() if type(o) in PER_CALL]
+            if left:
+                alive += Counter(type(o).__name__ for o in left)
+                why.append(_why_alive(left))
             threads_after = max(threads_after, _native_threads())
             # Now drop what a round leaves in cycles that own no thread and no call object
             # (aioice's connection and its protocols, exceptions' frames): the collector
@@ -330,7 +390,7 @@ async def test_calls_leave_no_threads_objects_or_memory(
     active = [metrics.REGISTRY.get_sample_value("agent_sessions_active", {"priority": p}) for p in ("high", "normal")]
     assert active == [0, 0], f"agent_sessions_active by priority (high, normal): {active}"
     assert tasks_after <= tasks_first, f"asyncio tasks {tasks_first} -> {tasks_after}"
-    assert not alive, f"objects of finished calls still alive: {dict(alive)}"
+    assert not alive, f"objects of finished calls still alive: {dict(alive)}\n" + "\n".join(why)
     assert threads_after <= threads_first + 2, f"threads {threads_first} -> {threads_after}"
     # Memory: what a call leaves behind in Python is caught above, object by object; these bound
     # the rest by what is still in use.
