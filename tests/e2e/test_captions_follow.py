@@ -6,8 +6,8 @@ Pins:
   shows the user's and the agent's words of a call started after it (agent/web/ with
   `?transcribe`), the user's line marked final once its completed transcript came; when the
   call ends it says so and waits; a second call is followed too, its lines replacing the first
-  call's; with `position=top` the status and latency readouts move to
-  the bottom edge, off the lines;
+  call's; with `position=top` the status and latency readouts move to the bottom edge, off the
+  lines;
 - style parameters apply (`size` → the font size, `color` → the text colour, `position=top`)
   and a bad value (`bg=red;x`) is ignored and listed, the default backing kept; the defaults
   keep WCAG AA contrast (4.5:1) even over a white frame, the page background stays transparent,

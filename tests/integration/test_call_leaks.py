@@ -157,9 +157,14 @@ def _heap_in_use_mb() -> float:
     return (info.uordblks + info.hblkhd) / 2**20
 
 
-def _alive() -> Counter:
+def _left() -> list[object]:
     """Objects of the per-call classes still reachable or in uncollected cycles."""
-    return Counter(type(o).__name__ for o in gc.get_objects() if type(o) in PER_CALL)
+    return [o for o in gc.get_objects() if type(o) in PER_CALL]
+
+
+def _alive() -> Counter:
+    """How many of each per-call class are left (see `_left`)."""
+    return Counter(type(o).__name__ for o in _left())
 
 
 _OWN_FRAMES = {"_why_alive", "_referrers", "_walk", "test_calls_leave_no_threads_objects_or_memory"}
@@ -351,10 +356,11 @@ async def test_calls_leave_no_threads_objects_or_memory(
             await _calls(url, app, short_wav, ending, size)
             await _settle(app, threads_first)
             # Counted before any collection: a round's calls must be gone already.
-            left = [o for o in gc.get_objects() if type(o) in PER_CALL]
+            left = _left()
             if left:
                 alive += Counter(type(o).__name__ for o in left)
-                why.append(_why_alive(left) if len(why) < 3 else "")
+                if len(why) < 3:
+                    why.append(_why_alive(left))
                 left.clear()
             threads_after = max(threads_after, _native_threads())
             # Now drop what a round leaves in cycles that own no thread and no call object
@@ -394,7 +400,7 @@ async def test_calls_leave_no_threads_objects_or_memory(
     active = [metrics.REGISTRY.get_sample_value("agent_sessions_active", {"priority": p}) for p in ("high", "normal")]
     assert active == [0, 0], f"agent_sessions_active by priority (high, normal): {active}"
     assert tasks_after <= tasks_first, f"asyncio tasks {tasks_first} -> {tasks_after}"
-    assert not alive, f"objects of finished calls still alive: {dict(alive)}\n" + "\n".join(w for w in why if w)
+    assert not alive, f"objects of finished calls still alive: {dict(alive)}\n" + "\n".join(why)
     assert threads_after <= threads_first + 2, f"threads {threads_first} -> {threads_after}"
     # Memory: what a call leaves behind in Python is caught above, object by object; these bound
     # the rest by what is still in use.
