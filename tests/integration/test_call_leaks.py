@@ -162,11 +162,6 @@ def _left() -> list[object]:
     return [o for o in gc.get_objects() if type(o) in PER_CALL]
 
 
-def _alive() -> Counter:
-    """How many of each per-call class are left (see `_left`)."""
-    return Counter(type(o).__name__ for o in _left())
-
-
 _OWN_FRAMES = {"_why_alive", "_referrers", "_walk", "test_calls_leave_no_threads_objects_or_memory"}
 
 
@@ -322,7 +317,7 @@ async def _calls(url: str, app: web.Application, wav: Path, ending: str, count: 
 async def _settle(app: web.Application, threads_at_most: int) -> None:
     """Wait, bounded, until the agent holds no session and the per-call objects are gone."""
     for _ in range(40):
-        if not app[SESSIONS] and _native_threads() <= threads_at_most and not _alive():
+        if not app[SESSIONS] and _native_threads() <= threads_at_most and not _left():
             return
         await asyncio.sleep(0.25)
 
