@@ -8,7 +8,7 @@ this instead of the kernel count:
     and buffers, at their element sizes: nibbles 1 byte, scales and offsets bf16, RoPE tables
     fp32) per part of each stack, differenced between the depths and extrapolated to the real
     ones, then checked against a full-depth meta count of the whole model;
-  * the memory plan on a 24 GB card (memory_plan.RTX4090): what it derives with no flags, and
+  * the memory plan on a 24 GB card (model_memory.RTX4090): what it derives with no flags, and
     the total for 2 sessions at 8192 tokens of context;
   * bytes one steady tick reads at batch 1 (instruments/roofline.py ByteModel, which counts a
     4-bit module's packed bytes) for int4 against bf16.
@@ -220,15 +220,8 @@ def run(args: argparse.Namespace) -> None:
     from agent.engine.checkpoints.model import complete_config
     from agent.engine.checkpoints.presets import REAL, depth_overrides, merge_overrides, preset_config
     from agent.engine.instruments.roofline import ByteModel
-    from agent.engine.memory_plan import (
-        CUDA_CONTEXT_BYTES,
-        RESERVE_BYTES,
-        RTX4090,
-        MemoryPlanError,
-        ModelMemory,
-        pad_rows,
-        plan,
-    )
+    from agent.engine.memory_plan import RESERVE_BYTES, MemoryPlanError, pad_rows, plan
+    from agent.engine.model_memory import CUDA_CONTEXT_BYTES, RTX4090, ModelMemory
 
     if args.preset != REAL:
         raise SystemExit(f"--kernels --quantize needs --preset {REAL}")
@@ -322,7 +315,7 @@ def run(args: argparse.Namespace) -> None:
     reply_s = Config().max_reply_seconds or 60.0
     memory = ModelMemory.from_config(full_config, torch.bfloat16, reply_s, quantize="int4")
     print(
-        f"\nMEMORY PLAN, int4 (memory_plan.ModelMemory.from_config(..., quantize='int4'), max reply {reply_s:g} s) "
+        f"\nMEMORY PLAN, int4 (model_memory.ModelMemory.from_config(..., quantize='int4'), max reply {reply_s:g} s) "
         f"on {RTX4090.name}: {RTX4090.free:,} bytes free before the load (24 GiB - CUDA context "
         f"{CUDA_CONTEXT_BYTES / GiB:.1f} GiB)"
     )

@@ -74,7 +74,8 @@ def run(args) -> None:
     from agent.engine.checkpoints.presets import REAL, preset_config
     from agent.engine.checkpoints.tiny import ensure_model
     from agent.engine.instruments.load_memory import LoadMemory, measure_load_in_subprocess
-    from agent.engine.memory_plan import H100_80G, H200, MemoryPlanError, ModelMemory, plan_for_cards
+    from agent.engine.memory_plan import MemoryPlanError, plan_for_cards
+    from agent.engine.model_memory import H100_80G, H200, ModelMemory
 
     if args.preset != REAL:
         raise SystemExit(f"--load needs --preset {REAL}")

@@ -29,18 +29,8 @@ from agent.__main__ import main
 from agent.config import Config
 from agent.engine import memory_plan
 from agent.engine.checkpoints.presets import REAL, preset_config
-from agent.engine.memory_plan import (
-    H100_80G,
-    H200,
-    LIMITS,
-    MIN_CONTEXT,
-    Card,
-    GiB,
-    KiB,
-    MemoryPlanError,
-    ModelMemory,
-    plan,
-)
+from agent.engine.memory_plan import LIMITS, MIN_CONTEXT, MemoryPlanError, plan
+from agent.engine.model_memory import H100_80G, H200, Card, GiB, KiB, ModelMemory
 from agent.flags import add_serve_arguments, config_from_args
 
 

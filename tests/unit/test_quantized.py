@@ -276,7 +276,7 @@ def test_memory_plan_counts_the_4bit_model(tiny_model_dir) -> None:
     from transformers import AutoConfig
 
     from agent.engine.checkpoints.model import complete_config, load_model
-    from agent.engine.memory_plan import ModelMemory
+    from agent.engine.model_memory import ModelMemory
 
     config = AutoConfig.from_pretrained(str(tiny_model_dir))
     complete_config(config)
@@ -366,7 +366,8 @@ def test_a_24_gib_card_holds_the_4bit_model_for_two_sessions_with_no_flags() -> 
     prefill's experts unpacked in slices, the token table 4-bit). Without those three it did
     not: one session, or a refusal."""
     from agent.engine.checkpoints.presets import REAL, preset_config
-    from agent.engine.memory_plan import RESERVE_BYTES, RTX4090, GiB, MemoryPlanError, ModelMemory, plan
+    from agent.engine.memory_plan import RESERVE_BYTES, MemoryPlanError, plan
+    from agent.engine.model_memory import RTX4090, GiB, ModelMemory
 
     config = preset_config(REAL)
     int4 = ModelMemory.from_config(config, torch.bfloat16, 60.0, quantize="int4")
