@@ -8,7 +8,8 @@ nothing here locks: `sinks`, `replying` and the camera's latest frames have this
 Commands are dispatched on their type (agent/engine/commands.py): the session commands through
 SESSION_COMMANDS (the runner method each one runs, and the capability Protocol of
 agent/engine/api.py the runner needs for it), the turn's stream commands through STREAM.
-engine → asyncio side: loop.call_soon_threadsafe with plain data (text, int16 PCM, stats).
+engine → asyncio side: through the narrow port `Outside` (agent/engine/outside.py), plain data
+(text, int16 PCM, stats) handed to the loop with call_soon_threadsafe.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import asyncio
 import logging
 import queue
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -72,6 +73,7 @@ from agent.engine.commands import (
     TruncateReply,
     describe,
 )
+from agent.engine.outside import Outside
 from agent.engine.state.latest_frames import LatestFrames
 
 log = logging.getLogger(__name__)
@@ -129,45 +131,6 @@ DELIVER: dict[type, str] = {
     TranscriptOut: "on_transcript",
     ReplyDone: "on_done",
 }
-
-
-class Outside(Protocol):
-    """Where the core's answers and outputs go: the asyncio loop of this process (ThreadOutside),
-    or the parent of an engine process (agent/engine/process.py). `sink` is what OpenSession
-    carried (a ReplySink here; a process engine's child gets the session id)."""
-
-    def settle(self, future: Any, result: Any, error: Optional[BaseException]) -> None: ...
-
-    def deliver(self, sink: Any, method: str, payload: Any) -> None:
-        """Call sink.<method>(payload) on the loop, if the sink has that method."""
-
-    def stage(self, out: StageTime) -> None: ...
-
-
-class ThreadOutside:
-    """The engine thread's way back to the asyncio loop of its own process."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-
-    def settle(self, future: Any, result: Any, error: Optional[BaseException]) -> None:
-        self._loop.call_soon_threadsafe(settle, future, result, error)
-
-    def deliver(self, sink: Any, method: str, payload: Any) -> None:
-        fn = getattr(sink, method, None)  # on_call, on_transcript, on_open_failed: optional
-        if fn is not None:
-            self._loop.call_soon_threadsafe(fn, payload)
-
-    def stage(self, out: StageTime) -> None:
-        record_stage(out)
-
-
-def record_stage(out: StageTime) -> None:
-    metrics.STAGE.labels(stage=out.stage).observe(out.seconds)
-    # A batched call is reported once per session in it: each takes its share, so the counter
-    # sums to the engine thread's real time in the stage.
-    metrics.ENGINE_SECONDS.labels(stage=out.stage).inc(out.seconds / max(out.batch, 1))
-    metrics.ENGINE_CALLS.labels(stage=out.stage).inc(1 / max(out.batch, 1))
 
 
 class EngineCore:
@@ -427,13 +390,3 @@ def _idle(runner: Runner) -> float:
     if not runner.has_work():
         return IDLE_WAIT_S
     return min(IDLE_WAIT_S, runner.idle_s())
-
-
-def settle(future: asyncio.Future, result: Any, error: Optional[BaseException]) -> None:
-    """On the loop: the caller's future gets the engine's answer, unless it gave up waiting."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

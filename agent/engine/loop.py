@@ -36,7 +36,8 @@ from agent.engine.commands import (
     Stop,
     StreamCommand,
 )
-from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope, Handler, ThreadOutside
+from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope, Handler
+from agent.engine.outside import ThreadOutside
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,9 @@ from agent import metrics
 from agent.config import Config
 from agent.engine.api import EngineBusy, ReplyDone, ReplySink, Runner, voices_of
 from agent.engine.commands import CloseSession, OpenSession, SessionCommand, StreamCommand
-from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope, record_stage, settle
+from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope
 from agent.engine.loop import Engine
+from agent.engine.outside import record_stage, settle
 
 log = logging.getLogger(__name__)
 
