@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from agent import metrics
 from agent.engine.api import EngineBusy
 from agent.gate.token_bucket import TokenBucket
-from agent.realtime import audio_codec, session_checks, session_config, tool_config
+from agent.realtime import audio_codec, session_checks, session_config, tool_config, user_message
 from agent.realtime.call_outputs import UnknownCall
 from agent.realtime.events import new_id
 
@@ -195,26 +195,15 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
             "unsupported",
             "item.role" if item.get("type") == "message" else "item.type",
         )
-    content = item.get("content")
-    if not isinstance(content, list) or len(content) != 1 or not isinstance(content[0], dict):
-        raise BadEvent("a user message holds one content part", "invalid_value", "item.content")
-    part = content[0]
     item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
     if item_id in session.conversation:
         raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
-    if part.get("type") == "input_text" and isinstance(part.get("text"), str):
-        session.add_user_text(item_id, part["text"], _event_id(event))
-    elif part.get("type") == "input_audio" and isinstance(part.get("audio"), str):
-        try:
-            data = base64.b64decode(part["audio"], validate=True)
-        except (binascii.Error, ValueError):
-            raise BadEvent("audio is not valid base64", param="item.content[0].audio") from None
-        fmt = session.settings["audio"]["input"]["format"]["type"]
-        session.add_user_audio(item_id, audio_codec.to_16k(fmt, data))
-    else:
-        raise BadEvent(
-            "content must be input_text with text or input_audio with audio", "unsupported", "item.content[0].type"
-        )
+    fmt = session.settings["audio"]["input"]["format"]["type"]
+    try:  # every part decoded first: a bad one refuses the whole message
+        parts = user_message.parse(item.get("content"), fmt, session.config.video_max_side)
+    except user_message.ContentError as exc:
+        raise BadEvent(str(exc), exc.code, exc.param) from None
+    session.add_user_message(item_id, parts, _event_id(event))
 
 
 def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:

@@ -31,27 +31,20 @@ def error_event(
     }
 
 
+def user_message_item(item_id: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "role": "user",
+        "status": "completed",
+        "content": content,
+    }
+
+
 def user_audio_item(item_id: str) -> dict[str, Any]:
     # The audio itself is not kept (it lives in the model's cache); no transcript is made.
-    return {
-        "id": item_id,
-        "object": "realtime.item",
-        "type": "message",
-        "role": "user",
-        "status": "completed",
-        "content": [{"type": "input_audio", "transcript": None}],
-    }
-
-
-def user_text_item(item_id: str, text: str) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "object": "realtime.item",
-        "type": "message",
-        "role": "user",
-        "status": "completed",
-        "content": [{"type": "input_text", "text": text}],
-    }
+    return user_message_item(item_id, [{"type": "input_audio", "transcript": None}])
 
 
 def assistant_item(item_id: str, audio: bool, status: str, content: str | None) -> dict[str, Any]:

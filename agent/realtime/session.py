@@ -22,12 +22,12 @@ import logging
 from typing import Any, Awaitable, Callable, Optional
 
 import av
-import numpy as np
 
 from agent import metrics
 from agent.config import INPUT_FRAME_SAMPLES, Config
 from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, TextDelta, TranscriptOut
 from agent.engine.commands import (
+    AddUserImage,
     AddUserText,
     EndTurn,
     SetContextTurns,
@@ -47,13 +47,14 @@ from agent.realtime.call_outputs import CallOutputs
 from agent.realtime.conversation import Conversation
 from agent.realtime.edits import Edits
 from agent.realtime.engine_port import EnginePort
-from agent.realtime.events import new_id, user_audio_item, user_text_item
+from agent.realtime.events import new_id, user_message_item
 from agent.realtime.input_buffer import InputBuffer
 from agent.realtime.input_transcription import InputTranscription
 from agent.realtime.items import Items
 from agent.realtime.outbox import Outbox
 from agent.realtime.replies import Replies
 from agent.realtime.server_turn import ServerTurn
+from agent.realtime.user_message import AudioPart, ImagePart, TextPart, UserPart, item_content
 
 log = logging.getLogger(__name__)
 
@@ -323,21 +324,25 @@ class Session:
         asyncio.ensure_future(self.close())
 
     # ---- conversation items ------------------------------------------------------------
-    def add_user_text(self, item_id: str, text: str, event_id: Optional[str]) -> None:
-        """A user text message: it joins the user turn being spoken, after its audio."""
-        self.engine.send(AddUserText(text), event_id=event_id)
-        self.replies.remember("user", text)
-        self.items.add(user_text_item(item_id, text))
+    def add_user_message(self, item_id: str, parts: list[UserPart], event_id: Optional[str]) -> None:
+        """A user message (conversation.item.create, its parts checked: agent/realtime/user_message.py).
+        It joins the user turn being spoken: audio as if spoken, then images, then its text."""
+        for index, part in enumerate(parts):
+            if isinstance(part, AudioPart):
+                for start in range(0, len(part.pcm16k), INPUT_FRAME_SAMPLES):
+                    self.engine.append_audio(part.pcm16k[start : start + INPUT_FRAME_SAMPLES])
+            elif isinstance(part, ImagePart):
+                self.engine.send(AddUserImage(part.image), event_id=event_id, param=f"item.content[{index}].image_url")
+        texts = [part.text for part in parts if isinstance(part, TextPart)]
+        if texts:
+            text = "\n".join(texts)
+            self.engine.send(AddUserText(text), event_id=event_id)
+            self.replies.remember("user", text)
+        self.items.add(user_message_item(item_id, item_content(parts)))
 
     def add_call_output(self, item_id: str, call_id: str, output: str, event_id: Optional[str]) -> None:
         """A function_call_output item (agent/realtime/call_outputs.py)."""
         self.call_outputs.add(item_id, call_id, output, event_id)
-
-    def add_user_audio(self, item_id: str, pcm16k: np.ndarray) -> None:
-        """A user audio message given whole (conversation.item.create with input_audio)."""
-        for start in range(0, len(pcm16k), INPUT_FRAME_SAMPLES):
-            self.engine.append_audio(pcm16k[start : start + INPUT_FRAME_SAMPLES])
-        self.items.add(user_audio_item(item_id))
 
     def truncate(self, item_id: str, audio_end_ms: int, event_id: Optional[str]) -> None:
         """conversation.item.truncate (agent/realtime/edits.py)."""

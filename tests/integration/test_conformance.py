@@ -4,7 +4,7 @@ Pins:
 - every client event shape the SDK's GA param TypedDicts allow (tests/support/ga_shapes.py:
   each optional field absent, then null, nested objects too) is served: session.update (a
   realtime and a transcription session), input_audio_buffer.append/commit/clear,
-  conversation.item.create (a user message with input_text, with input_audio),
+  conversation.item.create (a user message with input_text, with input_audio, with input_image),
   conversation.item.retrieve/delete/truncate, response.create, response.cancel,
   output_audio_buffer.clear. None of them gets an `error` for a null or absent optional field;
   the errors that remain are the session's state or a capability the agent does not have, each
@@ -18,6 +18,9 @@ Pins:
   runs above and in a spoken turn with server VAD and input transcription (whose settings
   came as nulls); a WebSocket session that did not ask for the extra types (session.omni.events)
   gets none of them, even with input transcription on;
+- a user message of text and an image is one item whose image part carries no bytes, and the
+  reply's usage counts image tokens (the next reply's none); a bad image part (a URL to fetch)
+  refuses the whole message, naming the part;
 - what client libraries send and expect: a first item placed at `previous_item_id: "root"`
   (LiveKit) is added; a later one there is refused (items are only added at the end); the
   default session's `max_output_tokens` is "inf"; response.cancel with no active response
@@ -29,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import io
 import json
 import time
 from pathlib import Path
@@ -63,6 +67,7 @@ from openai.types.realtime.realtime_transcription_session_create_request_param i
 from openai.types.realtime.response_cancel_event_param import ResponseCancelEventParam
 from openai.types.realtime.response_create_event_param import ResponseCreateEventParam
 from openai.types.realtime.session_update_event_param import SessionUpdateEventParam
+from PIL import Image
 from support.ga_shapes import at, null_paths, shapes
 from support.realtime_helpers import RunningAgent, module_agent
 from support.realtime_ws import b64, pcm24
@@ -101,6 +106,15 @@ TURN_DETECTION_FIELDS = {
     "semantic_vad": {"type", "eagerness", "create_response", "interrupt_response"},
 }
 SILENCE = base64.b64encode(bytes(2 * 4800)).decode()  # 200 ms of 24 kHz pcm16
+
+
+def png_url(image: np.ndarray) -> str:
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+PICTURE = png_url(np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8))
 
 
 def refused(session: dict[str, Any]) -> Optional[tuple[str, str]]:
@@ -255,7 +269,11 @@ async def test_audio_buffer_and_item_shapes(agent: RunningAgent) -> None:
             await conn.exchange(append)
             got = await conn.exchange(event)
             assert not errors(got) and [e["type"] for e in got] == ["input_audio_buffer.cleared"]
-        parts = [{"type": "input_text", "text": "hello"}, {"type": "input_audio", "audio": SILENCE}]
+        parts = [
+            {"type": "input_text", "text": "hello"},
+            {"type": "input_audio", "audio": SILENCE},
+            {"type": "input_image", "image_url": PICTURE},
+        ]
         items = []
         for part in [p for base in parts for p in shapes(Content, base, depth=0)]:
             user = {"type": "message", "role": "user", "content": [part]}
@@ -267,7 +285,7 @@ async def test_audio_buffer_and_item_shapes(agent: RunningAgent) -> None:
                     added = [e for e in got if e["type"] == "conversation.item.added"]
                     assert len(added) == 1 and added[0]["item"]["content"][0]["type"] == part["type"]
                     items.append(added[0]["item"]["id"])
-        assert len(items) == 16
+        assert len(items) == 24
         retrieve = {"type": "conversation.item.retrieve", "item_id": items[-1]}
         for event in event_shapes(ConversationItemRetrieveEventParam, retrieve):
             got = await conn.exchange(event)
@@ -313,6 +331,42 @@ async def test_response_shapes(agent: RunningAgent) -> None:
             done = conn.events[await conn.wait("response.done", start)]
             assert errors(got) in ([], [("response_cancel_not_active", None)])
             assert (done["response"]["status"] == "cancelled") == (not errors(got)), done["response"]
+
+
+async def test_a_message_with_an_image(agent: RunningAgent) -> None:
+    """Text and an image in one user message: one item (no image bytes echoed), and the reply's
+    usage counts the image's tokens; a bad image refuses the whole message."""
+    async with connected(agent) as (conn, _):
+        message = {
+            "type": "message",
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "What is in this picture?"},
+                {"type": "input_image", "image_url": PICTURE, "detail": "low"},
+            ],
+        }
+        got = await conn.exchange({"type": "conversation.item.create", "item": message})
+        assert not errors(got)
+        [added] = [e["item"] for e in got if e["type"] == "conversation.item.added"]
+        assert added["content"] == [
+            {"type": "input_text", "text": "What is in this picture?"},
+            {"type": "input_image", "detail": "low", "image_url": None},
+        ]
+        got = await conn.exchange({"type": "response.create"}, until="response.done")
+        [done] = [e["response"] for e in got if e["type"] == "response.done"]
+        assert done["usage"]["input_token_details"]["image_tokens"] > 0, done["usage"]
+        # The next reply's turn has no image: it went with the answered one.
+        got = await conn.exchange({"type": "response.create"}, until="response.done")
+        [done] = [e["response"] for e in got if e["type"] == "response.done"]
+        assert done["usage"]["input_token_details"]["image_tokens"] == 0, done["usage"]
+        bad = {
+            **message,
+            "content": [message["content"][0], {"type": "input_image", "image_url": "https://x.test/a.png"}],
+        }
+        got = await conn.exchange({"type": "conversation.item.create", "item": bad, "event_id": "bad-image"})
+        assert errors(got) == [("unsupported", "item.content[1].image_url")]
+        assert [e["error"]["event_id"] for e in got if e["type"] == "error"] == ["bad-image"]
+        assert not [e for e in got if e["type"] == "conversation.item.added"]
 
 
 async def test_spoken_turn_events(agent: RunningAgent, speech_wav: Path) -> None:

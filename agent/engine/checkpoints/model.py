@@ -240,7 +240,11 @@ def encode_audio(loaded: LoadedModel, audios: list[np.ndarray]) -> dict[str, tor
 
 
 def encode_images(loaded: LoadedModel, images: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    out = loaded.image_processor(images=[np.asarray(im, dtype=np.uint8) for im in images], return_tensors="pt")
+    # Always H x W x 3: said outright, or the processor guesses a small image (a side of 1 or 3
+    # pixels) to be channels first and misreads it.
+    out = loaded.image_processor(
+        images=[np.asarray(im, dtype=np.uint8) for im in images], return_tensors="pt", input_data_format="channels_last"
+    )
     return {
         "pixel_values": out["pixel_values"].to(loaded.device, loaded.dtype),
         "image_grid_thw": out["image_grid_thw"].to(loaded.device),

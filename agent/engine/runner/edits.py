@@ -9,6 +9,7 @@ conversation as it was before the edit.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from agent.engine.checkpoints.model import LoadedModel
@@ -17,6 +18,10 @@ from agent.engine.runner.speculation import Speculation
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.turn_prefill import TurnPrefill
 from agent.engine.state.session import LastReply
+
+# Images one user turn may show (each is a few hundred vision tokens at the sizes the Realtime
+# layer sends: agent/realtime/user_message.py).
+MAX_TURN_IMAGES = 8
 
 
 class ConversationEdits:
@@ -38,6 +43,19 @@ class ConversationEdits:
         ids = self.turns.text_ids(text)
         self.sessions[session_id].turn.text_ids += ids
         return len(ids)
+
+    def add_user_image(self, session_id: str, image: np.ndarray) -> int:
+        """An image of a user message: shown at the end of the turn being spoken, after its audio
+        and the camera's frames, before its text (agent/engine/stages/reply_prefill.py). Returns
+        how many images the turn holds; refused (ValueError) past MAX_TURN_IMAGES."""
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 1:
+            raise ValueError("an image is RGB uint8, height x width x 3")
+        turn = self.sessions[session_id].turn
+        if len(turn.images) >= MAX_TURN_IMAGES:
+            raise ValueError(f"a turn shows at most {MAX_TURN_IMAGES} images")
+        self.speculation.drop_speculation(session_id)  # a speculation answers the turn without it
+        turn.images.append(image)
+        return len(turn.images)
 
     def set_voice(self, session_id: str, voice: str) -> str:
         """The talker speaker of the session's next replies (a reply keeps the one it began with)."""

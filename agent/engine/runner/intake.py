@@ -63,6 +63,8 @@ class Intake:
 
     @torch.inference_mode()
     def discard_turn(self, session_id: str) -> None:
+        """The turn being spoken is dropped (a false start, input_audio_buffer.clear): its audio
+        leaves the cache and the transcript; a new turn begins."""
         self.speculation.drop_speculation(session_id)
         state = self.sessions[session_id]
         turn = state.turn
@@ -70,6 +72,9 @@ class Intake:
         if turn.header_done:  # only ever prefilled while no reply runs, so nothing came after it
             state.thinker.crop(turn.start_length, turn.start_pos)
         state.turn = self.turns.new_turn()
+        # Only the audio goes: text and image items the client added are conversation items,
+        # not part of what was spoken, and wait for the next turn's end (none is prefilled yet).
+        state.turn.text_ids, state.turn.images = turn.text_ids, turn.images
         self.turns.video.seed(state, self.clock())
 
     @torch.inference_mode()

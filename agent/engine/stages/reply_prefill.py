@@ -55,9 +55,12 @@ class EndOfTurn:
         mark = self.video.mark(turn)
         images = videos = None
         places: list[GridPlace] = []
-        if reply.images:  # still images handed to the reply (the camera comes as video, below)
+        # Still images: the camera's, handed to the reply (the camera as video comes below), then
+        # the user's image items.
+        stills = [*reply.images, *turn.images]
+        if stills:
             with timed(state, "vision_encoder"):
-                pixels = encode_images(self.loaded, reply.images)
+                pixels = encode_images(self.loaded, stills)
                 images = self.thinker.encode_images(pixels["pixel_values"], pixels["image_grid_thw"])
             reply.frames_encoded_at_end = len(reply.images)
         ids = self.parts.open_turn_ids(state, turn)
@@ -146,6 +149,7 @@ class EndOfTurn:
                 turn.audio = self.parts.new_turn().audio
         turn.pcm += state.turn.pcm
         turn.text_ids += state.turn.text_ids
+        turn.images += state.turn.images
         turn.reply_system_ids = []  # a per-response override ends with its response
         turn.reply_tools = None
         state.turn = turn

@@ -103,6 +103,7 @@ class TurnState:
     # Realtime API additions: user text items (after the audio, inside the same user message)
     # and a per-response system message put right before the assistant header.
     text_ids: list[int] = field(default_factory=list)
+    images: list[np.ndarray] = field(default_factory=list)  # user image items (RGB uint8), shown after the audio
     reply_system_ids: list[int] = field(default_factory=list)
     reply_tools: Any = None  # a per-response ToolSet (None: the session's); ends with its response
     video: TurnVideoState = field(default_factory=TurnVideoState)  # the camera as video
@@ -128,6 +129,7 @@ class TurnState:
             audio_feats=list(self.audio_feats),
             talker=talker,
             text_ids=list(self.text_ids),
+            images=list(self.images),
             reply_system_ids=list(self.reply_system_ids),
             video=self.video.fork(),
             origin=self,

@@ -1,0 +1,154 @@
+"""A user message the client adds (conversation.item.create): its content parts, checked whole.
+
+GA clients send a user message as a list of parts: `input_text` (text), `input_audio` (base64 in
+the session's input format) and `input_image` (a PNG or JPEG as a data URL, with an optional
+`detail`). Every part is decoded and checked before anything reaches the engine, so a bad part
+refuses the whole message and leaves the conversation as it was.
+
+Where the parts go in the model's user turn: audio joins the turn's audio (as if spoken), images
+are shown after the audio and the camera's frames, text closes the message (the engine's order,
+agent/engine/stages/reply_prefill.py), whatever their order in the item.
+
+Images are decoded here, on the loop: a data URL within the event size limit decodes in tens of
+milliseconds (a JPEG at a reduced scale, straight from its DCT), and the sides are brought to what
+the vision encoder is given: `detail` "low" to the camera frames' longer side (--video-max-side,
+~200 vision tokens), "high" and "auto" to twice that. The agent fetches no URL: a model server
+that dereferences client URLs is a way into the network it sits on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from dataclasses import dataclass
+from typing import Any, Union
+
+import numpy as np
+
+from agent.realtime import audio_codec
+
+MAX_PARTS = 16  # content parts in one message
+MAX_IMAGES = 4  # input_image parts in one message (the engine shows at most 8 a turn)
+MAX_SOURCE_PIXELS = 3840 * 2160  # 4K: a larger image is refused before it is decoded
+MAX_ASPECT = 150  # the vision processor refuses 200:1 and beyond
+DETAILS = ("auto", "low", "high")
+_DATA_URL = re.compile(r"data:image/(png|jpeg|jpg)(?:;[^,;]*)*;base64,", re.IGNORECASE)
+
+
+class ContentError(ValueError):
+    """A part the message cannot carry; `param` names it (item.content[i]...)."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class AudioPart:
+    pcm16k: np.ndarray  # float32 mono 16 kHz
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    image: np.ndarray  # RGB uint8 HxWx3, sized for the vision encoder
+    detail: str
+
+
+UserPart = Union[TextPart, AudioPart, ImagePart]
+
+
+def parse(content: Any, input_format: str, max_side: int) -> list[UserPart]:
+    """The message's parts, decoded, in the item's order. `input_format`: the session's input
+    audio format; `max_side`: the camera frames' longer side (what detail "low" gets)."""
+    if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
+        raise ContentError("a user message's content is a list of parts (objects)", "item.content")
+    if len(content) > MAX_PARTS:
+        raise ContentError(f"a user message holds at most {MAX_PARTS} parts", "item.content")
+    if sum(p.get("type") == "input_image" for p in content) > MAX_IMAGES:
+        raise ContentError(f"a user message holds at most {MAX_IMAGES} images", "item.content")
+    return [_part(part, f"item.content[{i}]", input_format, max_side) for i, part in enumerate(content)]
+
+
+def _part(part: dict[str, Any], where: str, input_format: str, max_side: int) -> UserPart:
+    kind = part.get("type")
+    if kind == "input_text":
+        if not isinstance(part.get("text"), str):
+            raise ContentError("input_text needs text (a string)", f"{where}.text")
+        return TextPart(part["text"])
+    if kind == "input_audio":
+        data = _base64(part.get("audio"), f"{where}.audio", "audio")
+        if input_format == "audio/pcm" and len(data) % 2:
+            raise ContentError("audio/pcm is 16-bit samples: an even number of bytes", f"{where}.audio")
+        return AudioPart(audio_codec.to_16k(input_format, data))
+    if kind == "input_image":
+        detail = part.get("detail") or "auto"
+        if detail not in DETAILS:
+            raise ContentError(f"detail must be one of {', '.join(DETAILS)}", f"{where}.detail")
+        side = max_side if detail == "low" else 2 * max_side
+        return ImagePart(decode_image(part.get("image_url"), side, f"{where}.image_url"), detail)
+    raise ContentError(
+        "a part is input_text with text, input_audio with audio or input_image with image_url",
+        f"{where}.type",
+        "unsupported",
+    )
+
+
+def _base64(value: Any, param: str, what: str) -> bytes:
+    if not isinstance(value, str) or not value:
+        raise ContentError(f"{what} must be a base64 string", param)
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ContentError(f"{what} is not valid base64", param) from None
+
+
+def decode_image(url: Any, side: int, param: str) -> np.ndarray:
+    """A PNG or JPEG data URL as RGB uint8, its longer side at most `side` (aspect kept)."""
+    from PIL import Image
+
+    if not isinstance(url, str) or not url:
+        raise ContentError("input_image needs image_url: a data URL (data:image/png;base64,...)", param)
+    match = _DATA_URL.match(url)
+    if match is None:
+        if url.startswith(("http://", "https://")):
+            raise ContentError("image_url must be a data URL: the agent fetches no URL", param, "unsupported")
+        raise ContentError("image_url must be a PNG or JPEG data URL (data:image/png;base64,...)", param)
+    data = _base64(url[match.end() :], param, "the image")
+    try:
+        with Image.open(io.BytesIO(data), formats=("PNG", "JPEG")) as im:
+            width, height = im.size
+            if width * height > MAX_SOURCE_PIXELS:
+                raise ContentError(f"the image is {width}x{height}: at most {MAX_SOURCE_PIXELS:,} pixels", param)
+            if max(width, height) > MAX_ASPECT * min(width, height):
+                raise ContentError(f"the image is {width}x{height}: its sides at most {MAX_ASPECT}:1", param)
+            if im.format == "JPEG":
+                im.draft("RGB", (side, side))  # decode at 1/2, 1/4 or 1/8 scale where that is enough
+            rgb = im.convert("RGB")
+    except ContentError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        raise ContentError("image_url does not hold a readable PNG or JPEG image", param) from None
+    if max(rgb.size) > side:
+        rgb.thumbnail((side, side), Image.Resampling.BICUBIC)
+    return np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8))
+
+
+def item_content(parts: list[UserPart]) -> list[dict[str, Any]]:
+    """The item's content as the conversation keeps and announces it. Audio and image bytes are
+    not kept (they live in the model's cache), as for the committed audio buffer."""
+    out: list[dict[str, Any]] = []
+    for part in parts:
+        if isinstance(part, TextPart):
+            out.append({"type": "input_text", "text": part.text})
+        elif isinstance(part, AudioPart):
+            out.append({"type": "input_audio", "transcript": None})
+        else:
+            out.append({"type": "input_image", "detail": part.detail, "image_url": None})
+    return out
