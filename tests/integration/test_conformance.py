@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import io
 import json
 import time
 from pathlib import Path
@@ -67,10 +66,9 @@ from openai.types.realtime.realtime_transcription_session_create_request_param i
 from openai.types.realtime.response_cancel_event_param import ResponseCancelEventParam
 from openai.types.realtime.response_create_event_param import ResponseCreateEventParam
 from openai.types.realtime.session_update_event_param import SessionUpdateEventParam
-from PIL import Image
 from support.ga_shapes import at, null_paths, shapes
 from support.realtime_helpers import RunningAgent, module_agent
-from support.realtime_ws import b64, pcm24
+from support.realtime_ws import b64, pcm24, picture
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -106,15 +104,7 @@ TURN_DETECTION_FIELDS = {
     "semantic_vad": {"type", "eagerness", "create_response", "interrupt_response"},
 }
 SILENCE = base64.b64encode(bytes(2 * 4800)).decode()  # 200 ms of 24 kHz pcm16
-
-
-def png_url(image: np.ndarray) -> str:
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, "PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
-
-
-PICTURE = png_url(np.random.default_rng(0).integers(0, 256, (96, 128, 3), dtype=np.uint8))
+PICTURE = picture()
 
 
 def refused(session: dict[str, Any]) -> Optional[tuple[str, str]]:

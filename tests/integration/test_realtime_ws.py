@@ -8,7 +8,8 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
 - a spoken WAV streamed as 24 kHz pcm16 in real time gets speech_started → speech_stopped →
   committed → response.created → transcript deltas and non-silent output_audio deltas →
   response.done with usage, ids consistent across the response's events;
-- a manual turn (turn_detection null: commit + response.create), a text turn and an audio
+- a manual turn (turn_detection null: commit + response.create), a text turn with a picture
+  (one message of input_text and input_image: the usage counts image tokens) and an audio
   item (conversation.item.create, with per-response instructions) are answered; an empty
   commit is an error;
 - response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works;
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.realtime_helpers import RunningAgent, module_agent
-from support.realtime_ws import Events, b64, pcm24, sdk_session, stream_realtime
+from support.realtime_ws import Events, b64, pcm24, picture, sdk_session, stream_realtime
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "qwen3-omni"
@@ -178,13 +179,19 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         item = await _retrieve(conn, ev, committed["item_id"])
         assert item["role"] == "user" and item["content"][0]["type"] == "input_audio"
 
-        # A text turn, answered in text.
+        # A text turn with a picture, answered in text.
         mark = len(ev.all)
+        question = {"type": "input_text", "text": "What can you see?"}
         await conn.conversation.item.create(
-            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What can you see?"}]}
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [question, {"type": "input_image", "image_url": picture()}],
+            }
         )
         added = await ev.wait("conversation.item.added", 10, after=mark)
         assert added["item"]["content"][0]["text"] == "What can you see?"
+        assert added["item"]["content"][1] == {"type": "input_image", "detail": "auto", "image_url": None}
         await conn.response.create(response={"output_modalities": ["text"]})
         done = await ev.wait("response.done", 90, after=mark)
         text = [e for e in ev.all[mark:] if e["type"] == "response.output_text.delta"]
@@ -192,6 +199,7 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         assert done["response"]["output_modalities"] == ["text"]
         usage = done["response"]["usage"]
         assert usage["input_token_details"]["audio_tokens"] == 0 and usage["input_token_details"]["text_tokens"] > 0
+        assert usage["input_token_details"]["image_tokens"] > 0
 
         # A whole audio message as an item, answered with per-response instructions.
         mark = len(ev.all)

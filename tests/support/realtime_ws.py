@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import time
 from contextlib import asynccontextmanager
@@ -24,6 +25,20 @@ def pcm24(path: Path) -> np.ndarray:
 
 def b64(pcm: np.ndarray) -> str:
     return base64.b64encode(pcm.astype("<i2").tobytes()).decode()
+
+
+def png_url(image: np.ndarray) -> str:
+    """An RGB uint8 image as a PNG data URL (an input_image part's image_url)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def picture(seed: int = 0, height: int = 96, width: int = 128) -> str:
+    """A seeded noise picture as a PNG data URL."""
+    return png_url(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 class Events:
