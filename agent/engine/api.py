@@ -177,6 +177,10 @@ class ConversationEditing(Protocol):
 
     def add_user_text(self, session_id: str, text: str) -> int: ...
 
+    def add_system_text(self, session_id: str, text: str) -> int:
+        """A system message item, in the conversation where it is added."""
+        ...
+
     def add_user_image(self, session_id: str, image: Any) -> int:
         """An image of the user's message (RGB uint8 HxWx3): shown with the turn being spoken."""
         ...

@@ -152,6 +152,11 @@ class AddUserText(SessionCommand):
 
 
 @dataclass(frozen=True)
+class AddSystemText(SessionCommand):
+    text: str
+
+
+@dataclass(frozen=True)
 class AddUserImage(SessionCommand):
     image: np.ndarray  # RGB uint8 HxWx3, already sized for the vision encoder
 

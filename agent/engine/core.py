@@ -44,6 +44,7 @@ from agent.engine.api import (
     supports,
 )
 from agent.engine.commands import (
+    AddSystemText,
     AddUserImage,
     AddUserText,
     AppendAudio,
@@ -96,6 +97,7 @@ SESSION_COMMANDS: dict[type, tuple[Optional[type], Handler]] = {
     SetContextTurns: (ConversationEditing, lambda r, sid, c: r.set_context_turns(sid, c.turns)),
     AddUserText: (ConversationEditing, lambda r, sid, c: r.add_user_text(sid, c.text)),
     AddUserImage: (ConversationEditing, lambda r, sid, c: r.add_user_image(sid, c.image)),
+    AddSystemText: (ConversationEditing, lambda r, sid, c: r.add_system_text(sid, c.text)),
     SetVoice: (ConversationEditing, lambda r, sid, c: r.set_voice(sid, c.voice)),
     SetReplyInstructions: (ConversationEditing, lambda r, sid, c: r.set_reply_instructions(sid, c.text)),
     TruncateReply: (ConversationEditing, lambda r, sid, c: r.truncate_reply(sid, c.audio_frames)),

@@ -189,21 +189,25 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
     if item.get("type") == "function_call_output":
         _call_output(session, item, event)
         return
-    if item.get("type") != "message" or item.get("role") != "user":
+    if item.get("type") != "message" or item.get("role") not in ("user", "system"):
         raise BadEvent(
-            "only user messages and function_call_output items can be added (no system, assistant or function_call items)",
+            "only user and system messages and function_call_output items can be added (no assistant or function_call items)",
             "unsupported",
             "item.role" if item.get("type") == "message" else "item.type",
         )
     item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
     if item_id in session.conversation:
         raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
-    fmt = session.settings["audio"]["input"]["format"]["type"]
     try:  # every part decoded first: a bad one refuses the whole message
+        if item["role"] == "system":
+            text = user_message.system_text(item.get("content"))
+            session.messages.add_system(item_id, text, _event_id(event))
+            return
+        fmt = session.settings["audio"]["input"]["format"]["type"]
         parts = user_message.parse(item.get("content"), fmt, session.config.video_max_side)
     except user_message.ContentError as exc:
         raise BadEvent(str(exc), exc.code, exc.param) from None
-    session.add_user_message(item_id, parts, _event_id(event))
+    session.messages.add_user(item_id, parts, _event_id(event))
 
 
 def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:

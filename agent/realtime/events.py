@@ -31,12 +31,13 @@ def error_event(
     }
 
 
-def user_message_item(item_id: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+def message_item(item_id: str, role: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    """A user or system message as the conversation keeps it."""
     return {
         "id": item_id,
         "object": "realtime.item",
         "type": "message",
-        "role": "user",
+        "role": role,
         "status": "completed",
         "content": content,
     }
@@ -44,7 +45,7 @@ def user_message_item(item_id: str, content: list[dict[str, Any]]) -> dict[str, 
 
 def user_audio_item(item_id: str) -> dict[str, Any]:
     # The audio itself is not kept (it lives in the model's cache); no transcript is made.
-    return user_message_item(item_id, [{"type": "input_audio", "transcript": None}])
+    return message_item(item_id, "user", [{"type": "input_audio", "transcript": None}])
 
 
 def assistant_item(item_id: str, audio: bool, status: str, content: str | None) -> dict[str, Any]:

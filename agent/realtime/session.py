@@ -24,11 +24,9 @@ from typing import Any, Awaitable, Callable, Optional
 import av
 
 from agent import metrics
-from agent.config import INPUT_FRAME_SAMPLES, Config
+from agent.config import Config
 from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, TextDelta, TranscriptOut
 from agent.engine.commands import (
-    AddUserImage,
-    AddUserText,
     EndTurn,
     SetContextTurns,
     SetInstructions,
@@ -47,14 +45,14 @@ from agent.realtime.call_outputs import CallOutputs
 from agent.realtime.conversation import Conversation
 from agent.realtime.edits import Edits
 from agent.realtime.engine_port import EnginePort
-from agent.realtime.events import new_id, user_message_item
+from agent.realtime.events import new_id
 from agent.realtime.input_buffer import InputBuffer
 from agent.realtime.input_transcription import InputTranscription
 from agent.realtime.items import Items
+from agent.realtime.messages import Messages
 from agent.realtime.outbox import Outbox
 from agent.realtime.replies import Replies
 from agent.realtime.server_turn import ServerTurn
-from agent.realtime.user_message import AudioPart, ImagePart, TextPart, UserPart, item_content
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +109,7 @@ class Session:
         self.replies.track = self.track
         self.edits = Edits(self.replies, self.engine, self.conversation, self.outbox)
         self.call_outputs = CallOutputs(self.engine, self.items, self.replies)  # results of the model's calls
+        self.messages = Messages(self.engine, self.items, self.replies.remember)  # user and system messages
         self.input = InputBuffer(
             config,
             session_config.turn_detection(self.settings, config.vad_silence_ms),
@@ -324,22 +323,6 @@ class Session:
         asyncio.ensure_future(self.close())
 
     # ---- conversation items ------------------------------------------------------------
-    def add_user_message(self, item_id: str, parts: list[UserPart], event_id: Optional[str]) -> None:
-        """A user message (conversation.item.create, its parts checked: agent/realtime/user_message.py).
-        It joins the user turn being spoken: audio as if spoken, then images, then its text."""
-        for index, part in enumerate(parts):
-            if isinstance(part, AudioPart):
-                for start in range(0, len(part.pcm16k), INPUT_FRAME_SAMPLES):
-                    self.engine.append_audio(part.pcm16k[start : start + INPUT_FRAME_SAMPLES])
-            elif isinstance(part, ImagePart):
-                self.engine.send(AddUserImage(part.image), event_id=event_id, param=f"item.content[{index}].image_url")
-        texts = [part.text for part in parts if isinstance(part, TextPart)]
-        if texts:
-            text = "\n".join(texts)
-            self.engine.send(AddUserText(text), event_id=event_id)
-            self.replies.remember("user", text)
-        self.items.add(user_message_item(item_id, item_content(parts)))
-
     def add_call_output(self, item_id: str, call_id: str, output: str, event_id: Optional[str]) -> None:
         """A function_call_output item (agent/realtime/call_outputs.py)."""
         self.call_outputs.add(item_id, call_id, output, event_id)

@@ -1,9 +1,12 @@
-"""A user message the client adds (conversation.item.create): its content parts, checked whole.
+"""A message the client adds (conversation.item.create): its content parts, checked whole.
 
 GA clients send a user message as a list of parts: `input_text` (text), `input_audio` (base64 in
 the session's input format) and `input_image` (a PNG or JPEG as a data URL, with an optional
 `detail`). Every part is decoded and checked before anything reaches the engine, so a bad part
 refuses the whole message and leaves the conversation as it was.
+
+A system message holds input_text parts only; its text joins the conversation where it is added
+(agent/engine/runner/edits.py `add_system_text`), the session's instructions left as they are.
 
 Where the parts go in the model's user turn: audio joins the turn's audio (as if spoken), images
 are shown after the audio and the camera's frames, text closes the message (the engine's order,
@@ -138,6 +141,22 @@ def decode_image(url: Any, side: int, param: str) -> np.ndarray:
     if max(rgb.size) > side:
         rgb.thumbnail((side, side), Image.Resampling.BICUBIC)
     return np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8))
+
+
+def system_text(content: Any) -> str:
+    """A system message's text: its input_text parts (the only kind GA gives it), joined."""
+    if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
+        raise ContentError("a system message's content is a list of input_text parts", "item.content")
+    if len(content) > MAX_PARTS:
+        raise ContentError(f"a system message holds at most {MAX_PARTS} parts", "item.content")
+    texts = []
+    for i, part in enumerate(content):
+        if part.get("type") not in ("input_text", None):  # (the SDK's type makes it optional)
+            raise ContentError("a system message holds input_text parts only", f"item.content[{i}].type", "unsupported")
+        if not isinstance(part.get("text"), str):
+            raise ContentError("input_text needs text (a string)", f"item.content[{i}].text")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def item_content(parts: list[UserPart]) -> list[dict[str, Any]]:

@@ -4,7 +4,8 @@ Pins:
 - every client event shape the SDK's GA param TypedDicts allow (tests/support/ga_shapes.py:
   each optional field absent, then null, nested objects too) is served: session.update (a
   realtime and a transcription session), input_audio_buffer.append/commit/clear,
-  conversation.item.create (a user message with input_text, with input_audio, with input_image),
+  conversation.item.create (a user message with input_text, with input_audio, with input_image;
+  a system message),
   conversation.item.retrieve/delete/truncate, response.create, response.cancel,
   output_audio_buffer.clear. None of them gets an `error` for a null or absent optional field;
   the errors that remain are the session's state or a capability the agent does not have, each
@@ -52,6 +53,9 @@ from openai.types.realtime.input_audio_buffer_commit_event_param import InputAud
 from openai.types.realtime.output_audio_buffer_clear_event_param import OutputAudioBufferClearEventParam
 from openai.types.realtime.realtime_conversation_item_function_call_output_param import (
     RealtimeConversationItemFunctionCallOutputParam,
+)
+from openai.types.realtime.realtime_conversation_item_system_message_param import (
+    RealtimeConversationItemSystemMessageParam,
 )
 from openai.types.realtime.realtime_conversation_item_user_message_param import (
     Content,
@@ -276,6 +280,12 @@ async def test_audio_buffer_and_item_shapes(agent: RunningAgent) -> None:
                     assert len(added) == 1 and added[0]["item"]["content"][0]["type"] == part["type"]
                     items.append(added[0]["item"]["id"])
         assert len(items) == 24
+        system = {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Be brief."}]}
+        for item in shapes(RealtimeConversationItemSystemMessageParam, system, depth=0):
+            got = await conn.exchange({"type": "conversation.item.create", "item": item})
+            assert not errors(got), (item, errors(got))
+            [added] = [e["item"] for e in got if e["type"] == "conversation.item.added"]
+            assert added["role"] == "system" and added["content"] == [{"type": "input_text", "text": "Be brief."}]
         retrieve = {"type": "conversation.item.retrieve", "item_id": items[-1]}
         for event in event_shapes(ConversationItemRetrieveEventParam, retrieve):
             got = await conn.exchange(event)

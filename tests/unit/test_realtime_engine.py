@@ -9,6 +9,10 @@ Pins, by the tokens in the session's KV slot:
   read by then: the cache is cut there and the assistant turn closed (<|im_end|>) before the
   next turn; a turn already being prefilled is taken back out and prefilled again after it;
 - per-response instructions are a system message right before that reply's assistant header;
+- a system message item leaves the session's prompt alone and goes where it is added: queued
+  before the next turn; added while the user speaks, before that turn (its audio is taken back
+  out of the cache and prefilled after it); added during a reply, after the reply, followed by
+  instructions changed during the same reply (both kept, in order);
 - a truncation while a reply runs is refused; a cancel ends the reply at once (its ReplyDone
   ready before any tick), so a truncation of it and the next reply's begin queued right behind
   the cancel (one drain of a busy engine's inbox) cut that reply and begin after it;
@@ -72,6 +76,49 @@ def test_instructions_replace_then_queue(runner, loaded) -> None:
     runner.add_user_text("s", "Again")
     done = run_reply(runner, "s", text_only=True)
     assert done.stats["prefill_tokens"] >= len(message) + 2  # the queued message went in with the turn
+
+
+def test_a_system_item_goes_where_it_is_added(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    system_before = state.thinker.length
+    # Before any turn: queued in front of the next user turn; the session's prompt is untouched.
+    n = runner.add_system_text("s", "The user is in Paris.")
+    message = system_turn_ids(loaded.ids, loaded.tokenizer, "The user is in Paris.")
+    assert n == len(message) and state.closing == message
+    assert state.choices.system_prompt is None and state.thinker.length == system_before  # (None: the runner's)
+    runner.add_user_text("s", "Hi")
+    done = run_reply(runner, "s", text_only=True)
+    own = (
+        1
+        + len(loaded.ids.user)
+        + len(loaded.ids.newline)
+        + len(loaded.tokenizer.encode("Hi", add_special_tokens=False))
+    )
+    own += 1 + len(loaded.ids.newline) + len(assistant_start_ids(loaded.ids))
+    assert done.stats["prefill_tokens"] == own + len(message)
+    # While the user speaks: the turn's audio so far is taken back out and goes in after it.
+    audio = speech(2.5)
+    for i in range(0, len(audio), 1280):
+        runner.append_audio("s", audio[i : i + 1280])
+    assert state.turn.header_done
+    start = state.turn.start_length
+    second = system_turn_ids(loaded.ids, loaded.tokenizer, "Now answer in French.")
+    runner.add_system_text("s", "Now answer in French.")
+    assert not state.turn.header_done and state.thinker.length == start and state.turn.pending_audio
+    assert state.closing[-len(second) :] == second
+    done = run_reply(runner, "s")
+    assert done.stats["input_audio_tokens"] > 0 and done.reason in ("stop", "length")
+    # During a reply: after it, with the reply's own end, as are instructions changed meanwhile.
+    runner.add_user_text("s", "More?")
+    runner.begin_reply("s", [], text_only=True)
+    runner.step()
+    third = system_turn_ids(loaded.ids, loaded.tokenizer, "Keep it short.")
+    runner.add_system_text("s", "Keep it short.")
+    runner.set_instructions("s", "Be kind.")
+    run_until_idle(runner, 500)
+    kind = system_turn_ids(loaded.ids, loaded.tokenizer, "Be kind.")
+    assert state.closing[-len(third) - len(kind) :] == third + kind
 
 
 def test_truncate_cuts_the_cache_to_the_heard_tokens(runner, loaded) -> None:

@@ -81,8 +81,26 @@ class ConversationEdits:
         if state.reply is None and not state.turn.header_done:
             state.closing += ids  # prefilled at the start of the next user turn
         else:
-            state.pending_system = ids  # a reply or a turn is under way: after this reply ends
+            state.pending_system += ids  # a reply or a turn is under way: after this reply ends
         return "appended"
+
+    @torch.inference_mode()
+    def add_system_text(self, session_id: str, text: str) -> int:
+        """A system message item: it joins the conversation where it is added. Before the turn
+        being spoken (the client's audio so far is not an item yet: that turn is taken back out
+        of the cache and prefilled again after the message); during a reply, after it (the
+        reply's item came first). The session's instructions stay as they are. Returns its
+        token count."""
+        self.speculation.drop_speculation(session_id)
+        state = self.sessions[session_id]
+        ids = self.turns.system_message_ids(text)
+        if state.reply is None and state.turn.header_done and not state.turn.history_reset:
+            self.turns.unprefill_turn(state)
+        if state.reply is None and not state.turn.header_done:
+            state.closing += ids  # prefilled at the start of the next user turn
+        else:
+            state.pending_system += ids  # closes the reply in flight, before the next turn
+        return len(ids)
 
     def set_context_turns(self, session_id: str, turns: int) -> int:
         """Keep at most `turns` answered turns in the context (0: no bound): the turn after them

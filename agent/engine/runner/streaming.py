@@ -288,6 +288,9 @@ class StreamingRunner:
     def add_user_image(self, session_id: str, image: np.ndarray) -> int:
         return self.edits.add_user_image(session_id, image)
 
+    def add_system_text(self, session_id: str, text: str) -> int:
+        return self.edits.add_system_text(session_id, text)
+
     def voices(self) -> Voices:
         return Voices(tuple(sorted(self.talker.voices)), self.talker.default_voice)
 

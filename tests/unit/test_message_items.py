@@ -1,6 +1,9 @@
-"""Image items: a user message's `input_image` parts, from the data URL to the model's turn.
+"""Message items (conversation.item.create): a user message's parts, its `input_image` ones from
+the data URL to the model's turn, and a system message's text.
 
 Pins:
+- a system message's input_text parts (type given or left out) join with newlines; any other
+  part is refused as unsupported, a part with no text or no parts at all as invalid;
 - decoding (agent/realtime/user_message.py): a PNG or JPEG data URL becomes RGB uint8 with its
   colours where they were, its longer side brought to the camera frames' side for detail "low"
   and twice that for "high"/"auto" (a smaller image is left as it is); every bad part is refused
@@ -115,6 +118,21 @@ def test_bad_parts_are_refused_each_with_its_param() -> None:
         "item.content[0].audio",
     )
     assert _refusal([{"type": "input_file"}])[:2] == ("unsupported", "item.content[0].type")
+
+
+def test_a_system_message_is_its_text_parts() -> None:
+    assert user_message.system_text([{"type": "input_text", "text": "Be brief."}, {"text": "Be kind."}]) == (
+        "Be brief.\nBe kind."
+    )
+    for content, code, param in [
+        ([{"type": "input_image", "image_url": "data:,"}], "unsupported", "item.content[0].type"),
+        ([{"type": "input_text"}], "invalid_value", "item.content[0].text"),
+        ([], "invalid_value", "item.content"),
+        ("Be brief.", "invalid_value", "item.content"),
+    ]:
+        with pytest.raises(ContentError) as caught:
+            user_message.system_text(content)
+        assert (caught.value.code, caught.value.param) == (code, param), content
 
 
 def test_parts_keep_their_order_and_the_item_carries_no_bytes() -> None:
