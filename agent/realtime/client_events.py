@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from agent import metrics
 from agent.engine.api import EngineBusy
 from agent.gate.token_bucket import TokenBucket
-from agent.realtime import audio_codec, session_checks, session_config, tool_config, user_message
+from agent.realtime import audio_codec, message_content, session_checks, session_config, tool_config
 from agent.realtime.call_outputs import UnknownCall
 from agent.realtime.events import new_id
 
@@ -198,16 +198,18 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
     item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
     if item_id in session.conversation:
         raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
+    fmt = session.settings["audio"]["input"]["format"]["type"]
     try:  # every part decoded first: a bad one refuses the whole message
         if item["role"] == "system":
-            text = user_message.system_text(item.get("content"))
-            session.messages.add_system(item_id, text, _event_id(event))
-            return
-        fmt = session.settings["audio"]["input"]["format"]["type"]
-        parts = user_message.parse(item.get("content"), fmt, session.config.video_max_side)
-    except user_message.ContentError as exc:
+            text = message_content.system_text(item.get("content"))
+        else:
+            parts = message_content.user_parts(item.get("content"), fmt, session.config.video_max_side)
+    except message_content.ContentError as exc:
         raise BadEvent(str(exc), exc.code, exc.param) from None
-    session.messages.add_user(item_id, parts, _event_id(event))
+    if item["role"] == "system":
+        session.messages.add_system(item_id, text, _event_id(event))
+    else:
+        session.messages.add_user(item_id, parts, _event_id(event))
 
 
 def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:

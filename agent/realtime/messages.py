@@ -2,7 +2,7 @@
 
 A part of the Session, given the engine port, the items port and the fallback's history (which
 keeps the user's words for a model with no context of its own), never the Session. The parts
-come checked and decoded (agent/realtime/user_message.py): nothing here can refuse a message
+come checked and decoded (agent/realtime/message_content.py): nothing here can refuse a message
 half sent, except the engine itself (an image past a turn's limit: an `error` naming it).
 """
 
@@ -15,7 +15,7 @@ from agent.engine.commands import AddSystemText, AddUserImage, AddUserText
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.events import message_item
 from agent.realtime.items import Items
-from agent.realtime.user_message import AudioPart, ImagePart, TextPart, UserPart, item_content
+from agent.realtime.message_content import AudioPart, ImagePart, TextPart, UserPart, item_content
 
 
 class Messages:

@@ -4,7 +4,7 @@ the data URL to the model's turn, and a system message's text.
 Pins:
 - a system message's input_text parts (type given or left out) join with newlines; any other
   part is refused as unsupported, a part with no text or no parts at all as invalid;
-- decoding (agent/realtime/user_message.py): a PNG or JPEG data URL becomes RGB uint8 with its
+- decoding (agent/realtime/message_content.py): a PNG or JPEG data URL becomes RGB uint8 with its
   colours where they were, its longer side brought to the camera frames' side for detail "low"
   and twice that for "high"/"auto" (a smaller image is left as it is); every bad part is refused
   with its own param and the code a client can act on: a URL to fetch (unsupported), bad base64,
@@ -34,8 +34,8 @@ from agent.engine.checkpoints.model import encode_images, image_token_counts
 from agent.engine.runner.edits import MAX_TURN_IMAGES
 from agent.engine.runner.scheduler import SchedulerConfig
 from agent.engine.runner.streaming import StreamingRunner
-from agent.realtime import user_message
-from agent.realtime.user_message import ContentError, ImagePart, TextPart
+from agent.realtime import message_content
+from agent.realtime.message_content import ContentError, ImagePart, TextPart
 
 
 def data_url(image: np.ndarray, fmt: str = "PNG") -> str:
@@ -61,7 +61,7 @@ def image_part(url: str, detail: str | None = None) -> dict:
 
 
 def parse(content: list, max_side: int = 448) -> list:
-    return user_message.parse(content, "audio/pcm", max_side)
+    return message_content.user_parts(content, "audio/pcm", max_side)
 
 
 # ---- decoding -------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_bad_parts_are_refused_each_with_its_param() -> None:
 
 
 def test_a_system_message_is_its_text_parts() -> None:
-    assert user_message.system_text([{"type": "input_text", "text": "Be brief."}, {"text": "Be kind."}]) == (
+    assert message_content.system_text([{"type": "input_text", "text": "Be brief."}, {"text": "Be kind."}]) == (
         "Be brief.\nBe kind."
     )
     for content, code, param in [
@@ -131,7 +131,7 @@ def test_a_system_message_is_its_text_parts() -> None:
         ("Be brief.", "invalid_value", "item.content"),
     ]:
         with pytest.raises(ContentError) as caught:
-            user_message.system_text(content)
+            message_content.system_text(content)
         assert (caught.value.code, caught.value.param) == (code, param), content
 
 
@@ -146,7 +146,7 @@ def test_parts_keep_their_order_and_the_item_carries_no_bytes() -> None:
     )
     assert [type(p).__name__ for p in parts] == ["TextPart", "ImagePart", "AudioPart"]
     assert parts[2].pcm16k.shape == (1600,)  # resampled to 16 kHz
-    assert user_message.item_content(parts) == [
+    assert message_content.item_content(parts) == [
         {"type": "input_text", "text": "what is this?"},
         {"type": "input_image", "detail": "low", "image_url": None},
         {"type": "input_audio", "transcript": None},

@@ -20,7 +20,7 @@ from agent.engine.stages.turn_prefill import TurnPrefill
 from agent.engine.state.session import LastReply
 
 # Images one user turn may show (each is a few hundred vision tokens at the sizes the Realtime
-# layer sends: agent/realtime/user_message.py).
+# layer sends: agent/realtime/message_content.py).
 MAX_TURN_IMAGES = 8
 
 

@@ -67,7 +67,7 @@ class ImagePart:
 UserPart = Union[TextPart, AudioPart, ImagePart]
 
 
-def parse(content: Any, input_format: str, max_side: int) -> list[UserPart]:
+def user_parts(content: Any, input_format: str, max_side: int) -> list[UserPart]:
     """The message's parts, decoded, in the item's order. `input_format`: the session's input
     audio format; `max_side`: the camera frames' longer side (what detail "low" gets)."""
     if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
