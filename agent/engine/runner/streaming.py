@@ -10,29 +10,19 @@ predictor the 15 residual codes, and code2wav renders that frame's samples, whic
 once. Sessions keep their state in rows (slots) of static caches, so sessions at any point of
 their replies share a call, and a session joins or leaves the batch between any two ticks.
 
-Scheduling, each tick (policy in agent/engine/runner/scheduler.py, estimates from `playout()`):
-1. cancelled replies end;
-2. first-audio deadlines: replies still to be prefilled, earliest end of turn first, prefilled
-   within `prefill_chunk_tokens` per tick (a long prefill spans ticks, other sessions' frames
-   get out in between), all of the tick's chunks in one batched forward padded to a token
-   bucket (agent/engine/stages/bucketed_prefill.py), and the talker prefixes of those that finish in another;
-   one whose prefill completes renders its first frame in the same tick,
-   and in such a tick only speaking sessions under the low-water mark (160 ms buffered) also
-   step: everyone else's next frame comes after the new reply's first one;
-3. playout: speaking sessions, least buffered first, `max_batch` rows at most; a session more
-   than 1 s ahead of real time skips the tick when anything else is to be done;
-4. microphone audio of users still speaking is encoded and prefilled (bounded) only in ticks
-   with no first-audio work and no session under the low-water mark. An idle engine (no reply
-   in flight) does it at once in append_audio: there is nothing to schedule it against.
-5. speculative replies (agent/engine/runner/speculation.py: started on a pause of the user, output
-   held until the turn ends) are prefilled in those same ticks, last; once their first frame is
-   made they are parked and take no ticks until their commit.
+Scheduling, each tick: the policy is agent/engine/runner/scheduler.py's (first-audio deadlines,
+then playout buffers, then microphone audio and speculations), on the estimates `playout()`
+reports; `step()` carries out its Plan. A first-audio reply's prefill is chunked and batched
+with other sessions' (agent/engine/stages/bucketed_prefill.py) and renders its first frame in
+the tick it completes; an idle engine prefills microphone audio at once, in append_audio;
+speculative replies (agent/engine/runner/speculation.py) are parked once their first frame is
+made, until their commit.
 
 The runner composes peer components, each given only what it uses (none holds the runner):
 sessions.py (states, slots, priorities), replies.py (the reply lifecycle, the only code that
 moves a reply's phase), intake.py (frames, audio, held or discarded turns, switches),
-estimates.py (what the scheduler sees), speculation.py, edits.py (truncate, instructions,
-voice), tools.py (tool sets; each reply's grammar: agent/engine/stages/tool_grammar.py),
+estimates.py (what the scheduler sees), speculation.py, edits.py (user and
+system items, truncate, instructions, voice), tools.py (tool sets; each reply's grammar: agent/engine/stages/tool_grammar.py),
 transcription.py beside transcriber.py, and the stages TurnPrefill (turns) and FrameBatcher
 (frames). Every command is a runner method (agent/engine/commands.py) delegating to its
 component; `step()` is the tick.
