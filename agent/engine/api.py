@@ -181,6 +181,10 @@ class ConversationEditing(Protocol):
         """A system message item, in the conversation where it is added."""
         ...
 
+    def add_assistant_text(self, session_id: str, text: str) -> int:
+        """An assistant message item (a replayed conversation), where it is added."""
+        ...
+
     def add_user_image(self, session_id: str, image: Any) -> int:
         """An image of the user's message (RGB uint8 HxWx3): shown with the turn being spoken."""
         ...

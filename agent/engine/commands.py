@@ -157,6 +157,11 @@ class AddSystemText(SessionCommand):
 
 
 @dataclass(frozen=True)
+class AddAssistantText(SessionCommand):
+    text: str
+
+
+@dataclass(frozen=True)
 class AddUserImage(SessionCommand):
     image: np.ndarray  # RGB uint8 HxWx3, already sized for the vision encoder
 

@@ -189,9 +189,9 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
     if item.get("type") == "function_call_output":
         _call_output(session, item, event)
         return
-    if item.get("type") != "message" or item.get("role") not in ("user", "system"):
+    if item.get("type") != "message" or item.get("role") not in ("user", "system", "assistant"):
         raise BadEvent(
-            "only user and system messages and function_call_output items can be added (no assistant or function_call items)",
+            "only messages and function_call_output items can be added (no function_call items)",
             "unsupported",
             "item.role" if item.get("type") == "message" else "item.type",
         )
@@ -202,12 +202,16 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
     try:  # every part decoded first: a bad one refuses the whole message
         if item["role"] == "system":
             text = message_content.system_text(item.get("content"))
+        elif item["role"] == "assistant":
+            text = message_content.assistant_text(item.get("content"))
         else:
             parts = message_content.user_parts(item.get("content"), fmt, session.config.video_max_side)
     except message_content.ContentError as exc:
         raise BadEvent(str(exc), exc.code, exc.param) from None
     if item["role"] == "system":
         session.messages.add_system(item_id, text, _event_id(event))
+    elif item["role"] == "assistant":
+        session.messages.add_assistant(item_id, text, _event_id(event))
     else:
         session.messages.add_user(item_id, parts, _event_id(event))
 

@@ -49,12 +49,6 @@ class Conversation:
     def last_id(self) -> Optional[str]:
         return next(reversed(self._items), None) if self._items else None
 
-    def last_assistant_id(self) -> Optional[str]:
-        for item_id in reversed(self._items):
-            if self._items[item_id].get("role") == "assistant":
-                return item_id
-        return None
-
     def set_input_transcript(self, item_id: str, text: str) -> None:
         """A user audio item's transcript (live input transcription)."""
         item = self._items.get(item_id)

@@ -23,6 +23,12 @@ class Items:
         self._outbox.emit({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": previous})
         self.add(user_audio_item(item_id))
 
+    def withdraw(self, item_id: str) -> None:
+        """An item just added that the model could not take: gone again, announced as deleted."""
+        if item_id in self._conversation:
+            self._conversation.remove(item_id)
+            self._outbox.emit({"type": "conversation.item.deleted", "item_id": item_id})
+
     def add(self, item: dict[str, Any]) -> None:
         previous = self._conversation.add(item)
         self._outbox.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})

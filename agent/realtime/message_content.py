@@ -7,6 +7,8 @@ refuses the whole message and leaves the conversation as it was.
 
 A system message holds input_text parts only; its text joins the conversation where it is added
 (agent/engine/runner/edits.py `add_system_text`), the session's instructions left as they are.
+An assistant message (a client replaying a conversation) holds output_text parts, or
+output_audio ones whose transcript is taken (no audio is replayed).
 
 Where the parts go in the model's user turn: audio joins the turn's audio (as if spoken), images
 are shown after the audio and the camera's frames, text closes the message (the engine's order,
@@ -156,6 +158,28 @@ def system_text(content: Any) -> str:
         if not isinstance(part.get("text"), str):
             raise ContentError("input_text needs text (a string)", f"item.content[{i}].text")
         texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def assistant_text(content: Any) -> str:
+    """An assistant message's text: its output_text parts' text and output_audio parts'
+    transcripts (a replayed conversation's words; audio bytes are not taken), joined."""
+    if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
+        raise ContentError("an assistant message's content is a list of output_text parts", "item.content")
+    if len(content) > MAX_PARTS:
+        raise ContentError(f"an assistant message holds at most {MAX_PARTS} parts", "item.content")
+    texts = []
+    for i, part in enumerate(content):
+        field = {"output_text": "text", "output_audio": "transcript"}.get(part.get("type"))
+        if field is None:
+            raise ContentError(
+                "an assistant message holds output_text (or output_audio with a transcript) parts",
+                f"item.content[{i}].type",
+                "unsupported",
+            )
+        if not isinstance(part.get(field), str):
+            raise ContentError(f"{part['type']} needs {field} (a string)", f"item.content[{i}].{field}")
+        texts.append(part[field])
     return "\n".join(texts)
 
 

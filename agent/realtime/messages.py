@@ -8,10 +8,11 @@ half sent, except the engine itself (an image past a turn's limit: an `error` na
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable, Optional
 
 from agent.config import INPUT_FRAME_SAMPLES
-from agent.engine.commands import AddSystemText, AddUserImage, AddUserText
+from agent.engine.commands import AddAssistantText, AddSystemText, AddUserImage, AddUserText
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.events import message_item
 from agent.realtime.items import Items
@@ -44,3 +45,18 @@ class Messages:
         instructions stay as they are)."""
         self._engine.send(AddSystemText(text), event_id=event_id)
         self._items.add(message_item(item_id, "system", [{"type": "input_text", "text": text}]))
+
+    def add_assistant(self, item_id: str, text: str, event_id: Optional[str]) -> None:
+        """An assistant message: a closed assistant turn in the model's context where it is
+        added, after the user's text items before it (agent/engine/runner/edits.py)."""
+        answer = self._engine.send(AddAssistantText(text), event_id=event_id, param="item")
+        self._remember("assistant", text)
+        self._items.add(message_item(item_id, "assistant", [{"type": "output_text", "text": text}]))
+
+        def refused(future: asyncio.Future) -> None:
+            # The engine could not place it (images not yet answered: the error says so): the
+            # item leaves the conversation again, as deleted, so the list matches the model's.
+            if not future.cancelled() and future.exception() is not None:
+                self._items.withdraw(item_id)
+
+        answer.add_done_callback(refused)

@@ -22,6 +22,9 @@ Pins:
 - a user message of text and an image is one item whose image part carries no bytes, and the
   reply's usage counts image tokens (the next reply's none); a bad image part (a URL to fetch)
   refuses the whole message, naming the part;
+- a replayed history (user, assistant and system messages in turn, each assistant shape the SDK
+  allows and an output_audio transcript) is added and a reply made over it; an assistant message
+  right after an image not yet answered is refused and withdrawn (conversation.item.deleted);
 - what client libraries send and expect: a first item placed at `previous_item_id: "root"`
   (LiveKit) is added; a later one there is refused (items are only added at the end); the
   default session's `max_output_tokens` is "inf"; response.cancel with no active response
@@ -51,6 +54,9 @@ from openai.types.realtime.input_audio_buffer_append_event_param import InputAud
 from openai.types.realtime.input_audio_buffer_clear_event_param import InputAudioBufferClearEventParam
 from openai.types.realtime.input_audio_buffer_commit_event_param import InputAudioBufferCommitEventParam
 from openai.types.realtime.output_audio_buffer_clear_event_param import OutputAudioBufferClearEventParam
+from openai.types.realtime.realtime_conversation_item_assistant_message_param import (
+    RealtimeConversationItemAssistantMessageParam,
+)
 from openai.types.realtime.realtime_conversation_item_function_call_output_param import (
     RealtimeConversationItemFunctionCallOutputParam,
 )
@@ -367,6 +373,53 @@ async def test_a_message_with_an_image(agent: RunningAgent) -> None:
         assert errors(got) == [("unsupported", "item.content[1].image_url")]
         assert [e["error"]["event_id"] for e in got if e["type"] == "error"] == ["bad-image"]
         assert not [e for e in got if e["type"] == "conversation.item.added"]
+
+
+async def test_a_replayed_history(agent: RunningAgent) -> None:
+    """User, assistant and system messages in turn, as the Agents SDK's updateHistory sends
+    them, then a reply over them; an assistant message the model cannot place is withdrawn."""
+    async with connected(agent) as (conn, _):
+        user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+        answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]}
+        spoken = {"type": "message", "role": "assistant", "content": [{"type": "output_audio", "transcript": "Hey."}]}
+        sent = 0
+        for item in [*shapes(RealtimeConversationItemAssistantMessageParam, answer, depth=0), spoken]:
+            assert not errors(await conn.exchange({"type": "conversation.item.create", "item": user}))
+            got = await conn.exchange({"type": "conversation.item.create", "item": item})
+            assert not errors(got), (item, errors(got))
+            [added] = [e["item"] for e in got if e["type"] == "conversation.item.added"]
+            assert added["role"] == "assistant" and added["content"][0]["text"] in ("Hello!", "Hey.")
+            sent += 1
+        assert sent == 3
+        system = {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Be brief."}]}
+        assert not errors(await conn.exchange({"type": "conversation.item.create", "item": system}))
+        got = await conn.exchange({"type": "response.create"}, until="response.done")
+        assert not errors(got)
+        [done] = [e["response"] for e in got if e["type"] == "response.done"]
+        assert done["status"] in ("completed", "incomplete")
+        # An image waits for its answer: an assistant message cannot come between them.
+        image = {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": PICTURE}]}
+        assert not errors(await conn.exchange({"type": "conversation.item.create", "item": image}))
+        start = len(conn.events)
+        await conn.exchange(
+            {"type": "conversation.item.create", "item": {**answer, "id": "item_replayed"}, "event_id": "early"}
+        )
+        # (the engine's refusal comes after the barrier: it answers on its own thread)
+        got = conn.events[start : await conn.wait("conversation.item.deleted", start) + 1]
+        got = [e for e in got if not (e["type"] == "error" and e["error"]["event_id"].startswith("barrier"))]
+        assert errors(got) == [("invalid_value", "item")]
+        assert [e["error"]["event_id"] for e in got if e["type"] == "error"] == ["early"]
+        assert [
+            e["type"]
+            for e in got
+            if e.get("item_id") == "item_replayed" or e.get("item", {}).get("id") == "item_replayed"
+        ] == [
+            "conversation.item.added",
+            "conversation.item.done",
+            "conversation.item.deleted",
+        ]
+        got = await conn.exchange({"type": "conversation.item.retrieve", "item_id": "item_replayed"})
+        assert errors(got) == [("item_not_found", "item_id")]
 
 
 async def test_spoken_turn_events(agent: RunningAgent, speech_wav: Path) -> None:

@@ -3,7 +3,9 @@ the data URL to the model's turn, and a system message's text.
 
 Pins:
 - a system message's input_text parts (type given or left out) join with newlines; any other
-  part is refused as unsupported, a part with no text or no parts at all as invalid;
+  part is refused as unsupported, a part with no text or no parts at all as invalid; an
+  assistant message's output_text texts and output_audio transcripts join the same way (audio
+  with no transcript is refused);
 - decoding (agent/realtime/message_content.py): a PNG or JPEG data URL becomes RGB uint8 with its
   colours where they were, its longer side brought to the camera frames' side for detail "low"
   and twice that for "high"/"auto" (a smaller image is left as it is); every bad part is refused
@@ -132,6 +134,20 @@ def test_a_system_message_is_its_text_parts() -> None:
     ]:
         with pytest.raises(ContentError) as caught:
             message_content.system_text(content)
+        assert (caught.value.code, caught.value.param) == (code, param), content
+
+
+def test_an_assistant_message_is_its_text_and_transcripts() -> None:
+    content = [{"type": "output_text", "text": "Hello."}, {"type": "output_audio", "transcript": "How are you?"}]
+    assert message_content.assistant_text(content) == "Hello.\nHow are you?"
+    for content, code, param in [
+        ([{"type": "output_audio", "audio": "AAAA"}], "invalid_value", "item.content[0].transcript"),
+        ([{"type": "input_text", "text": "x"}], "unsupported", "item.content[0].type"),
+        ([{"type": "output_text"}], "invalid_value", "item.content[0].text"),
+        ([], "invalid_value", "item.content"),
+    ]:
+        with pytest.raises(ContentError) as caught:
+            message_content.assistant_text(content)
         assert (caught.value.code, caught.value.param) == (code, param), content
 
 

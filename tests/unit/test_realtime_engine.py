@@ -12,7 +12,11 @@ Pins, by the tokens in the session's KV slot:
 - a system message item leaves the session's prompt alone and goes where it is added: queued
   before the next turn; added while the user speaks, before that turn (its audio is taken back
   out of the cache and prefilled after it); added during a reply, after the reply, followed by
-  instructions changed during the same reply (both kept, in order);
+  instructions changed during the same reply (both kept, in order); instructions changed while
+  the user speaks go before that turn too, so its reply follows them;
+- an assistant message item (a replayed conversation) is a closed assistant turn after a user
+  turn made of the text items before it; while the user speaks it goes before the speech; with
+  images not yet answered it is refused;
 - a truncation while a reply runs is refused; a cancel ends the reply at once (its ReplyDone
   ready before any tick), so a truncation of it and the next reply's begin queued right behind
   the cancel (one drain of a busy engine's inbox) cut that reply and begin after it;
@@ -119,6 +123,51 @@ def test_a_system_item_goes_where_it_is_added(runner, loaded) -> None:
     run_until_idle(runner, 500)
     kind = system_turn_ids(loaded.ids, loaded.tokenizer, "Be kind.")
     assert state.closing[-len(third) - len(kind) :] == third + kind
+
+
+def test_an_assistant_item_closes_the_user_items_before_it(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    ids, tok = loaded.ids, loaded.tokenizer
+    im_end = [ids.im_end, *ids.newline]
+    # A replayed exchange: the user's text, then the assistant's answer to it.
+    runner.add_user_text("s", "Where am I?")
+    n = runner.add_assistant_text("s", "In Paris.")
+    user = [ids.im_start, *ids.user, *ids.newline, *tok.encode("Where am I?", add_special_tokens=False), *im_end]
+    answer = [*assistant_start_ids(ids), *tok.encode("In Paris.", add_special_tokens=False), *im_end]
+    assert state.closing == user + answer and n == len(user + answer)
+    assert state.turn.text_ids == []  # (the user's text is that exchange's now, not the next turn's)
+    runner.add_user_text("s", "And now?")
+    done = run_reply(runner, "s", text_only=True)
+    own = 1 + len(ids.user) + len(ids.newline) + len(tok.encode("And now?", add_special_tokens=False))
+    own += 1 + len(ids.newline) + len(assistant_start_ids(ids))
+    assert done.stats["prefill_tokens"] == own + len(user + answer)
+    # While the user speaks, the exchange goes before the speech, which is prefilled again after it.
+    audio = speech(2.5)
+    for i in range(0, len(audio), 1280):
+        runner.append_audio("s", audio[i : i + 1280])
+    assert state.turn.header_done
+    runner.add_assistant_text("s", "Anything else?")
+    assert not state.turn.header_done and state.turn.pending_audio
+    # Pictures not yet answered must be answered first: their turn has to be prefilled.
+    runner.add_user_image("s", np.zeros((32, 32, 3), np.uint8))
+    with pytest.raises(ValueError, match="images"):
+        runner.add_assistant_text("s", "A picture.")
+
+
+def test_instructions_changed_while_the_user_speaks_apply_to_that_turn(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    runner.add_user_text("s", "Hi")
+    run_reply(runner, "s", text_only=True)
+    audio = speech(2.5)
+    for i in range(0, len(audio), 1280):
+        runner.append_audio("s", audio[i : i + 1280])
+    assert state.turn.header_done
+    assert runner.set_instructions("s", "Whisper.") == "appended"
+    message = system_turn_ids(loaded.ids, loaded.tokenizer, "Whisper.")
+    assert not state.turn.header_done and state.closing[-len(message) :] == message
+    assert state.after_reply == []  # (not left for after the next reply)
 
 
 def test_truncate_cuts_the_cache_to_the_heard_tokens(runner, loaded) -> None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from agent.engine.checkpoints.model import LoadedModel
+from agent.engine.checkpoints.model import LoadedModel, assistant_start_ids
 from agent.engine.runner.sessions import SessionTable
 from agent.engine.runner.speculation import Speculation
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.turn_prefill import TurnPrefill
-from agent.engine.state.session import LastReply
+from agent.engine.state.session import LastReply, SessionState
 
 # Images one user turn may show (each is a few hundred vision tokens at the sizes the Realtime
 # layer sends: agent/realtime/message_content.py).
@@ -68,7 +68,8 @@ class ConversationEdits:
     def set_instructions(self, session_id: str, text: str) -> str:
         """The session's system prompt. Before the first turn it replaces the prefilled one
         ("replaced"); later it is added as a system message before the next user turn
-        ("appended"), and it is what a history reset prefills."""
+        ("appended", where a system message item would go: `_append`), and it is what a history
+        reset prefills."""
         self.speculation.drop_speculation(session_id)
         state = self.sessions[session_id]
         state.choices.system_prompt = text
@@ -77,30 +78,50 @@ class ConversationEdits:
             state.thinker.crop(0, 0)
             self.turns.prefill_system(state)
             return "replaced"
-        ids = self.turns.system_message_ids(text)
-        if state.reply is None and not state.turn.header_done:
-            state.closing += ids  # prefilled at the start of the next user turn
-        else:
-            state.pending_system += ids  # a reply or a turn is under way: after this reply ends
+        self._append(state, self.turns.system_message_ids(text))
         return "appended"
 
-    @torch.inference_mode()
     def add_system_text(self, session_id: str, text: str) -> int:
-        """A system message item: it joins the conversation where it is added. Before the turn
-        being spoken (the client's audio so far is not an item yet: that turn is taken back out
-        of the cache and prefilled again after the message); during a reply, after it (the
-        reply's item came first). The session's instructions stay as they are. Returns its
-        token count."""
+        """A system message item: it joins the conversation where it is added (`_append`). The
+        session's instructions stay as they are. Returns its token count."""
+        self.speculation.drop_speculation(session_id)
+        ids = self.turns.system_message_ids(text)
+        self._append(self.sessions[session_id], ids)
+        return len(ids)
+
+    def add_assistant_text(self, session_id: str, text: str) -> int:
+        """An assistant message item (a client replaying a conversation): a closed assistant turn
+        where it is added (`_append`). The user's text items waiting for the turn's end came
+        before it: they become a user turn of their own in front of it. The talker is not told
+        (it hears user turns only, as of every earlier reply). Refused while the turn holds
+        images not yet answered (they need the turn's own prefill) or turns wait to be
+        answered. Returns the tokens added."""
         self.speculation.drop_speculation(session_id)
         state = self.sessions[session_id]
-        ids = self.turns.system_message_ids(text)
+        turn = state.turn
+        if turn.images:
+            raise ValueError("an assistant message cannot follow images not yet answered: ask for a response first")
+        if state.held_turns:
+            raise ValueError("an assistant message cannot be added while turns wait to be answered")
+        ids, im_end = [], [self.loaded.ids.im_end, *self.loaded.ids.newline]
+        if turn.text_ids:
+            ids += [self.loaded.ids.im_start, *self.loaded.ids.user, *self.loaded.ids.newline, *turn.text_ids, *im_end]
+            turn.text_ids = []
+        ids += [*assistant_start_ids(self.loaded.ids), *self.turns.text_ids(text), *im_end]
+        self._append(state, ids)
+        return len(ids)
+
+    @torch.inference_mode()
+    def _append(self, state: SessionState, ids: list[int]) -> None:
+        """Tokens of a whole turn, at the end of the conversation: before the turn being spoken
+        (the client's audio so far is not an item yet, so that turn is taken back out of the
+        cache and prefilled again after them); during a reply, after it (its item came first)."""
         if state.reply is None and state.turn.header_done and not state.turn.history_reset:
             self.turns.unprefill_turn(state)
         if state.reply is None and not state.turn.header_done:
             state.closing += ids  # prefilled at the start of the next user turn
         else:
-            state.pending_system += ids  # closes the reply in flight, before the next turn
-        return len(ids)
+            state.after_reply += ids  # closes the reply in flight, before the next turn
 
     def set_context_turns(self, session_id: str, turns: int) -> int:
         """Keep at most `turns` answered turns in the context (0: no bound): the turn after them

@@ -217,8 +217,8 @@ class Replies:
             state.last_reply = LastReply(
                 state.thinker.length - fed, state.thinker.next_pos - fed, tuple(text_ids), fed, reply.text.voice_end
             )
-            state.closing += state.pending_system  # instructions changed during the reply
-            state.pending_system = []
+            state.closing += state.after_reply  # items and instructions added during the reply
+            state.after_reply = []
             if not reply.voice.started:  # its user turn is not in the talker cache yet
                 state.talker_history.backlog.append(turn.talker)
         else:

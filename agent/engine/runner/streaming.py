@@ -281,6 +281,9 @@ class StreamingRunner:
     def add_system_text(self, session_id: str, text: str) -> int:
         return self.edits.add_system_text(session_id, text)
 
+    def add_assistant_text(self, session_id: str, text: str) -> int:
+        return self.edits.add_assistant_text(session_id, text)
+
     def voices(self) -> Voices:
         return Voices(tuple(sorted(self.talker.voices)), self.talker.default_voice)
 

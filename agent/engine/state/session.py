@@ -251,7 +251,9 @@ class SessionState:
     # (stage, seconds, sessions in the call) for StageTime outputs, emitted by the next step()
     pending_stages: list[tuple[str, float, int]] = field(default_factory=list)
     choices: SessionChoices = field(default_factory=SessionChoices)  # what the session asked for
-    pending_system: list[int] = field(default_factory=list)  # a system message for the next turn's start
+    # Whole turns added during a reply (system and assistant items, changed instructions): they
+    # follow its closing, at the start of the next user turn.
+    after_reply: list[int] = field(default_factory=list)
     last_reply: LastReply | None = None  # until the next reply begins
     context_turns: int = 0  # answered turns in the thinker cache since its last history reset
     last_frame: tuple[float, np.ndarray] | None = None  # (engine clock, frame): seeds the next turn's first grid
