@@ -12,7 +12,8 @@ Pins, by the tokens in the session's KV slot:
 - a system message item leaves the session's prompt alone and goes where it is added: queued
   before the next turn; added while the user speaks, before that turn (its audio is taken back
   out of the cache and prefilled after it); added during a reply, after the reply, followed by
-  instructions changed during the same reply (both kept, in order); instructions changed while
+  instructions changed during the same reply (both kept, in order); added during a reply that is
+  cancelled before its prefill ends, before the turn it gives back; instructions changed while
   the user speaks go before that turn too, so its reply follows them;
 - an assistant message item (a replayed conversation) is a closed assistant turn after a user
   turn made of the text items before it; while the user speaks it goes before the speech; with
@@ -32,6 +33,7 @@ from support.engine_drive import SYSTEM, make_audio, run_until_idle
 
 from agent.engine.api import AudioOut, ReplyDone
 from agent.engine.checkpoints.model import assistant_start_ids, system_turn_ids
+from agent.engine.runner.scheduler import SchedulerConfig
 from agent.engine.runner.streaming import StreamingRunner
 
 
@@ -153,6 +155,25 @@ def test_an_assistant_item_closes_the_user_items_before_it(runner, loaded) -> No
     runner.add_user_image("s", np.zeros((32, 32, 3), np.uint8))
     with pytest.raises(ValueError, match="images"):
         runner.add_assistant_text("s", "A picture.")
+
+
+def test_items_added_during_a_reply_cancelled_in_its_prefill_go_before_its_turn(loaded) -> None:
+    # 4 tokens a tick: the end of the turn spans several ticks.
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=8, schedule=SchedulerConfig(prefill_chunk_tokens=4))
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    runner.add_user_text("s", "Tell me a story about the sea")
+    runner.begin_reply("s", [], text_only=True)
+    runner.step()
+    assert state.reply is not None and not state.reply.prefill.done
+    runner.add_system_text("s", "Be brief.")
+    assert state.after_reply  # (waiting for the reply's end)
+    runner.cancel_reply("s")
+    run_until_idle(runner)
+    message = system_turn_ids(loaded.ids, loaded.tokenizer, "Be brief.")
+    assert state.after_reply == [] and state.closing[-len(message) :] == message and not state.turn.header_done
+    done = run_reply(runner, "s", text_only=True)  # the turn, answered now, after the message
+    assert done.stats["prefill_tokens"] > len(message)
 
 
 def test_instructions_changed_while_the_user_speaks_apply_to_that_turn(runner, loaded) -> None:

@@ -111,17 +111,13 @@ class ConversationEdits:
         self._append(state, ids)
         return len(ids)
 
-    @torch.inference_mode()
     def _append(self, state: SessionState, ids: list[int]) -> None:
-        """Tokens of a whole turn, at the end of the conversation: before the turn being spoken
-        (the client's audio so far is not an item yet, so that turn is taken back out of the
-        cache and prefilled again after them); during a reply, after it (its item came first)."""
-        if state.reply is None and state.turn.header_done and not state.turn.history_reset:
-            self.turns.unprefill_turn(state)
-        if state.reply is None and not state.turn.header_done:
-            state.closing += ids  # prefilled at the start of the next user turn
+        """Tokens of a whole turn, at the end of the conversation: after the reply in flight
+        (its item came first), else before the turn being spoken (TurnPrefill.append_turns)."""
+        if state.reply is not None:
+            state.after_reply += ids  # closes the reply, before the next turn
         else:
-            state.after_reply += ids  # closes the reply in flight, before the next turn
+            self.turns.append_turns(state, ids)
 
     def set_context_turns(self, session_id: str, turns: int) -> int:
         """Keep at most `turns` answered turns in the context (0: no bound): the turn after them

@@ -223,6 +223,11 @@ class Replies:
                 state.talker_history.backlog.append(turn.talker)
         else:
             self.turns.abandon_reply(state)
+            # Nothing of the reply stays to follow: what was added during it goes before the
+            # turn it gave back.
+            added, state.after_reply = state.after_reply, []
+            if added:
+                self.turns.append_turns(state, added)
         stats = {
             "prefill_tokens": turn.prefill_tokens if reply.prefill.done else 0,
             "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefill.done else 0,

@@ -169,6 +169,20 @@ class TurnPrefill:
         turn.header_done = turn.audio_open = False
         self.video.restore(turn, (0, None))
 
+    @torch.inference_mode()
+    def append_turns(self, state: SessionState, ids: list[int]) -> None:
+        """Whole turns (system or assistant messages) at the end of the conversation, with no
+        reply in flight: in front of the turn being spoken, prefilled with its start. The
+        client's audio so far is not an item yet, so a turn already in the cache is taken back
+        out and prefilled again after them (one whose prefill replaced the history cannot be:
+        they wait for the next turn)."""
+        if state.turn.header_done and not state.turn.history_reset:
+            self.unprefill_turn(state)
+        if state.turn.header_done:
+            state.after_reply += ids
+        else:
+            state.closing += ids
+
     def pcm_queued(self, state: SessionState) -> bool:
         # Captions: agent/engine/runner/transcriber.py reads them; held turns: this turn's audio waits behind theirs.
         prefills = state.reply is None and not state.choices.captions_only and not state.held_turns
