@@ -205,7 +205,9 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
         elif item["role"] == "assistant":
             text = message_content.assistant_text(item.get("content"))
         else:
-            parts = message_content.user_parts(item.get("content"), fmt, session.config.video_max_side)
+            parts = message_content.user_parts(
+                item.get("content"), fmt, session.config.video_max_side, session.image_pixels.allow
+            )
     except message_content.ContentError as exc:
         raise BadEvent(str(exc), exc.code, exc.param) from None
     if item["role"] == "system":

@@ -28,7 +28,7 @@ import binascii
 import io
 import re
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 
@@ -38,6 +38,11 @@ MAX_PARTS = 16  # content parts in one message
 MAX_IMAGES = 4  # input_image parts in one message (the engine shows at most 8 a turn)
 MAX_SOURCE_PIXELS = 3840 * 2160  # 4K: a larger image is refused before it is decoded
 MAX_ASPECT = 150  # the vision processor refuses 200:1 and beyond
+# Decoding runs on the loop, so what one session may have decoded is bounded (a token bucket of
+# pixels, the session's): a 1080p picture's worth a second, in bursts of two 4K ones. A PNG
+# decodes at 10-20 ms a megapixel on one core: at most a few tens of ms a second per session.
+PIXELS_PER_S = 1920 * 1080
+PIXELS_BURST = 2 * MAX_SOURCE_PIXELS
 DETAILS = ("auto", "low", "high")
 _DATA_URL = re.compile(r"data:image/(png|jpeg|jpg)(?:;[^,;]*)*;base64,", re.IGNORECASE)
 
@@ -69,19 +74,25 @@ class ImagePart:
 UserPart = Union[TextPart, AudioPart, ImagePart]
 
 
-def user_parts(content: Any, input_format: str, max_side: int) -> list[UserPart]:
+def user_parts(
+    content: Any, input_format: str, max_side: int, budget: Callable[[int], bool] = lambda pixels: True
+) -> list[UserPart]:
     """The message's parts, decoded, in the item's order. `input_format`: the session's input
-    audio format; `max_side`: the camera frames' longer side (what detail "low" gets)."""
+    audio format; `max_side`: the camera frames' longer side (what detail "low" gets);
+    `budget(pixels)`: whether an image of that many pixels may be decoded now (the session's
+    bucket, charged when it may)."""
     if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
         raise ContentError("a user message's content is a list of parts (objects)", "item.content")
     if len(content) > MAX_PARTS:
         raise ContentError(f"a user message holds at most {MAX_PARTS} parts", "item.content")
     if sum(p.get("type") == "input_image" for p in content) > MAX_IMAGES:
         raise ContentError(f"a user message holds at most {MAX_IMAGES} images", "item.content")
-    return [_part(part, f"item.content[{i}]", input_format, max_side) for i, part in enumerate(content)]
+    return [_part(part, f"item.content[{i}]", input_format, max_side, budget) for i, part in enumerate(content)]
 
 
-def _part(part: dict[str, Any], where: str, input_format: str, max_side: int) -> UserPart:
+def _part(
+    part: dict[str, Any], where: str, input_format: str, max_side: int, budget: Callable[[int], bool]
+) -> UserPart:
     kind = part.get("type")
     if kind == "input_text":
         if not isinstance(part.get("text"), str):
@@ -97,7 +108,7 @@ def _part(part: dict[str, Any], where: str, input_format: str, max_side: int) ->
         if detail not in DETAILS:
             raise ContentError(f"detail must be one of {', '.join(DETAILS)}", f"{where}.detail")
         side = max_side if detail == "low" else 2 * max_side
-        return ImagePart(decode_image(part.get("image_url"), side, f"{where}.image_url"), detail)
+        return ImagePart(decode_image(part.get("image_url"), side, f"{where}.image_url", budget), detail)
     raise ContentError(
         "a part is input_text with text, input_audio with audio or input_image with image_url",
         f"{where}.type",
@@ -114,8 +125,9 @@ def _base64(value: Any, param: str, what: str) -> bytes:
         raise ContentError(f"{what} is not valid base64", param) from None
 
 
-def decode_image(url: Any, side: int, param: str) -> np.ndarray:
-    """A PNG or JPEG data URL as RGB uint8, its longer side at most `side` (aspect kept)."""
+def decode_image(url: Any, side: int, param: str, budget: Callable[[int], bool] = lambda pixels: True) -> np.ndarray:
+    """A PNG or JPEG data URL as RGB uint8, its longer side at most `side` (aspect kept); only
+    when `budget` admits its pixels (read from its header, before decoding)."""
     from PIL import Image
 
     if not isinstance(url, str) or not url:
@@ -133,6 +145,13 @@ def decode_image(url: Any, side: int, param: str) -> np.ndarray:
                 raise ContentError(f"the image is {width}x{height}: at most {MAX_SOURCE_PIXELS:,} pixels", param)
             if max(width, height) > MAX_ASPECT * min(width, height):
                 raise ContentError(f"the image is {width}x{height}: its sides at most {MAX_ASPECT}:1", param)
+            if not budget(width * height):
+                raise ContentError(
+                    f"images come faster than one session may have them decoded ({PIXELS_PER_S:,} pixels a "
+                    "second): send fewer or smaller ones",
+                    param,
+                    "rate_limited",
+                )
             if im.format == "JPEG":
                 im.draft("RGB", (side, side))  # decode at 1/2, 1/4 or 1/8 scale where that is enough
             rgb = im.convert("RGB")

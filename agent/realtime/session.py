@@ -38,9 +38,10 @@ from agent.engine.commands import (
 from agent.engine.loop import Engine
 from agent.gate import priority
 from agent.gate.ladder import LEVEL_NAMES, Admission
+from agent.gate.token_bucket import TokenBucket
 from agent.media.playout import AgentAudioTrack
 from agent.media.video_feed import VideoFeed
-from agent.realtime import client_events, session_config, tool_config
+from agent.realtime import client_events, message_content, session_config, tool_config
 from agent.realtime.call_outputs import CallOutputs
 from agent.realtime.conversation import Conversation
 from agent.realtime.edits import Edits
@@ -133,6 +134,8 @@ class Session:
         self._closed = False
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
         self.events_in = client_events.EventRate(config.max_events_per_s)  # client events' rate limit
+        # Image pixels its messages may have decoded on the loop (agent/realtime/message_content.py).
+        self.image_pixels = TokenBucket(message_content.PIXELS_PER_S, message_content.PIXELS_BURST)
         self.opened: Optional[asyncio.Future] = None  # start(): the engine's open of this session
 
     @property

@@ -11,8 +11,9 @@ Pins:
   and twice that for "high"/"auto" (a smaller image is left as it is); every bad part is refused
   with its own param and the code a client can act on: a URL to fetch (unsupported), bad base64,
   bytes that are no PNG or JPEG (a GIF), more than 4K pixels (before decoding), a 200:1 strip,
-  an unknown detail, too many images or parts, a part with no text; the item as announced
-  carries no image bytes;
+  an unknown detail, too many images or parts, a part with no text; an image past the
+  session's pixel budget (read from its header) is refused as rate_limited until the bucket
+  refills; the item as announced carries no image bytes;
 - in the engine (tiny model, greedy): an image item is shown at the end of the turn exactly
   where a still handed to the reply is (the same reply, text and codec codes), its vision
   tokens counted in the reply's stats; a dropped turn's audio goes but its image and text items
@@ -36,6 +37,7 @@ from agent.engine.checkpoints.model import encode_images, image_token_counts
 from agent.engine.runner.edits import MAX_TURN_IMAGES
 from agent.engine.runner.scheduler import SchedulerConfig
 from agent.engine.runner.streaming import StreamingRunner
+from agent.gate.token_bucket import TokenBucket
 from agent.realtime import message_content
 from agent.realtime.message_content import ContentError, ImagePart, TextPart
 
@@ -120,6 +122,19 @@ def test_bad_parts_are_refused_each_with_its_param() -> None:
         "item.content[0].audio",
     )
     assert _refusal([{"type": "input_file"}])[:2] == ("unsupported", "item.content[0].type")
+
+
+def test_decoding_is_bounded_by_the_sessions_pixel_budget() -> None:
+    now = [0.0]
+    bucket = TokenBucket(rate=8 * 8, burst=8 * 8 * 1.5, clock=lambda: now[0])  # 1.5 images of 8x8
+    picture = image_part(data_url(split(8, 8)))
+    with pytest.raises(ContentError) as caught:
+        message_content.user_parts([picture, picture], "audio/pcm", 448, bucket.allow)
+    assert (caught.value.code, caught.value.param) == ("rate_limited", "item.content[1].image_url")
+    with pytest.raises(ContentError):  # half an image's pixels left: not enough
+        message_content.user_parts([picture], "audio/pcm", 448, bucket.allow)
+    now[0] += 1.0  # a second's refill
+    assert len(message_content.user_parts([picture], "audio/pcm", 448, bucket.allow)) == 1
 
 
 def test_a_system_message_is_its_text_parts() -> None:
