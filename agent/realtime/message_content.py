@@ -17,8 +17,8 @@ agent/engine/stages/reply_prefill.py), whatever their order in the item.
 Images are decoded here, on the loop: a data URL within the event size limit decodes in tens of
 milliseconds (a JPEG at a reduced scale, straight from its DCT), and the sides are brought to what
 the vision encoder is given: `detail` "low" to the camera frames' longer side
-(Config.video_max_side, 448: ~200 vision tokens), "high" and "auto" to twice that. The agent fetches no URL: a model server
-that dereferences client URLs is a way into the network it sits on.
+(Config.video_max_side, 448: ~200 vision tokens), "high" and "auto" to twice that. The agent
+fetches no URL: a model server that dereferences client URLs is a way into the network it sits on.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ export const ui = {
   captions: $("captions"), audio: $("agent-audio"), keyForm: $("key-form"), key: $("api-key"),
   textOnly: $("text-only"), throttle: $("camera-throttle"),
   ttft: $("ttft"), ttfa: $("ttfa"), eotV2v: $("eot-v2v"), v2v: $("v2v"),
-  textForm: $("text-form"), textInput: $("text-input"), textSend: $("text-send"),
+  textForm: $("text-form"), textInput: $("text-input"), textSend: $("text-send"), pictureInput: $("picture-input"),
   transcript: $("transcript"), download: $("download-transcript"),
   callInfo: $("call-info"), callId: $("call-id"), overlayLink: $("overlay-link"), copyOverlay: $("copy-overlay"),
   cameraOff: $("camera-off"), micSelect: $("mic-select"), cameraSelect: $("camera-select"),

@@ -24,7 +24,9 @@ camera playing a synthetic y4m):
   mic goes on speaking no speech_started arrives; a question typed in the text box goes
   out as conversation.item.create + response.create and gets a reply (response.done with deltas),
   and the transcript panel shows a "you" line with the typed text and an agent line (and
-  "Download transcript" saves them as transcript-<call id>.txt); Unmute brings speech_started back;
+  "Download transcript" saves them as transcript-<call id>.txt); a 1600x1200 picture chosen with
+  a question goes out in one item (input_text, input_image) that the reply counts image tokens
+  for, the file field is cleared and the line ends "[picture]"; Unmute brings speech_started back;
 - without getUserMedia (no secure context) the page says the microphone needs localhost or HTTPS
   and keeps Start disabled;
 - against a server started with --api-key, the page shows its key field, tells the user a
@@ -42,7 +44,9 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 from support.page_watch import watch_call
 
 pytestmark = pytest.mark.browser
@@ -290,7 +294,7 @@ SENT_LEVEL_ZERO_JS = """async () => {
 }"""
 
 
-def test_mute_text_box_transcript_and_call_id(page, agent_url):
+def test_mute_text_box_transcript_and_call_id(page, agent_url, tmp_path):
     start_call(page, agent_url)
 
     # The call id and the overlay link that follows it.
@@ -354,6 +358,44 @@ def test_mute_text_box_transcript_and_call_id(page, agent_url):
     download = download_info.value
     assert download.suggested_filename == f"transcript-{call_id}.txt"
     assert f"You: {question}\n" in Path(download.path()).read_text(encoding="utf-8")
+
+    # A picture with a question: one item of input_text and input_image (a JPEG the page scaled
+    # to 896 px at most), answered with the picture's tokens counted; the line says so.
+    picture = tmp_path / "square.png"
+    ramp = np.linspace(0, 255, 1600, dtype=np.uint8)
+    image = np.stack(
+        [np.tile(ramp, (1200, 1)), np.tile(ramp[::-1], (1200, 1)), np.full((1200, 1600), 90, np.uint8)], -1
+    )
+    image[400:800, 600:1000] = (250, 40, 40)  # a red square on a gradient
+    Image.fromarray(image).save(picture)
+    sent_at = page.evaluate("window.omni.events.length")
+    page.get_by_label("Picture").set_input_files(str(picture))
+    page.get_by_label("Message").fill("And this one?")
+    page.get_by_role("button", name="Send").click()
+    page.wait_for_function(
+        """(at) => window.omni.events.slice(at).some((e) => e.type === "response.done")""",
+        arg=sent_at,
+        timeout=CALL_TIMEOUT_S * 1000,
+    )
+    seen = page.evaluate(
+        """(at) => { const evs = window.omni.events.slice(at);
+                     return { added: evs.find((e) => e.type === "conversation.item.added" && e.item.role === "user"),
+                              done: evs.find((e) => e.type === "response.done"),
+                              errors: evs.filter((e) => e.type === "error") }; }""",
+        sent_at,
+    )
+    assert not seen["errors"], seen["errors"]
+    assert seen["added"]["item"]["content"] == [
+        {"type": "input_text", "text": "And this one?"},
+        {"type": "input_image", "detail": "auto", "image_url": None},
+    ], seen["added"]
+    assert seen["done"]["response"]["usage"]["input_token_details"]["image_tokens"] > 0, seen["done"]
+    assert page.get_by_label("Picture").input_value() == ""  # (cleared for the next message)
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('#transcript li[data-speaker="you"] .said')]
+                   .some((s) => s.textContent === "And this one? [picture]")""",
+        timeout=10_000,
+    )
 
     # Still muted for QUIET_S at least: no turn began, though the fake mic never stops talking.
     time.sleep(max(0.0, QUIET_S - (time.monotonic() - muted_at)))
