@@ -15,6 +15,10 @@ inside a `RealtimeSession` and speaks through the fake mic. What it pins:
   event of a listed type was also emitted as a parsed, non-generic event);
 - no client-side errors: no session `error` events, no uncaught page errors, no console
   errors or warnings from the SDK;
+- a replayed history and a picture: `updateHistory` appending a system and an assistant message
+  sends them as items the agent takes (no error; both in the SDK's history), and `addImage`
+  (no response asked) puts the picture into the next spoken turn, whose response.done counts
+  image tokens; no console errors;
 - function calling: an agent with a `tool()` (a JSON-schema function, tool choice required)
   gets the call from the agent, runs the tool's `execute` in the page with arguments that
   match its schema, and the SDK's own function_call_output and response.create get a reply
@@ -23,10 +27,14 @@ inside a `RealtimeSession` and speaks through the fake mic. What it pins:
 
 from __future__ import annotations
 
+import base64
+import io
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 pytestmark = pytest.mark.browser
 
@@ -63,18 +71,21 @@ HARNESS = """<!doctype html>
 <script type="module">
 import { OpenAIRealtimeWebRTC, RealtimeAgent, RealtimeSession, tool } from "./openai-realtime-agents.mjs";
 const sdk = (window.sdk = { connected: false, errors: [], raw: {}, strict: {}, transcript: "",
-                            history: [], responding: false, audible: false, calls: [] });
+                            history: [], responding: false, audible: false, calls: [], usages: [] });
 const audio = document.getElementById("out");
 const transport = new OpenAIRealtimeWebRTC({
   baseUrl: location.origin + "/v1/realtime/calls", useInsecureApiKey: true, audioElement: audio,
 });
 AGENT_SETUP
 sdk.transport = transport;
+sdk.session = session;
+transport.on("response.done", (e) => { sdk.usages.push(e.response?.usage ?? null); });
 transport.on("*", (e) => { sdk.raw[e.type] = (sdk.raw[e.type] ?? 0) + 1; });
 for (const type of STRICT_TYPES) transport.on(type, () => { sdk.strict[type] = (sdk.strict[type] ?? 0) + 1; });
 transport.on("response.created", () => { sdk.responding = sdk.calls.length >= CALLS_BEFORE_LISTENING; });
 transport.on("audio_transcript_delta", (e) => { sdk.transcript += e.delta; });
-session.on("history_updated", (h) => { sdk.history = h.map((i) => ({ type: i.type, role: i.role, name: i.name })); });
+session.on("history_updated", (h) => { sdk.history = h.map((i) => ({ type: i.type, role: i.role, name: i.name,
+  content: (i.content ?? []).map((c) => c.type) })); });
 session.on("error", (e) => sdk.errors.push(String(e?.error?.error?.message ?? e?.error?.message ?? e?.error ?? e)));
 
 // The reply is heard: RMS of the SDK's own audio element's stream, after a response began.
@@ -113,7 +124,7 @@ SNAPSHOT_JS = """async () => {
   });
   return { connected: s.connected, callId: s.transport.callId ?? null, errors: s.errors, raw: s.raw,
            strict: s.strict, transcript: s.transcript, history: s.history, audible: s.audible, energy,
-           calls: s.calls };
+           calls: s.calls, usages: s.usages };
 }"""
 
 
@@ -168,15 +179,7 @@ def run_harness(page, agent_url: str, harness: str, until) -> tuple[dict, list[s
     page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
     page.route("**/agents-sdk/**", serve_vendor)
     page.goto(agent_url + f"agents-sdk/{harness}")
-    snap: dict = {}
-    deadline = time.monotonic() + CALL_TIMEOUT_S
-    while time.monotonic() < deadline:
-        snap = page.evaluate(SNAPSHOT_JS) or {}
-        assert not snap.get("errors"), f"client-side errors: {snap['errors']}"
-        if until(snap):
-            return snap, console
-        time.sleep(0.3)
-    raise AssertionError(f"after {CALL_TIMEOUT_S} s: {snap}; console: {console}")
+    return poll_snapshot(page, until, console), console
 
 
 def rejected_by_the_sdk(snap: dict, types: list[str]) -> dict[str, tuple[int, int]]:
@@ -208,6 +211,52 @@ def test_agents_sdk_connects_hears_the_reply_and_gets_the_transcript(page, agent
     assert not rejected, f"events the SDK's schemas rejected (raw, parsed): {rejected}"
     assert not console, f"console errors/warnings: {console}"
     print(f"\nAgents SDK transcript: {snap['transcript']!r}; events: {snap['raw']}")
+
+
+def test_agents_sdk_replays_history_and_sends_a_picture(page, agent_url, tmp_path):
+    _, console = run_harness(page, agent_url, "harness.html", lambda snap: bool(snap.get("connected")))
+    out = io.BytesIO()
+    ramp = np.linspace(0, 255, 320, dtype=np.uint8)
+    Image.fromarray(np.stack([np.tile(ramp, (240, 1))] * 3, -1)).save(out, "JPEG")
+    url = "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+    # updateHistory appends a system and an assistant message (the SDK sends each as an item);
+    # addImage sends the picture as a user item, answered with the next turn (no response asked).
+    page.evaluate(
+        """(url) => {
+          const s = window.sdk.session;
+          s.updateHistory((h) => [...h,
+            { itemId: "item_sys_1", type: "message", role: "system", content: [{ type: "input_text", text: "Be brief." }] },
+            { itemId: "item_asst_1", type: "message", role: "assistant", status: "completed",
+              content: [{ type: "output_text", text: "Noted." }] }]);
+          s.addImage(url, { triggerResponse: false });
+        }""",
+        url,
+    )
+    # The picture is in the reply to the next spoken turn: a response.done counts its tokens.
+    snap = poll_snapshot(
+        page,
+        lambda snap: any((u or {}).get("input_token_details", {}).get("image_tokens", 0) > 0 for u in snap["usages"]),
+        console,
+    )
+    # (The SDK's history schema has no input_image for a user item, from any server: it keeps
+    # the system and assistant messages, and the turns.)
+    roles = [(i["role"], i["content"]) for i in snap["history"] if i["type"] == "message"]
+    assert ("system", ["input_text"]) in roles and ("assistant", ["output_text"]) in roles, roles
+    assert not console, f"console errors/warnings: {console}"
+
+
+def poll_snapshot(page, until, console: list[str] = ()) -> dict:
+    """Poll the open harness's snapshot until `until(snapshot)` (bounded by CALL_TIMEOUT_S; a
+    client-side error fails at once)."""
+    snap: dict = {}
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while time.monotonic() < deadline:
+        snap = page.evaluate(SNAPSHOT_JS) or {}
+        assert not snap.get("errors"), f"client-side errors: {snap['errors']}"
+        if until(snap):
+            return snap
+        time.sleep(0.3)
+    raise AssertionError(f"after {CALL_TIMEOUT_S} s: {snap}; console: {list(console)}")
 
 
 def test_agents_sdk_tool_is_called_and_the_reply_after_it_heard(page, agent_url):
