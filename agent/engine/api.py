@@ -185,6 +185,9 @@ class ConversationEditing(Protocol):
         """An assistant message item (a replayed conversation), where it is added."""
         ...
 
+    def drop_turn_items(self, session_id: str) -> None:
+        """The turn's text and image items go (another runner answered them)."""
+
     def add_user_image(self, session_id: str, image: Any) -> int:
         """An image of the user's message (RGB uint8 HxWx3): shown with the turn being spoken."""
         ...

@@ -314,8 +314,11 @@ class EngineCore:
     def _begin_reply(self, sid: str, cmd: BeginReply) -> None:
         primary = self.runners[0]
         if cmd.mode == "fallback":
-            # The Omni model skips this turn entirely: that is the point of level 2.
+            # The Omni model skips this turn entirely: that is the point of level 2. Its text and
+            # image items go too (a dropped turn keeps them): the fallback answered them.
             primary.discard_turn(sid)
+            if supports(primary, ConversationEditing):
+                primary.drop_turn_items(sid)
             fallback = self.runners[1]
             if supports(fallback, TakesHistory):
                 fallback.set_history(sid, list(cmd.history))

@@ -1,4 +1,5 @@
-"""User and system messages the client adds (conversation.item.create), into the model's turn.
+"""User, system and assistant messages the client adds (conversation.item.create), into the
+model's context.
 
 A part of the Session, given the engine port, the items port and the fallback's history (which
 keeps the user's words for a model with no context of its own), never the Session. The parts

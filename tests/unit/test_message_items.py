@@ -19,7 +19,8 @@ Pins:
   tokens counted in the reply's stats; a dropped turn's audio goes but its image and text items
   stay for the next turn; a reply cancelled before its prefill ends gives its turn back with
   its image, and with the image sent while it was being made; an image item discards a speculative reply; a ninth image in one turn, and an
-  array that is not RGB uint8, are refused.
+  array that is not RGB uint8, are refused; a turn the fallback model answered (degradation
+  level 2) takes its text and image items with it, where a false start keeps them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from support.engine_drive import SYSTEM, make_audio, run_until_idle, speak
 
 from agent.engine.api import ReplyDone
 from agent.engine.checkpoints.model import encode_images, image_token_counts
+from agent.engine.commands import AddUserImage, AddUserText, Context
+from agent.engine.loop import Engine
 from agent.engine.runner.edits import MAX_TURN_IMAGES
 from agent.engine.runner.scheduler import SchedulerConfig
 from agent.engine.runner.streaming import StreamingRunner
@@ -276,3 +279,67 @@ def test_a_turn_holds_a_bounded_number_of_rgb_images(runner) -> None:
     with pytest.raises(ValueError, match="RGB uint8"):
         runner.add_user_image("t", np.zeros((8, 8, 3), np.float32))
     assert runner.sessions["t"].turn.images == []
+
+
+class QuietFallback:
+    """The fallback runner's place: it records the turns it is asked to answer, and answers none."""
+
+    def __init__(self) -> None:
+        self.begun: list[str] = []
+
+    def open_session(self, sid: str) -> None: ...
+
+    def close_session(self, sid: str) -> None: ...
+
+    def append_audio(self, sid: str, pcm: np.ndarray) -> None: ...
+
+    def discard_turn(self, sid: str) -> None: ...
+
+    def begin_reply(self, sid: str, images: list, text_only: bool = False) -> None:
+        self.begun.append(sid)
+
+    def cancel_reply(self, sid: str) -> None: ...
+
+    def has_work(self) -> bool:
+        return False
+
+    def idle_s(self) -> float:
+        return 0.0
+
+    def step(self) -> list:
+        return []
+
+
+class NoSink:
+    def on_text(self, delta) -> None: ...
+
+    def on_audio(self, audio) -> None: ...
+
+    def on_done(self, done) -> None: ...
+
+
+async def test_a_turn_the_fallback_answered_leaves_no_items_behind(loaded) -> None:
+    built: list[StreamingRunner] = []
+    fallback = QuietFallback()
+
+    def build() -> StreamingRunner:
+        built.append(StreamingRunner(loaded, SYSTEM, max_reply_tokens=6, max_reply_seconds=0.5))
+        return built[0]
+
+    engine = Engine(build, fallback_factory=lambda: fallback)
+    await engine.start()
+    try:
+        await engine.open_session("s", NoSink())
+        await engine.send("s", AddUserText("hi"))
+        await engine.send("s", AddUserImage(picture(6)))
+        engine.begin_reply("s", [], mode="fallback", history=(("user", "hi"),))
+        await engine.send("s", Context())  # (answered behind the begin: the engine keeps order)
+        turn = built[0].sessions["s"].turn
+        assert fallback.begun == ["s"] and turn.text_ids == [] and turn.images == []
+        # A false start, by contrast, keeps them for the next turn.
+        await engine.send("s", AddUserText("again"))
+        engine.discard_turn("s")
+        await engine.send("s", Context())
+        assert built[0].sessions["s"].turn.text_ids
+    finally:
+        await engine.stop()

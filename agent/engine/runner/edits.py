@@ -57,6 +57,12 @@ class ConversationEdits:
         turn.images.append(image)
         return len(turn.images)
 
+    def drop_turn_items(self, session_id: str) -> None:
+        """The turn's text and image items go: the fallback model answered them (a turn
+        discarded otherwise keeps them for the next one: agent/engine/runner/intake.py)."""
+        turn = self.sessions[session_id].turn
+        turn.text_ids, turn.images = [], []
+
     def set_voice(self, session_id: str, voice: str) -> str:
         """The talker speaker of the session's next replies (a reply keeps the one it began with)."""
         self.speculation.drop_speculation(session_id)

@@ -284,6 +284,9 @@ class StreamingRunner:
     def add_assistant_text(self, session_id: str, text: str) -> int:
         return self.edits.add_assistant_text(session_id, text)
 
+    def drop_turn_items(self, session_id: str) -> None:
+        self.edits.drop_turn_items(session_id)
+
     def voices(self) -> Voices:
         return Voices(tuple(sorted(self.talker.voices)), self.talker.default_voice)
 
