@@ -81,10 +81,7 @@ def user_parts(
     audio format; `max_side`: the camera frames' longer side (what detail "low" gets);
     `budget(pixels)`: whether an image of that many pixels may be decoded now (the session's
     bucket, charged when it may)."""
-    if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
-        raise ContentError("a user message's content is a list of parts (objects)", "item.content")
-    if len(content) > MAX_PARTS:
-        raise ContentError(f"a user message holds at most {MAX_PARTS} parts", "item.content")
+    content = _part_list(content, "a user message", "parts (objects)")
     if sum(p.get("type") == "input_image" for p in content) > MAX_IMAGES:
         raise ContentError(f"a user message holds at most {MAX_IMAGES} images", "item.content")
     return [_part(part, f"item.content[{i}]", input_format, max_side, budget) for i, part in enumerate(content)]
@@ -165,41 +162,49 @@ def decode_image(url: Any, side: int, param: str, budget: Callable[[int], bool] 
 
 
 def system_text(content: Any) -> str:
-    """A system message's text: its input_text parts (the only kind GA gives it), joined."""
-    if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
-        raise ContentError("a system message's content is a list of input_text parts", "item.content")
-    if len(content) > MAX_PARTS:
-        raise ContentError(f"a system message holds at most {MAX_PARTS} parts", "item.content")
-    texts = []
-    for i, part in enumerate(content):
-        if part.get("type") not in ("input_text", None):  # (the SDK's type makes it optional)
-            raise ContentError("a system message holds input_text parts only", f"item.content[{i}].type", "unsupported")
-        if not isinstance(part.get("text"), str):
-            raise ContentError("input_text needs text (a string)", f"item.content[{i}].text")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    """A system message's text: its input_text parts (the only kind GA gives it; the SDK's type
+    makes `type` optional), joined."""
+    fields = {"input_text": "text", None: "text"}
+    return _texts(
+        content, "a system message", "input_text parts", fields, "a system message holds input_text parts only"
+    )
 
 
 def assistant_text(content: Any) -> str:
     """An assistant message's text: its output_text parts' text and output_audio parts'
     transcripts (a replayed conversation's words; audio bytes are not taken), joined."""
-    if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
-        raise ContentError("an assistant message's content is a list of output_text parts", "item.content")
-    if len(content) > MAX_PARTS:
-        raise ContentError(f"an assistant message holds at most {MAX_PARTS} parts", "item.content")
+    return _texts(
+        content,
+        "an assistant message",
+        "output_text parts",
+        {"output_text": "text", "output_audio": "transcript"},
+        "an assistant message holds output_text (or output_audio with a transcript) parts",
+    )
+
+
+def _texts(content: Any, message: str, kinds: str, fields: dict[Any, str], only: str) -> str:
+    """The text of each part, by its type's field in `fields` (a type not there: `only`, the
+    error), joined with newlines."""
     texts = []
-    for i, part in enumerate(content):
-        field = {"output_text": "text", "output_audio": "transcript"}.get(part.get("type"))
+    for i, part in enumerate(_part_list(content, message, kinds)):
+        field = fields.get(part.get("type"))
         if field is None:
-            raise ContentError(
-                "an assistant message holds output_text (or output_audio with a transcript) parts",
-                f"item.content[{i}].type",
-                "unsupported",
-            )
+            raise ContentError(only, f"item.content[{i}].type", "unsupported")
         if not isinstance(part.get(field), str):
-            raise ContentError(f"{part['type']} needs {field} (a string)", f"item.content[{i}].{field}")
+            kind = part.get("type") or "input_text"
+            raise ContentError(f"{kind} needs {field} (a string)", f"item.content[{i}].{field}")
         texts.append(part[field])
     return "\n".join(texts)
+
+
+def _part_list(content: Any, message: str, kinds: str) -> list[dict[str, Any]]:
+    """`content` as a message's parts: a list of 1 to MAX_PARTS objects (`message`, e.g. "a
+    user message", and `kinds` name them in the error)."""
+    if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
+        raise ContentError(f"{message}'s content is a list of {kinds}", "item.content")
+    if len(content) > MAX_PARTS:
+        raise ContentError(f"{message} holds at most {MAX_PARTS} parts", "item.content")
+    return content
 
 
 def item_content(parts: list[UserPart]) -> list[dict[str, Any]]:
