@@ -18,6 +18,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from support.idle_runner import IdleRunner
 
 from agent.engine.api import ReplyDone, StageTime, TextDelta
 from agent.engine.checkpoints.tiny_tokenizer import build_tokenizer
@@ -362,35 +363,6 @@ def test_length_cap_and_stop_token(text_model_dir):
     assert done.reason == "length"
 
 
-class IdleOmni:
-    """The Omni runner's place in the Engine: it must never be asked for a fallback reply."""
-
-    def __init__(self) -> None:
-        self.replies = 0
-
-    def open_session(self, sid: str) -> None: ...
-
-    def close_session(self, sid: str) -> None: ...
-
-    def append_audio(self, sid: str, pcm: np.ndarray) -> None: ...
-
-    def discard_turn(self, sid: str) -> None: ...
-
-    def begin_reply(self, sid: str, images: list, text_only: bool = False) -> None:
-        self.replies += 1
-
-    def cancel_reply(self, sid: str) -> None: ...
-
-    def has_work(self) -> bool:
-        return False
-
-    def idle_s(self) -> float:
-        return 0.0
-
-    def step(self) -> list:
-        return []
-
-
 async def test_serves_fallback_replies_inside_the_engine(text_model_dir):
     from agent.engine.loop import Engine
 
@@ -411,7 +383,7 @@ async def test_serves_fallback_replies_inside_the_engine(text_model_dir):
             self.finished.set()
 
     alone = {sid: alone_tokens(text_model_dir, sid, max_reply_tokens=8) for sid in HISTORIES}
-    omni = IdleOmni()
+    omni = IdleRunner()  # the Omni runner's place: it must never be asked for a fallback reply
     engine = Engine(lambda: omni, fallback_factory=lambda: make_runner(text_model_dir, max_reply_tokens=8))
     await engine.start()
     sinks = {sid: Sink() for sid in HISTORIES}
@@ -421,7 +393,7 @@ async def test_serves_fallback_replies_inside_the_engine(text_model_dir):
         engine.begin_reply(sid, [], mode="fallback", history=tuple(HISTORIES[sid]))
     await asyncio.wait_for(asyncio.gather(*(s.finished.wait() for s in sinks.values())), 30)
     await engine.stop()
-    assert omni.replies == 0
+    assert omni.begun == []
     for sid, sink in sinks.items():
         assert len(sink.done) == 1 and sink.done[0].reason in ("stop", "length")
         assert "".join(sink.texts) == sink.done[0].text

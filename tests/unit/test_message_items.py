@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.engine_drive import SYSTEM, make_audio, run_until_idle, speak
+from support.idle_runner import IdleRunner
 
 from agent.engine.api import ReplyDone
 from agent.engine.checkpoints.model import encode_images, image_token_counts
@@ -281,35 +282,6 @@ def test_a_turn_holds_a_bounded_number_of_rgb_images(runner) -> None:
     assert runner.sessions["t"].turn.images == []
 
 
-class QuietFallback:
-    """The fallback runner's place: it records the turns it is asked to answer, and answers none."""
-
-    def __init__(self) -> None:
-        self.begun: list[str] = []
-
-    def open_session(self, sid: str) -> None: ...
-
-    def close_session(self, sid: str) -> None: ...
-
-    def append_audio(self, sid: str, pcm: np.ndarray) -> None: ...
-
-    def discard_turn(self, sid: str) -> None: ...
-
-    def begin_reply(self, sid: str, images: list, text_only: bool = False) -> None:
-        self.begun.append(sid)
-
-    def cancel_reply(self, sid: str) -> None: ...
-
-    def has_work(self) -> bool:
-        return False
-
-    def idle_s(self) -> float:
-        return 0.0
-
-    def step(self) -> list:
-        return []
-
-
 class NoSink:
     def on_text(self, delta) -> None: ...
 
@@ -320,7 +292,7 @@ class NoSink:
 
 async def test_a_turn_the_fallback_answered_leaves_no_items_behind(loaded) -> None:
     built: list[StreamingRunner] = []
-    fallback = QuietFallback()
+    fallback = IdleRunner()
 
     def build() -> StreamingRunner:
         built.append(StreamingRunner(loaded, SYSTEM, max_reply_tokens=6, max_reply_seconds=0.5))
