@@ -90,7 +90,9 @@ def ray_cluster() -> Iterator[Proxies]:
     RAY_SERVE_WORKER_PROXY_HTTP_PORT, read on that node, so both fit on one host."""
     saved = {k: os.environ.get(k) for k in _RAY_ENV}
     os.environ.update(_RAY_ENV)
-    proxies = Proxies(head=free_port(), worker=free_port())
+    head = free_port()
+    worker = next(port for port in iter(free_port, None) if port != head)  # two picks may agree
+    proxies = Proxies(head=head, worker=worker)
     cluster = _start_cluster(proxies)
     try:
         # Ray resolves a loopback address to connect to into this host's outward address (it

@@ -3,15 +3,32 @@ the flags that serve the tiny agent on it."""
 
 from __future__ import annotations
 
+import random
 import socket
 from pathlib import Path
 
+# Below the kernel's ephemeral range (where bind(0) draws) and above Ray's default worker ports
+# (10002-19999): a port from here is given to no process that does not ask for it by number.
+_QUIET_LOW = 20000
+_TRIES = 200
+
 
 def free_port() -> int:
-    """A port nothing listens on now (the OS picks it; a test binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, from below the kernel's ephemeral range. The
+    server that takes it binds it seconds later (an agent loads its model first; Serve starts a
+    Ray cluster), and a port bind(0) drew could be drawn by any process's bind(0) in between:
+    Ray's workers took a Serve proxy's port so (CI, 2026-12-06: "Failed to bind to address")."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    ports = range(_QUIET_LOW, ephemeral_low)
+    for port in random.sample(ports, min(_TRIES, len(ports))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {_QUIET_LOW}-{ephemeral_low - 1}")
 
 
 # The degradation ladder acts on this machine's speed (the P95 of first-response latency): on
