@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
@@ -34,6 +36,7 @@ from agent.transport.http import (
     ADMISSION,
     CALL_RATE,
     CONFIG,
+    DECODE_POOL,
     DRAINING,
     ENGINE,
     ENGINE_START,
@@ -242,6 +245,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app[ADMISSION] = admission = Admission.from_config(config)
     app[CALL_RATE] = CallRate(config.max_calls_per_minute)
     app[DRAINING] = asyncio.Event()
+    # Half the cores at most: the engine thread and the loop need theirs while pictures decode.
+    app[DECODE_POOL] = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="decode")
     app.router.add_get("/", index)
     captions_http.install(app)  # the caption book, the WebVTT and latest-call routes
     app.router.add_post("/v1/realtime/calls", captions_http.recorded(create_call))
@@ -270,6 +275,7 @@ def create_app(config: Config, engine: Engine) -> web.Application:
         for connection in list(app[SESSIONS].values()):
             await connection.close()
         await engine.stop()
+        app[DECODE_POOL].shutdown(wait=False, cancel_futures=True)
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)

@@ -11,13 +11,15 @@ logged at debug level (type and top-level keys, never audio), to see what real c
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from agent import metrics
 from agent.engine.api import EngineBusy
@@ -25,6 +27,7 @@ from agent.gate.token_bucket import TokenBucket
 from agent.realtime import audio_codec, message_content, session_checks, session_config, tool_config
 from agent.realtime.call_outputs import UnknownCall
 from agent.realtime.events import new_id
+from agent.realtime.inbox import Later
 
 if TYPE_CHECKING:
     from agent.realtime.session import Session
@@ -103,12 +106,35 @@ def handle(session: "Session", message: str | bytes) -> None:
         return
     if kind != "input_audio_buffer.append":
         log.debug("session %s: %s %s", session.id, kind, sorted(k for k in event if k not in ("type", "event_id")))
+    if not session.inbox.put(lambda: _dispatch(session, kind, event, event_id), len(message)):
+        session.emit_error(
+            f"{kind} dropped: too many client events wait behind one still being decoded", "rate_limited"
+        )
+
+
+def _dispatch(session: "Session", kind: str, event: dict[str, Any], event_id: Optional[str]) -> Optional[Later]:
+    """Handle one event, in its turn (agent/realtime/inbox.py): its error reported here; what
+    its handler leaves for later, reported when it runs."""
     handler = _HANDLERS.get(kind)
     if handler is None:
         session.emit_error(f"unknown client event type {kind!r}", "unknown_event", param="type", event_id=event_id)
-        return
+        return None
+    with _reported(session, kind, event_id):
+        later = handler(session, event)
+        return None if later is None else _finish(session, kind, event_id, later)
+    return None  # reported
+
+
+async def _finish(session: "Session", kind: str, event_id: Optional[str], later: Later) -> None:
+    with _reported(session, kind, event_id):
+        await later
+
+
+@contextlib.contextmanager
+def _reported(session: "Session", kind: str, event_id: Optional[str]) -> Iterator[None]:
+    """An event's failure as the client's `error` event; the session goes on."""
     try:
-        handler(session, event)
+        yield
     except BadEvent as exc:
         session.emit_error(str(exc), exc.code, param=exc.param, event_id=event_id)
     except session_config.ConfigError as exc:
@@ -154,15 +180,49 @@ def _session_update(session: "Session", event: dict[str, Any]) -> None:
     session.apply_settings(merged)
 
 
-def _append(session: "Session", event: dict[str, Any]) -> None:
+def _append(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     audio = event.get("audio")
     if not isinstance(audio, str) or len(audio) > _MAX_APPEND_BYTES * 4 // 3 + 4:
         raise BadEvent("audio must be a base64 string (at most 15 MiB of audio)", param="audio")
+    fmt = session.settings["audio"]["input"]["format"]["type"]
+    if len(audio) <= _slice_bytes(fmt) * 4 // 3:  # what a client streams: at once
+        _push(session, fmt, _base64_audio(audio))
+        return None
+    return _append_slices(session, fmt, audio)
+
+
+# A long append goes in slices, the loop yielded between them: each slice's voice detection is
+# ~2 ms, where a whole 15 MiB append's is seconds that every session's audio would wait for.
+_SLICE_S = 0.5
+_BASE64_SLICE = 1 << 20  # characters decoded at a time (a multiple of 4): ~1.5 ms
+
+
+def _slice_bytes(fmt: str) -> int:
+    """Bytes of `_SLICE_S` of audio (whole samples)."""
+    return int(audio_codec.RATES[fmt] * _SLICE_S) * (2 if fmt == "audio/pcm" else 1)
+
+
+async def _append_slices(session: "Session", fmt: str, audio: str) -> None:
+    pieces = []  # all decoded before any is pushed: a bad character refuses the whole append
+    for start in range(0, len(audio), _BASE64_SLICE):
+        pieces.append(_base64_audio(audio[start : start + _BASE64_SLICE]))
+        await asyncio.sleep(0)
+    if fmt == "audio/pcm" and sum(map(len, pieces)) % 2:
+        raise BadEvent("audio/pcm is 16-bit samples: an even number of bytes", param="audio")
+    data, step = b"".join(pieces), _slice_bytes(fmt)
+    for start in range(0, len(data), step):
+        _push(session, fmt, data[start : start + step])
+        await asyncio.sleep(0)
+
+
+def _base64_audio(audio: str) -> bytes:
     try:
-        data = base64.b64decode(audio, validate=True)
+        return base64.b64decode(audio, validate=True)
     except (binascii.Error, ValueError):
         raise BadEvent("audio is not valid base64", param="audio") from None
-    fmt = session.settings["audio"]["input"]["format"]["type"]
+
+
+def _push(session: "Session", fmt: str, data: bytes) -> None:
     if fmt == "audio/pcm" and len(data) % 2:
         raise BadEvent("audio/pcm is 16-bit samples: an even number of bytes", param="audio")
     if data:
@@ -177,7 +237,7 @@ def _clear(session: "Session", event: dict[str, Any]) -> None:
     session.clear_audio()
 
 
-def _item_create(session: "Session", event: dict[str, Any]) -> None:
+def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     item = event.get("item")
     if not isinstance(item, dict):
         raise BadEvent("item must be an object", "missing_required_parameter", "item")
@@ -188,7 +248,7 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
         raise BadEvent("items can only be added at the end of the conversation", "unsupported", "previous_item_id")
     if item.get("type") == "function_call_output":
         _call_output(session, item, event)
-        return
+        return None
     if item.get("type") != "message" or item.get("role") not in ("user", "system", "assistant"):
         raise BadEvent(
             "only messages and function_call_output items can be added (no function_call items)",
@@ -199,23 +259,33 @@ def _item_create(session: "Session", event: dict[str, Any]) -> None:
     if item_id in session.conversation:
         raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
     fmt = session.settings["audio"]["input"]["format"]["type"]
-    try:  # every part decoded first: a bad one refuses the whole message
+    try:  # every part checked first: a bad one refuses the whole message
         if item["role"] == "system":
-            text = message_content.system_text(item.get("content"))
+            session.messages.add_system(item_id, message_content.system_text(item.get("content")), _event_id(event))
         elif item["role"] == "assistant":
-            text = message_content.assistant_text(item.get("content"))
-        else:
-            parts = message_content.user_parts(
-                item.get("content"), fmt, session.config.video_max_side, session.image_pixels.allow
+            session.messages.add_assistant(
+                item_id, message_content.assistant_text(item.get("content")), _event_id(event)
             )
+        elif message_content.needs_decoding(item.get("content")):
+            return _add_decoded(session, item_id, item["content"], fmt, _event_id(event))
+        else:
+            parts = message_content.user_parts(item.get("content"), fmt, session.config.video_max_side)
+            session.messages.add_user(item_id, parts, _event_id(event))
     except message_content.ContentError as exc:
         raise BadEvent(str(exc), exc.code, exc.param) from None
-    if item["role"] == "system":
-        session.messages.add_system(item_id, text, _event_id(event))
-    elif item["role"] == "assistant":
-        session.messages.add_assistant(item_id, text, _event_id(event))
-    else:
-        session.messages.add_user(item_id, parts, _event_id(event))
+    return None
+
+
+async def _add_decoded(session: "Session", item_id: str, content: list[Any], fmt: str, event_id: Optional[str]) -> None:
+    """A user message with audio or images: decoded on the pool, the loop free meanwhile."""
+    inbox, side = session.inbox, session.config.video_max_side
+    try:
+        parts = await inbox.run(message_content.user_parts, content, fmt, side, inbox.pixels.allow)
+    except message_content.ContentError as exc:
+        raise BadEvent(str(exc), exc.code, exc.param) from None
+    if item_id in session.conversation:  # the model's items are added meanwhile; ids are the client's
+        raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
+    session.messages.add_user(item_id, parts, event_id)
 
 
 def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:
@@ -310,7 +380,7 @@ def _output_clear(session: "Session", event: dict[str, Any]) -> None:
     session.replies.clear_output()
 
 
-_HANDLERS: dict[str, Callable[["Session", dict[str, Any]], None]] = {
+_HANDLERS: dict[str, Callable[["Session", dict[str, Any]], Optional[Later]]] = {
     "session.update": _session_update,
     "input_audio_buffer.append": _append,
     "input_audio_buffer.commit": _commit,

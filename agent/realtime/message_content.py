@@ -14,8 +14,10 @@ Where the parts go in the model's user turn: audio joins the turn's audio (as if
 are shown after the audio and the camera's frames, text closes the message (the engine's order,
 agent/engine/stages/reply_prefill.py), whatever their order in the item.
 
-Images are decoded here, on the loop: a data URL within the event size limit decodes in tens of
-milliseconds (a JPEG at a reduced scale, straight from its DCT), and the sides are brought to what
+A message with audio or images is decoded on the server's decode pool, not on the loop (the
+session's later events wait for it: agent/realtime/inbox.py); nothing here touches what the loop
+owns. A data URL within the event size limit decodes in tens of milliseconds (a JPEG at a
+reduced scale, straight from its DCT), and the sides are brought to what
 the vision encoder is given: `detail` "low" to the camera frames' longer side
 (Config.video_max_side, 448: ~200 vision tokens), "high" and "auto" to twice that. The agent
 fetches no URL: a model server that dereferences client URLs is a way into the network it sits on.
@@ -38,12 +40,14 @@ MAX_PARTS = 16  # content parts in one message
 MAX_IMAGES = 4  # input_image parts in one message (the engine shows at most 8 a turn)
 MAX_SOURCE_PIXELS = 3840 * 2160  # 4K: a larger image is refused before it is decoded
 MAX_ASPECT = 150  # the vision processor refuses 200:1 and beyond
-# Decoding runs on the loop, so what one session may have decoded is bounded (a token bucket of
-# pixels, the session's): a 1080p picture's worth a second, in bursts of two 4K ones. A PNG
-# decodes at 10-20 ms a megapixel on one core: at most a few tens of ms a second per session.
+# What one session may have decoded is bounded (a token bucket of pixels, its inbox's): a 1080p
+# picture's worth a second, in bursts of two 4K ones. A PNG decodes at 10-20 ms a megapixel on
+# one core: at most a few tens of ms a second of a pool thread per session, so one session's
+# pictures neither starve the others' nor take the engine's core.
 PIXELS_PER_S = 1920 * 1080
 PIXELS_BURST = 2 * MAX_SOURCE_PIXELS
 DETAILS = ("auto", "low", "high")
+_BASE64_SLICE = 1 << 20  # characters (a multiple of 4)
 _DATA_URL = re.compile(r"data:image/(png|jpeg|jpg)(?:;[^,;]*)*;base64,", re.IGNORECASE)
 
 
@@ -87,6 +91,13 @@ def user_parts(
     return [_part(part, f"item.content[{i}]", input_format, max_side, budget) for i, part in enumerate(content)]
 
 
+def needs_decoding(content: Any) -> bool:
+    """Whether a user message's parts hold audio or images (decoded off the loop)."""
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") in ("input_audio", "input_image") for part in content
+    )
+
+
 def _part(
     part: dict[str, Any], where: str, input_format: str, max_side: int, budget: Callable[[int], bool]
 ) -> UserPart:
@@ -116,8 +127,11 @@ def _part(
 def _base64(value: Any, param: str, what: str) -> bytes:
     if not isinstance(value, str) or not value:
         raise ContentError(f"{what} must be a base64 string", param)
-    try:
-        return base64.b64decode(value, validate=True)
+    try:  # in slices: binascii holds the GIL, so the loop's thread waits at most a slice's ~1.5 ms
+        pieces = [
+            base64.b64decode(value[i : i + _BASE64_SLICE], validate=True) for i in range(0, len(value), _BASE64_SLICE)
+        ]
+        return b"".join(pieces)
     except (binascii.Error, ValueError):
         raise ContentError(f"{what} is not valid base64", param) from None
 

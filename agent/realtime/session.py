@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Executor
 from typing import Any, Awaitable, Callable, Optional
 
 import av
@@ -38,15 +39,15 @@ from agent.engine.commands import (
 from agent.engine.loop import Engine
 from agent.gate import priority
 from agent.gate.ladder import LEVEL_NAMES, Admission
-from agent.gate.token_bucket import TokenBucket
 from agent.media.playout import AgentAudioTrack
 from agent.media.video_feed import VideoFeed
-from agent.realtime import client_events, message_content, session_config, tool_config
+from agent.realtime import client_events, session_config, tool_config
 from agent.realtime.call_outputs import CallOutputs
 from agent.realtime.conversation import Conversation
 from agent.realtime.edits import Edits
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.events import new_id
+from agent.realtime.inbox import Inbox
 from agent.realtime.input_buffer import InputBuffer
 from agent.realtime.input_transcription import InputTranscription
 from agent.realtime.items import Items
@@ -68,6 +69,7 @@ class Session:
         on_closed: Callable[["Session"], None],
         webrtc: bool,
         settings: Optional[dict[str, Any]] = None,
+        decode_pool: Optional[Executor] = None,
     ) -> None:
         self.id = new_id("sess")
         self.config, self.admission = config, admission
@@ -134,8 +136,7 @@ class Session:
         self._closed = False
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
         self.events_in = client_events.EventRate(config.max_events_per_s)  # client events' rate limit
-        # Image pixels its messages may have decoded on the loop (agent/realtime/message_content.py).
-        self.image_pixels = TokenBucket(message_content.PIXELS_PER_S, message_content.PIXELS_BURST)
+        self.inbox = Inbox(decode_pool)  # client events in order; heavy ones sliced or pooled
         self.opened: Optional[asyncio.Future] = None  # start(): the engine's open of this session
 
     @property
@@ -194,6 +195,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        self.inbox.close()
         # Unanswered engine commands are cancelled (their callbacks see that and leave), then the
         # engine closes the session.
         self.engine.close()

@@ -24,6 +24,7 @@ from agent.transport.consent import install_consent_freshness
 from agent.transport.http import (
     ADMISSION,
     CONFIG,
+    DECODE_POOL,
     ENGINE,
     SESSIONS,
     forget,
@@ -136,7 +137,9 @@ async def create_call(request: web.Request) -> web.Response:
     if loopback_only(config.ice_hosts):
         sdp = keep_loopback_candidates(sdp)
     pc = _peer_connection(config)
-    call = RtcCall(config, app[ENGINE], app[ADMISSION], pc, settings, on_closed=lambda c: forget(app, c.id))
+    call = RtcCall(
+        config, app[ENGINE], app[ADMISSION], pc, settings, lambda c: forget(app, c.id), decode_pool=app[DECODE_POOL]
+    )
     try:
         await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
     except Exception as exc:  # what aiortc raises on an offer it cannot take is input-dependent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from aiohttp import web
@@ -23,6 +24,8 @@ KEYS: web.AppKey[KeyStore] = web.AppKey("keys", KeyStore)
 ENGINE_START: web.AppKey[asyncio.Future] = web.AppKey("engine_start", asyncio.Future)
 LADDER_TICK: web.AppKey[asyncio.Future] = web.AppKey("ladder_tick", asyncio.Future)
 CALL_RATE: web.AppKey[CallRate] = web.AppKey("call_rate", CallRate)
+# Decoding that would hold the loop (a message's images and audio): agent/realtime/inbox.py.
+DECODE_POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("decode_pool", ThreadPoolExecutor)
 # Set once on SIGTERM/Ctrl-C (agent/__main__.py): new calls get 503 while replies finish.
 DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining", asyncio.Event)
 GRANT: web.RequestKey[Grant] = web.RequestKey("grant", Grant)  # what the auth middleware found

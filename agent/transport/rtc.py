@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import Executor
 from typing import Any, Callable, Optional
 
 from aiortc import RTCDataChannel, RTCPeerConnection
@@ -41,6 +42,7 @@ class RtcCall:
         pc: RTCPeerConnection,
         settings: dict[str, Any],
         on_closed: Callable[["RtcCall"], None],
+        decode_pool: Optional[Executor] = None,
     ) -> None:
         self.id = call_id(config.call_id_prefix, new_id("rtc"))
         # Set when the offer's answer is returned: until then a replica counts the call as an
@@ -61,6 +63,7 @@ class RtcCall:
             on_closed=lambda _s: on_closed(self),
             webrtc=True,
             settings=settings,
+            decode_pool=decode_pool,
         )
         self.session.on_close.append(self._teardown)
         pc.on("track", self._on_track)

@@ -21,6 +21,7 @@ from agent.realtime.session import Session
 from agent.transport.http import (
     ADMISSION,
     CONFIG,
+    DECODE_POOL,
     ENGINE,
     SESSIONS,
     forget,
@@ -111,6 +112,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         webrtc=False,
         settings=settings,
         on_closed=lambda s: forget(app, s.id),
+        decode_pool=app[DECODE_POOL],
     )
     conn.session = session
     session.on_close.append(conn.finish)
@@ -131,6 +133,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:
                 client_events.handle(session, msg.data)
+                await session.inbox.idle()  # read on once a slow event is done: TCP slows the client
             elif msg.type == WSMsgType.BINARY:
                 session.emit_error("send client events as JSON text frames", "invalid_event")
             if conn.overflowed:
@@ -162,6 +165,7 @@ async def _sideband(request: web.Request) -> web.StreamResponse:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:
                 client_events.handle(session, msg.data)
+                await session.inbox.idle()
     finally:
         session.outbox.unsubscribe(q)
         task.cancel()

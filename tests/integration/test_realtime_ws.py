@@ -8,10 +8,11 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
 - a spoken WAV streamed as 24 kHz pcm16 in real time gets speech_started → speech_stopped →
   committed → response.created → transcript deltas and non-silent output_audio deltas →
   response.done with usage, ids consistent across the response's events;
-- a manual turn (turn_detection null: commit + response.create), a text turn with a picture
-  (one message of input_text and input_image: the usage counts image tokens) and an audio
-  item (conversation.item.create, with per-response instructions) are answered; an empty
-  commit is an error;
+- a manual turn (turn_detection null: the audio in one append, the commit right behind it, then
+  response.create), a text turn with a picture (one message of input_text and input_image: the
+  usage counts image tokens) and an audio item (conversation.item.create with response.create
+  right behind it, with per-response instructions: the item is added first, its audio counted)
+  are answered; an empty commit is an error;
 - response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works;
 - a bad event gets `error` naming its event_id (and the field) and the connection goes on;
 - truncating the latest reply answers conversation.item.truncated and shortens its transcript;
@@ -165,8 +166,9 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_empty")
         assert err["error"]["code"] == "input_audio_buffer_commit_empty"
         pcm = pcm24(speech_wav)
-        for at in range(0, len(pcm), 4800):  # as fast as the socket goes: no VAD to pace
-            await conn.input_audio_buffer.append(audio=b64(pcm[at : at + 4800]))
+        # All of it in one append (pushed in slices: agent/realtime/inbox.py), the commit right
+        # behind it: the commit waits for the append and takes all its audio.
+        await conn.input_audio_buffer.append(audio=b64(pcm))
         await conn.input_audio_buffer.commit()
         committed = await ev.wait("input_audio_buffer.committed", 10)
         await asyncio.sleep(0.5)
@@ -206,10 +208,13 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         await conn.conversation.item.create(
             item={"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": b64(pcm)}]}
         )
-        added = await ev.wait("conversation.item.added", 10, after=mark)
-        assert added["item"]["content"][0]["type"] == "input_audio"
+        # response.create sent right behind it: it waits for the item's decoding (off the loop).
         await conn.response.create(response={"output_modalities": ["text"], "instructions": "One word only."})
         done = await ev.wait("response.done", 90, after=mark)
+        kinds = [e["type"] for e in ev.all[mark:]]
+        assert kinds.index("conversation.item.added") < kinds.index("response.created"), kinds
+        added = ev.all[mark + kinds.index("conversation.item.added")]
+        assert added["item"]["content"][0]["type"] == "input_audio"
         assert not [e for e in ev.all[mark:] if e["type"] == "error"]
         assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
 

@@ -1,0 +1,249 @@
+"""A session's client events run one at a time in arrival order, and heavy ones leave the loop
+free (agent/realtime/inbox.py, agent/realtime/client_events.py).
+
+Pins:
+- a long input_audio_buffer.append is pushed in slices with the loop yielded between them (other
+  work runs meanwhile: counted, where handling it whole ran nothing until it was done), and a
+  commit sent right behind it commits all of its audio, none lost or reordered;
+- a long append with a bad base64 character near its end is refused whole (param `audio`, its
+  event_id) and pushes nothing; an odd pcm16 byte count too;
+- a user message with an image is decoded on the decode pool's thread, not the loop's, while the
+  loop runs on; the item is added before the events sent behind it are handled (a
+  response.create right after an image sees it: the engine is told in that order); a bad image
+  is refused with its part's param, the next events handled as usual;
+- a text-only message, and a short append, are handled at once (nothing waits);
+- the events waiting behind a slow one are bounded: past MAX_WAITING the next is refused (False),
+  and once the slow one is done they run in order;
+- closing the session stops the work under way and drops what waits: nothing more reaches the
+  engine, no error is reported and no coroutine is left unawaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from agent.config import Config
+from agent.engine.commands import AddUserImage, AddUserText, SessionCommand
+from agent.gate.ladder import Admission
+from agent.realtime import client_events, inbox, message_content
+from agent.realtime.session import Session
+from agent.realtime.session_config import default_session
+
+
+class RecordingEngine:
+    """Takes what the session sends and answers at once; records which thread decoded what."""
+
+    has_fallback = False
+
+    def __init__(self) -> None:
+        self.commands: list[SessionCommand] = []
+        self.audio_samples = 0
+        self.closed: list[str] = []
+
+    def send(self, sid: str, command: SessionCommand) -> asyncio.Future:
+        self.commands.append(command)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+    def append_audio(self, sid: str, pcm: np.ndarray) -> None:
+        self.audio_samples += len(pcm)
+
+    def close_session(self, sid: str) -> None:
+        self.closed.append(sid)
+
+
+def _session(pool: ThreadPoolExecutor | None = None) -> tuple[Session, RecordingEngine, list[dict[str, Any]]]:
+    """A WebSocket session with turn detection off (manual commits), its events collected."""
+    config = Config()
+    settings = default_session(config)
+    settings["audio"]["input"]["turn_detection"] = None
+    engine = RecordingEngine()
+    sent: list[dict[str, Any]] = []
+    session = Session(
+        config,
+        engine,  # type: ignore[arg-type]
+        Admission.from_config(config),
+        send=lambda text: sent.append(json.loads(text)),
+        on_closed=lambda _: None,
+        webrtc=False,
+        settings=settings,
+        decode_pool=pool,
+    )
+    return session, engine, sent
+
+
+def _send(session: Session, event: dict[str, Any]) -> None:
+    client_events.handle(session, json.dumps(event))
+
+
+def _errors(sent: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e["error"] for e in sent if e["type"] == "error"]
+
+
+def _pcm(seconds: float) -> bytes:
+    t = np.arange(int(24_000 * seconds)) / 24_000
+    return (np.sin(2 * np.pi * 220 * t) * 8000).astype("<i2").tobytes()
+
+
+async def _ticks_until_idle(session: Session) -> int:
+    """How many times other work ran on the loop until the session's inbox was idle."""
+    ticks = 0
+    while session.inbox.busy:
+        ticks += 1
+        await asyncio.sleep(0)
+    return ticks
+
+
+def _png(side: int) -> str:
+    out = io.BytesIO()
+    noise = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+async def test_a_long_append_yields_the_loop_and_a_commit_behind_it_takes_all_its_audio() -> None:
+    session, engine, sent = _session()
+    seconds = 20.0  # under Config.max_turn_seconds, all of which a manual turn keeps
+    _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(seconds)).decode()})
+    _send(session, {"type": "input_audio_buffer.commit", "event_id": "c1"})
+    assert session.inbox.busy and engine.audio_samples == 0, "the commit waits behind the append"
+    ticks = await _ticks_until_idle(session)
+    # 0.5 s slices: the loop ran other work between each of the 40 (none when handled whole).
+    assert ticks >= seconds / client_events._SLICE_S - 1, ticks
+    assert _errors(sent) == []
+    assert [e["type"] for e in sent if e["type"].startswith("input_audio_buffer")] == ["input_audio_buffer.committed"]
+    # 20 s at 16 kHz, give or take the resampler's last partial chunk.
+    assert abs(engine.audio_samples - seconds * 16_000) <= 16_000 * 0.08, engine.audio_samples
+    await session.close()
+
+
+@pytest.mark.parametrize("fault", ["bad character", "odd bytes"])
+async def test_a_long_append_with_a_fault_is_refused_whole(fault: str) -> None:
+    session, engine, sent = _session()
+    pcm = _pcm(30.0)
+    if fault == "odd bytes":
+        pcm += b"\x00"
+    audio = base64.b64encode(pcm).decode()
+    if fault == "bad character":
+        audio = audio[:-10] + "!" + audio[-9:]
+    _send(session, {"type": "input_audio_buffer.append", "event_id": "a1", "audio": audio})
+    await session.inbox.idle()
+    [error] = _errors(sent)
+    assert (error["param"], error["event_id"]) == ("audio", "a1"), error
+    assert session.input.buffered_ms() == 0, "nothing of it was pushed"
+    await session.close()
+
+
+async def test_an_image_decodes_off_the_loop_and_what_follows_sees_it() -> None:
+    decoded_on: list[str] = []
+    real_decode = message_content.decode_image
+
+    def recording_decode(*args: Any, **kwargs: Any) -> np.ndarray:
+        decoded_on.append(threading.current_thread().name)
+        return real_decode(*args, **kwargs)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="decode") as pool:
+        session, engine, sent = _session(pool)
+        message_content.decode_image = recording_decode  # type: ignore[assignment]
+        try:
+            image = {"type": "input_image", "image_url": _png(1024)}
+            text = {"type": "input_text", "text": "what is this?"}
+            _send(session, {"type": "conversation.item.create", "item": _user([text, image])})
+            _send(session, {"type": "conversation.item.create", "item": _user([{"type": "input_text", "text": "!"}])})
+            assert session.inbox.busy and engine.commands == [], "the second message waits for the first"
+            ticks = await _ticks_until_idle(session)
+        finally:
+            message_content.decode_image = real_decode  # type: ignore[assignment]
+        assert decoded_on and decoded_on[0].startswith("decode"), decoded_on
+        assert ticks > 0
+        assert _errors(sent) == []
+        kinds = [type(c) for c in engine.commands if isinstance(c, (AddUserImage, AddUserText))]
+        assert kinds == [AddUserImage, AddUserText, AddUserText], engine.commands
+        added = [e["item"]["content"] for e in sent if e["type"] == "conversation.item.added"]
+        assert [len(c) for c in added] == [2, 1]
+
+        # A bad image is refused with its part's param; what follows is handled as usual.
+        bad = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+        _send(session, {"type": "conversation.item.create", "event_id": "i2", "item": _user([text, bad])})
+        _send(session, {"type": "conversation.item.create", "item": _user([text])})
+        await session.inbox.idle()
+        [error] = _errors(sent)
+        assert (error["param"], error["event_id"]) == ("item.content[1].image_url", "i2"), error
+        assert len([e for e in sent if e["type"] == "conversation.item.added"]) == 3
+        await session.close()
+
+
+def _user(content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": content}
+
+
+async def test_text_messages_and_short_appends_are_handled_at_once() -> None:
+    session, engine, sent = _session()
+    _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(0.2)).decode()})
+    assert not session.inbox.busy and session.input.buffered_ms() > 0
+    _send(session, {"type": "conversation.item.create", "item": _user([{"type": "input_text", "text": "hi"}])})
+    assert not session.inbox.busy and [type(c) for c in engine.commands] == [AddUserText]
+    await session.close()
+
+
+async def test_waiting_is_bounded_and_runs_in_order() -> None:
+    box = inbox.Inbox()
+    release = asyncio.Event()
+    ran: list[int] = []
+
+    async def slow() -> None:
+        await release.wait()
+        ran.append(-1)
+
+    assert box.put(lambda: slow(), 10)
+    for i in range(inbox.MAX_WAITING):
+        assert box.put(lambda i=i: ran.append(i), 10)  # type: ignore[func-returns-value]
+    assert not box.put(lambda: ran.append(999), 10), "one past the bound is refused"  # type: ignore[func-returns-value]
+    assert ran == []
+    release.set()
+    await box.idle()
+    assert ran == [-1, *range(inbox.MAX_WAITING)]
+    assert box.put(lambda: ran.append(1000), 10) and ran[-1] == 1000, "idle again: at once"  # type: ignore[func-returns-value]
+
+
+async def test_closing_stops_the_work_and_drops_what_waits() -> None:
+    session, engine, sent = _session()
+    _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(120.0)).decode()})
+    _send(session, {"type": "input_audio_buffer.commit"})
+    await asyncio.sleep(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a coroutine never awaited warns
+        await session.close()
+        await asyncio.sleep(0.05)
+    assert not session.inbox.busy
+    assert engine.audio_samples == 0 and _errors(sent) == []
+
+
+async def test_a_slow_first_event_closed_before_it_ran_leaves_no_coroutine_behind() -> None:
+    box = inbox.Inbox()
+
+    async def never() -> None:
+        raise AssertionError("it must not run")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert box.put(lambda: never(), 1)
+        box.close()
+        await asyncio.sleep(0.01)
+        import gc
+
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+    assert not box.busy
