@@ -107,8 +107,11 @@ def handle(session: "Session", message: str | bytes) -> None:
     if kind != "input_audio_buffer.append":
         log.debug("session %s: %s %s", session.id, kind, sorted(k for k in event if k not in ("type", "event_id")))
     if not session.inbox.put(lambda: _dispatch(session, kind, event, event_id), len(message)):
+        metrics.ERRORS.labels(where="event_backlog").inc()
         session.emit_error(
-            f"{kind} dropped: too many client events wait behind one still being decoded", "rate_limited"
+            f"{kind} dropped: too many client events wait behind one still being handled",
+            "rate_limited",
+            event_id=event_id,
         )
 
 
@@ -121,13 +124,13 @@ def _dispatch(session: "Session", kind: str, event: dict[str, Any], event_id: Op
         return None
     with _reported(session, kind, event_id):
         later = handler(session, event)
-        return None if later is None else _finish(session, kind, event_id, later)
+        return None if later is None else lambda: _finish(session, kind, event_id, later)
     return None  # reported
 
 
 async def _finish(session: "Session", kind: str, event_id: Optional[str], later: Later) -> None:
     with _reported(session, kind, event_id):
-        await later
+        await later()
 
 
 @contextlib.contextmanager
@@ -188,7 +191,7 @@ def _append(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     if len(audio) <= _slice_bytes(fmt) * 4 // 3:  # what a client streams: at once
         _push(session, fmt, _base64_audio(audio))
         return None
-    return _append_slices(session, fmt, audio)
+    return lambda: _append_slices(session, fmt, audio)
 
 
 # A long append goes in slices, the loop yielded between them: each slice's voice detection is
@@ -205,7 +208,10 @@ def _slice_bytes(fmt: str) -> int:
 async def _append_slices(session: "Session", fmt: str, audio: str) -> None:
     pieces = []  # all decoded before any is pushed: a bad character refuses the whole append
     for start in range(0, len(audio), _BASE64_SLICE):
-        pieces.append(_base64_audio(audio[start : start + _BASE64_SLICE]))
+        piece = audio[start : start + _BASE64_SLICE]
+        if "=" in piece and start + _BASE64_SLICE < len(audio):  # padding in a slice but the last
+            raise BadEvent("audio is not valid base64", param="audio")
+        pieces.append(_base64_audio(piece))
         await asyncio.sleep(0)
     if fmt == "audio/pcm" and sum(map(len, pieces)) % 2:
         raise BadEvent("audio/pcm is 16-bit samples: an even number of bytes", param="audio")
@@ -242,10 +248,7 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     if not isinstance(item, dict):
         raise BadEvent("item must be an object", "missing_required_parameter", "item")
     previous = event.get("previous_item_id")
-    last = session.conversation.last_id()
-    # "root" asks for the beginning (LiveKit sends it for the first item): the end while empty.
-    if previous is not None and previous != last and not (previous == "root" and last is None):
-        raise BadEvent("items can only be added at the end of the conversation", "unsupported", "previous_item_id")
+    _check_at_end(session, previous)
     if item.get("type") == "function_call_output":
         _call_output(session, item, event)
         return None
@@ -267,7 +270,8 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
                 item_id, message_content.assistant_text(item.get("content")), _event_id(event)
             )
         elif message_content.needs_decoding(item.get("content")):
-            return _add_decoded(session, item_id, item["content"], fmt, _event_id(event))
+            content, event_id = item["content"], _event_id(event)
+            return lambda: _add_decoded(session, item_id, content, fmt, previous, event_id)
         else:
             parts = message_content.user_parts(item.get("content"), fmt, session.config.video_max_side)
             session.messages.add_user(item_id, parts, _event_id(event))
@@ -276,16 +280,29 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     return None
 
 
-async def _add_decoded(session: "Session", item_id: str, content: list[Any], fmt: str, event_id: Optional[str]) -> None:
+async def _add_decoded(
+    session: "Session", item_id: str, content: list[Any], fmt: str, previous: Any, event_id: Optional[str]
+) -> None:
     """A user message with audio or images: decoded on the pool, the loop free meanwhile."""
     inbox, side = session.inbox, session.config.video_max_side
     try:
         parts = await inbox.run(message_content.user_parts, content, fmt, side, inbox.pixels.allow)
     except message_content.ContentError as exc:
         raise BadEvent(str(exc), exc.code, exc.param) from None
-    if item_id in session.conversation:  # the model's items are added meanwhile; ids are the client's
+    # Meanwhile the model may have added items (a reply, a turn the server VAD heard): checked
+    # again, so the item goes where the client said or is refused.
+    _check_at_end(session, previous)
+    if item_id in session.conversation:
         raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
     session.messages.add_user(item_id, parts, event_id)
+
+
+def _check_at_end(session: "Session", previous: Any) -> None:
+    """`previous_item_id` names the conversation's last item (or is left out)."""
+    last = session.conversation.last_id()
+    # "root" asks for the beginning (LiveKit sends it for the first item): the end while empty.
+    if previous is not None and previous != last and not (previous == "root" and last is None):
+        raise BadEvent("items can only be added at the end of the conversation", "unsupported", "previous_item_id")
 
 
 def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:

@@ -28,7 +28,9 @@ from agent.realtime.message_content import PIXELS_BURST, PIXELS_PER_S
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Later = Coroutine[Any, Any, None]
+# The rest of an event's handling, made only when its turn comes (so a session closed before
+# then leaves no coroutine behind, unawaited).
+Later = Callable[[], Coroutine[Any, Any, None]]
 Step = Callable[[], Optional[Later]]  # handles one event: None when done, or the rest to await
 
 MAX_WAITING = 256  # events behind a slow one (the data channel sends at most 256 KiB each)
@@ -58,13 +60,10 @@ class Inbox:
         """Handle an event now, or after those before it; False when too many wait (refused)."""
         if self._closed:
             return True  # a closed session drops what still comes, as it always has
-        if self._task is None:
-            later = step()
+        if self._task is None and not self._waiting:
+            later = _run_step(step)
             if later is not None:
-                self._idle.clear()
-                self._task = asyncio.ensure_future(self._work(later))
-                # Closed before it ran, the coroutine was never awaited: close it quietly.
-                self._task.add_done_callback(lambda _task, coroutine=later: coroutine.close())
+                self._start(later)
             return True
         if len(self._waiting) >= MAX_WAITING or self._waiting_bytes + size > MAX_WAITING_BYTES:
             return False
@@ -73,7 +72,8 @@ class Inbox:
         return True
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the decode pool (it must touch nothing the loop owns)."""
+        """`fn(*args)` on the decode pool (it must touch nothing the loop owns). A job whose
+        session closes meanwhile runs to its end on the pool; its result is dropped."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def idle(self) -> None:
@@ -90,18 +90,44 @@ class Inbox:
             self._task = None
             self._idle.set()
 
+    def _start(self, later: Later) -> None:
+        self._idle.clear()
+        self._task = asyncio.ensure_future(self._work(later))
+
+    def _next(self) -> Optional[Later]:
+        """The waiting events handled in order until one has work left (None: none has)."""
+        while self._waiting:
+            step, size = self._waiting.popleft()
+            self._waiting_bytes -= size
+            later = _run_step(step)
+            if later is not None:
+                return later
+        return None
+
     async def _work(self, later: Optional[Later]) -> None:
         try:
             while later is not None:
                 try:
-                    await later
+                    await later()
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if self._closed or (task is not None and task.cancelling()):
+                        raise  # this work was stopped (close, or the loop's end)
+                    # A future it awaited was cancelled (the pool shut down): the event is lost,
+                    # the ones behind it still go, in order.
+                    log.warning("a client event's work was cancelled")
                 except Exception:  # the handlers report their own errors: this is a bug
                     log.exception("a client event's work failed")
-                later = None
-                while later is None and self._waiting:
-                    step, size = self._waiting.popleft()
-                    self._waiting_bytes -= size
-                    later = step()
+                later = self._next()
         finally:
-            self._task = None
-            self._idle.set()
+            if self._task is asyncio.current_task():
+                self._task = None
+                self._idle.set()
+
+
+def _run_step(step: Step) -> Optional[Later]:
+    try:
+        return step()
+    except Exception:  # the handlers report their own errors: this is a bug, and the next event goes on
+        log.exception("a client event's handling failed")
+        return None

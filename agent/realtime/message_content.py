@@ -127,6 +127,8 @@ def _part(
 def _base64(value: Any, param: str, what: str) -> bytes:
     if not isinstance(value, str) or not value:
         raise ContentError(f"{what} must be a base64 string", param)
+    if "=" in value.rstrip("="):  # padding only at the end (a slice below would take it mid-way)
+        raise ContentError(f"{what} is not valid base64", param)
     try:  # in slices: binascii holds the GIL, so the loop's thread waits at most a slice's ~1.5 ms
         pieces = [
             base64.b64decode(value[i : i + _BASE64_SLICE], validate=True) for i in range(0, len(value), _BASE64_SLICE)

@@ -15,13 +15,21 @@ Pins:
 - the events waiting behind a slow one are bounded: past MAX_WAITING the next is refused (False),
   and once the slow one is done they run in order;
 - closing the session stops the work under way and drops what waits: nothing more reaches the
-  engine, no error is reported and no coroutine is left unawaited.
+  engine, no error is reported and no coroutine is left unawaited (closed before the work began
+  too);
+- a handler that fails, or work whose awaited future is cancelled (the pool shutting down), is
+  logged, and the events behind it still run, in order;
+- a full backlog refuses the event with `rate_limited` and that event's id; padding inside a
+  long append (at a slice's end) is refused as bad base64, as a whole decode would;
+- an item the model adds while a message decodes moves the end: the message that named the
+  old last item (`previous_item_id`) is refused, not put elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import io
 import json
 import threading
@@ -207,7 +215,7 @@ async def test_waiting_is_bounded_and_runs_in_order() -> None:
         await release.wait()
         ran.append(-1)
 
-    assert box.put(lambda: slow(), 10)
+    assert box.put(lambda: slow, 10)
     for i in range(inbox.MAX_WAITING):
         assert box.put(lambda i=i: ran.append(i), 10)  # type: ignore[func-returns-value]
     assert not box.put(lambda: ran.append(999), 10), "one past the bound is refused"  # type: ignore[func-returns-value]
@@ -231,19 +239,90 @@ async def test_closing_stops_the_work_and_drops_what_waits() -> None:
     assert engine.audio_samples == 0 and _errors(sent) == []
 
 
-async def test_a_slow_first_event_closed_before_it_ran_leaves_no_coroutine_behind() -> None:
-    box = inbox.Inbox()
-
-    async def never() -> None:
-        raise AssertionError("it must not run")
-
+async def test_a_session_closed_before_its_heavy_event_began_leaves_no_coroutine_behind() -> None:
+    session, engine, sent = _session()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert box.put(lambda: never(), 1)
-        box.close()
+        _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(5.0)).decode()})
+        image = {"type": "input_image", "image_url": _png(64)}
+        _send(session, {"type": "conversation.item.create", "item": _user([image])})
+        await session.close()  # in the same pass of the loop: the work never started
         await asyncio.sleep(0.01)
-        import gc
-
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
-    assert not box.busy
+    assert not session.inbox.busy and session.input.buffered_ms() == 0 and _errors(sent) == []
+
+
+async def test_a_failed_or_cancelled_event_leaves_the_rest_in_order(caplog: pytest.LogCaptureFixture) -> None:
+    box = inbox.Inbox()
+    release = asyncio.Event()
+    lost: asyncio.Future = asyncio.get_running_loop().create_future()
+    ran: list[str] = []
+
+    async def slow() -> None:
+        await release.wait()
+        ran.append("slow")
+
+    def broken() -> None:
+        raise RuntimeError("a bug in a handler")
+
+    assert box.put(lambda: slow, 1)
+    assert box.put(broken, 1)  # type: ignore[arg-type]
+    assert box.put(lambda: lambda: lost, 1)  # its work awaits a future that gets cancelled
+    assert box.put(lambda: ran.append("after"), 1)  # type: ignore[func-returns-value]
+    release.set()
+    await asyncio.sleep(0)
+    lost.cancel()  # what the pool's shutdown does to a job not begun
+    await box.idle()
+    assert ran == ["slow", "after"]
+    assert "a bug in a handler" in caplog.text and "cancelled" in caplog.text
+    assert box.put(lambda: ran.append("at once"), 1) and ran[-1] == "at once"  # type: ignore[func-returns-value]
+
+
+async def test_a_full_backlog_refuses_with_the_events_id() -> None:
+    session, engine, sent = _session()
+    _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(20.0)).decode()})
+    short = base64.b64encode(_pcm(0.02)).decode()
+    for i in range(inbox.MAX_WAITING + 1):
+        _send(session, {"type": "input_audio_buffer.append", "event_id": f"a{i}", "audio": short})
+    [error] = _errors(sent)
+    assert (error["code"], error["event_id"]) == ("rate_limited", f"a{inbox.MAX_WAITING}"), error
+    await session.inbox.idle()
+    assert len(_errors(sent)) == 1
+    await session.close()
+
+
+async def test_padding_inside_a_long_append_is_refused() -> None:
+    session, engine, sent = _session()
+    first = "A" * (client_events._BASE64_SLICE - 4) + "AA=="  # a slice of its own, ending padded
+    audio = first + base64.b64encode(_pcm(1.0)).decode()
+    _send(session, {"type": "input_audio_buffer.append", "event_id": "p1", "audio": audio})
+    await session.inbox.idle()
+    [error] = _errors(sent)
+    assert (error["param"], error["event_id"]) == ("audio", "p1") and session.input.buffered_ms() == 0
+    await session.close()
+
+
+async def test_an_item_the_model_added_during_decoding_moves_the_end_the_client_named() -> None:
+    with ThreadPoolExecutor(1) as pool:
+        session, engine, sent = _session(pool)
+        _send(session, {"type": "conversation.item.create", "item": _user([{"type": "input_text", "text": "one"}])})
+        [first] = [e["item"]["id"] for e in sent if e["type"] == "conversation.item.added"]
+        image = {"type": "input_image", "image_url": _png(256)}
+        create = {"type": "conversation.item.create", "event_id": "i1", "previous_item_id": first}
+        _send(session, {**create, "item": _user([image])})
+        assert session.inbox.busy
+        # While it decodes, a turn is committed on the server's side (as server VAD commits one).
+        session.push_audio(_frame(_pcm(0.5)))
+        session.commit_audio(None)
+        await session.inbox.idle()
+        [error] = _errors(sent)
+        assert (error["code"], error["param"], error["event_id"]) == ("unsupported", "previous_item_id", "i1")
+        assert len([e for e in sent if e["type"] == "conversation.item.added"]) == 2  # "one" and the turn
+        await session.close()
+
+
+def _frame(pcm: bytes):  # type: ignore[no-untyped-def]
+    from agent.realtime import audio_codec
+
+    return audio_codec.to_frame("audio/pcm", pcm)
