@@ -44,6 +44,7 @@ from agent.transport.http import (
     KEYS,
     LADDER_TICK,
     SESSIONS,
+    check_tools_off_loop,
     json_error,
 )
 from agent.transport.turn_credentials import PAGE_USER, browser_ice_servers, needs_minting
@@ -103,6 +104,7 @@ async def client_secrets(request: web.Request) -> web.Response:
             400, "expires_after.seconds must be an integer", "invalid_value", param="expires_after.seconds"
         )
     try:
+        await check_tools_off_loop(request.app, body.get("session"))
         session = session_config.client_secret_session(request.app[CONFIG], body)
         value, expires_at = request.app[KEYS].mint(seconds, session)
     except session_config.ConfigError as exc:

@@ -2,10 +2,11 @@
 outbound audio (a 20 ms frame late is a click in every call on the server).
 
 Side by side in one run, on one Session (no model: a recording engine, the real Session, its
-InputBuffer with server VAD, its message decoding): each heavy event is handled the way the
-agent handles it now (a long append pushed in 0.5 s slices, an image message decoded on a pool
-thread) and the way it was handled before (the whole append at once, the image decoded on the
-loop: the same code with one slice and an executor that runs inline). A ticker on the loop
+InputBuffer with server VAD, its message decoding, its tool checks): each heavy event is handled
+the way the agent handles it now (a long append pushed in 0.5 s slices, an image message
+decoded and a tool list checked on a pool thread) and the way it was handled before (the whole
+append at once, the image and the tools on the loop: the same code with one slice and an
+executor that runs inline). A ticker on the loop
 sleeps 5 ms at a time; its longest overshoot is the loop's longest stall.
 
     python scripts/bench_loop_stall.py
@@ -32,7 +33,7 @@ from PIL import Image
 
 from agent.config import Config
 from agent.gate.ladder import Admission
-from agent.realtime import client_events
+from agent.realtime import client_events, slow_events
 from agent.realtime.session import Session
 
 TICK_S = 0.005
@@ -100,8 +101,8 @@ def _session(pool: Executor) -> tuple[Session, list[str]]:
 async def _measure(event: dict[str, Any], pool: Executor, whole: bool) -> tuple[float, float]:
     """(longest loop stall, wall time) in ms for handling `event` on a fresh session."""
     session, errors = _session(pool)
-    slice_s = client_events._SLICE_S
-    client_events._SLICE_S = 1e9 if whole else slice_s  # type: ignore[attr-defined]
+    slice_s = slow_events.SLICE_S
+    slow_events.SLICE_S = 1e9 if whole else slice_s
     stalls: list[float] = []
     running = True
 
@@ -121,7 +122,7 @@ async def _measure(event: dict[str, Any], pool: Executor, whole: bool) -> tuple[
         wall = time.perf_counter() - start
         await asyncio.sleep(2 * TICK_S)
     finally:
-        client_events._SLICE_S = slice_s  # type: ignore[attr-defined]
+        slow_events.SLICE_S = slice_s
         running = False
         await tick
         await session.close()
@@ -136,6 +137,33 @@ def _append(seconds: float) -> dict[str, Any]:
     pcm = np.sin(2 * np.pi * 180 * t) * 6000 * (np.sin(2 * np.pi * 0.3 * t) > 0) + rng.normal(0, 300, len(t))
     audio = base64.b64encode(pcm.astype("<i2").tobytes()).decode()
     return {"type": "input_audio_buffer.append", "audio": audio}
+
+
+def _tools_update(count: int) -> dict[str, Any]:
+    """session.update with `count` tools of 20 parameters each (~2.7 KiB a schema): a client's
+    tool set, each schema unseen before (the check is remembered per list)."""
+    enum = {"type": "string", "enum": [f"v{k}" for k in range(10)]}
+    nested = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "array", "items": {"type": "number"}},
+            "b": {"type": "string", "pattern": "^[a-z]+$"},
+        },
+    }
+    tools = [
+        {
+            "type": "function",
+            "name": f"tool_{i}_{time.monotonic_ns()}",
+            "description": "Looks something up.",
+            "parameters": {
+                "type": "object",
+                "properties": {f"p{j}": enum if j % 2 else nested for j in range(20)},
+                "required": [f"p{j}" for j in range(20)],
+            },
+        }
+        for i in range(count)
+    ]
+    return {"type": "session.update", "session": {"type": "realtime", "tools": tools}}
 
 
 def _image_message(width: int, height: int) -> dict[str, Any]:
@@ -155,18 +183,20 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--append-s", type=float, default=60.0, help="seconds of 24 kHz audio in the long append")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tools", type=int, default=90, help="tools in the session.update (90: ~240 KiB)")
     args = parser.parse_args()
-    cases = [
-        (f"append {args.append_s:g} s pcm16", _append(args.append_s)),
-        ("image 3840x2160 PNG", _image_message(3840, 2160)),
+    cases: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        (f"append {args.append_s:g} s pcm16", lambda: _append(args.append_s)),
+        ("image 3840x2160 PNG", lambda: _image_message(3840, 2160)),
+        (f"tools {args.tools} (session.update)", lambda: _tools_update(args.tools)),
     ]
     ratios = []
     print(f"{'event':<24} {'how':<18} {'longest stall ms':>17} {'wall ms':>9}")
     with ThreadPoolExecutor(1, thread_name_prefix="decode") as pool:
-        for name, event in cases:
+        for name, make in cases:
             figures = {}
             for how, executor, whole in (("before (on loop)", Inline(), True), ("now", pool, False)):
-                runs = [await _measure(event, executor, whole) for _ in range(args.repeats)]
+                runs = [await _measure(make(), executor, whole) for _ in range(args.repeats)]
                 stall, wall = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
                 figures[how] = stall
                 print(f"{name:<24} {how:<18} {stall:>17.1f} {wall:>9.1f}")

@@ -11,9 +11,6 @@ logged at debug level (type and top-level keys, never audio), to see what real c
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import binascii
 import contextlib
 import json
 import logging
@@ -24,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 from agent import metrics
 from agent.engine.api import EngineBusy
 from agent.gate.token_bucket import TokenBucket
-from agent.realtime import audio_codec, message_content, session_checks, session_config, tool_config
+from agent.realtime import message_content, session_checks, session_config, slow_events, tool_config
+from agent.realtime.bad_event import BadEvent
 from agent.realtime.call_outputs import UnknownCall
 from agent.realtime.events import new_id
 from agent.realtime.inbox import Later
@@ -34,8 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_MAX_APPEND_BYTES = 15 * 1024 * 1024  # the API's own limit for one append
-_MAX_AUDIO_EVENT_CHARS = _MAX_APPEND_BYTES * 4 // 3 + 64 * 1024  # base64 audio plus the JSON around it
+_MAX_AUDIO_EVENT_CHARS = slow_events.MAX_APPEND_BYTES * 4 // 3 + 64 * 1024  # base64 audio plus the JSON around it
 _MAX_EVENT_CHARS = 256 * 1024  # any other event: instructions and text messages fit many times over
 _AUDIO_EVENTS = ("input_audio_buffer.append", "conversation.item.create")
 _MIN_AUDIO_CHARS = 428  # base64 of 10 ms of 16 kHz pcm16: an append that carries real audio
@@ -65,12 +62,6 @@ class EventRate:
             return None
         dropped, self.dropped, self._reported_at = self.dropped, 0, now
         return dropped
-
-
-class BadEvent(ValueError):
-    def __init__(self, message: str, code: str = "invalid_value", param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.code, self.param = code, param
 
 
 def handle(session: "Session", message: str | bytes) -> None:
@@ -167,10 +158,15 @@ def _event_id(event: dict[str, Any]) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-def _session_update(session: "Session", event: dict[str, Any]) -> None:
+def _session_update(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     if "session" not in event:
         raise BadEvent("session.update needs a session object", "missing_required_parameter", "session")
     update = event["session"]
+    tools = update.get("tools") if isinstance(update, dict) else None
+    return slow_events.tools_first(session, tools, "session.tools", lambda: _update(session, update))
+
+
+def _update(session: "Session", update: Any) -> None:
     if isinstance(update, dict) and set(update) - set(session.settings):
         log.debug(
             "session %s: session.update fields not served: %s", session.id, sorted(set(update) - set(session.settings))
@@ -181,58 +177,6 @@ def _session_update(session: "Session", event: dict[str, Any]) -> None:
             "omni.priority is set when the session is created (the offer's ?priority=)", param="session.omni.priority"
         )
     session.apply_settings(merged)
-
-
-def _append(session: "Session", event: dict[str, Any]) -> Optional[Later]:
-    audio = event.get("audio")
-    if not isinstance(audio, str) or len(audio) > _MAX_APPEND_BYTES * 4 // 3 + 4:
-        raise BadEvent("audio must be a base64 string (at most 15 MiB of audio)", param="audio")
-    fmt = session.settings["audio"]["input"]["format"]["type"]
-    if len(audio) <= _slice_bytes(fmt) * 4 // 3:  # what a client streams: at once
-        _push(session, fmt, _base64_audio(audio))
-        return None
-    return lambda: _append_slices(session, fmt, audio)
-
-
-# A long append goes in slices, the loop yielded between them: each slice's voice detection is
-# ~2 ms, where a whole 15 MiB append's is seconds that every session's audio would wait for.
-_SLICE_S = 0.5
-_BASE64_SLICE = 1 << 20  # characters decoded at a time (a multiple of 4): ~1.5 ms
-
-
-def _slice_bytes(fmt: str) -> int:
-    """Bytes of `_SLICE_S` of audio (whole samples)."""
-    return int(audio_codec.RATES[fmt] * _SLICE_S) * (2 if fmt == "audio/pcm" else 1)
-
-
-async def _append_slices(session: "Session", fmt: str, audio: str) -> None:
-    pieces = []  # all decoded before any is pushed: a bad character refuses the whole append
-    for start in range(0, len(audio), _BASE64_SLICE):
-        piece = audio[start : start + _BASE64_SLICE]
-        if "=" in piece and start + _BASE64_SLICE < len(audio):  # padding in a slice but the last
-            raise BadEvent("audio is not valid base64", param="audio")
-        pieces.append(_base64_audio(piece))
-        await asyncio.sleep(0)
-    if fmt == "audio/pcm" and sum(map(len, pieces)) % 2:
-        raise BadEvent("audio/pcm is 16-bit samples: an even number of bytes", param="audio")
-    data, step = b"".join(pieces), _slice_bytes(fmt)
-    for start in range(0, len(data), step):
-        _push(session, fmt, data[start : start + step])
-        await asyncio.sleep(0)
-
-
-def _base64_audio(audio: str) -> bytes:
-    try:
-        return base64.b64decode(audio, validate=True)
-    except (binascii.Error, ValueError):
-        raise BadEvent("audio is not valid base64", param="audio") from None
-
-
-def _push(session: "Session", fmt: str, data: bytes) -> None:
-    if fmt == "audio/pcm" and len(data) % 2:
-        raise BadEvent("audio/pcm is 16-bit samples: an even number of bytes", param="audio")
-    if data:
-        session.push_audio(audio_codec.to_frame(fmt, data))
 
 
 def _commit(session: "Session", event: dict[str, Any]) -> None:
@@ -248,7 +192,7 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     if not isinstance(item, dict):
         raise BadEvent("item must be an object", "missing_required_parameter", "item")
     previous = event.get("previous_item_id")
-    _check_at_end(session, previous)
+    slow_events.check_at_end(session, previous)
     if item.get("type") == "function_call_output":
         _call_output(session, item, event)
         return None
@@ -270,39 +214,13 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
                 item_id, message_content.assistant_text(item.get("content")), _event_id(event)
             )
         elif message_content.needs_decoding(item.get("content")):
-            content, event_id = item["content"], _event_id(event)
-            return lambda: _add_decoded(session, item_id, content, fmt, previous, event_id)
+            return slow_events.add_decoded(session, item_id, item["content"], previous, _event_id(event))
         else:
             parts = message_content.user_parts(item.get("content"), fmt, session.config.video_max_side)
             session.messages.add_user(item_id, parts, _event_id(event))
     except message_content.ContentError as exc:
         raise BadEvent(str(exc), exc.code, exc.param) from None
     return None
-
-
-async def _add_decoded(
-    session: "Session", item_id: str, content: list[Any], fmt: str, previous: Any, event_id: Optional[str]
-) -> None:
-    """A user message with audio or images: decoded on the pool, the loop free meanwhile."""
-    inbox, side = session.inbox, session.config.video_max_side
-    try:
-        parts = await inbox.run(message_content.user_parts, content, fmt, side, inbox.pixels.allow)
-    except message_content.ContentError as exc:
-        raise BadEvent(str(exc), exc.code, exc.param) from None
-    # Meanwhile the model may have added items (a reply, a turn the server VAD heard): checked
-    # again, so the item goes where the client said or is refused.
-    _check_at_end(session, previous)
-    if item_id in session.conversation:
-        raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
-    session.messages.add_user(item_id, parts, event_id)
-
-
-def _check_at_end(session: "Session", previous: Any) -> None:
-    """`previous_item_id` names the conversation's last item (or is left out)."""
-    last = session.conversation.last_id()
-    # "root" asks for the beginning (LiveKit sends it for the first item): the end while empty.
-    if previous is not None and previous != last and not (previous == "root" and last is None):
-        raise BadEvent("items can only be added at the end of the conversation", "unsupported", "previous_item_id")
 
 
 def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:
@@ -345,11 +263,16 @@ def _item_truncate(session: "Session", event: dict[str, Any]) -> None:
     session.truncate(str(event.get("item_id")), end, _event_id(event))
 
 
-def _response_create(session: "Session", event: dict[str, Any]) -> None:
+def _response_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     params = event.get("response")
     params = {} if params is None else params  # [] or "" are wrong types, not "no parameters"
     if not isinstance(params, dict):
         raise BadEvent("response must be an object", param="response")
+    tools = params.get("tools")
+    return slow_events.tools_first(session, tools, "response.tools", lambda: _respond(session, params, event))
+
+
+def _respond(session: "Session", params: dict[str, Any], event: dict[str, Any]) -> None:
     # A null parameter is one not given (the session's value), as clients send them; for
     # `metadata` and `prompt` null is "none", which absent means too.
     params = {key: value for key, value in params.items() if value is not None}
@@ -399,7 +322,7 @@ def _output_clear(session: "Session", event: dict[str, Any]) -> None:
 
 _HANDLERS: dict[str, Callable[["Session", dict[str, Any]], Optional[Later]]] = {
     "session.update": _session_update,
-    "input_audio_buffer.append": _append,
+    "input_audio_buffer.append": slow_events.append,
     "input_audio_buffer.commit": _commit,
     "input_audio_buffer.clear": _clear,
     "conversation.item.create": _item_create,

@@ -279,12 +279,12 @@ class Session:
         if self.transcription_only:
             pass  # no instructions, no voice: nothing is answered
         else:
-            if tool_config.system_text(merged) != tool_config.system_text(
-                old
-            ):  # the instructions, or the tools they describe
-                self.engine.send(SetInstructions(tool_config.system_text(merged)))
-            if tool_config.session_tools(merged) != tool_config.session_tools(old):
-                self.engine.send(SetTools(tool_config.session_tools(merged)), param="session.tools")
+            # Each read once: a tool list's JSON is written for every read (~2 ms at 90 tools).
+            text, tools = tool_config.system_text(merged), tool_config.session_tools(merged)
+            if text != tool_config.system_text(old):  # the instructions, or the tools they describe
+                self.engine.send(SetInstructions(text))
+            if tools != tool_config.session_tools(old):
+                self.engine.send(SetTools(tools), param="session.tools")
         if session_config.interpret_to(merged) != session_config.interpret_to(old):
             on = bool(session_config.interpret_to(merged))
             self.engine.send(SetContextTurns(session_config.INTERPRET_TURNS if on else 0))

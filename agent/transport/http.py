@@ -15,6 +15,7 @@ from agent.gate import priority
 from agent.gate.access import CallRate
 from agent.gate.api_keys import Grant, KeyStore
 from agent.gate.ladder import Admission
+from agent.realtime.tool_config import check_tools
 
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
@@ -150,3 +151,13 @@ def forget(app: web.Application, key: str) -> None:
 def remember(app: web.Application, key: str, value: Any) -> None:
     app[SESSIONS][key] = value
     _export_sessions(app)
+
+
+async def check_tools_off_loop(app: web.Application, session_part: Any) -> None:
+    """The tools of a session sent with an offer or a key request, checked on the decode pool
+    before the handler's own check, which then finds them checked (agent/realtime/tool_config.py
+    remembers a list). Their JSON Schema meta-check is ~8 ms a schema in Python: a list of 90
+    checked on the loop held every call's audio for most of a second. Raises ConfigError."""
+    tools = session_part.get("tools") if isinstance(session_part, dict) else None
+    if isinstance(tools, list) and tools:
+        await asyncio.get_running_loop().run_in_executor(app[DECODE_POOL], check_tools, tools, "session.tools")

@@ -21,6 +21,9 @@ Pins:
   logged, and the events behind it still run, in order;
 - a full backlog refuses the event with `rate_limited` and that event's id; padding inside a
   long append (at a slice's end) is refused as bad base64, as a whole decode would;
+- a session.update with tools has them checked on the pool (the loop runs meanwhile), then is
+  applied (session.updated with them) before the events behind it; a bad schema in the list is
+  refused with its param and event_id and the session keeps its tools;
 - an item the model adds while a message decodes moves the end: the message that named the
   old last item (`previous_item_id`) is refused, not put elsewhere.
 """
@@ -44,7 +47,7 @@ from PIL import Image
 from agent.config import Config
 from agent.engine.commands import AddUserImage, AddUserText, SessionCommand
 from agent.gate.ladder import Admission
-from agent.realtime import client_events, inbox, message_content
+from agent.realtime import client_events, inbox, message_content, slow_events
 from agent.realtime.session import Session
 from agent.realtime.session_config import default_session
 
@@ -129,7 +132,7 @@ async def test_a_long_append_yields_the_loop_and_a_commit_behind_it_takes_all_it
     assert session.inbox.busy and engine.audio_samples == 0, "the commit waits behind the append"
     ticks = await _ticks_until_idle(session)
     # 0.5 s slices: the loop ran other work between each of the 40 (none when handled whole).
-    assert ticks >= seconds / client_events._SLICE_S - 1, ticks
+    assert ticks >= seconds / slow_events.SLICE_S - 1, ticks
     assert _errors(sent) == []
     assert [e["type"] for e in sent if e["type"].startswith("input_audio_buffer")] == ["input_audio_buffer.committed"]
     # 20 s at 16 kHz, give or take the resampler's last partial chunk.
@@ -294,7 +297,7 @@ async def test_a_full_backlog_refuses_with_the_events_id() -> None:
 
 async def test_padding_inside_a_long_append_is_refused() -> None:
     session, engine, sent = _session()
-    first = "A" * (client_events._BASE64_SLICE - 4) + "AA=="  # a slice of its own, ending padded
+    first = "A" * (slow_events.BASE64_SLICE - 4) + "AA=="  # a slice of its own, ending padded
     audio = first + base64.b64encode(_pcm(1.0)).decode()
     _send(session, {"type": "input_audio_buffer.append", "event_id": "p1", "audio": audio})
     await session.inbox.idle()
@@ -326,3 +329,41 @@ def _frame(pcm: bytes):  # type: ignore[no-untyped-def]
     from agent.realtime import audio_codec
 
     return audio_codec.to_frame("audio/pcm", pcm)
+
+
+def _tools(count: int, bad_at: int | None = None) -> list[dict[str, Any]]:
+    enum = {"type": "string", "enum": ["a", "b", "c"]}
+    tools = [
+        {
+            "type": "function",
+            "name": f"tool_{i}",
+            "parameters": {"type": "object", "properties": {f"p{j}": enum for j in range(8)}},
+        }
+        for i in range(count)
+    ]
+    if bad_at is not None:
+        tools[bad_at]["parameters"]["properties"]["p0"] = {"type": 5}  # no JSON Schema type
+    return tools
+
+
+async def test_tools_are_checked_off_the_loop_before_the_update_applies() -> None:
+    with ThreadPoolExecutor(1) as pool:
+        session, engine, sent = _session(pool)
+        _send(
+            session, {"type": "session.update", "event_id": "u1", "session": {"type": "realtime", "tools": _tools(24)}}
+        )
+        _send(session, {"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}})
+        assert session.inbox.busy and not [e for e in sent if e["type"] == "session.updated"]
+        ticks = await _ticks_until_idle(session)
+        assert ticks > 0
+        updated = [e["session"] for e in sent if e["type"] == "session.updated"]
+        assert [len(u["tools"]) for u in updated] == [24, 24] and updated[1]["instructions"] == "Be brief."
+        assert _errors(sent) == []
+
+        bad = {"type": "realtime", "tools": _tools(24, bad_at=17)}
+        _send(session, {"type": "session.update", "event_id": "u2", "session": bad})
+        await session.inbox.idle()
+        [error] = _errors(sent)
+        assert (error["param"], error["event_id"]) == ("session.tools[17].parameters", "u2"), error
+        assert len(session.settings["tools"]) == 24 and len([e for e in sent if e["type"] == "session.updated"]) == 2
+        await session.close()
