@@ -3,7 +3,8 @@
 The agent is one process with a few kinds of threads, and what limits how many calls a machine
 carries is which of them runs out of CPU first: the engine thread (torch), the asyncio thread
 (the network: ICE, SRTP, RTP, the data channel, voice detection, resampling, pacing), the loop's
-default executor (aiortc encodes Opus and VP8 there), aiortc's decoder threads, and threads Python
+default executor (aiortc encodes Opus and VP8 there), aiortc's decoder threads, the decode pool
+(client events too heavy for the loop: agent/realtime/inbox.py), and threads Python
 does not know (torch's intra-op pool, onnxruntime's, FFmpeg's). Reading each thread's counters from
 /proc at scrape time costs nothing between scrapes; `scripts/bench_rtc.py` turns two scrapes into
 CPU-seconds per session-second.
@@ -36,6 +37,8 @@ def thread_kind(name: str, main: bool) -> str:
         return "executor"  # the loop's default executor: aiortc's Opus and VP8 encoders
     if name in ("audio-decoder", "video-decoder"):
         return "decoder"
+    if name.startswith("decode_"):
+        return "decode"  # the server's decode pool: client events' images, audio and tool lists
     return "other"
 
 
@@ -119,7 +122,8 @@ class ThreadCpuCollector(Collector):
         family = CounterMetricFamily(
             "agent_thread_cpu_seconds",
             "CPU time of this process's threads by kind: engine (torch), asyncio (network), executor "
-            "(Opus/VP8 encode), decoder (aiortc's), native (torch/onnxruntime/FFmpeg pools), other",
+            "(Opus/VP8 encode), decoder (aiortc's), decode (client events' images, audio, tools), "
+            "native (torch/onnxruntime/FFmpeg pools), other",
             labels=["thread"],
         )
         for kind, seconds in sorted(self._cpu.read().items()):

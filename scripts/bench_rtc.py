@@ -429,7 +429,7 @@ def underrun_share(r: dict) -> float:
     return r["underruns"] / r["frames"] if r["frames"] else float("nan")
 
 
-THREADS = ("engine", "asyncio", "executor", "decoder", "native", "other")
+THREADS = ("engine", "asyncio", "executor", "decoder", "decode", "native", "other")
 
 
 def print_cpu(results: list[dict]) -> None:

@@ -4,7 +4,8 @@ decode pool, not on the event loop that paces every call's audio.
 
 Pins: while a key request with a long tool list is checked, the loop goes on running other work
 (counted: handled on the loop, it ran none until the answer); the key's session carries the
-tools; a bad schema in the list is a 400 naming it (`session.tools[i].parameters`).
+tools; the pool's CPU is counted as agent_thread_cpu_seconds_total{thread="decode"}; a bad
+schema in the list is a 400 naming it (`session.tools[i].parameters`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ async def test_a_key_requests_tools_are_checked_off_the_loop() -> None:
         assert len(body["session"]["tools"]) == 60
         # The check takes hundreds of ms: on a pool thread the loop spins through it.
         assert ticks - start > 50, ticks - start
+
+        # The pool's threads are counted apart in the CPU metric (thread="decode").
+        metrics = await (await client.get("/metrics")).text()
+        decode = [
+            line for line in metrics.splitlines() if line.startswith('agent_thread_cpu_seconds_total{thread="decode"}')
+        ]
+        assert decode and float(decode[0].split()[-1]) > 0.05, decode
 
         response = await client.post("/v1/realtime/client_secrets", json={"session": {"tools": _tools(30, 21)}})
         body = await response.json()
