@@ -1,15 +1,23 @@
-"""The results of the model's function calls: `function_call_output` items, as the client adds
-them (conversation.item.create), given to the model as Qwen gives results: `<tool_response>`
-blocks in the user turn the model answers next (agent/tools/qwen_format.py), joined by a newline
-when a turn carries several. A part of the Session, given the engine port, the items port and
-the replies (which know the calls the model made), never the Session.
+"""Function calls and their results as the client adds them (conversation.item.create):
+
+- `function_call_output` items, the results of calls, given to the model as Qwen gives results:
+  `<tool_response>` blocks in the user turn the model answers next (agent/tools/qwen_format.py),
+  joined by a newline when a turn carries several;
+- `function_call` items, calls the client replays (a conversation restored, as LiveKit's
+  chat context sends it): each a closed assistant turn holding the call as the model writes one
+  (`<tool_call>`), where it is added, after the user's text before it
+  (agent/engine/runner/edits.py `add_assistant_text`); its call_id may then be answered.
+
+A part of the Session, given the engine port, the items port and the replies (which know the
+calls made), never the Session.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Optional
 
-from agent.engine.commands import AddUserText
+from agent.engine.commands import AddAssistantText, AddUserText
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.items import Items
 from agent.realtime.replies import Replies
@@ -24,6 +32,34 @@ class CallOutputs:
     def __init__(self, engine: EnginePort, items: Items, replies: Replies) -> None:
         self._engine, self._items, self._replies = engine, items, replies
         self._turn = -1  # replies.turns when the latest output was added: the turn it joined
+
+    def add_call(self, item_id: str, call_id: str, name: str, arguments: str, event_id: Optional[str]) -> None:
+        """A replayed call (arguments: a JSON object's text)."""
+        answer = self._engine.send(
+            AddAssistantText(qwen_format.call_text(name, arguments)), event_id=event_id, param="item"
+        )
+        self._replies.calls.add(call_id, name)
+        self._turn = -1  # a result after it opens a user turn of its own
+        self._items.add(
+            {
+                "id": item_id,
+                "object": "realtime.item",
+                "type": "function_call",
+                "status": "completed",
+                "call_id": call_id,
+                "name": name,
+                "arguments": arguments,
+            }
+        )
+        # The engine may not place it (images not yet answered: the error says so): then the
+        # item is withdrawn and its call cannot be answered.
+        answer.add_done_callback(self._items.withdraw_if_refused(item_id))
+
+        def forget_if_refused(future: asyncio.Future) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                self._replies.calls.discard(call_id)
+
+        answer.add_done_callback(forget_if_refused)
 
     def add(self, item_id: str, call_id: str, output: str, event_id: Optional[str]) -> None:
         if call_id not in self._replies.calls:

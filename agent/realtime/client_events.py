@@ -26,6 +26,7 @@ from agent.realtime.bad_event import BadEvent
 from agent.realtime.call_outputs import UnknownCall
 from agent.realtime.events import new_id
 from agent.realtime.inbox import Later
+from agent.tools.spec import NAME
 
 if TYPE_CHECKING:
     from agent.realtime.session import Session
@@ -196,15 +197,16 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     if item.get("type") == "function_call_output":
         _call_output(session, item, event)
         return None
+    if item.get("type") == "function_call":
+        _call(session, item, event)
+        return None
     if item.get("type") != "message" or item.get("role") not in ("user", "system", "assistant"):
         raise BadEvent(
-            "only messages and function_call_output items can be added (no function_call items)",
+            "only message, function_call and function_call_output items can be added",
             "unsupported",
             "item.role" if item.get("type") == "message" else "item.type",
         )
-    item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
-    if item_id in session.conversation:
-        raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
+    item_id = _new_item_id(session, item)
     fmt = session.settings["audio"]["input"]["format"]["type"]
     try:  # every part checked first: a bad one refuses the whole message
         if item["role"] == "system":
@@ -223,6 +225,32 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     return None
 
 
+def _call(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:
+    """A function_call item: a call the client replays (a restored conversation)."""
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+    if not isinstance(call_id, str) or not call_id:
+        raise BadEvent("a function_call names its call (call_id)", "missing_required_parameter", "item.call_id")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise BadEvent("a function_call's name is 1-64 letters, digits, _ or -", "invalid_value", "item.name")
+    arguments = "{}" if arguments in (None, "") else arguments
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise BadEvent("arguments must be a JSON object's text", "invalid_value", "item.arguments")
+    item_id = _new_item_id(session, item)
+    session.call_outputs.add_call(item_id, call_id, name, arguments, _event_id(event))
+
+
+def _new_item_id(session: "Session", item: dict[str, Any]) -> str:
+    """The item's id: the client's (unused so far) or a new one."""
+    item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
+    if item_id in session.conversation:
+        raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
+    return item_id
+
+
 def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:
     call_id, output = item.get("call_id"), item.get("output")
     if not isinstance(call_id, str) or not call_id:
@@ -231,9 +259,7 @@ def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]
         )
     if not isinstance(output, str):
         raise BadEvent("output must be a string (the function's result, e.g. JSON)", "invalid_value", "item.output")
-    item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
-    if item_id in session.conversation:
-        raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
+    item_id = _new_item_id(session, item)
     try:
         session.add_call_output(item_id, call_id, output, _event_id(event))
     except UnknownCall as exc:

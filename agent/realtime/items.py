@@ -6,7 +6,8 @@ Session itself for client-created ones): the conversation and the events about i
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, Callable
 
 from agent.realtime.conversation import Conversation
 from agent.realtime.events import user_audio_item
@@ -28,6 +29,16 @@ class Items:
         if item_id in self._conversation:
             self._conversation.remove(item_id)
             self._outbox.emit({"type": "conversation.item.deleted", "item_id": item_id})
+
+    def withdraw_if_refused(self, item_id: str) -> Callable[[asyncio.Future], None]:
+        """A done-callback for the engine's answer to an item: refused (the error says why), the
+        item is withdrawn, so the client's list matches the model's."""
+
+        def refused(future: asyncio.Future) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                self.withdraw(item_id)
+
+        return refused
 
     def add(self, item: dict[str, Any]) -> None:
         previous = self._conversation.add(item)

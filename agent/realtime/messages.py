@@ -9,7 +9,6 @@ half sent, except the engine itself (an image past a turn's limit: an `error` na
 
 from __future__ import annotations
 
-import asyncio
 from typing import Callable, Optional
 
 from agent.config import INPUT_FRAME_SAMPLES
@@ -53,11 +52,5 @@ class Messages:
         answer = self._engine.send(AddAssistantText(text), event_id=event_id, param="item")
         self._remember("assistant", text)
         self._items.add(message_item(item_id, "assistant", [{"type": "output_text", "text": text}]))
-
-        def refused(future: asyncio.Future) -> None:
-            # The engine could not place it (images not yet answered: the error says so): the
-            # item leaves the conversation again, as deleted, so the list matches the model's.
-            if not future.cancelled() and future.exception() is not None:
-                self._items.withdraw(item_id)
-
-        answer.add_done_callback(refused)
+        # The engine may not place it (images not yet answered: the error says so).
+        answer.add_done_callback(self._items.withdraw_if_refused(item_id))

@@ -26,13 +26,12 @@ from agent.media.playout import AgentAudioTrack
 from agent.realtime import session_config, tool_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
+from agent.realtime.known_calls import KnownCalls
 from agent.realtime.outbox import Outbox
 from agent.realtime.response import STATUS_BY_REASON, Response
 from agent.tools import qwen_format
 from agent.tools.call_parser import CallParseError
 from agent.tools.spec import ToolChoice, ToolSet
-
-MAX_KNOWN_CALLS = 256  # calls a function_call_output may answer (the newest)
 
 
 class Replies:
@@ -66,8 +65,8 @@ class Replies:
         self._when_engine_idle: list[Callable[[], None]] = []
         self.history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
         self._held_at: Optional[str] = None  # the held turn's user item the current response answers
-        # The calls the model made (call_id -> function name), for function_call_output items.
-        self.calls: dict[str, str] = {}
+        # The calls a function_call_output may answer (the model's, and the client's replayed).
+        self.calls = KnownCalls()
 
     @property
     def in_flight(self) -> bool:
@@ -343,9 +342,7 @@ class Replies:
         if last and call.announced:
             self._outbox.emit(call.delta(last))
         if call.status != "in_progress" and call.announced:
-            self.calls[call.call_id] = call.parser.name or ""
-            while len(self.calls) > MAX_KNOWN_CALLS:
-                self.calls.pop(next(iter(self.calls)))
+            self.calls.add(call.call_id, call.parser.name or "")
             for event in call.done():
                 self._outbox.emit(event)
             self._conversation.update(call.item_id, call.item())

@@ -17,6 +17,11 @@ Pins:
 - WebRTC: the session's tools and a required choice come with the offer; the spoken turn is
   answered with a function_call on the data channel and no audio on the track; the
   function_call_output and response.create sent on the channel get a reply spoken on the track;
+- a replayed conversation (as LiveKit restores a chat context): a user message, a
+  `function_call` item and its `function_call_output`, each added after the one before
+  (previous_item_id), are taken in order, the call retrievable as it was given, and the next
+  response is answered with a message; a function_call with no call_id, a bad name or arguments that are not a
+  JSON object is refused naming the field;
 - every server event validates strictly against the SDK's GA models.
 """
 
@@ -215,3 +220,65 @@ async def test_webrtc_call_output_and_spoken_reply(agent: RunningAgent, speech_w
         await client.close()
     strict_events(client.result.events)
     assert not client.result.of_type("error"), client.result.of_type("error")
+
+
+async def test_a_replayed_call_and_its_output_are_taken(agent: RunningAgent, strict_event) -> None:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
+        await ev.wait("session.created", 10)
+        await conn.session.update(session={"type": "realtime", "tools": [WEATHER]})
+        await ev.wait("session.updated", 10)
+        mark = len(ev.all)
+        history: list[dict[str, Any]] = [
+            {
+                "id": "item_r1",
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Weather in Paris?"}],
+            },
+            {
+                "id": "item_r2",
+                "type": "function_call",
+                "call_id": "call_r1",
+                "name": "get_weather",
+                "arguments": '{"city": "Paris"}',
+            },
+            {"id": "item_r3", "type": "function_call_output", "call_id": "call_r1", "output": '{"temp_c": 21}'},
+        ]
+        previous = None
+        for item in history:
+            event: dict[str, Any] = {"type": "conversation.item.create", "item": item}
+            if previous is not None:
+                event["previous_item_id"] = previous
+            await conn.send(event)
+            added = await ev.wait("conversation.item.added", 10, where=lambda e, i=item: e["item"]["id"] == i["id"])
+            assert added["previous_item_id"] == previous
+            previous = item["id"]
+        assert not [e for e in ev.all[mark:] if e["type"] == "error"], ev.all[mark:]
+        mark = len(ev.all)
+        await conn.conversation.item.retrieve(item_id="item_r2")
+        call = (await ev.wait("conversation.item.retrieved", 10, after=mark))["item"]
+        assert {k: call[k] for k in ("type", "call_id", "name", "arguments", "status")} == {
+            "type": "function_call",
+            "call_id": "call_r1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+            "status": "completed",
+        }
+        mark = len(ev.all)
+        await conn.response.create(response={"output_modalities": ["text"], "tool_choice": "none"})
+        done = await ev.wait("response.done", 120, after=mark)
+        # Answered (the tiny model's random words may run to the token limit: "incomplete").
+        assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
+        assert [o["type"] for o in done["response"]["output"]] == ["message"]
+        assert not [e for e in ev.all[mark:] if e["type"] == "error"]
+
+        for item, param in (
+            ({"type": "function_call", "name": "get_weather", "arguments": "{}"}, "item.call_id"),
+            ({"type": "function_call", "call_id": "c2", "name": "get weather", "arguments": "{}"}, "item.name"),
+            ({"type": "function_call", "call_id": "c3", "name": "get_weather", "arguments": "Paris"}, "item.arguments"),
+            ({"type": "function_call", "call_id": "c4", "name": "get_weather", "arguments": "[1]"}, "item.arguments"),
+        ):
+            mark = len(ev.all)
+            await conn.send({"type": "conversation.item.create", "item": item})
+            error = await ev.wait("error", 10, after=mark)
+            assert error["error"]["param"] == param, error

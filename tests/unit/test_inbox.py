@@ -34,7 +34,6 @@ import asyncio
 import base64
 import gc
 import io
-import json
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -43,64 +42,18 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
+from support.recording_session import RecordingEngine, errors, recording_session, send_event
 
-from agent.config import Config
-from agent.engine.commands import AddUserImage, AddUserText, SessionCommand
-from agent.gate.ladder import Admission
-from agent.realtime import client_events, inbox, message_content, slow_events
+from agent.engine.commands import AddUserImage, AddUserText
+from agent.realtime import inbox, message_content, slow_events
 from agent.realtime.session import Session
-from agent.realtime.session_config import default_session
-
-
-class RecordingEngine:
-    """Takes what the session sends and answers at once; records which thread decoded what."""
-
-    has_fallback = False
-
-    def __init__(self) -> None:
-        self.commands: list[SessionCommand] = []
-        self.audio_samples = 0
-        self.closed: list[str] = []
-
-    def send(self, sid: str, command: SessionCommand) -> asyncio.Future:
-        self.commands.append(command)
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(None)
-        return future
-
-    def append_audio(self, sid: str, pcm: np.ndarray) -> None:
-        self.audio_samples += len(pcm)
-
-    def close_session(self, sid: str) -> None:
-        self.closed.append(sid)
 
 
 def _session(pool: ThreadPoolExecutor | None = None) -> tuple[Session, RecordingEngine, list[dict[str, Any]]]:
-    """A WebSocket session with turn detection off (manual commits), its events collected."""
-    config = Config()
-    settings = default_session(config)
-    settings["audio"]["input"]["turn_detection"] = None
-    engine = RecordingEngine()
-    sent: list[dict[str, Any]] = []
-    session = Session(
-        config,
-        engine,  # type: ignore[arg-type]
-        Admission.from_config(config),
-        send=lambda text: sent.append(json.loads(text)),
-        on_closed=lambda _: None,
-        webrtc=False,
-        settings=settings,
-        decode_pool=pool,
-    )
-    return session, engine, sent
+    return recording_session(pool)
 
 
-def _send(session: Session, event: dict[str, Any]) -> None:
-    client_events.handle(session, json.dumps(event))
-
-
-def _errors(sent: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [e["error"] for e in sent if e["type"] == "error"]
+_send, _errors = send_event, errors
 
 
 def _pcm(seconds: float) -> bytes:

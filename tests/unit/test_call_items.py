@@ -1,0 +1,94 @@
+"""Function calls the client replays (`function_call` items) and their results, as the session
+hands them to the model (agent/realtime/call_outputs.py).
+
+Pins:
+- a function_call item becomes a closed assistant turn holding the call as the model writes one
+  (Qwen's `<tool_call>` text, agent/tools/qwen_format.py), announced as the item the client gave
+  (type, call_id, name, arguments, status completed);
+- its call_id may then be answered: the output goes to the model as a `<tool_response>` block
+  that opens its user turn (no newline before it), also after an earlier call and its output;
+  an output for a call never made or replayed is refused (`item.call_id`);
+- arguments left out or empty are the empty object; a duplicate item id is refused;
+- a call the engine cannot place (it refuses: images not yet answered) is withdrawn again,
+  announced as deleted, so the client's list matches the model's, and its call_id cannot be
+  answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from support.recording_session import errors, recording_session, send_event
+
+from agent.engine.commands import AddAssistantText, AddUserText
+from agent.tools import qwen_format
+
+
+def _call(call_id: str, arguments: str | None = '{"city": "Paris"}', item_id: str | None = None) -> dict:
+    item = {"type": "function_call", "call_id": call_id, "name": "get_weather"}
+    if arguments is not None:
+        item["arguments"] = arguments
+    if item_id is not None:
+        item["id"] = item_id
+    return {"type": "conversation.item.create", "item": item}
+
+
+def _output(call_id: str, output: str) -> dict:
+    return {
+        "type": "conversation.item.create",
+        "item": {"type": "function_call_output", "call_id": call_id, "output": output},
+    }
+
+
+def _texts(engine) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    return [(type(c).__name__, c.text) for c in engine.commands if isinstance(c, (AddAssistantText, AddUserText))]
+
+
+async def test_replayed_calls_and_outputs_reach_the_model_in_qwens_format() -> None:
+    session, engine, sent = recording_session()
+    for call_id, city in (("call_1", "Paris"), ("call_2", "Oslo")):
+        send_event(session, _call(call_id, f'{{"city": "{city}"}}'))
+        send_event(session, _output(call_id, f"{city}: 21 C"))
+    assert errors(sent) == []
+    assert _texts(engine) == [
+        ("AddAssistantText", qwen_format.call_text("get_weather", '{"city": "Paris"}')),
+        ("AddUserText", "<tool_response>\nParis: 21 C\n</tool_response>"),
+        ("AddAssistantText", qwen_format.call_text("get_weather", '{"city": "Oslo"}')),
+        ("AddUserText", "<tool_response>\nOslo: 21 C\n</tool_response>"),
+    ]
+    added = [e["item"] for e in sent if e["type"] == "conversation.item.added"]
+    assert [i["type"] for i in added] == ["function_call", "function_call_output"] * 2
+    assert {k: added[0][k] for k in ("call_id", "name", "arguments", "status")} == {
+        "call_id": "call_1",
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+        "status": "completed",
+    }
+    await session.close()
+
+
+async def test_outputs_need_a_known_call_and_arguments_default_to_the_empty_object() -> None:
+    session, engine, sent = recording_session()
+    send_event(session, _output("call_nowhere", "x"))
+    [error] = errors(sent)
+    assert error["param"] == "item.call_id"
+    send_event(session, _call("call_3", None, item_id="item_c3"))
+    send_event(session, _call("call_4", "", item_id="item_c3"))
+    assert [e["param"] for e in errors(sent)] == ["item.call_id", "item.id"]
+    assert _texts(engine) == [("AddAssistantText", qwen_format.call_text("get_weather", "{}"))]
+    await session.close()
+
+
+async def test_a_call_the_engine_refuses_is_withdrawn() -> None:
+    session, engine, sent = recording_session()
+    engine.refuse = lambda command: isinstance(command, AddAssistantText)
+    send_event(session, {**_call("call_5", item_id="item_c5"), "event_id": "e5"})
+    await asyncio.sleep(0)
+    kinds = [e["type"] for e in sent]
+    assert "conversation.item.added" in kinds and kinds[-1] == "conversation.item.deleted", kinds
+    assert sent[-1]["item_id"] == "item_c5" and "item_c5" not in session.conversation
+    [error] = errors(sent)
+    assert (error["event_id"], error["param"]) == ("e5", "item")
+    send_event(session, _output("call_5", "x"))  # never placed: nothing to answer
+    assert errors(sent)[-1]["param"] == "item.call_id"
+    await session.close()
