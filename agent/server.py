@@ -104,7 +104,9 @@ async def client_secrets(request: web.Request) -> web.Response:
             400, "expires_after.seconds must be an integer", "invalid_value", param="expires_after.seconds"
         )
     try:
-        await check_tools_off_loop(request.app, body.get("session"))
+        part = body.get("session")
+        kind = part.get("type") if isinstance(part, dict) else None
+        await check_tools_off_loop(request.app, part, session_config.base_session(request.app[CONFIG], kind))
         session = session_config.client_secret_session(request.app[CONFIG], body)
         value, expires_at = request.app[KEYS].mint(seconds, session)
     except session_config.ConfigError as exc:

@@ -33,11 +33,15 @@ class CallOutputs:
         self._engine, self._items, self._replies = engine, items, replies
         self._turn = -1  # replies.turns when the latest output was added: the turn it joined
 
-    def add_call(self, item_id: str, call_id: str, name: str, arguments: str, event_id: Optional[str]) -> None:
-        """A replayed call (arguments: a JSON object's text)."""
+    def add_call(
+        self, item_id: str, call_id: str, name: str, arguments: str, event_id: Optional[str]
+    ) -> asyncio.Future:
+        """A replayed call (arguments: a JSON object's text, or "" for none). Returns the
+        engine's answer: an output for the call should wait for it (refused, the call is gone)."""
         answer = self._engine.send(
-            AddAssistantText(qwen_format.call_text(name, arguments)), event_id=event_id, param="item"
+            AddAssistantText(qwen_format.call_text(name, arguments or "{}")), event_id=event_id, param="item"
         )
+        fresh = call_id not in self._replies.calls
         self._replies.calls.add(call_id, name)
         self._turn = -1  # a result after it opens a user turn of its own
         self._items.add(
@@ -48,18 +52,19 @@ class CallOutputs:
                 "status": "completed",
                 "call_id": call_id,
                 "name": name,
-                "arguments": arguments,
+                "arguments": arguments,  # as the client gave them
             }
         )
         # The engine may not place it (images not yet answered: the error says so): then the
-        # item is withdrawn and its call cannot be answered.
+        # item is withdrawn and its call (one not known before) cannot be answered.
         answer.add_done_callback(self._items.withdraw_if_refused(item_id))
 
         def forget_if_refused(future: asyncio.Future) -> None:
-            if not future.cancelled() and future.exception() is not None:
+            if fresh and not future.cancelled() and future.exception() is not None:
                 self._replies.calls.discard(call_id)
 
         answer.add_done_callback(forget_if_refused)
+        return answer
 
     def add(self, item_id: str, call_id: str, output: str, event_id: Optional[str]) -> None:
         if call_id not in self._replies.calls:

@@ -11,6 +11,7 @@ logged at debug level (type and top-level keys, never audio), to see what real c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -163,7 +164,8 @@ def _session_update(session: "Session", event: dict[str, Any]) -> Optional[Later
     if "session" not in event:
         raise BadEvent("session.update needs a session object", "missing_required_parameter", "session")
     update = event["session"]
-    tools = update.get("tools") if isinstance(update, dict) else None
+    # (A transcription session has no tools: it ignores them, as merge does.)
+    tools = update.get("tools") if isinstance(update, dict) and "tools" in session.settings else None
     return slow_events.tools_first(session, tools, "session.tools", lambda: _update(session, update))
 
 
@@ -198,8 +200,7 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
         _call_output(session, item, event)
         return None
     if item.get("type") == "function_call":
-        _call(session, item, event)
-        return None
+        return _call(session, item, event)
     if item.get("type") != "message" or item.get("role") not in ("user", "system", "assistant"):
         raise BadEvent(
             "only message, function_call and function_call_output items can be added",
@@ -225,22 +226,28 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     return None
 
 
-def _call(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> None:
-    """A function_call item: a call the client replays (a restored conversation)."""
+def _call(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> Later:
+    """A function_call item: a call the client replays (a restored conversation). The events
+    behind it wait for the engine to place it: an output for it must not outlive a refusal."""
     call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
     if not isinstance(call_id, str) or not call_id:
         raise BadEvent("a function_call names its call (call_id)", "missing_required_parameter", "item.call_id")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise BadEvent("a function_call's name is 1-64 letters, digits, _ or -", "invalid_value", "item.name")
-    arguments = "{}" if arguments in (None, "") else arguments
+    arguments = "" if arguments is None else arguments
     try:
-        parsed = json.loads(arguments) if isinstance(arguments, str) else None
+        parsed = json.loads(arguments or "{}") if isinstance(arguments, str) else None
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
         raise BadEvent("arguments must be a JSON object's text", "invalid_value", "item.arguments")
     item_id = _new_item_id(session, item)
-    session.call_outputs.add_call(item_id, call_id, name, arguments, _event_id(event))
+    answer = session.call_outputs.add_call(item_id, call_id, name, arguments, _event_id(event))
+
+    async def placed() -> None:
+        await asyncio.wait({answer})  # a refusal is reported by the engine port, not raised here
+
+    return placed
 
 
 def _new_item_id(session: "Session", item: dict[str, Any]) -> str:

@@ -32,16 +32,23 @@ def check_tools(tools: Any, param: str) -> tuple[Tool, ...]:
         raise ConfigError("tools must be a list", param)
     if len(tools) > MAX_TOOLS:
         raise ConfigError(f"at most {MAX_TOOLS} tools", param)
-    return _checked(json.dumps(tools), param)  # (key order kept: properties come in schema order)
+    try:  # (key order kept: properties come in schema order)
+        return _checked(json.dumps(tools))
+    except ConfigError as exc:
+        raise ConfigError(str(exc), param + exc.param) from None
 
 
-@functools.lru_cache(maxsize=64)
-def _checked(text: str, param: str) -> tuple[Tool, ...]:
-    """check_tools of the tools in `text` (JSON), remembered (a refusal raises, and is not)."""
+# Keyed by the list alone (a session's tools are read as "session.tools" and, at each reply, as
+# "response.tools": one check for both). Sized for many sessions with tool sets of their own: a
+# list evicted is checked again, on the loop, at its session's next reply.
+@functools.lru_cache(maxsize=512)
+def _checked(text: str) -> tuple[Tool, ...]:
+    """check_tools of the tools in `text` (JSON), remembered (a refusal raises, and is not);
+    a refusal's param is relative to the list ("[2].name")."""
     tools = json.loads(text)
     out: list[Tool] = []
     for i, tool in enumerate(tools):
-        at = f"{param}[{i}]"
+        at = f"[{i}]"
         if not isinstance(tool, dict):
             raise ConfigError("a tool is an object", at)
         if (tool.get("type") or "function") != "function":  # (a null field is one not given)

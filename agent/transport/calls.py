@@ -116,7 +116,7 @@ async def create_call(request: web.Request) -> web.Response:
     kind = session_part.get("type") if isinstance(session_part, dict) else None
     settings = copy.deepcopy(who.session) if who.session else session_config.base_session(config, kind)
     try:
-        await check_tools_off_loop(app, session_part)
+        await check_tools_off_loop(app, session_part, settings)
         if session_part is not None:
             settings = session_config.merge(settings, session_part, config.vad_silence_ms)
         if request.query.get("model"):

@@ -153,11 +153,13 @@ def remember(app: web.Application, key: str, value: Any) -> None:
     _export_sessions(app)
 
 
-async def check_tools_off_loop(app: web.Application, session_part: Any) -> None:
+async def check_tools_off_loop(app: web.Application, session_part: Any, base: dict[str, Any]) -> None:
     """The tools of a session sent with an offer or a key request, checked on the decode pool
     before the handler's own check, which then finds them checked (agent/realtime/tool_config.py
     remembers a list). Their JSON Schema meta-check is ~8 ms a schema in Python: a list of 90
-    checked on the loop held every call's audio for most of a second. Raises ConfigError."""
+    checked on the loop held every call's audio for most of a second. `base`: the session the
+    part is merged into (one with no tools, a transcription session's, ignores them). Raises
+    ConfigError."""
     tools = session_part.get("tools") if isinstance(session_part, dict) else None
-    if isinstance(tools, list) and tools:
+    if "tools" in base and isinstance(tools, list) and tools:
         await asyncio.get_running_loop().run_in_executor(app[DECODE_POOL], check_tools, tools, "session.tools")

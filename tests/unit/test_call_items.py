@@ -8,15 +8,14 @@ Pins:
 - its call_id may then be answered: the output goes to the model as a `<tool_response>` block
   that opens its user turn (no newline before it), also after an earlier call and its output;
   an output for a call never made or replayed is refused (`item.call_id`);
-- arguments left out or empty are the empty object; a duplicate item id is refused;
+- arguments left out or empty are the empty object to the model (announced as given); a
+  duplicate item id is refused;
 - a call the engine cannot place (it refuses: images not yet answered) is withdrawn again,
   announced as deleted, so the client's list matches the model's, and its call_id cannot be
-  answered.
+  answered: an output sent right behind the call waits for the engine's answer and is refused.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from support.recording_session import errors, recording_session, send_event
 
@@ -49,6 +48,7 @@ async def test_replayed_calls_and_outputs_reach_the_model_in_qwens_format() -> N
     for call_id, city in (("call_1", "Paris"), ("call_2", "Oslo")):
         send_event(session, _call(call_id, f'{{"city": "{city}"}}'))
         send_event(session, _output(call_id, f"{city}: 21 C"))
+    await session.inbox.idle()
     assert errors(sent) == []
     assert _texts(engine) == [
         ("AddAssistantText", qwen_format.call_text("get_weather", '{"city": "Paris"}')),
@@ -74,8 +74,11 @@ async def test_outputs_need_a_known_call_and_arguments_default_to_the_empty_obje
     assert error["param"] == "item.call_id"
     send_event(session, _call("call_3", None, item_id="item_c3"))
     send_event(session, _call("call_4", "", item_id="item_c3"))
+    await session.inbox.idle()
     assert [e["param"] for e in errors(sent)] == ["item.call_id", "item.id"]
     assert _texts(engine) == [("AddAssistantText", qwen_format.call_text("get_weather", "{}"))]
+    [added] = [e["item"] for e in sent if e["type"] == "conversation.item.added"]
+    assert added["arguments"] == "", "announced as the client gave it"
     await session.close()
 
 
@@ -83,12 +86,13 @@ async def test_a_call_the_engine_refuses_is_withdrawn() -> None:
     session, engine, sent = recording_session()
     engine.refuse = lambda command: isinstance(command, AddAssistantText)
     send_event(session, {**_call("call_5", item_id="item_c5"), "event_id": "e5"})
-    await asyncio.sleep(0)
-    kinds = [e["type"] for e in sent]
-    assert "conversation.item.added" in kinds and kinds[-1] == "conversation.item.deleted", kinds
-    assert sent[-1]["item_id"] == "item_c5" and "item_c5" not in session.conversation
-    [error] = errors(sent)
-    assert (error["event_id"], error["param"]) == ("e5", "item")
-    send_event(session, _output("call_5", "x"))  # never placed: nothing to answer
-    assert errors(sent)[-1]["param"] == "item.call_id"
+    send_event(session, _output("call_5", "x"))  # right behind it: it waits for the engine's answer
+    await session.inbox.idle()
+    kinds = [e["type"] for e in sent if e["type"] != "error"]
+    assert kinds[-2:] == ["conversation.item.done", "conversation.item.deleted"], kinds
+    assert "item_c5" not in session.conversation
+    refused, orphan = errors(sent)
+    assert (refused["event_id"], refused["param"]) == ("e5", "item")
+    assert orphan["param"] == "item.call_id", "never placed: nothing to answer"
+    assert [c for c in engine.commands if isinstance(c, AddUserText)] == []
     await session.close()

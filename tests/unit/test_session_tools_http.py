@@ -5,7 +5,8 @@ decode pool, not on the event loop that paces every call's audio.
 Pins: while a key request with a long tool list is checked, the loop goes on running other work
 (counted: handled on the loop, it ran none until the answer); the key's session carries the
 tools; the pool's CPU is counted as agent_thread_cpu_seconds_total{thread="decode"}; a bad
-schema in the list is a 400 naming it (`session.tools[i].parameters`).
+schema in the list is a 400 naming it (`session.tools[i].parameters`); a transcription session
+has no tools and ignores them, bad ones included, as it always has.
 """
 
 from __future__ import annotations
@@ -79,3 +80,8 @@ async def test_a_key_requests_tools_are_checked_off_the_loop() -> None:
         response = await client.post("/v1/realtime/client_secrets", json={"session": {"tools": _tools(30, 21)}})
         body = await response.json()
         assert response.status == 400 and body["error"]["param"] == "session.tools[21].parameters", body
+
+        part = {"type": "transcription", "tools": [{"type": "mcp", "server_label": "x"}]}
+        response = await client.post("/v1/realtime/client_secrets", json={"session": part})
+        body = await response.json()
+        assert response.status == 200 and "tools" not in body["session"], body

@@ -8,6 +8,9 @@ Pins:
 - the parser names the function as soon as it is written, and its argument deltas, however
   the text is chunked, join to exactly the arguments the model wrote; a broken call raises;
 - bad tools and choices raise ConfigError naming the field; a good set becomes a ToolSet;
+- a list is checked once whatever field it is read as: a session's tools checked as
+  `session.tools` are found checked when a reply reads them as `response.tools` (the loop must
+  not check them again), and a refusal names the field it was read as;
 - a response that may call announces no message until it has words; a call cut off by a
   cancel ends `incomplete` in its output_item.done and in response.done, and a finished one
   is `completed` with .done carrying the whole arguments.
@@ -21,6 +24,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.realtime import tool_config
 from agent.realtime.config_error import ConfigError
 from agent.realtime.response import Response
 from agent.realtime.tool_config import tool_set
@@ -120,6 +124,20 @@ def test_a_good_set() -> None:
     assert tools.tools[0].parameters["required"] == ["city"]
     assert tool_set([], "auto", "session") is None
     assert not tool_set([WEATHER], "none", "session").calls
+
+
+def test_a_list_is_checked_once_whatever_field_reads_it() -> None:
+    tools = [{**WEATHER, "name": "checked_once"}]
+    before = tool_config._checked.cache_info()
+    tool_set(tools, "auto", "session")
+    tool_set(tools, "auto", "response")
+    after = tool_config._checked.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    bad = [WEATHER, {**WEATHER, "name": "bad name"}]
+    for field in ("session", "response"):
+        with pytest.raises(ConfigError) as info:
+            tool_set(bad, "auto", field)
+        assert info.value.param == f"{field}.tools[1].name"
 
 
 def _response() -> Response:
