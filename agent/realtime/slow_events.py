@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 MAX_APPEND_BYTES = 15 * 1024 * 1024  # the API's own limit for one append
 SLICE_S = 0.5  # audio pushed per slice: ~2 ms of voice detection
-BASE64_SLICE = 1 << 20  # characters decoded at a time (a multiple of 4): ~1.5 ms
 
 
 def append(session: "Session", event: dict[str, Any]) -> Optional[Later]:
@@ -52,12 +51,12 @@ def _slice_bytes(fmt: str) -> int:
 
 async def _append_slices(session: "Session", fmt: str, audio: str) -> None:
     pieces = []  # all decoded before any is pushed: a bad character refuses the whole append
-    for start in range(0, len(audio), BASE64_SLICE):
-        piece = audio[start : start + BASE64_SLICE]
-        if "=" in piece and start + BASE64_SLICE < len(audio):  # padding in a slice but the last
-            raise BadEvent("audio is not valid base64", param="audio")
-        pieces.append(_base64_audio(piece))
-        await asyncio.sleep(0)
+    try:
+        for piece in message_content.base64_slices(audio):
+            pieces.append(piece)
+            await asyncio.sleep(0)
+    except (binascii.Error, ValueError):
+        raise BadEvent("audio is not valid base64", param="audio") from None
     if fmt == "audio/pcm" and sum(map(len, pieces)) % 2:
         raise BadEvent("audio/pcm is 16-bit samples: an even number of bytes", param="audio")
     data, step = b"".join(pieces), _slice_bytes(fmt)

@@ -250,7 +250,7 @@ async def test_a_full_backlog_refuses_with_the_events_id() -> None:
 
 async def test_padding_inside_a_long_append_is_refused() -> None:
     session, engine, sent = _session()
-    first = "A" * (slow_events.BASE64_SLICE - 4) + "AA=="  # a slice of its own, ending padded
+    first = "A" * (message_content.BASE64_SLICE - 4) + "AA=="  # a slice of its own, ending padded
     audio = first + base64.b64encode(_pcm(1.0)).decode()
     _send(session, {"type": "input_audio_buffer.append", "event_id": "p1", "audio": audio})
     await session.inbox.idle()
