@@ -42,18 +42,11 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
-from support.recording_session import RecordingEngine, errors, recording_session, send_event
+from support.recording_session import errors, recording_session, send_event
 
 from agent.engine.commands import AddUserImage, AddUserText
 from agent.realtime import inbox, message_content, slow_events
 from agent.realtime.session import Session
-
-
-def _session(pool: ThreadPoolExecutor | None = None) -> tuple[Session, RecordingEngine, list[dict[str, Any]]]:
-    return recording_session(pool)
-
-
-_send, _errors = send_event, errors
 
 
 def _pcm(seconds: float) -> bytes:
@@ -78,15 +71,15 @@ def _png(side: int) -> str:
 
 
 async def test_a_long_append_yields_the_loop_and_a_commit_behind_it_takes_all_its_audio() -> None:
-    session, engine, sent = _session()
+    session, engine, sent = recording_session()
     seconds = 20.0  # under Config.max_turn_seconds, all of which a manual turn keeps
-    _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(seconds)).decode()})
-    _send(session, {"type": "input_audio_buffer.commit", "event_id": "c1"})
+    send_event(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(seconds)).decode()})
+    send_event(session, {"type": "input_audio_buffer.commit", "event_id": "c1"})
     assert session.inbox.busy and engine.audio_samples == 0, "the commit waits behind the append"
     ticks = await _ticks_until_idle(session)
     # 0.5 s slices: the loop ran other work between each of the 40 (none when handled whole).
     assert ticks >= seconds / slow_events.SLICE_S - 1, ticks
-    assert _errors(sent) == []
+    assert errors(sent) == []
     assert [e["type"] for e in sent if e["type"].startswith("input_audio_buffer")] == ["input_audio_buffer.committed"]
     # 20 s at 16 kHz, give or take the resampler's last partial chunk.
     assert abs(engine.audio_samples - seconds * 16_000) <= 16_000 * 0.08, engine.audio_samples
@@ -95,16 +88,16 @@ async def test_a_long_append_yields_the_loop_and_a_commit_behind_it_takes_all_it
 
 @pytest.mark.parametrize("fault", ["bad character", "odd bytes"])
 async def test_a_long_append_with_a_fault_is_refused_whole(fault: str) -> None:
-    session, engine, sent = _session()
+    session, engine, sent = recording_session()
     pcm = _pcm(30.0)
     if fault == "odd bytes":
         pcm += b"\x00"
     audio = base64.b64encode(pcm).decode()
     if fault == "bad character":
         audio = audio[:-10] + "!" + audio[-9:]
-    _send(session, {"type": "input_audio_buffer.append", "event_id": "a1", "audio": audio})
+    send_event(session, {"type": "input_audio_buffer.append", "event_id": "a1", "audio": audio})
     await session.inbox.idle()
-    [error] = _errors(sent)
+    [error] = errors(sent)
     assert (error["param"], error["event_id"]) == ("audio", "a1"), error
     assert session.input.buffered_ms() == 0, "nothing of it was pushed"
     await session.close()
@@ -119,20 +112,22 @@ async def test_an_image_decodes_off_the_loop_and_what_follows_sees_it() -> None:
         return real_decode(*args, **kwargs)
 
     with ThreadPoolExecutor(1, thread_name_prefix="decode") as pool:
-        session, engine, sent = _session(pool)
+        session, engine, sent = recording_session(pool)
         message_content.decode_image = recording_decode  # type: ignore[assignment]
         try:
             image = {"type": "input_image", "image_url": _png(1024)}
             text = {"type": "input_text", "text": "what is this?"}
-            _send(session, {"type": "conversation.item.create", "item": _user([text, image])})
-            _send(session, {"type": "conversation.item.create", "item": _user([{"type": "input_text", "text": "!"}])})
+            send_event(session, {"type": "conversation.item.create", "item": _user([text, image])})
+            send_event(
+                session, {"type": "conversation.item.create", "item": _user([{"type": "input_text", "text": "!"}])}
+            )
             assert session.inbox.busy and engine.commands == [], "the second message waits for the first"
             ticks = await _ticks_until_idle(session)
         finally:
             message_content.decode_image = real_decode  # type: ignore[assignment]
         assert decoded_on and decoded_on[0].startswith("decode"), decoded_on
         assert ticks > 0
-        assert _errors(sent) == []
+        assert errors(sent) == []
         kinds = [type(c) for c in engine.commands if isinstance(c, (AddUserImage, AddUserText))]
         assert kinds == [AddUserImage, AddUserText, AddUserText], engine.commands
         added = [e["item"]["content"] for e in sent if e["type"] == "conversation.item.added"]
@@ -140,10 +135,10 @@ async def test_an_image_decodes_off_the_loop_and_what_follows_sees_it() -> None:
 
         # A bad image is refused with its part's param; what follows is handled as usual.
         bad = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
-        _send(session, {"type": "conversation.item.create", "event_id": "i2", "item": _user([text, bad])})
-        _send(session, {"type": "conversation.item.create", "item": _user([text])})
+        send_event(session, {"type": "conversation.item.create", "event_id": "i2", "item": _user([text, bad])})
+        send_event(session, {"type": "conversation.item.create", "item": _user([text])})
         await session.inbox.idle()
-        [error] = _errors(sent)
+        [error] = errors(sent)
         assert (error["param"], error["event_id"]) == ("item.content[1].image_url", "i2"), error
         assert len([e for e in sent if e["type"] == "conversation.item.added"]) == 3
         await session.close()
@@ -154,10 +149,10 @@ def _user(content: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def test_text_messages_and_short_appends_are_handled_at_once() -> None:
-    session, engine, sent = _session()
-    _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(0.2)).decode()})
+    session, engine, sent = recording_session()
+    send_event(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(0.2)).decode()})
     assert not session.inbox.busy and session.input.buffered_ms() > 0
-    _send(session, {"type": "conversation.item.create", "item": _user([{"type": "input_text", "text": "hi"}])})
+    send_event(session, {"type": "conversation.item.create", "item": _user([{"type": "input_text", "text": "hi"}])})
     assert not session.inbox.busy and [type(c) for c in engine.commands] == [AddUserText]
     await session.close()
 
@@ -183,30 +178,30 @@ async def test_waiting_is_bounded_and_runs_in_order() -> None:
 
 
 async def test_closing_stops_the_work_and_drops_what_waits() -> None:
-    session, engine, sent = _session()
-    _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(120.0)).decode()})
-    _send(session, {"type": "input_audio_buffer.commit"})
+    session, engine, sent = recording_session()
+    send_event(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(120.0)).decode()})
+    send_event(session, {"type": "input_audio_buffer.commit"})
     await asyncio.sleep(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a coroutine never awaited warns
         await session.close()
         await asyncio.sleep(0.05)
     assert not session.inbox.busy
-    assert engine.audio_samples == 0 and _errors(sent) == []
+    assert engine.audio_samples == 0 and errors(sent) == []
 
 
 async def test_a_session_closed_before_its_heavy_event_began_leaves_no_coroutine_behind() -> None:
-    session, engine, sent = _session()
+    session, engine, sent = recording_session()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(5.0)).decode()})
+        send_event(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(5.0)).decode()})
         image = {"type": "input_image", "image_url": _png(64)}
-        _send(session, {"type": "conversation.item.create", "item": _user([image])})
+        send_event(session, {"type": "conversation.item.create", "item": _user([image])})
         await session.close()  # in the same pass of the loop: the work never started
         await asyncio.sleep(0.01)
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
-    assert not session.inbox.busy and session.input.buffered_ms() == 0 and _errors(sent) == []
+    assert not session.inbox.busy and session.input.buffered_ms() == 0 and errors(sent) == []
 
 
 async def test_a_failed_or_cancelled_event_leaves_the_rest_in_order(caplog: pytest.LogCaptureFixture) -> None:
@@ -236,43 +231,45 @@ async def test_a_failed_or_cancelled_event_leaves_the_rest_in_order(caplog: pyte
 
 
 async def test_a_full_backlog_refuses_with_the_events_id() -> None:
-    session, engine, sent = _session()
-    _send(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(20.0)).decode()})
+    session, engine, sent = recording_session()
+    send_event(session, {"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm(20.0)).decode()})
     short = base64.b64encode(_pcm(0.02)).decode()
     for i in range(inbox.MAX_WAITING + 1):
-        _send(session, {"type": "input_audio_buffer.append", "event_id": f"a{i}", "audio": short})
-    [error] = _errors(sent)
+        send_event(session, {"type": "input_audio_buffer.append", "event_id": f"a{i}", "audio": short})
+    [error] = errors(sent)
     assert (error["code"], error["event_id"]) == ("rate_limited", f"a{inbox.MAX_WAITING}"), error
     await session.inbox.idle()
-    assert len(_errors(sent)) == 1
+    assert len(errors(sent)) == 1
     await session.close()
 
 
 async def test_padding_inside_a_long_append_is_refused() -> None:
-    session, engine, sent = _session()
+    session, engine, sent = recording_session()
     first = "A" * (message_content.BASE64_SLICE - 4) + "AA=="  # a slice of its own, ending padded
     audio = first + base64.b64encode(_pcm(1.0)).decode()
-    _send(session, {"type": "input_audio_buffer.append", "event_id": "p1", "audio": audio})
+    send_event(session, {"type": "input_audio_buffer.append", "event_id": "p1", "audio": audio})
     await session.inbox.idle()
-    [error] = _errors(sent)
+    [error] = errors(sent)
     assert (error["param"], error["event_id"]) == ("audio", "p1") and session.input.buffered_ms() == 0
     await session.close()
 
 
 async def test_an_item_the_model_added_during_decoding_moves_the_end_the_client_named() -> None:
     with ThreadPoolExecutor(1) as pool:
-        session, engine, sent = _session(pool)
-        _send(session, {"type": "conversation.item.create", "item": _user([{"type": "input_text", "text": "one"}])})
+        session, engine, sent = recording_session(pool)
+        send_event(
+            session, {"type": "conversation.item.create", "item": _user([{"type": "input_text", "text": "one"}])}
+        )
         [first] = [e["item"]["id"] for e in sent if e["type"] == "conversation.item.added"]
         image = {"type": "input_image", "image_url": _png(256)}
         create = {"type": "conversation.item.create", "event_id": "i1", "previous_item_id": first}
-        _send(session, {**create, "item": _user([image])})
+        send_event(session, {**create, "item": _user([image])})
         assert session.inbox.busy
         # While it decodes, a turn is committed on the server's side (as server VAD commits one).
         session.push_audio(_frame(_pcm(0.5)))
         session.commit_audio(None)
         await session.inbox.idle()
-        [error] = _errors(sent)
+        [error] = errors(sent)
         assert (error["code"], error["param"], error["event_id"]) == ("unsupported", "previous_item_id", "i1")
         assert len([e for e in sent if e["type"] == "conversation.item.added"]) == 2  # "one" and the turn
         await session.close()
@@ -301,22 +298,22 @@ def _tools(count: int, bad_at: int | None = None) -> list[dict[str, Any]]:
 
 async def test_tools_are_checked_off_the_loop_before_the_update_applies() -> None:
     with ThreadPoolExecutor(1) as pool:
-        session, engine, sent = _session(pool)
-        _send(
+        session, engine, sent = recording_session(pool)
+        send_event(
             session, {"type": "session.update", "event_id": "u1", "session": {"type": "realtime", "tools": _tools(24)}}
         )
-        _send(session, {"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}})
+        send_event(session, {"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}})
         assert session.inbox.busy and not [e for e in sent if e["type"] == "session.updated"]
         ticks = await _ticks_until_idle(session)
         assert ticks > 0
         updated = [e["session"] for e in sent if e["type"] == "session.updated"]
         assert [len(u["tools"]) for u in updated] == [24, 24] and updated[1]["instructions"] == "Be brief."
-        assert _errors(sent) == []
+        assert errors(sent) == []
 
         bad = {"type": "realtime", "tools": _tools(24, bad_at=17)}
-        _send(session, {"type": "session.update", "event_id": "u2", "session": bad})
+        send_event(session, {"type": "session.update", "event_id": "u2", "session": bad})
         await session.inbox.idle()
-        [error] = _errors(sent)
+        [error] = errors(sent)
         assert (error["param"], error["event_id"]) == ("session.tools[17].parameters", "u2"), error
         assert len(session.settings["tools"]) == 24 and len([e for e in sent if e["type"] == "session.updated"]) == 2
         await session.close()
