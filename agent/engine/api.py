@@ -181,8 +181,9 @@ class ConversationEditing(Protocol):
         """A system message item, in the conversation where it is added."""
         ...
 
-    def add_assistant_text(self, session_id: str, text: str) -> int:
-        """An assistant message item (a replayed conversation), where it is added."""
+    def add_assistant_text(self, session_id: str, text: str, joins: bool = False) -> int:
+        """An assistant message item (a replayed conversation), where it is added; `joins`: it
+        continues the assistant turn replayed just before, if that is still the last one added."""
         ...
 
     def drop_turn_items(self, session_id: str) -> None:

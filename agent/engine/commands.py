@@ -159,6 +159,9 @@ class AddSystemText(SessionCommand):
 @dataclass(frozen=True)
 class AddAssistantText(SessionCommand):
     text: str
+    # A replayed call right behind a replayed assistant message or call: it continues that
+    # assistant turn (Qwen's template writes a message's text and its calls as one turn).
+    joins: bool = False
 
 
 @dataclass(frozen=True)

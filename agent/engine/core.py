@@ -99,7 +99,7 @@ SESSION_COMMANDS: dict[type, tuple[Optional[type], Handler]] = {
     AddUserText: (ConversationEditing, lambda r, sid, c: r.add_user_text(sid, c.text)),
     AddUserImage: (ConversationEditing, lambda r, sid, c: r.add_user_image(sid, c.image)),
     AddSystemText: (ConversationEditing, lambda r, sid, c: r.add_system_text(sid, c.text)),
-    AddAssistantText: (ConversationEditing, lambda r, sid, c: r.add_assistant_text(sid, c.text)),
+    AddAssistantText: (ConversationEditing, lambda r, sid, c: r.add_assistant_text(sid, c.text, c.joins)),
     SetVoice: (ConversationEditing, lambda r, sid, c: r.set_voice(sid, c.voice)),
     SetReplyInstructions: (ConversationEditing, lambda r, sid, c: r.set_reply_instructions(sid, c.text)),
     TruncateReply: (ConversationEditing, lambda r, sid, c: r.truncate_reply(sid, c.audio_frames)),

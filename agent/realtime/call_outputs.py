@@ -4,9 +4,10 @@
   `<tool_response>` blocks in the user turn the model answers next (agent/tools/qwen_format.py),
   joined by a newline when a turn carries several;
 - `function_call` items, calls the client replays (a conversation restored, as LiveKit's
-  chat context sends it): each a closed assistant turn holding the call as the model writes one
+  chat context sends it): a closed assistant turn holding the call as the model writes one
   (`<tool_call>`), where it is added, after the user's text before it
-  (agent/engine/runner/edits.py `add_assistant_text`); its call_id may then be answered.
+  (agent/engine/runner/edits.py `add_assistant_text`); right behind an assistant message or
+  call it joins that turn, as parallel calls share one; its call_id may then be answered.
 
 A part of the Session, given the engine port, the items port and the replies (which know the
 calls made), never the Session.
@@ -38,9 +39,11 @@ class CallOutputs:
     ) -> asyncio.Future:
         """A replayed call (arguments: a JSON object's text, or "" for none). Returns the
         engine's answer: an output for the call should wait for it (refused, the call is gone)."""
-        answer = self._engine.send(
-            AddAssistantText(qwen_format.call_text(name, arguments or "{}")), event_id=event_id, param="item"
-        )
+        # Right behind an assistant message or call (as LiveKit replays a reply's text and its
+        # parallel calls), it joins that assistant turn, if the engine still has it last.
+        text = qwen_format.call_text(name, arguments or "{}")
+        joins = self._items.last_is_assistant()
+        answer = self._engine.send(AddAssistantText(text, joins=joins), event_id=event_id, param="item")
         fresh = call_id not in self._replies.calls
         self._replies.calls.add(call_id, name)
         self._turn = -1  # a result after it opens a user turn of its own

@@ -40,6 +40,12 @@ class Items:
 
         return refused
 
+    def last_is_assistant(self) -> bool:
+        """Whether the newest item is the assistant's: a message of its, or a function call."""
+        last_id = self._conversation.last_id()
+        item = None if last_id is None else self._conversation.get(last_id)
+        return item is not None and (item["type"] == "function_call" or item.get("role") == "assistant")
+
     def add(self, item: dict[str, Any]) -> None:
         previous = self._conversation.add(item)
         self._outbox.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": item})

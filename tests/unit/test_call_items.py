@@ -8,6 +8,9 @@ Pins:
 - its call_id may then be answered: the output goes to the model as a `<tool_response>` block
   that opens its user turn (no newline before it), also after an earlier call and its output;
   an output for a call never made or replayed is refused (`item.call_id`);
+- calls replayed right behind an assistant message or call (a reply's text and its parallel
+  calls, as LiveKit replays them) ask the engine to join that assistant turn; a call after
+  anything else (an output, a user message) opens a turn of its own;
 - arguments left out or empty are the empty object to the model (announced as given); a
   duplicate item id is refused;
 - a call the engine cannot place (it refuses: images not yet answered) is withdrawn again,
@@ -95,4 +98,22 @@ async def test_a_call_the_engine_refuses_is_withdrawn() -> None:
     assert (refused["event_id"], refused["param"]) == ("e5", "item")
     assert orphan["param"] == "item.call_id", "never placed: nothing to answer"
     assert [c for c in engine.commands if isinstance(c, AddUserText)] == []
+    await session.close()
+
+
+async def test_parallel_calls_join_the_assistant_turn_before_them() -> None:
+    session, engine, sent = recording_session()
+    reply = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]}
+    send_event(session, {"type": "conversation.item.create", "item": reply})
+    send_event(session, _call("call_a", '{"city": "Paris"}'))
+    send_event(session, _call("call_b", '{"city": "Oslo"}'))
+    send_event(session, _output("call_a", "21 C"))
+    send_event(session, _output("call_b", "9 C"))
+    send_event(session, _call("call_c", '{"city": "Rome"}'))  # a new reply's call, after the results
+    await session.inbox.idle()
+    assert errors(sent) == []
+    joins = [c.joins for c in engine.commands if isinstance(c, AddAssistantText)]
+    assert joins == [False, True, True, False]
+    results = [c.text for c in engine.commands if isinstance(c, AddUserText)]
+    assert results == ["<tool_response>\n21 C\n</tool_response>", "\n<tool_response>\n9 C\n</tool_response>"]
     await session.close()

@@ -17,7 +17,9 @@ Pins, by the tokens in the session's KV slot:
   the user speaks go before that turn too, so its reply follows them;
 - an assistant message item (a replayed conversation) is a closed assistant turn after a user
   turn made of the text items before it; while the user speaks it goes before the speech; with
-  images not yet answered it is refused;
+  images not yet answered it is refused; a replayed call that joins it (parallel calls) goes
+  into that turn after a newline, while the user speaks too, during a reply too, and opens a
+  turn of its own once a reply has prefilled that one;
 - a truncation while a reply runs is refused; a cancel ends the reply at once (its ReplyDone
   ready before any tick), so a truncation of it and the next reply's begin queued right behind
   the cancel (one drain of a busy engine's inbox) cut that reply and begin after it;
@@ -155,6 +157,40 @@ def test_an_assistant_item_closes_the_user_items_before_it(runner, loaded) -> No
     runner.add_user_image("s", np.zeros((32, 32, 3), np.uint8))
     with pytest.raises(ValueError, match="images"):
         runner.add_assistant_text("s", "A picture.")
+
+
+def test_replayed_calls_join_the_assistant_turn_replayed_last(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    ids, tok = loaded.ids, loaded.tokenizer
+    im_end = [ids.im_end, *ids.newline]
+
+    def encoded(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    call_a, call_b = '<tool_call>\n{"name": "a"}\n</tool_call>', '<tool_call>\n{"name": "b"}\n</tool_call>'
+    runner.add_assistant_text("s", "Let me look.")
+    runner.add_assistant_text("s", call_a, joins=True)
+    head = [*assistant_start_ids(ids), *encoded("Let me look."), *encoded("\n" + call_a)]
+    assert state.closing == [*head, *im_end]
+    # While the user speaks, the turn still goes before the speech, prefilled again after it.
+    audio = speech(2.5)
+    for i in range(0, len(audio), 1280):
+        runner.append_audio("s", audio[i : i + 1280])
+    assert state.turn.header_done
+    n = runner.add_assistant_text("s", call_b, joins=True)
+    whole = [*head, *encoded("\n" + call_b), *im_end]
+    assert state.closing == whole and n == len(whole) and not state.turn.header_done
+    # A reply prefills it: a call joining it now opens a turn of its own, after the reply.
+    done = run_reply(runner, "s", text_only=True)
+    assert done.stats["prefill_tokens"] > len(whole) and state.closing[-len(im_end) :] == im_end
+    runner.begin_reply("s", [], text_only=True)
+    runner.add_assistant_text("s", call_a, joins=True)
+    runner.add_assistant_text("s", call_b, joins=True)  # during the reply: joins the one after it
+    joined = [*assistant_start_ids(ids), *encoded(call_a), *encoded("\n" + call_b), *im_end]
+    assert state.after_reply == joined
+    run_until_idle(runner, 500)
+    assert state.closing[-len(joined) :] == joined
 
 
 def test_items_added_during_a_reply_cancelled_in_its_prefill_go_before_its_turn(loaded) -> None:

@@ -95,13 +95,18 @@ class ConversationEdits:
         self._append(self.sessions[session_id], ids)
         return len(ids)
 
-    def add_assistant_text(self, session_id: str, text: str) -> int:
+    def add_assistant_text(self, session_id: str, text: str, joins: bool = False) -> int:
         """An assistant message item (a client replaying a conversation): a closed assistant turn
         where it is added (`_append`). The user's text items waiting for the turn's end came
         before it: they become a user turn of their own in front of it. The talker is not told
         (it hears user turns only, as of every earlier reply). Refused while the turn holds
         images not yet answered (they need the turn's own prefill) or turns wait to be
-        answered. Returns the tokens added."""
+        answered. Returns the tokens added.
+
+        `joins` (a replayed call right behind a replayed message or call): the text goes into
+        the assistant turn replayed last, after a newline, as Qwen's template writes a message's
+        text and its parallel calls (`_join`); a new turn if that one is no longer the last
+        thing waiting to be prefilled."""
         self.speculation.drop_speculation(session_id)
         state = self.sessions[session_id]
         turn = state.turn
@@ -109,13 +114,38 @@ class ConversationEdits:
             raise ValueError("an assistant message cannot follow images not yet answered: ask for a response first")
         if state.held_turns:
             raise ValueError("an assistant message cannot be added while turns wait to be answered")
+        if joins and not turn.text_ids and self._join(state, text):
+            return len(state.replayed_turn)
         ids, im_end = [], [self.loaded.ids.im_end, *self.loaded.ids.newline]
         if turn.text_ids:
             ids += [self.loaded.ids.im_start, *self.loaded.ids.user, *self.loaded.ids.newline, *turn.text_ids, *im_end]
             turn.text_ids = []
-        ids += [*assistant_start_ids(self.loaded.ids), *self.turns.text_ids(text), *im_end]
+        state.replayed_turn = (*assistant_start_ids(self.loaded.ids), *self.turns.text_ids(text), *im_end)
+        ids += state.replayed_turn
         self._append(state, ids)
         return len(ids)
+
+    def _join(self, state: SessionState, text: str) -> bool:
+        """Continue the assistant turn replayed last, where it still ends the turns waiting to be
+        prefilled (after a reply in flight, or in front of the next user turn). Nothing added
+        since can end with it: only this method and add_assistant_text write an assistant header
+        there. False when it is gone (prefilled by a reply, or followed by another turn)."""
+        replayed, im_end = state.replayed_turn, [self.loaded.ids.im_end, *self.loaded.ids.newline]
+        if not replayed:
+            return False
+        # Where _append put it: after the reply in flight, or in front of the turn being spoken
+        # (behind a turn that replaced the history, which cannot be taken back out).
+        after = state.reply is not None or state.turn.history_reset
+        pending = state.after_reply if after else state.closing
+        if tuple(pending[-len(replayed) :]) != replayed:
+            return False
+        if not after:
+            self.turns.unprefill_turn(state)  # the turn's prefill followed it: it goes again after
+        del pending[len(pending) - len(im_end) :]
+        added = self.turns.text_ids("\n" + text)
+        pending += [*added, *im_end]
+        state.replayed_turn = (*replayed[: -len(im_end)], *added, *im_end)
+        return True
 
     def _append(self, state: SessionState, ids: list[int]) -> None:
         """Tokens of a whole turn, at the end of the conversation: after the reply in flight

@@ -281,8 +281,8 @@ class StreamingRunner:
     def add_system_text(self, session_id: str, text: str) -> int:
         return self.edits.add_system_text(session_id, text)
 
-    def add_assistant_text(self, session_id: str, text: str) -> int:
-        return self.edits.add_assistant_text(session_id, text)
+    def add_assistant_text(self, session_id: str, text: str, joins: bool = False) -> int:
+        return self.edits.add_assistant_text(session_id, text, joins)
 
     def drop_turn_items(self, session_id: str) -> None:
         self.edits.drop_turn_items(session_id)

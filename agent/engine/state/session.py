@@ -255,6 +255,9 @@ class SessionState:
     # follow its closing, at the start of the next user turn.
     after_reply: list[int] = field(default_factory=list)
     last_reply: LastReply | None = None  # until the next reply begins
+    # The assistant turn the client replayed last, as added (edits.py): a call replayed right
+    # behind it joins it while it still ends the turns waiting to be prefilled.
+    replayed_turn: tuple[int, ...] = ()
     context_turns: int = 0  # answered turns in the thinker cache since its last history reset
     last_frame: tuple[float, np.ndarray] | None = None  # (engine clock, frame): seeds the next turn's first grid
     # Turns that ended while a reply was in flight (interpreter mode), oldest first: each is
