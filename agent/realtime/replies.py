@@ -3,12 +3,13 @@ the turns held for later (interpreter mode), from response.create to response.do
 
 A `Session` owns one `Replies`; it alone changes that state. It starts replies on the engine,
 turns the engine's output (the session's ReplySink calls) into GA server events and the
-outbound track's audio, cancels on barge-in or response.cancel (a barge-in's cut of the model's
-context to what was heard is agent/realtime/edits.py's), and runs work that must wait until
-every cancelled reply has ended in the engine. It is given the ports it needs (the session's
-engine port, outbox, conversation, settings, admission) and plain values, never the Session; the
-outbound track is set by the session once made (it calls back here), and `close()` drops what
-refers back (the track's hooks into it are the session's to drop).
+outbound audio (its part `audio`, agent/realtime/reply_audio.py), cancels on barge-in or
+response.cancel (a barge-in's cut of the model's context to what was heard is
+agent/realtime/edits.py's), and runs work that must wait until every cancelled reply has ended
+in the engine. It is given the ports it needs (the session's engine port, outbox, conversation,
+settings, admission) and plain values, never the Session; the outbound track is set on `audio`
+by the session once made (it calls back there), and `close()` drops what refers back (the
+track's hooks into it are the session's to drop).
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from agent.config import OUTPUT_RATE, Config
 from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, TextDelta
 from agent.engine.commands import HoldTurn, SetReplyInstructions, SetReplyTools
 from agent.gate.ladder import Admission
-from agent.media.playout import AgentAudioTrack
 from agent.realtime import session_config, tool_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.known_calls import KnownCalls
 from agent.realtime.outbox import Outbox
+from agent.realtime.reply_audio import ReplyAudio
 from agent.realtime.response import STATUS_BY_REASON, Response
 from agent.tools import qwen_format
 from agent.tools.call_parser import CallParseError
@@ -54,10 +55,9 @@ class Replies:
         self._conversation_id, self._priority = conversation_id, priority
         self._transcription_only = transcription_only
         self._flush_video = flush_video  # the newest camera frames to the engine, ahead of a reply
-        self.track: Optional[AgentAudioTrack] = None  # WebRTC: the outbound track (set by the session)
         self.turns = 0  # replies begun
         self.current: Optional[Response] = None  # the response in progress
-        self.playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
+        self.audio = ReplyAudio(outbox)  # where the speech goes, and whose audio the track plays
         self.last: Optional[Response] = None  # the latest response (what a truncation may cut)
         self._stale_done = 0  # ReplyDone events still owed by cancelled replies
         # Interpreter mode: the user items of ended turns the engine holds, answered in order after `current`.
@@ -77,7 +77,7 @@ class Replies:
     @property
     def active(self) -> bool:
         """A reply is being made or its audio is still playing out (what a shutdown waits for)."""
-        return self.current is not None or self.playing is not None
+        return self.current is not None or self.audio.playing is not None
 
     def forget_last(self) -> None:
         """The latest reply's item was deleted: nothing is left to truncate."""
@@ -156,7 +156,7 @@ class Replies:
                 event_id=event_id,
             )
             return
-        if self.playing is not None and not held:
+        if self.audio.playing is not None and not held:
             self.clear_output()  # a new reply does not queue behind the old one's audio
         mode = self.reply_mode(params.get("output_modalities") or settings["output_modalities"])
         if held and mode == "fallback":
@@ -182,9 +182,7 @@ class Replies:
         )
         self.current = self.last = reply
         self._held_at = held
-        if self.track is not None and reply.audio:
-            self.track.begin_reply()
-            self.playing = reply
+        self.audio.begin(reply)
         for event in reply.started():
             self._outbox.emit(event)
         if not tools:  # without tools the message is announced at once, as it always was
@@ -231,7 +229,7 @@ class Replies:
         barge-in ("turn_detected") whose reply was the latest one playing, returns it and the
         samples the user heard of it (WebRTC: the agent knows what was played), for the caller
         to cut the reply in the model's context to those words (agent/realtime/edits.py)."""
-        playing, heard = self.playing, 0
+        playing, heard = self.audio.playing, 0
         if playing is not None:
             heard = playing.samples - round(self.clear_output() * OUTPUT_RATE)
         reply = self.current
@@ -243,32 +241,19 @@ class Replies:
             return playing, max(0, heard)
         return None
 
+    def playing_level(self) -> Optional[float]:
+        """For the echo guard (agent/media/vad.py): the level the agent plays now, None while
+        silent. On a WebSocket the client plays the deltas at its own pace; all that is known is
+        that a spoken reply is under way (level 0: the duration rule applies, the threshold is
+        not raised)."""
+        if self.audio.track is not None:
+            return self.audio.track.level.level()
+        return 0.0 if self.current is not None and self.current.audio else None
+
     def clear_output(self) -> float:
         """output_audio_buffer.clear (WebRTC): the track drops what it has not played; returns
         the seconds dropped."""
-        playing, self.playing = self.playing, None
-        if self.track is None:
-            return 0.0
-        dropped = self.track.flush()
-        response_id = playing.id if playing is not None else (self.last.id if self.last else None)
-        if response_id is not None:
-            self._outbox.emit({"type": "output_audio_buffer.cleared", "response_id": response_id})
-        return dropped
-
-    def on_first_audio(self, _wall: float) -> None:
-        if self.playing is not None:
-            self._outbox.emit(
-                {
-                    "type": "output_audio_buffer.started",
-                    "response_id": self.playing.id,
-                    "omni": {"ttfa_ms": None if self.playing.ttfa is None else round(self.playing.ttfa * 1000, 1)},
-                }
-            )
-
-    def on_drained(self, _wall: float) -> None:
-        playing, self.playing = self.playing, None
-        if playing is not None:
-            self._outbox.emit({"type": "output_audio_buffer.stopped", "response_id": playing.id})
+        return self.audio.clear(self.last)
 
     # ---- engine output (the session's ReplySink calls) ---------------------------------
     def _live(self) -> Optional[Response]:
@@ -304,11 +289,7 @@ class Replies:
         if reply.ttfa is None:
             reply.ttfa = self._since_end_of_turn(reply, metrics.TTFA)
         self._open_message(reply)
-        if self.track is not None:
-            reply.samples += len(audio.pcm)
-            self.track.push(audio.pcm)
-        else:
-            self._outbox.emit(reply.audio_delta(audio.pcm))
+        self.audio.push(reply, audio.pcm)
 
     def on_call(self, delta: CallDelta) -> None:
         """The model's tool call `delta.index` grew or ended: its item is announced once its
@@ -364,8 +345,7 @@ class Replies:
             metrics.ERRORS.labels(where="engine").inc()
             error = f"reply failed: {done.stats.get('error', 'engine error')}"
             self._outbox.error(error, "engine_error", kind="server_error")
-        if self.track is not None and self.playing is reply:
-            self.track.end_reply()
+        self.audio.end(reply)
         first_response = reply.ttfa if reply.audio else reply.ttft
         if first_response is not None:
             self._admission.observe(first_response)

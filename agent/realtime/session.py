@@ -104,19 +104,21 @@ class Session:
         # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
         self.track: Optional[AgentAudioTrack] = (
             AgentAudioTrack(
-                upsample_to_48k=True, on_first_audio=self.replies.on_first_audio, on_drained=self.replies.on_drained
+                upsample_to_48k=True,
+                on_first_audio=self.replies.audio.on_first_audio,
+                on_drained=self.replies.audio.on_drained,
             )
             if webrtc and not self.transcription_only
             else None
         )
-        self.replies.track = self.track
+        self.replies.audio.track = self.track
         self.edits = Edits(self.replies, self.engine, self.conversation, self.outbox)
         self.call_outputs = CallOutputs(self.engine, self.items, self.replies)  # results of the model's calls
         self.messages = Messages(self.engine, self.items, self.replies.remember)  # user and system messages
         self.input = InputBuffer(
             config,
             session_config.turn_detection(self.settings, config.vad_silence_ms),
-            echo=_playing_level(self.track, self.replies),
+            echo=self.replies.playing_level,  # (a method of the replies, not the session: no cycle)
         )
         self.turn = ServerTurn(  # the turn server VAD follows (agent/realtime/server_turn.py)
             self.engine,
@@ -378,21 +380,6 @@ class Session:
         kind: str = "invalid_request_error",
     ) -> None:
         self.outbox.error(message, code, param=param, event_id=event_id, kind=kind)
-
-
-def _playing_level(track: Optional[AgentAudioTrack], replies: Replies) -> Callable[[], Optional[float]]:
-    """For the echo guard (agent/media/vad.py): the level the agent plays now, None while silent.
-    A closure over the track and the replies, not the session: session -> input -> endpointer ->
-    session would be a cycle, freed only at a full GC."""
-
-    def level() -> Optional[float]:
-        if track is not None:
-            return track.level.level()
-        # WebSocket: the client plays the deltas at its own pace; all we know is that a spoken
-        # reply is under way (level 0: the duration rule applies, the threshold is not raised).
-        return 0.0 if replies.current is not None and replies.current.audio else None
-
-    return level
 
 
 def _closed_already(session: Session) -> None:
