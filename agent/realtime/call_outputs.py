@@ -2,7 +2,7 @@
 
 - `function_call_output` items, the results of calls, given to the model as Qwen gives results:
   `<tool_response>` blocks in the user turn the model answers next (agent/tools/qwen_format.py),
-  joined by a newline when a turn carries several;
+  each a text item of that turn (on a line of its own);
 - `function_call` items, calls the client replays (a conversation restored, as LiveKit's
   chat context sends it): a closed assistant turn holding the call as the model writes one
   (`<tool_call>`), where it is added, after the user's text before it
@@ -32,7 +32,6 @@ class UnknownCall(ValueError):
 class CallOutputs:
     def __init__(self, engine: EnginePort, items: Items, replies: Replies) -> None:
         self._engine, self._items, self._replies = engine, items, replies
-        self._turn = -1  # replies.turns when the latest output was added: the turn it joined
 
     def add_call(
         self, item_id: str, call_id: str, name: str, arguments: str, event_id: Optional[str]
@@ -46,7 +45,6 @@ class CallOutputs:
         answer = self._engine.send(AddAssistantText(text, joins=joins), event_id=event_id, param="item")
         fresh = call_id not in self._replies.calls
         self._replies.calls.add(call_id, name)
-        self._turn = -1  # a result after it opens a user turn of its own
         self._items.add(
             {
                 "id": item_id,
@@ -72,9 +70,7 @@ class CallOutputs:
     def add(self, item_id: str, call_id: str, output: str, event_id: Optional[str]) -> None:
         if call_id not in self._replies.calls:
             raise UnknownCall(f"no function call has call_id {call_id!r}")
-        first = self._turn != self._replies.turns  # the first result of the turn the model answers next
-        self._turn = self._replies.turns
-        self._engine.send(AddUserText(qwen_format.response_text(output, first)), event_id=event_id)
+        self._engine.send(AddUserText(qwen_format.response_text(output)), event_id=event_id)
         self._replies.remember("user", output)
         self._items.add(
             {

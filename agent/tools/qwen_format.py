@@ -5,7 +5,9 @@ renders it, so the model reads tools, calls and results as it was trained to (do
   <tools></tools>, each `{"type": "function", "function": {name, description, parameters}}`
   as Jinja's `tojson` writes it (json.dumps with its default separators);
 - a call: `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`, calls joined by "\n";
-- results: a user message of `<tool_response>\nOUTPUT\n</tool_response>` blocks joined by "\n".
+- results: a user message of `<tool_response>\nOUTPUT\n</tool_response>` blocks joined by "\n"
+  (the engine puts each text item of a user turn on a line of its own: state/session.py
+  `join_text`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,6 @@ def call_text(name: str, arguments: str) -> str:
     return f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {arguments}}}\n</tool_call>'
 
 
-def response_text(output: str, first: bool) -> str:
-    """One result in the user message that carries results; `first`: the first of that message."""
-    return ("" if first else "\n") + f"<tool_response>\n{output}\n</tool_response>"
+def response_text(output: str) -> str:
+    """One result, a text item of the user message that carries results."""
+    return f"<tool_response>\n{output}\n</tool_response>"

@@ -5,8 +5,8 @@ Pins:
 - a function_call item becomes a closed assistant turn holding the call as the model writes one
   (Qwen's `<tool_call>` text, agent/tools/qwen_format.py), announced as the item the client gave
   (type, call_id, name, arguments, status completed);
-- its call_id may then be answered: the output goes to the model as a `<tool_response>` block
-  that opens its user turn (no newline before it), also after an earlier call and its output;
+- its call_id may then be answered: the output goes to the model as a `<tool_response>` block,
+  a text item of the next user turn, also after an earlier call and its output;
   an output for a call never made or replayed is refused (`item.call_id`);
 - calls replayed right behind an assistant message or call (a reply's text and its parallel
   calls, as LiveKit replays them) ask the engine to join that assistant turn; a call after
@@ -115,5 +115,5 @@ async def test_parallel_calls_join_the_assistant_turn_before_them() -> None:
     joins = [c.joins for c in engine.commands if isinstance(c, AddAssistantText)]
     assert joins == [False, True, True, False]
     results = [c.text for c in engine.commands if isinstance(c, AddUserText)]
-    assert results == ["<tool_response>\n21 C\n</tool_response>", "\n<tool_response>\n9 C\n</tool_response>"]
+    assert results == ["<tool_response>\n21 C\n</tool_response>", "<tool_response>\n9 C\n</tool_response>"]
     await session.close()

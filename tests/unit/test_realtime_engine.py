@@ -2,7 +2,8 @@
 
 Pins, by the tokens in the session's KV slot:
 - a user text item is prefilled inside the user message, after the audio, and the reply's
-  usage splits input tokens into text and audio;
+  usage splits input tokens into text and audio; a turn's text items are each on a line of
+  their own, also when a reply cancelled in its prefill gives its turn back;
 - `instructions` before the first turn replace the prefilled system prompt; later ones are
   queued as a system message in front of the next user turn;
 - truncating the latest reply to the audio heard keeps exactly the text tokens the talker had
@@ -191,6 +192,27 @@ def test_replayed_calls_join_the_assistant_turn_replayed_last(runner, loaded) ->
     assert state.after_reply == joined
     run_until_idle(runner, 500)
     assert state.closing[-len(joined) :] == joined
+
+
+def test_a_turns_text_items_are_each_on_a_line_of_their_own(loaded) -> None:
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=8, schedule=SchedulerConfig(prefill_chunk_tokens=4))
+    runner.open_session("s")
+    state = runner.sessions["s"]
+
+    def encoded(text: str) -> list[int]:
+        return loaded.tokenizer.encode(text, add_special_tokens=False)
+
+    first = runner.add_user_text("s", "Hi there.")
+    second = runner.add_user_text("s", "Tell me a story about the sea")
+    line = [*encoded("Hi there."), *loaded.ids.newline, *encoded("Tell me a story about the sea")]
+    assert state.turn.text_ids == line and (first, second) == (len(encoded("Hi there.")), len(line) - first)
+    runner.begin_reply("s", [], text_only=True)
+    runner.step()
+    assert state.reply is not None and not state.reply.prefill.done
+    runner.add_user_text("s", "Short, please.")  # (the next turn's, while the reply runs)
+    runner.cancel_reply("s")
+    run_until_idle(runner)
+    assert state.turn.text_ids == [*line, *loaded.ids.newline, *encoded("Short, please.")]
 
 
 def test_items_added_during_a_reply_cancelled_in_its_prefill_go_before_its_turn(loaded) -> None:

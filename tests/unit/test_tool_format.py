@@ -54,10 +54,7 @@ def test_system_text_is_qwens_tool_block() -> None:
     )
     assert text == expected
     assert qwen_format.system_text("Be brief.", []) == "Be brief."
-    first = qwen_format.response_text('{"t": 21}', first=True)
-    assert first + qwen_format.response_text("ok", first=False) == (
-        '<tool_response>\n{"t": 21}\n</tool_response>\n<tool_response>\nok\n</tool_response>'
-    )
+    assert qwen_format.response_text('{"t": 21}') == '<tool_response>\n{"t": 21}\n</tool_response>'
     assert qwen_format.call_text("f", '{"a": 1}') == '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
 
 

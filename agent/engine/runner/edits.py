@@ -17,7 +17,7 @@ from agent.engine.runner.sessions import SessionTable
 from agent.engine.runner.speculation import Speculation
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.turn_prefill import TurnPrefill
-from agent.engine.state.session import LastReply, SessionState
+from agent.engine.state.session import LastReply, SessionState, join_text
 
 # Images one user turn may show (each is a few hundred vision tokens at the sizes the Realtime
 # layer sends: agent/realtime/message_content.py).
@@ -38,11 +38,13 @@ class ConversationEdits:
 
     def add_user_text(self, session_id: str, text: str) -> int:
         """A user text message: it joins the turn being spoken, after its audio (prefilled at the
-        end of the turn). Returns its token count."""
+        end of the turn), on a line of its own after the turn's earlier text (`join_text`).
+        Returns the tokens added."""
         self.speculation.drop_speculation(session_id)  # a speculation answers the turn without it
-        ids = self.turns.text_ids(text)
-        self.sessions[session_id].turn.text_ids += ids
-        return len(ids)
+        turn = self.sessions[session_id].turn
+        before = len(turn.text_ids)
+        turn.text_ids = join_text(turn.text_ids, self.turns.text_ids(text), self.loaded.ids.newline)
+        return len(turn.text_ids) - before
 
     def add_user_image(self, session_id: str, image: np.ndarray) -> int:
         """An image of a user message: shown at the end of the turn being spoken, after its audio

@@ -16,7 +16,7 @@ from agent.engine.checkpoints.model import assistant_start_ids, encode_images
 from agent.engine.stages.thinker import PrefillOut
 from agent.engine.stages.turn_parts import TurnJob, TurnParts
 from agent.engine.stages.video_prefill import join_features
-from agent.engine.state.session import SessionState, timed, timed_all
+from agent.engine.state.session import SessionState, join_text, timed, timed_all
 from agent.engine.state.video import GridPlace
 
 
@@ -148,7 +148,7 @@ class EndOfTurn:
                 # Its encoder was finished: later audio is encoded from a fresh stream.
                 turn.audio = self.parts.new_turn().audio
         turn.pcm += state.turn.pcm
-        turn.text_ids += state.turn.text_ids
+        turn.text_ids = join_text(turn.text_ids, state.turn.text_ids, self.ids.newline)
         turn.images += state.turn.images
         turn.reply_system_ids = []  # a per-response override ends with its response
         turn.reply_tools = None

@@ -80,6 +80,13 @@ class TurnVideoState:
         )
 
 
+def join_text(before: list[int], ids: list[int], newline: Sequence[int]) -> list[int]:
+    """A turn's user text items, each on a line of its own: two messages run together would
+    read as one sentence ("Hi.What is this?"), and a function call's results are joined so in
+    Qwen's template (agent/tools/qwen_format.py)."""
+    return [*before, *newline, *ids] if before and ids else [*before, *ids]
+
+
 @dataclass
 class TurnState:
     """The user turn being spoken: audio in, prefill as the audio becomes final."""
@@ -100,8 +107,9 @@ class TurnState:
     talker: TalkerTurn = field(default_factory=TalkerTurn)
     prefill_tokens: int = 0  # thinker tokens prefilled for this turn (closing and header included)
     history_reset: bool = False  # the context filled up and the history was dropped
-    # Realtime API additions: user text items (after the audio, inside the same user message)
-    # and a per-response system message put right before the assistant header.
+    # Realtime API additions: user text items (after the audio, inside the same user message,
+    # each on a line of its own: add_text) and a per-response system message put right before
+    # the assistant header.
     text_ids: list[int] = field(default_factory=list)
     images: list[np.ndarray] = field(default_factory=list)  # user image items (RGB uint8), shown after the audio
     reply_system_ids: list[int] = field(default_factory=list)
