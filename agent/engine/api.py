@@ -171,6 +171,10 @@ class Transcribing(Protocol):
     def end_turn(self, session_id: str) -> None:
         """A transcription session's turn ended: its final transcript follows."""
 
+    def end_user_item(self, session_id: str) -> None:
+        """A conversation's user item ended with no reply asked: its final transcript follows
+        (the turn goes on: the model answers its items together)."""
+
 
 class ConversationEditing(Protocol):
     """Edits of a session's conversation in the model's context (agent/engine/runner/edits.py)."""

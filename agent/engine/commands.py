@@ -122,6 +122,12 @@ class EndTurn(SessionCommand):
 
 
 @dataclass(frozen=True)
+class EndUserItem(SessionCommand):
+    """A conversation's user item was committed with no reply asked (a manual commit, or server
+    VAD without create_response): its transcript ends here; the turn goes on."""
+
+
+@dataclass(frozen=True)
 class SetInstructions(SessionCommand):
     text: str
 

@@ -15,7 +15,8 @@ events:
   `omni.input_audio_transcription.partial` with the same `item_id`, `content_index` and `omni`,
   so live captions still follow the hypothesis. The last delta of an item brings the deltas up
   to the transcript.
-- `…completed` with the final `transcript` at the end of the turn (after speech_stopped),
+- `…completed` with the final `transcript` at the end of the turn (after speech_stopped), or
+  when its item is committed with no reply asked (`item_ended`),
   with `usage` (the seconds of audio) and `omni.after_end_ms` (server time from the end of
   speech to the transcript).
 """
@@ -27,7 +28,7 @@ import time
 from typing import Any, Optional
 
 from agent.engine.api import TranscriptOut
-from agent.engine.commands import SetTranscription, SetTranscriptItem
+from agent.engine.commands import EndUserItem, SetTranscription, SetTranscriptItem
 from agent.realtime import session_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
@@ -74,6 +75,13 @@ class InputTranscription:
         if self.on:
             self._started[item_id] = time.monotonic() if onset is None else onset
             self._engine.send(SetTranscriptItem(item_id))
+
+    def item_ended(self) -> None:
+        """The user item being spoken was committed with no reply asked (a manual commit, or
+        server VAD without create_response): its transcript completes now, not with the next
+        reply (a transcription session ends its turn instead: EndTurn)."""
+        if self.on and not self._transcription_only:
+            self._engine.send(EndUserItem())
 
     def speech_stopped(self, item_id: str, audio_seconds: float) -> None:
         if self.on:

@@ -149,6 +149,8 @@ class ServerTurn:
                     self._engine.send(EndTurn())
                 elif td is None or td.create_response:
                     self._replies.respond_to_turn(item_id)
+                else:
+                    self._transcription.item_ended()
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
             self._outbox.error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")

@@ -41,7 +41,7 @@ from agent.gate import priority
 from agent.gate.ladder import LEVEL_NAMES, Admission
 from agent.media.playout import AgentAudioTrack
 from agent.media.video_feed import VideoFeed
-from agent.realtime import client_events, session_config, tool_config
+from agent.realtime import client_events, session_checks, session_config, tool_config
 from agent.realtime.call_outputs import CallOutputs
 from agent.realtime.conversation import Conversation
 from agent.realtime.edits import Edits
@@ -243,8 +243,7 @@ class Session:
                 return
             self.input.reset()
             self.items.commit(self.turn.commit())
-            if self.transcription_only:
-                self.engine.send(EndTurn())
+            self._item_ended()
             return
         if self.input.buffered_ms() < 100:
             self.emit_error(
@@ -262,8 +261,15 @@ class Session:
             )
             return
         self.items.commit(item_id)
+        self._item_ended()
+
+    def _item_ended(self) -> None:
+        """A commit with no reply asked: a transcription session's turn ends; a conversation's
+        item has its transcript completed (the turn goes on until a reply answers it)."""
         if self.transcription_only:
             self.engine.send(EndTurn())
+        else:
+            self.transcription.item_ended()
 
     def clear_audio(self) -> None:
         """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
@@ -353,16 +359,13 @@ class Session:
         )
 
     def _set_voice(self, voice: Any) -> None:
-        if not isinstance(voice, str):  # a custom-voice object: this model has none
-            self.emit_error(
-                "this model has no custom voices; name one of its speakers",
-                "invalid_value",
-                param="session.audio.output.voice",
-            )
+        """The speaker of the next replies: a name checked before the session took it
+        (session_checks.check_voice; the engine refuses one unknown to it all the same)."""
+        if not isinstance(voice, str):
             return
         # OpenAI's own voice names are what stock clients send by default: they get this model's
         # default speaker rather than an error, so a client works with only its base URL changed.
-        if voice.lower() in session_config.OPENAI_VOICES:
+        if voice.lower() in session_checks.OPENAI_VOICES:
             voice = "default"
         self.engine.send(SetVoice(voice), param="session.audio.output.voice")
 

@@ -13,6 +13,9 @@ Pins (the tiny model's words are random: the protocol and the prefix property, n
 - a conversation session with `audio.input.transcription` set transcribes its user turns as
   well as answering them; without it, none of these events come; a WebSocket session that did
   not ask for the extra events never gets omni.input_audio_transcription.partial;
+- a user item committed with no response asked (server VAD with create_response false, or a
+  manual commit) gets its `completed` transcript with no response at all; a response.create
+  after a manual commit is answered with no second `completed`;
 - with speculative start on (the default), a turn answered by a committed speculation keeps
   its transcript: the deltas, non-empty, add up to the non-empty `completed` transcript;
 - every event validates strictly against the SDK's GA models.
@@ -27,7 +30,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 from support.realtime_helpers import RunningAgent, module_agent
-from support.realtime_ws import Events, pcm24, stream_realtime
+from support.realtime_ws import Events, b64, pcm24, stream_realtime
 from support.speech import espeak_at, write_wav
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -152,6 +155,42 @@ async def test_a_speculated_turn_keeps_its_transcript(agent: RunningAgent, long_
         # (the bug: the committed speculation's turn was transcribed over, and completed came empty)
         assert completed["transcript"] and completed["transcript"].startswith("".join(deltas))
         check_partials(ev.all, stopped["item_id"])
+    finally:
+        ev.close()
+        await manager.__aexit__(None, None, None)
+
+
+async def test_an_item_committed_without_a_response_is_transcribed(
+    agent: RunningAgent, speech_wav: Path, strict_event
+) -> None:
+    manager, conn, ev = await connect(agent, strict_event)
+    try:
+        await ev.wait("session.created")
+        vad = {"type": "server_vad", "create_response": False}
+        await conn.session.update(
+            session={"type": "realtime", "audio": {"input": {"transcription": {}, "turn_detection": vad}}}
+        )
+        await ev.wait("session.updated")
+        await stream_realtime(conn, pcm24(speech_wav), tail_silence_s=1.0)
+        stopped = await ev.wait("input_audio_buffer.speech_stopped")
+        completed = await ev.wait(COMPLETED, timeout=60)  # (it waited for a response before)
+        assert completed["item_id"] == stopped["item_id"]
+        check_partials(ev.all, stopped["item_id"])
+        # Manual turns: the commit alone completes the item's transcript.
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+        await ev.wait("session.updated")
+        start = len(ev.all)
+        await conn.input_audio_buffer.append(audio=b64(pcm24(speech_wav)))
+        await conn.input_audio_buffer.commit()
+        committed = await ev.wait("input_audio_buffer.committed", after=start)
+        completed = await ev.wait(COMPLETED, after=start, timeout=60)
+        assert completed["item_id"] == committed["item_id"]
+        assert not [e for e in ev.all if e["type"].startswith("response.")], "nothing was asked to respond"
+        start = len(ev.all)
+        await conn.response.create()
+        await ev.wait("response.done", after=start, timeout=60)
+        await asyncio.sleep(0.5)
+        assert not [e for e in ev.all[start:] if e["type"] == COMPLETED], "the item was transcribed once"
     finally:
         ev.close()
         await manager.__aexit__(None, None, None)

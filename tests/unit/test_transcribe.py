@@ -12,6 +12,11 @@ Pins (the tiny model's words are random: the protocol and the prefix property, n
 - a conversation session ('on') transcribes in a slot of its own, gives it back when turned
   off, and its reply still comes (the transcript's final after the reply's prefill);
 - a discarded turn gives no transcript;
+- a user item committed with no reply asked (end_user_item) has its final transcript at once,
+  equal to the one its speech gets as a turn answered by a reply; the turn goes on: the next
+  item's partials and final cover only its own speech (equal to its speech's as a turn of its
+  own), and the reply that answers the turn prefills both items' audio; a reply right after a
+  commit, with no speech since, gives no second final;
 - a turn answered by a committed speculation (its reply began on a fork of the turn at a pause)
   is the same turn to the transcriber: its final transcript starts with the stable prefix the
   partials promised and equals the one of the same turn answered without speculation, also
@@ -107,6 +112,51 @@ def test_conversation_transcribes_in_its_own_slot(runner):
     assert len(runner.sessions.slots._free) == free
     runner.close_session("s")
     assert len(runner.sessions.slots._free) == free + 1
+
+
+def test_an_item_committed_without_a_reply_is_transcribed_at_once(runner):
+    def answer(sid: str) -> tuple[list[TranscriptOut], ReplyDone]:
+        runner.begin_reply(sid, [], text_only=True)
+        outs = run_until_idle(runner)
+        [done] = [o for o in outs if isinstance(o, ReplyDone)]
+        return [o for o in outs if isinstance(o, TranscriptOut)], done
+
+    first, second = audio(2.4, 7), audio(1.7, 9)
+    # The references: each speech as a turn of its own, answered by a reply.
+    runner.open_session("r")
+    runner.set_transcription("r", "on")
+    reference, audio_tokens = [], 0
+    for n, wav in enumerate((first, second)):
+        runner.set_transcript_item("r", f"r{n}")
+        speak(runner, "r", wav)
+        [final], done = answer("r")
+        reference.append(final.text)
+        audio_tokens += done.stats["input_audio_tokens"]
+    runner.close_session("r")
+
+    runner.open_session("s")
+    runner.set_transcription("s", "on")
+    runner.set_transcript_item("s", "u1")
+    partials = speak(runner, "s", first)
+    runner.end_user_item("s")  # committed, no reply: its transcript comes now
+    [final] = [o for o in run_until_idle(runner) if isinstance(o, TranscriptOut)]
+    assert (final.item_id, final.final, final.text) == ("u1", True, reference[0])
+    check_prefixes(partials, final)
+    state = runner.sessions["s"]
+    assert state.reply is None and state.turn.audio_feats + state.turn.pending_audio  # the turn goes on
+    runner.set_transcript_item("s", "u2")
+    partials = speak(runner, "s", second)
+    assert partials and {p.item_id for p in partials} == {"u2"}
+    finals, done = answer("s")
+    assert [(f.item_id, f.text) for f in finals] == [("u2", reference[1])]
+    check_prefixes(partials, finals[0])
+    assert done.stats["input_audio_tokens"] == audio_tokens  # one turn holding both items' speech
+    # A commit answered right away, with no speech since: one final only.
+    runner.set_transcript_item("s", "u3")
+    speak(runner, "s", audio(1.2, 11))
+    runner.end_user_item("s")
+    finals, _ = answer("s")
+    assert [(f.item_id, f.final) for f in finals] == [("u3", True)]
 
 
 def test_partials_wait_for_first_audio(runner):

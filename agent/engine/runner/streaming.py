@@ -323,6 +323,10 @@ class StreamingRunner:
     def end_turn(self, session_id: str) -> None:
         self.transcription.end_turn(session_id)
 
+    def end_user_item(self, session_id: str) -> None:
+        self.speculation.drop_speculation(session_id)  # it forked the audio stream that ends here
+        self.transcription.end_user_item(session_id)
+
     def playout(self) -> list[PlayoutEstimate]:
         return self.estimates.playout()
 

@@ -65,8 +65,11 @@ class Transcript:
     turn: TurnState | None = None  # the turn being transcribed
     turn_item: str | None = None  # its item id
     # Ended turns (and their items) waiting for their final run, oldest first: a turn held behind
-    # a reply (interpreter pipelining) may end before the previous one's final has run.
-    finishing: list[tuple[TurnState, str | None]] = field(default_factory=list)
+    # a reply (interpreter pipelining) may end before the previous one's final has run. The end:
+    # None for the whole turn, else its audio tokens up to where a user item ended inside it.
+    finishing: list[tuple[TurnState, str | None, int | None]] = field(default_factory=list)
+    # (turn, n): the turn's first n audio tokens are earlier user items' (item_ended), transcribed.
+    skip: tuple[TurnState | None, int] = (None, 0)
     opened: bool = False  # the user header and <|audio_start|> are in the kv
     fed: int = 0  # final audio tokens of `turn` in the kv
     audio_end: tuple[int, int] = (0, 0)  # the kv after the audio fed so far
@@ -77,13 +80,20 @@ class Transcript:
     frames_at: int = 0  # mel frames of the turn at the last partial
 
 
-def _audio(turn: TurnState) -> torch.Tensor | None:
+def _audio(turn: TurnState, start: int = 0, end: int | None = None) -> torch.Tensor | None:
     parts = [*turn.audio_feats, *turn.pending_audio]
-    return torch.cat(parts, dim=0) if parts else None
+    audio = torch.cat(parts, dim=0)[start:end] if parts else None
+    return audio if audio is not None and audio.shape[0] else None
 
 
 def _tokens(turn: TurnState) -> int:
     return sum(int(t.shape[0]) for t in (*turn.audio_feats, *turn.pending_audio))
+
+
+def _skip(tr: Transcript, turn: TurnState) -> int:
+    """The audio tokens of `turn` (or of a speculation's fork of it) that earlier items took."""
+    skipped, n = tr.skip
+    return n if skipped is not None and (turn is skipped or turn.origin is skipped) else 0
 
 
 class Transcriber:
@@ -123,14 +133,33 @@ class Transcriber:
         tr = self.sessions.get(session_id)
         if tr is None:
             return
+        # After an item ended inside the turn (its final run done or to come), what is left is
+        # the item spoken since, if any.
+        cut = _skip(tr, turn) or any(end is not None and _same_turn(t, turn) for t, _, end in tr.finishing)
+        item = tr.item_id if cut else tr.turn_item if _same_turn(tr.turn, turn) else tr.item_id
+        if item is None and cut:
+            return  # its items were all transcribed as they ended (item_ended): no speech since
         if tr.turn is None:  # no partial yet (a short turn, or a busy engine)
-            tr.turn, tr.turn_item = turn, tr.item_id
-        tr.finishing.append((turn, tr.turn_item if _same_turn(tr.turn, turn) else tr.item_id))
+            tr.turn, tr.turn_item = turn, item
+        tr.finishing.append((turn, item, None))
+
+    def item_ended(self, session_id: str, turn: TurnState) -> None:
+        """A user item ended inside the turn being spoken (committed with no reply asked; its
+        audio is encoded to the end: TurnPrefill.cut_audio): its final run comes now, over the
+        turn's audio tokens so far, and the turn's later speech is the next item's."""
+        tr = self.sessions.get(session_id)
+        if tr is None:
+            return
+        item = tr.turn_item if _same_turn(tr.turn, turn) else tr.item_id
+        if tr.turn is None:
+            tr.turn, tr.turn_item = turn, item
+        tr.finishing.append((turn, item, _tokens(turn)))
+        tr.item_id = None  # (the next item's speech names it: set_item)
 
     def discard(self, session_id: str) -> None:
         """The turn was dropped (a false start, input_audio_buffer.clear): no transcript."""
         tr = self.sessions.get(session_id)
-        if tr is not None and not any(_same_turn(tr.turn, turn) for turn, _ in tr.finishing):
+        if tr is not None and not any(_same_turn(tr.turn, turn) for turn, *_ in tr.finishing):
             self._reset(tr)  # (an ended turn in the row is not the one dropped: it stays)
 
     def _reset(self, tr: Transcript) -> None:
@@ -146,11 +175,12 @@ class Transcriber:
     def _due(self, state: SessionState, tr: Transcript) -> str | None:
         """'final', 'partial' or None: what this session's transcript needs now."""
         while tr.finishing:
-            turn, item = tr.finishing[0]
-            if turn is state.turn:  # its reply was abandoned: the turn goes on
+            turn, item, end = tr.finishing[0]
+            if end is None and turn is state.turn:  # its reply was abandoned: the turn goes on
                 tr.finishing.pop(0)
                 continue
-            if state.reply is not None and state.reply.turn is turn and not state.reply.prefill.done:
+            waits = state.reply is not None and state.reply.turn is turn and not state.reply.prefill.done
+            if end is None and waits:
                 return None  # the audio tail is encoded by the reply's prefill
             if tr.turn is not turn and _same_turn(tr.turn, turn):
                 # A committed speculation answered a fork of the row's turn (Replies.speculate):
@@ -163,13 +193,14 @@ class Transcriber:
                 self._reset(tr)
                 tr.turn, tr.turn_item = turn, item
             return "final"
+        new_tokens = _tokens(state.turn) - _skip(tr, state.turn)  # (the current item's)
         if tr.turn is None:
-            if not _tokens(state.turn) and state.turn.audio.encoder.open_frames < PARTIAL_EVERY_FRAMES:
+            if not new_tokens and state.turn.audio.encoder.open_frames < PARTIAL_EVERY_FRAMES:
                 return None  # no speech to show yet
             tr.turn, tr.turn_item = state.turn, tr.item_id
         if tr.turn is not state.turn:
             return None
-        if _tokens(state.turn) > max(tr.runs_at, 0):
+        if new_tokens > max(tr.runs_at, 0):
             return "partial"  # new final tokens
         encoder = state.turn.audio.encoder
         # The speech crossed a half-second mark since the last run (marks, not "0.5 s after the
@@ -191,6 +222,9 @@ class Transcriber:
             due = self._due(state, tr) if state is not None else None
             if due is not None:
                 work.append((sid, tr, tr.turn, due == "final"))
+        # A final ends where its item ended (None: the turn's end); every run starts after the
+        # tokens of the items before (`skip`).
+        spans = [(_skip(tr, turn), tr.finishing[0][2] if final else None) for _, tr, turn, final in work]
         if not work:
             return []
         # A partial's provisional tokens: the open chunks of all partials in one encoder pass.
@@ -202,8 +236,8 @@ class Transcriber:
         # the row), then the provisional tokens, the prompt's end and the stable text (cropped
         # off after the run), then greedy decoding past it.
         jobs = []
-        for (_, tr, turn, _), tail in zip(work, tails):
-            audio = _audio(turn)
+        for (_, tr, turn, _), tail, (start, end) in zip(work, tails, spans):
+            audio = _audio(turn, start, end)
             n = 0 if audio is None else int(audio.shape[0])
             tr.kv.crop(*tr.audio_end)
             kept = [] if tr.opened else [self.ids.im_start, *self.ids.user, *self.ids.newline, self.ids.audio_start]
@@ -238,11 +272,13 @@ class Transcriber:
             if live:
                 logits = self.thinker.decode([work[row][1].kv for row in live], [t for _, t in still])
         outputs: list[Output] = []
-        for (sid, tr, _, final), tail in zip(work, new):
+        for (sid, tr, turn, final), tail, (_, end) in zip(work, new, spans):
             outputs.append(self._publish(sid, tr, tail, final))
             if final:
                 tr.finishing.pop(0)
                 self._reset(tr)
+                if end is not None:  # an item ended inside the turn: the rest is the next one's
+                    tr.skip = (turn, end)
             else:
                 tr.kv.crop(*tr.audio_end)
         return outputs

@@ -1,6 +1,7 @@
 """The StreamingRunner's transcription commands (sessions send them as typed commands,
 Engine.send, in order with their audio): a session's transcription mode, the item id of the turn being spoken,
-and the end of a turn in a transcription-only session. The transcripts themselves are the
+the end of a turn in a transcription-only session, and the end of a user item committed with no
+reply in a conversation. The transcripts themselves are the
 Transcriber's (agent/engine/runner/transcriber.py); their slots come from the sessions table.
 """
 
@@ -45,3 +46,17 @@ class TranscriptionCommands:
         """End of a turn in a transcription-only session: its audio tail, then the final run."""
         turn = self.turns.close_turn(self.sessions[session_id])
         self.transcriber.ended(session_id, turn)
+
+    @torch.inference_mode()
+    def end_user_item(self, session_id: str) -> None:
+        """A conversation's user item committed with no reply asked: without this its transcript
+        would wait for the turn's end, the next reply. Its audio is encoded to the end now (the
+        turn goes on, from a fresh audio stream: TurnPrefill.cut_audio) and its final run
+        follows. Only while the session transcribes: otherwise nothing changes."""
+        state = self.sessions[session_id]
+        if state.choices.captions_only:
+            raise RuntimeError("a transcription-only session ends its turns with EndTurn")
+        if session_id not in self.transcriber.sessions:
+            return
+        self.turns.cut_audio(state)
+        self.transcriber.item_ended(session_id, state.turn)

@@ -85,6 +85,19 @@ class TurnPrefill:
         state.turn = self.new_turn()
         return turn
 
+    def cut_audio(self, state: SessionState) -> None:
+        """A user item ends inside the turn being spoken (committed with no reply asked; the
+        model answers the turn's items together): its audio is encoded to the end, as at a turn's
+        end (the tail waits in pending_audio), and the turn's later audio is encoded from a fresh
+        stream, as after a reply given back (EndOfTurn.abandon_reply)."""
+        turn = state.turn
+        self.parts.encode(state, turn)
+        with timed(state, "audio_encoder"):
+            tail = turn.audio.finish()
+        if tail.shape[0]:
+            turn.pending_audio.append(tail)
+        turn.audio = self.new_turn().audio
+
     def encode_audio(self, state: SessionState) -> None:
         """Run the queued microphone audio of the turn being spoken through the incremental encoder."""
         if state.choices.captions_only and not caption_audio_due(state.turn):
