@@ -29,7 +29,7 @@ from agent.engine.loop import Engine
 from agent.gate.access import CallRate, cors_middleware
 from agent.gate.api_keys import DEFAULT_TTL_S, KeyStore, bearer_token
 from agent.gate.ladder import Admission
-from agent.realtime import session_config
+from agent.realtime import session_checks, session_config
 from agent.transport import audio_level, captions_http
 from agent.transport.calls import MAX_OFFER_BYTES, create_call, hangup
 from agent.transport.http import (
@@ -108,6 +108,7 @@ async def client_secrets(request: web.Request) -> web.Response:
         kind = part.get("type") if isinstance(part, dict) else None
         await check_tools_off_loop(request.app, part, session_config.base_session(request.app[CONFIG], kind))
         session = session_config.client_secret_session(request.app[CONFIG], body)
+        session_checks.check_voice(session, request.app[ENGINE].voices)
         value, expires_at = request.app[KEYS].mint(seconds, session)
     except session_config.ConfigError as exc:
         return json_error(400, str(exc), "invalid_value", param=exc.param)

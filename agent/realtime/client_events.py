@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_MAX_AUDIO_EVENT_CHARS = slow_events.MAX_APPEND_BYTES * 4 // 3 + 64 * 1024  # base64 audio plus the JSON around it
+MAX_MESSAGE_CHARS = slow_events.MAX_APPEND_BYTES * 4 // 3 + 64 * 1024  # base64 audio plus the JSON around it
 _MAX_EVENT_CHARS = 256 * 1024  # any other event: instructions and text messages fit many times over
 _AUDIO_EVENTS = ("input_audio_buffer.append", "conversation.item.create")
 _MIN_AUDIO_CHARS = 428  # base64 of 10 ms of 16 kHz pcm16: an append that carries real audio
@@ -67,7 +67,7 @@ class EventRate:
 
 
 def handle(session: "Session", message: str | bytes) -> None:
-    if len(message) > _MAX_AUDIO_EVENT_CHARS:
+    if len(message) > MAX_MESSAGE_CHARS:
         if _admit(session):
             session.emit_error(f"client event too large ({len(message)} bytes)", "event_too_large")
         return
@@ -78,8 +78,14 @@ def handle(session: "Session", message: str | bytes) -> None:
             session.emit_error("client events must be JSON", "invalid_json")
         return
     if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        given = event.get("event_id") if isinstance(event, dict) else None  # (answered with it, if it has one)
         if _admit(session):
-            session.emit_error("a client event is a JSON object with a string 'type'", "invalid_event")
+            session.emit_error(
+                "a client event is a JSON object with a string 'type'",
+                "invalid_event",
+                param="type",
+                event_id=given if isinstance(given, str) else None,
+            )
         return
     kind, event_id = event["type"], event.get("event_id")
     event_id = event_id if isinstance(event_id, str) else None
@@ -175,6 +181,7 @@ def _update(session: "Session", update: Any) -> None:
             "session %s: session.update fields not served: %s", session.id, sorted(set(update) - set(session.settings))
         )
     merged = session_config.merge(session.settings, update, session.config.vad_silence_ms)
+    session_checks.check_voice(merged, session.engine.voices)
     if session_config.priority_of(merged) != session.priority:
         raise BadEvent(
             "omni.priority is set when the session is created (the offer's ?priority=)", param="session.omni.priority"
@@ -276,14 +283,23 @@ def _call_output(session: "Session", item: dict[str, Any], event: dict[str, Any]
 def _item_retrieve(session: "Session", event: dict[str, Any]) -> None:
     item = session.conversation.get(str(event.get("item_id")))
     if item is None:
-        raise BadEvent(f"no item {event.get('item_id')!r}", "item_not_found", "item_id")
+        # OpenAI's code and wording: pipecat's retrieve waits on this code and no other.
+        raise BadEvent(
+            f"Error retrieving item: the item with id {event.get('item_id')!r} does not exist.",
+            "item_retrieve_invalid_item_id",
+            "item_id",
+        )
     session.emit({"type": "conversation.item.retrieved", "item": item})
 
 
 def _item_delete(session: "Session", event: dict[str, Any]) -> None:
     item_id = str(event.get("item_id"))
     if item_id not in session.conversation:
-        raise BadEvent(f"no item {item_id!r}", "item_not_found", "item_id")
+        raise BadEvent(
+            f"Error deleting item: the item with id {item_id!r} does not exist.",
+            "item_delete_invalid_item_id",
+            "item_id",
+        )
     session.delete_item(item_id, event.get("event_id"))
 
 

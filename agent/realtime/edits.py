@@ -37,7 +37,12 @@ class Edits:
         """Cut the latest spoken reply to what the listener heard, in the item and in the model's context."""
         last = self._replies.last
         if item_id not in self._conversation:
-            self._outbox.error(f"no item {item_id!r}", "item_not_found", param="item_id", event_id=event_id)
+            self._outbox.error(  # OpenAI's code, which clients treat as a harmless race
+                f"Error truncating item: the item with id {item_id!r} does not exist.",
+                "item_truncate_invalid_item_id",
+                param="item_id",
+                event_id=event_id,
+            )
             return
         if last is None or last.item_id != item_id or not last.audio:
             self._outbox.error(

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from agent.engine.api import EngineBusy, ReplySink, SlotsExhausted
+from agent.engine.api import EngineBusy, ReplySink, SlotsExhausted, Voices
 from agent.engine.commands import SessionCommand, describe
 from agent.engine.loop import Engine
 from agent.realtime.outbox import Outbox
@@ -39,6 +39,11 @@ class EnginePort:
     @property
     def has_fallback(self) -> bool:
         return self._engine.has_fallback
+
+    @property
+    def voices(self) -> Voices:
+        """The loaded model's speakers (none known before it is ready)."""
+        return self._engine.voices
 
     # ---- the turn's stream -----------------------------------------------------------------
     def open(self, sink: ReplySink) -> asyncio.Future:

@@ -30,7 +30,8 @@ class FunctionCall:
     def announced(self) -> bool:
         return self.parser.name is not None
 
-    def item(self) -> dict[str, Any]:
+    def item(self, arguments: Optional[str] = None) -> dict[str, Any]:
+        """The item as it stands (`arguments`: as announced, where not the text so far)."""
         return {
             "id": self.item_id,
             "object": "realtime.item",
@@ -38,7 +39,7 @@ class FunctionCall:
             "status": self.status,
             "call_id": self.call_id,
             "name": self.parser.name or "",
-            "arguments": self.parser.sent,
+            "arguments": self.parser.sent if arguments is None else arguments,
         }
 
     def _ids(self) -> dict[str, Any]:
@@ -49,12 +50,17 @@ class FunctionCall:
             "call_id": self.call_id,
         }
 
+    def opened(self) -> dict[str, Any]:
+        """The item as announced: no arguments yet (GA's `added`), since the deltas alone add up
+        to them: a client appending each delta to the item's arguments gets the whole text."""
+        return self.item(arguments="")
+
     def added(self) -> dict[str, Any]:
         return {
             "type": "response.output_item.added",
             "response_id": self.response_id,
             "output_index": self.output_index,
-            "item": self.item(),
+            "item": self.opened(),
         }
 
     def delta(self, text: str) -> dict[str, Any]:

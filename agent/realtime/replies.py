@@ -318,8 +318,8 @@ class Replies:
             )
         if call.announced and not was_announced:
             self._outbox.emit(call.added())
-            previous = self._conversation.add(call.item())
-            self._outbox.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": call.item()})
+            previous = self._conversation.add(call.opened())
+            self._outbox.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": call.opened()})
         if last and call.announced:
             self._outbox.emit(call.delta(last))
         if call.status != "in_progress" and call.announced:

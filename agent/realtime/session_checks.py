@@ -7,12 +7,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent.engine.api import Voices
 from agent.gate import priority
 from agent.realtime.config_error import ConfigError
 from agent.realtime.tool_config import tool_set
 
 INPUT_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
 MAX_OUTPUT_TOKENS = 4096
+# GA's enumerations: a value outside them is refused, not echoed back (a client's own types,
+# the openai SDK's and pipecat's, would then fail to read the session.updated it is sent).
+EAGERNESS = ("low", "medium", "high", "auto")
+NOISE_REDUCTION = ("near_field", "far_field")
+INCLUDE = ("item.input_audio_transcription.logprobs",)
+# The voices OpenAI's Realtime API names; a client that sends one (most do, by default) is served by
+# the model's default speaker.
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "marin", "sage", "shimmer", "verse"})
+_VOICE = "session.audio.output.voice"
 
 
 def check(ok: bool, message: str, param: str) -> None:
@@ -29,6 +39,7 @@ def validate(s: dict[str, Any]) -> None:
             "session.audio",
         )
         _validate_input(audio["input"])
+        _validate_include(s)
         _validate_omni(s)
         return
     modalities = s.get("output_modalities")
@@ -46,6 +57,8 @@ def validate(s: dict[str, Any]) -> None:
         "session.max_output_tokens",
     )
     tool_set(s.get("tools"), s.get("tool_choice"), "session")  # the tools and the choice, checked
+    _validate_include(s)
+    _validate_accepted(s)
     audio = s.get("audio")
     check(
         isinstance(audio, dict) and isinstance(audio.get("input"), dict) and isinstance(audio.get("output"), dict),
@@ -70,6 +83,75 @@ def validate(s: dict[str, Any]) -> None:
     _validate_omni(s)
 
 
+def check_voice(session: dict[str, Any], voices: Voices) -> None:
+    """A realtime session's voice is one the model speaks with: one of its speakers (any case),
+    "default", or one of OpenAI's names (the default speaker serves them); a custom-voice object
+    is refused. Checked before the session changes, so a refused voice leaves it as it was.
+    `voices`: the loaded model's (none known yet: the engine refuses an unknown one itself)."""
+    if session.get("type") != "realtime" or session["audio"]["output"].get("voice") is None:
+        return
+    voice = session["audio"]["output"]["voice"]
+    check(isinstance(voice, str), "this model has no custom voices; name one of its speakers", _VOICE)
+    name = voice.lower()
+    known = not voices.names or name == "default" or name in voices.names or name in OPENAI_VOICES
+    check(known, f"unknown voice {voice!r}; this model speaks as: {', '.join(sorted(voices.names))}", _VOICE)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _validate_include(s: dict[str, Any]) -> None:
+    include = s.get("include")
+    check(
+        include is None or (isinstance(include, list) and all(x in INCLUDE for x in include)),
+        f"include must be null or a list of {', '.join(INCLUDE)}",
+        "session.include",
+    )
+
+
+def _validate_accepted(s: dict[str, Any]) -> None:
+    """Fields accepted and echoed for compatibility, whose values change nothing here: checked
+    against GA's shapes all the same."""
+    tracing = s.get("tracing")
+    check(
+        tracing in (None, "auto")
+        or (
+            isinstance(tracing, dict)
+            and all(isinstance(tracing.get(k), (str, type(None))) for k in ("workflow_name", "group_id"))
+            and isinstance(tracing.get("metadata"), (dict, type(None)))
+        ),
+        'tracing must be null, "auto" or an object with workflow_name, group_id, metadata',
+        "session.tracing",
+    )
+    truncation = s.get("truncation")
+    ratio = truncation.get("retention_ratio") if isinstance(truncation, dict) else None
+    check(
+        truncation in ("auto", "disabled")
+        or (
+            isinstance(truncation, dict)
+            and truncation.get("type") == "retention_ratio"
+            and _is_number(ratio)
+            and 0 <= ratio <= 1
+            and isinstance(truncation.get("token_limits"), (dict, type(None)))
+        ),
+        'truncation must be "auto", "disabled" or {"type": "retention_ratio", "retention_ratio": 0..1}',
+        "session.truncation",
+    )
+    prompt = s.get("prompt")
+    check(
+        prompt is None
+        or (
+            isinstance(prompt, dict)
+            and isinstance(prompt.get("id"), str)
+            and isinstance(prompt.get("version"), (str, type(None)))
+            and isinstance(prompt.get("variables"), (dict, type(None)))
+        ),
+        "prompt must be null or an object with a string id (version, variables optional)",
+        "session.prompt",
+    )
+
+
 def _validate_input(inp: dict[str, Any]) -> None:
     fmt = inp.get("format")
     check(
@@ -89,6 +171,12 @@ def _validate_input(inp: dict[str, Any]) -> None:
         "transcription must be null or an object with string model, language, prompt",
         "session.audio.input.transcription",
     )
+    noise = inp.get("noise_reduction")
+    check(
+        noise is None or (isinstance(noise, dict) and noise.get("type") in (None, *NOISE_REDUCTION)),
+        f"noise_reduction must be null or an object whose type (if given) is one of {', '.join(NOISE_REDUCTION)}",
+        "session.audio.input.noise_reduction",
+    )
     td = inp.get("turn_detection")
     if td is not None:
         check(
@@ -107,6 +195,17 @@ def _validate_input(inp: dict[str, Any]) -> None:
             padding is None or (isinstance(padding, int) and 0 <= padding <= 2000),
             "prefix_padding_ms must be 0..2000",
             "session.audio.input.turn_detection.prefix_padding_ms",
+        )
+        threshold = td.get("threshold")
+        check(
+            threshold is None or (_is_number(threshold) and 0 <= threshold <= 1),
+            "threshold must be 0..1",
+            "session.audio.input.turn_detection.threshold",
+        )
+        check(
+            td.get("eagerness") is None or td["eagerness"] in EAGERNESS,
+            f"eagerness (semantic_vad) must be one of {', '.join(EAGERNESS)}",
+            "session.audio.input.turn_detection.eagerness",
         )
         for flag in ("create_response", "interrupt_response"):
             check(

@@ -25,10 +25,6 @@ from agent.realtime.config_error import ConfigError
 from agent.realtime.events import PCM_FORMAT, new_id
 from agent.realtime.session_checks import INPUT_FORMATS, check, validate
 
-# The voices OpenAI's Realtime API names; a client that sends one (most do, by default) is served by
-# the model's default speaker.
-OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "marin", "sage", "shimmer", "verse"})
-
 # semantic_vad is served by the acoustic endpointer; its eagerness picks the silence that ends a turn.
 _EAGERNESS_SILENCE_MS = {"low": 800, "medium": 500, "auto": 500, "high": 300}
 # Interpreter mode (omni.interpret_to): answered turns kept in the model's context, so a

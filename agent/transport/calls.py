@@ -19,7 +19,7 @@ from aiortc import RTCPeerConnection, RTCSessionDescription
 from agent import metrics
 from agent.config import Config
 from agent.engine.api import EngineBusy
-from agent.realtime import session_config
+from agent.realtime import session_checks, session_config
 from agent.transport.consent import install_consent_freshness
 from agent.transport.http import (
     ADMISSION,
@@ -119,6 +119,7 @@ async def create_call(request: web.Request) -> web.Response:
         await check_tools_off_loop(app, session_part, settings)
         if session_part is not None:
             settings = session_config.merge(settings, session_part, config.vad_silence_ms)
+            session_checks.check_voice(settings, app[ENGINE].voices)
         if request.query.get("model"):
             settings["model"] = request.query["model"]
         # ?priority= or the session's omni.priority; an ephemeral key's session fixes it.

@@ -35,7 +35,9 @@ from agent.transport.rtc import RtcCall
 log = logging.getLogger(__name__)
 
 _SEND_QUEUE = 4096  # server events waiting for the socket (an 80 ms audio delta each, at most)
-_MAX_MESSAGE = 16 * 1024 * 1024  # one append may carry up to 15 MiB of audio, base64
+# One append may carry up to 15 MiB of audio, base64 (20 MiB): the socket takes a little more
+# than the events' own limit, so a message just over it gets `event_too_large`, not a close (1009).
+_MAX_MESSAGE = client_events.MAX_MESSAGE_CHARS + 1024 * 1024
 
 
 class WsConnection:

@@ -419,7 +419,7 @@ async def test_a_replayed_history(agent: RunningAgent) -> None:
             "conversation.item.deleted",
         ]
         got = await conn.exchange({"type": "conversation.item.retrieve", "item_id": "item_replayed"})
-        assert errors(got) == [("item_not_found", "item_id")]
+        assert errors(got) == [("item_retrieve_invalid_item_id", "item_id")]
 
 
 async def test_spoken_turn_events(agent: RunningAgent, speech_wav: Path) -> None:

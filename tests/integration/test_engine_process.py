@@ -3,8 +3,8 @@
 Pins:
 - the agent serves as with the engine thread: over the WebSocket (official `openai` SDK) a text
   turn gets transcript and audio deltas and a completed response.done; a required tool call
-  arrives as a function_call item; a command the engine refuses (an unknown voice) comes back
-  as an `error` naming the field; response.cancel mid-reply ends it as cancelled; the voices the
+  arrives as a function_call item; a command the engine refuses (an assistant message after
+  images not yet answered) comes back as an `error` naming the field; response.cancel mid-reply ends it as cancelled; the voices the
   child's runner offers reach the parent (GET /v1/omni/config lists the tiny model's speakers);
 - over WebRTC (an aiortc peer) a spoken turn is answered with audible audio on the track;
 - the child's CPU counts as `engine` in agent_thread_cpu_seconds_total, and the runners' own
@@ -21,9 +21,10 @@ import signal
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 from support.realtime_helpers import RunningAgent, module_agent
-from support.realtime_ws import ask_text, sdk_session
+from support.realtime_ws import ask_text, png_url, sdk_session
 
 from agent.client.client import AgentClient
 from agent.engine.process import ProcessEngine
@@ -59,12 +60,20 @@ async def test_websocket_turns_through_the_process(agent: RunningAgent, strict_e
         done = await ev.wait("response.done", 60, after=mark)
         assert [o["type"] for o in done["response"]["output"]] == ["function_call"], done["response"]
 
+        # Refused in the child (an assistant message cannot follow images not yet answered):
+        # the error comes back naming the field, and the item is withdrawn.
         mark = len(ev.all)
+        picture = {"type": "input_image", "image_url": png_url(np.zeros((32, 32, 3), np.uint8))}
         await conn.send(
-            {"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"voice": "nobody"}}}}
+            {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [picture]}}
+        )
+        said = {"type": "output_text", "text": "A picture."}
+        await conn.send(
+            {"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "content": [said]}}
         )
         error = await ev.wait("error", 10, after=mark)
-        assert error["error"]["param"] == "session.audio.output.voice"
+        assert error["error"]["param"] == "item" and "images" in error["error"]["message"], error
+        await ev.wait("conversation.item.deleted", 10, after=mark)
 
         mark = len(ev.all)
         await ask_text(conn, "Tell me a long story.")

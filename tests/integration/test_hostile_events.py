@@ -2,8 +2,9 @@
 
 Pins, over the WebSocket transport of a real agent (tiny model; WebRTC's data channel feeds
 the same handler, tests/integration/test_agent_loopback.py sends it bad events too): non-JSON,
-JSON that is not an event, unknown types, wrong field types, an event over the size limit
-and a binary frame each get an `error` event naming what was wrong, and the session then
+JSON that is not an event (answered with its event_id where it has one), unknown types,
+wrong field types, an event over the size limit (an append too, past its 15 MiB of audio: an
+error, not the socket closed) and a binary frame each get an `error` event naming what was wrong, and the session then
 answers a valid event; a flood far above `--max-events-per-s` is dropped past the limit and
 reported in `rate_limited` errors (a few, not one per event), the flooding session still
 works afterwards, and a second session's reply during the flood completes.
@@ -21,6 +22,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from support.realtime_helpers import RunningAgent, start_agent
+
+from agent.realtime import client_events
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -98,6 +101,11 @@ BAD = [
         json.dumps({"type": "session.update", "session": {"instructions": "x" * 400_000}}),
         "event_too_large",
     ),
+    (  # past the 15 MiB of audio an append may carry, within what the socket reads: an error, not a close
+        "huge append",
+        '{"type": "input_audio_buffer.append", "audio": "' + "A" * (client_events.MAX_MESSAGE_CHARS + 4096) + '"}',
+        "event_too_large",
+    ),
 ]
 
 
@@ -111,6 +119,10 @@ async def test_bad_events_get_errors_and_the_session_goes_on(agent: RunningAgent
                 error = await ws.wait("error", 10, after=mark)
                 assert error["error"]["code"] == code, f"{what}: {error}"
                 print(f"  {what}: {code}: {error['error']['message'][:80]}")
+            mark = len(ws.events)
+            await ws.ws.send_str('{"event_id": "evt_no_type", "session": {}}')  # answered with its event_id
+            error = (await ws.wait("error", 10, after=mark))["error"]
+            assert (error["code"], error["event_id"], error["param"]) == ("invalid_event", "evt_no_type", "type")
             mark = len(ws.events)
             await ws.ws.send_bytes(b"\x00\x01binary")
             assert (await ws.wait("error", 10, after=mark))["error"]["code"] == "invalid_event"

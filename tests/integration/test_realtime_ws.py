@@ -143,10 +143,27 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
         )
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_bad_2")
         assert err["error"]["param"] == "session.audio.output.format"
-        # A voice the model has not: refused by the engine, with the speakers it has.
-        await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "nobody"}}})
+        # A voice the model has not: refused with the speakers it has and the event's id, the
+        # session left as it was (no session.updated showing the voice, the instructions kept).
+        mark = len(ev.all)
+        await conn.send(
+            {
+                "type": "session.update",
+                "event_id": "evt_voice",
+                "session": {"type": "realtime", "instructions": "Not taken.", "audio": {"output": {"voice": "nobody"}}},
+            }
+        )
         err = await ev.wait("error", 10, where=lambda e: e["error"].get("param") == "session.audio.output.voice")
-        assert "chelsie" in err["error"]["message"]
+        assert "chelsie" in err["error"]["message"] and err["error"]["event_id"] == "evt_voice"
+        for custom in ({"id": "voice_1"}, "zzz"):
+            await conn.send(
+                {"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"voice": custom}}}}
+            )
+        await conn.send({"type": "conversation.item.retrieve", "event_id": "barrier", "item_id": "none"})
+        await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "barrier")
+        assert not [e for e in ev.all[mark:] if e["type"] == "session.updated"]
+        refused = [e["error"]["param"] for e in ev.all[mark:] if e["type"] == "error"]
+        assert refused == ["session.audio.output.voice"] * 3 + ["item_id"]
         await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "chelsie"}}})
         # Manual turns.
         await conn.session.update(
@@ -161,6 +178,7 @@ async def test_manual_turn_text_turn_and_errors(agent: RunningAgent, speech_wav:
             "session.updated", 10, where=lambda e: e["session"]["audio"]["input"]["turn_detection"] is None
         )
         assert updated["session"]["audio"]["output"]["voice"] == "chelsie"
+        assert updated["session"]["instructions"] != "Not taken.", "a refused update changed nothing"
         assert updated["session"]["audio"]["input"]["turn_detection"] is None
         await conn.send({"type": "input_audio_buffer.commit", "event_id": "evt_empty"})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_empty")
@@ -282,7 +300,7 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
         assert deleted["item_id"] == item_id
         await conn.send({"type": "conversation.item.retrieve", "event_id": "evt_gone", "item_id": item_id})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_gone")
-        assert err["error"]["code"] == "item_not_found"
+        assert err["error"]["code"] == "item_retrieve_invalid_item_id"
 
 
 async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: Path, strict_event) -> None:

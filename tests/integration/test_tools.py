@@ -6,7 +6,7 @@ Pins:
   item (response.output_item.added → function_call_arguments.delta… → .done →
   response.output_item.done, response.done carrying it, no message item), its name is the named
   tool, its arguments parse and validate against that tool's schema and are exactly the deltas
-  joined; nothing of the call reaches a transcript delta or the audio;
+  joined, the item announced with none (""); nothing of the call reaches a transcript delta or the audio;
 - the client's function_call_output for that call_id joins the conversation, and the next
   response (tool_choice auto) is spoken to the end, with audio;
 - response.tools with tool_choice required: the call names one of the response's own tools;
@@ -100,6 +100,9 @@ async def test_named_call_then_output_then_spoken_reply(agent: RunningAgent, str
         kinds = [e["type"] for e in events]
         deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
         assert "".join(deltas) == call["arguments"]
+        # Announced with no arguments yet (GA's added): a client appending the deltas to it gets them once.
+        added = next(e for e in events if e["type"] == "response.output_item.added" and e["item"]["type"] != "message")
+        assert (added["item"]["arguments"], added["item"]["status"]) == ("", "in_progress")
         args_done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
         assert args_done["arguments"] == call["arguments"] and args_done["call_id"] == call["call_id"]
         assert kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.done")

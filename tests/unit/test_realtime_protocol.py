@@ -5,7 +5,9 @@ Pins:
   "inf", whatever the server's own cap); an update merges
   nested objects field by field, drops unknown top-level fields, keeps tolerated ones
   (tracing, tools, transcription model, noise reduction) and leaves the session unchanged
-  when refused, naming the param; turn detection maps to the endpointer's settings;
+  when refused, naming the param (values outside GA's enumerations and ranges too); turn
+  detection maps to the endpointer's settings; a voice is one of the model's speakers, any
+  case, `default` or an OpenAI name, never a custom-voice object;
 - a null field is one not given (its value stays), except where GA null means off/none
   (turn_detection, transcription, noise_reduction, tracing, prompt, include); the merged
   session is whole: turn_detection holds every field of its type (a new type: that type's
@@ -28,8 +30,9 @@ import pytest
 from openai.types.realtime import RealtimeSessionCreateRequest
 
 from agent.config import Config
+from agent.engine.api import Voices
 from agent.gate.api_keys import KeyStore, bearer_token
-from agent.realtime import audio_codec, session_config
+from agent.realtime import audio_codec, session_checks, session_config
 from agent.realtime.config_error import ConfigError
 from agent.realtime.outbox import Outbox
 
@@ -41,6 +44,9 @@ def test_default_session_is_a_ga_session() -> None:
     long = session_config.default_session(Config(max_reply_tokens=8192))
     assert session_config.merge(long, {"type": "realtime"}, 300)["max_output_tokens"] == "inf"
     assert s["type"] == "realtime" and s["id"].startswith("sess_") and s["output_modalities"] == ["audio"]
+
+
+TD = "session.audio.input.turn_detection"
 
 
 def test_merge_tolerates_refuses_and_maps() -> None:
@@ -82,11 +88,47 @@ def test_merge_tolerates_refuses_and_maps() -> None:
         ({"type": "transcription"}, "session.type"),
         ({"max_output_tokens": 0}, "session.max_output_tokens"),
         ({"instructions": 5}, "session.instructions"),
+        # GA's enumerations and ranges: refused rather than echoed (a client's own types would
+        # fail to read the session.updated back).
+        ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "bogus"}}}}, f"{TD}.eagerness"),
+        ({"audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 2}}}}, f"{TD}.threshold"),
+        ({"audio": {"input": {"noise_reduction": {"type": "bogus"}}}}, "session.audio.input.noise_reduction"),
+        ({"tracing": "sometimes"}, "session.tracing"),
+        ({"truncation": "bogus"}, "session.truncation"),
+        ({"truncation": {"type": "retention_ratio", "retention_ratio": 1.5}}, "session.truncation"),
+        ({"include": ["bogus"]}, "session.include"),
+        ({"prompt": {"id": 5}}, "session.prompt"),
     ]:
         with pytest.raises(session_config.ConfigError) as info:
             session_config.merge(base, update)
         assert info.value.param == param
     assert base == session_config.default_session(Config(vad_silence_ms=300)) | {"id": base["id"]}
+    # Their GA values are taken, and the SDK reads the session back.
+    fine = session_config.merge(
+        base,
+        {
+            "truncation": {"type": "retention_ratio", "retention_ratio": 0.5},
+            "prompt": {"id": "pmpt_1", "variables": {"city": "Oslo"}},
+            "tracing": {"workflow_name": "w"},
+            "include": ["item.input_audio_transcription.logprobs"],
+            "audio": {"input": {"turn_detection": {"type": "server_vad", "threshold": 0.7}}},
+        },
+    )
+    RealtimeSessionCreateRequest.model_validate(fine)
+
+
+def test_a_voice_is_one_the_model_speaks_with() -> None:
+    voices = Voices(("aiden", "chelsie", "ethan"), "ethan")
+    base = session_config.default_session(Config())
+    for voice in ("Chelsie", "default", "alloy", "marin"):
+        session_checks.check_voice(session_config.merge(base, {"audio": {"output": {"voice": voice}}}), voices)
+    for voice in ("nobody", {"id": "voice_1"}):
+        with pytest.raises(ConfigError) as info:
+            session_checks.check_voice(session_config.merge(base, {"audio": {"output": {"voice": voice}}}), voices)
+        assert info.value.param == "session.audio.output.voice"
+    assert "chelsie" in str(info.value) or "custom" in str(info.value)
+    # Before the model is loaded its speakers are not known: a name is the engine's to refuse.
+    session_checks.check_voice(session_config.merge(base, {"audio": {"output": {"voice": "nobody"}}}), Voices())
 
 
 def test_null_is_not_given_and_the_session_stays_whole() -> None:
