@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 from agent import metrics
 from agent.engine.api import EngineBusy
 from agent.gate.token_bucket import TokenBucket
-from agent.realtime import message_content, session_checks, session_config, slow_events, tool_config
+from agent.realtime import message_content, response_checks, session_checks, session_config, slow_events
 from agent.realtime.bad_event import BadEvent
 from agent.realtime.call_outputs import UnknownCall
 from agent.realtime.events import new_id
@@ -325,32 +325,7 @@ def _respond(session: "Session", params: dict[str, Any], event: dict[str, Any]) 
     # A null parameter is one not given (the session's value), as clients send them; for
     # `metadata` and `prompt` null is "none", which absent means too.
     params = {key: value for key, value in params.items() if value is not None}
-    if params.get("conversation") not in (None, "auto"):
-        raise BadEvent(
-            "out-of-band responses (conversation: none) are not served", "unsupported", "response.conversation"
-        )
-    if params.get("input") is not None:
-        raise BadEvent("responses over a custom input are not served", "unsupported", "response.input")
-    if "output_modalities" in params and params["output_modalities"] not in (["audio"], ["text"]):
-        raise BadEvent('output_modalities must be ["audio"] or ["text"]', param="response.output_modalities")
-    if "instructions" in params and not isinstance(params["instructions"], str):
-        raise BadEvent("instructions must be a string", param="response.instructions")
-    limit = params.get("max_output_tokens")
-    if (
-        limit is not None
-        and limit != "inf"
-        and not (isinstance(limit, int) and 1 <= limit <= session_checks.MAX_OUTPUT_TOKENS)
-    ):
-        raise BadEvent('max_output_tokens must be 1..4096 or "inf"', param="response.max_output_tokens")
-    if params.get("metadata") is not None and not isinstance(params["metadata"], dict):
-        raise BadEvent("metadata must be an object", param="response.metadata")
-    if (
-        params.get("tools") is not None or params.get("tool_choice") is not None
-    ):  # checked whole, as the response sees them
-        settings = session.settings
-        tools = settings.get("tools", []) if params.get("tools") is None else params["tools"]
-        choice = settings.get("tool_choice", "auto") if params.get("tool_choice") is None else params["tool_choice"]
-        tool_config.tool_set(tools, choice, "response")
+    response_checks.check_response(params, session.settings, session.engine.voices)
     session.replies.create_response(params, _event_id(event))
 
 

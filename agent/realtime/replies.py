@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional
 from agent import metrics
 from agent.config import OUTPUT_RATE, Config
 from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, TextDelta
-from agent.engine.commands import HoldTurn, SetReplyInstructions, SetReplyTools
+from agent.engine.commands import HoldTurn, SetReplyInstructions, SetReplyTools, SetVoice
 from agent.gate.ladder import Admission
-from agent.realtime import session_config, tool_config
+from agent.realtime import response_checks, session_checks, session_config, tool_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.known_calls import KnownCalls
@@ -166,10 +166,15 @@ class Replies:
             limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
         tools = self._reply_tools(params, settings)
         self._flush_video()  # the newest frames reach the engine ahead of the reply
+        session_voice = settings["audio"]["output"].get("voice") or "default"
+        voice = response_checks.response_voice(params) or session_voice
+        if voice != session_voice:  # this response's own: a reply keeps the voice it began with
+            self._engine.send(SetVoice(session_checks.speaker(voice)), param="response.audio.output.voice")
         self._engine.begin_reply(mode, tuple(self.history))
+        if voice != session_voice:
+            self._engine.send(SetVoice(session_checks.speaker(session_voice)))
         self.turns += 1
         metrics.TURNS.inc()
-        voice = settings["audio"]["output"].get("voice") or "default"
         reply = Response(
             audio=mode == "audio",
             mode=mode,

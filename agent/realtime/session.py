@@ -363,11 +363,7 @@ class Session:
         (session_checks.check_voice; the engine refuses one unknown to it all the same)."""
         if not isinstance(voice, str):
             return
-        # OpenAI's own voice names are what stock clients send by default: they get this model's
-        # default speaker rather than an error, so a client works with only its base URL changed.
-        if voice.lower() in session_checks.OPENAI_VOICES:
-            voice = "default"
-        self.engine.send(SetVoice(voice), param="session.audio.output.voice")
+        self.engine.send(SetVoice(session_checks.speaker(voice)), param="session.audio.output.voice")
 
     # ---- events out --------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:

@@ -90,11 +90,22 @@ def check_voice(session: dict[str, Any], voices: Voices) -> None:
     `voices`: the loaded model's (none known yet: the engine refuses an unknown one itself)."""
     if session.get("type") != "realtime" or session["audio"]["output"].get("voice") is None:
         return
-    voice = session["audio"]["output"]["voice"]
-    check(isinstance(voice, str), "this model has no custom voices; name one of its speakers", _VOICE)
+    check_voice_name(session["audio"]["output"]["voice"], voices, _VOICE)
+
+
+def check_voice_name(voice: Any, voices: Voices, param: str) -> None:
+    """check_voice for one value (a session's or a response's, named by `param`)."""
+    check(isinstance(voice, str), "this model has no custom voices; name one of its speakers", param)
     name = voice.lower()
     known = not voices.names or name == "default" or name in voices.names or name in OPENAI_VOICES
-    check(known, f"unknown voice {voice!r}; this model speaks as: {', '.join(sorted(voices.names))}", _VOICE)
+    check(known, f"unknown voice {voice!r}; this model speaks as: {', '.join(sorted(voices.names))}", param)
+
+
+def speaker(voice: str) -> str:
+    """The talker speaker a checked voice names: OpenAI's own names, which stock clients send
+    by default, are the model's default speaker, so such a client works with only its base URL
+    changed."""
+    return "default" if voice.lower() in OPENAI_VOICES else voice
 
 
 def _is_number(value: Any) -> bool:

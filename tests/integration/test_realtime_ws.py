@@ -3,8 +3,11 @@
 Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny model:
 - session.created carries a whole GA session; session.update merges (tolerating tracing,
   tools, transcription model, noise reduction, prompt, include) and answers session.updated;
-  OpenAI's voice names get the default speaker, an unknown voice is refused with `param`
-  and the model's speakers;
+  OpenAI's voice names get the default speaker, an unknown voice (or a custom-voice object) is
+  refused with `param`, the event's id and the model's speakers, the session left as it was;
+- a response's own voice speaks that response only (response.done names it, the next response
+  has the session's); a response's unknown voice, another output format or metadata that is not
+  string values is refused naming the field;
 - a spoken WAV streamed as 24 kHz pcm16 in real time gets speech_started → speech_stopped →
   committed → response.created → transcript deltas and non-silent output_audio deltas →
   response.done with usage, ids consistent across the response's events;
@@ -33,7 +36,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support.realtime_helpers import RunningAgent, module_agent
-from support.realtime_ws import Events, b64, pcm24, picture, sdk_session, stream_realtime
+from support.realtime_ws import Events, ask_text, b64, pcm24, picture, sdk_session, stream_realtime
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "qwen3-omni"
@@ -241,6 +244,30 @@ async def _retrieve(conn: Any, ev: Events, item_id: str) -> dict[str, Any]:
     mark = len(ev.all)
     await conn.conversation.item.retrieve(item_id=item_id)
     return (await ev.wait("conversation.item.retrieved", 10, after=mark))["item"]
+
+
+async def test_a_responses_own_voice_and_checks(agent: RunningAgent, strict_event) -> None:
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
+        session = (await ev.wait("session.created", 10))["session"]
+        own = "aiden" if session["audio"]["output"]["voice"] != "aiden" else "chelsie"
+        for n, (response, param) in enumerate(
+            [
+                ({"audio": {"output": {"voice": "nobody"}}}, "response.audio.output.voice"),
+                ({"audio": {"output": {"format": {"type": "audio/pcmu"}}}}, "response.audio.output.format"),
+                ({"metadata": {"count": 3}}, "response.metadata"),
+            ]
+        ):
+            await conn.send({"type": "response.create", "event_id": f"evt_r{n}", "response": response})
+            err = await ev.wait("error", 10, where=lambda e, n=n: e["error"]["event_id"] == f"evt_r{n}")
+            assert err["error"]["param"] == param, err
+        assert not ev.of("response.created"), "a refused response.create made nothing"
+        voices = []
+        for response in ({"audio": {"output": {"voice": own}}}, {}):
+            mark = len(ev.all)
+            await ask_text(conn, "Say something.", **response)
+            done = await ev.wait("response.done", 60, after=mark)
+            voices.append(done["response"]["audio"]["output"]["voice"])
+        assert voices == [own, session["audio"]["output"]["voice"]]
 
 
 async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from agent.config import Config
+from agent.engine.api import Voices
 from agent.engine.commands import SessionCommand
 from agent.gate.ladder import Admission
 from agent.realtime import client_events
@@ -26,6 +27,7 @@ from agent.realtime.session_config import default_session
 
 class RecordingEngine:
     has_fallback = False
+    voices = Voices()  # (none known: a voice is the engine's to refuse)
 
     def __init__(self) -> None:
         self.commands: list[SessionCommand] = []

@@ -18,6 +18,7 @@ import weakref
 from pathlib import Path
 
 from agent.config import Config
+from agent.engine.api import Voices
 from agent.engine.commands import SessionCommand, SetVoice, TruncateReply
 from agent.gate.ladder import Admission
 from agent.realtime.session import Session
@@ -27,6 +28,7 @@ class SlowEngine:
     """Answers nothing by itself: the test settles the commands, as the engine thread would later."""
 
     has_fallback = False
+    voices = Voices()
 
     def __init__(self) -> None:
         self.sent: list[tuple[SessionCommand, asyncio.Future]] = []
