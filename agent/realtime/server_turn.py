@@ -96,10 +96,6 @@ class ServerTurn:
                 if self._track is not None:
                     self._track.resume()  # a false alarm: play on from where it paused
             elif isinstance(event, SpeechStarted):
-                if td is not None and td.interrupt_response:
-                    self._edits.barge_in()  # the reply stops; its context keeps what was heard
-                if self._track is not None:
-                    self._track.resume()  # after interrupt()'s flush: nothing; without one: play on
                 self.item_id, self.speculating, self.after_pause = new_id("item"), False, None
                 self.speech_at = event.at
                 # Speech onset on the server clock: the endpointer confirms speech a little later.
@@ -112,6 +108,12 @@ class ServerTurn:
                         "item_id": self.item_id,
                     }
                 )
+                # The cause first, then what it does (OpenAI's order: a client that stops its
+                # playback on speech_started sees it before the reply's cancelled response.done).
+                if td is not None and td.interrupt_response:
+                    self._edits.barge_in()  # the reply stops; its context keeps what was heard
+                if self._track is not None:
+                    self._track.resume()  # after interrupt()'s flush: nothing; without one: play on
             elif isinstance(event, SpeechAudio):
                 if self.after_pause is not None:
                     self.after_pause.append(event.chunk.pcm)

@@ -1,6 +1,7 @@
 """Barge-in truncates the reply to what was heard, over real aiortc peers on loopback.
 
 Pins: when the user speaks over a spoken reply (WebRTC), the agent announces
+`input_audio_buffer.speech_started`, then the reply's cancelled `response.done`, then
 `conversation.item.truncated` for that reply, and the session's KV slot then holds exactly the
 reply tokens of the frames the track had played (one text token per codec frame: the talker
 reads reply token i for frame i), the assistant turn closed after them; checked by the tokens
@@ -82,6 +83,12 @@ async def test_barge_in_keeps_only_the_heard_words(tiny_model_dir: Path, speech_
     assert truncated["item_id"] == r.of_type("response.output_item.added")[0]["item"]["id"]
     heard_frames = truncated["audio_end_ms"] // 80
     assert heard_frames > 0
+    # The cause before what it does (OpenAI's order): the barge-in's speech_started, then the
+    # reply's cancelled response.done.
+    kinds = [e["type"] for e in r.events]
+    cancelled = next(i for i, e in enumerate(r.events) if kinds[i] == "response.done")
+    assert r.events[cancelled]["response"]["status"] == "cancelled"
+    assert "input_audio_buffer.speech_started" in kinds[kinds.index("response.created") : cancelled], kinds
     last = context["last_reply"]
     assert last is not None, "the truncated reply is not the session's latest"
     # One reply token per heard frame (the reply had more: 48 tokens, up to 4 s of audio).
