@@ -250,7 +250,7 @@ class Session:
                 "commit needs at least 100 ms of audio", "input_audio_buffer_commit_empty", event_id=event_id
             )
             return
-        item_id = new_id("item")
+        item_id, seconds = new_id("item"), self.input.buffered_ms() / 1000
         try:
             self.transcription.speech_started(item_id)  # the audio below is this item's
             for pcm in self.input.take():
@@ -261,6 +261,7 @@ class Session:
             )
             return
         self.items.commit(item_id)
+        self.transcription.speech_stopped(item_id, seconds)  # (its transcript's usage: the seconds committed)
         self._item_ended()
 
     def _item_ended(self) -> None:

@@ -185,6 +185,7 @@ async def test_an_item_committed_without_a_response_is_transcribed(
         committed = await ev.wait("input_audio_buffer.committed", after=start)
         completed = await ev.wait(COMPLETED, after=start, timeout=60)
         assert completed["item_id"] == committed["item_id"]
+        assert abs(completed["usage"]["seconds"] - len(pcm24(speech_wav)) / 24_000) < 0.1  # the audio committed
         assert not [e for e in ev.all if e["type"].startswith("response.")], "nothing was asked to respond"
         start = len(ev.all)
         await conn.response.create()
