@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from agent.config import Config
+from agent.engine.api import Voices
 from agent.server import create_app
 
 
@@ -24,6 +25,7 @@ class IdleEngine:
     """What the app's start-up and shutdown touch; a key request needs no model."""
 
     ready = True
+    voices = Voices()  # (none known: a key's voice is not checked against them)
 
     async def start(self) -> None:
         pass
