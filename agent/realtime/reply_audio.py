@@ -32,8 +32,12 @@ class ReplyAudio:
 
     def push(self, reply: Response, pcm: np.ndarray) -> None:
         """Some of the response's speech: to the track (counted: what a barge-in heard is cut
-        by it), or as an audio delta on a WebSocket."""
+        by it), or as an audio delta on a WebSocket. On WebRTC only the playing response's: a
+        response whose audio was cleared (output_audio_buffer.clear, the response left to run:
+        a client should cancel it first) plays nothing more."""
         if self.track is not None:
+            if reply is not self.playing:
+                return
             reply.samples += len(pcm)
             self.track.push(pcm)
         else:

@@ -5,7 +5,8 @@ route (POST /v1/realtime/calls, `oai-events` channel) gets the Realtime events i
 (speech_started → speech_stopped → transcript deltas → response.done), and hears AUDIBLE
 agent audio after its speech ended; the agent's own TTFT/TTFA land in /metrics; bad offers
 get 4xx JSON reasons; a second session works while the first is connected; barge-in clears
-the output buffer; bad client events get `error` events; text-only sessions stay silent; an
+the output buffer; output_audio_buffer.clear with the reply left running plays none of its
+later audio; bad client events get `error` events; text-only sessions stay silent; an
 answered offer whose peer never connects is closed, and the connect deadline counts from the
 answer, so an engine slow to open the session does not eat the peer's time to connect.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support.realtime_helpers import start_agent, wait_no_sessions
+from support.realtime_helpers import long_replies_engine, start_agent, wait_no_sessions
 
 from agent.client.client import AgentClient
 from agent.engine.factory import build_engine
@@ -158,7 +159,7 @@ async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: P
     strict_events(r.events)
     assert first_done, "the interrupted reply was never closed"
     # Order, not timing: the agent flushed the reply's audio (output_audio_buffer.cleared; the
-    # session sends it as it detects the speech, just before speech_started) before the user
+    # session sends it as it detects the speech, right after speech_started) before the user
     # had even finished talking over it, and the reply that was cut ended (cancelled, or
     # complete with its remaining audio dropped).
     stopped_index = r.events.index(stopped)
@@ -172,6 +173,38 @@ async def test_barge_in_silences_the_agent_at_once(agent_url: str, speech_wav: P
     window = window_end - barge_at
     assert window > 0.5, f"the second utterance lasted {window:.2f} s"
     assert late < 0.25 * window * 48_000, f"{late / 48000:.2f} s of agent audio in the {window:.2f} s after barge-in"
+
+
+async def test_output_audio_buffer_clear_silences_the_reply_left_running(
+    tiny_model_dir: Path, speech_wav: Path, strict_events
+) -> None:
+    """output_audio_buffer.clear without response.cancel: the queued audio goes and none of the
+    audio the reply makes afterwards is played (it used to play on, with no started event)."""
+    agent = await start_agent(
+        tiny_model_dir, engine=long_replies_engine, max_reply_tokens=48, max_reply_seconds=4.0, speculative_start=False
+    )
+    client = AgentClient(agent.url, speech_wav, video=False)
+    try:
+        await client.connect()
+        await client.wait_event("output_audio_buffer.started", timeout=60)
+        for _ in range(100):  # bounded: some of the 4 s reply is heard
+            if client.result.audible_samples > 4800:
+                break
+            await asyncio.sleep(0.05)
+        client.send({"type": "output_audio_buffer.clear", "event_id": "clear"})
+        cleared = await client.wait_event("output_audio_buffer.cleared", timeout=10)
+        done = await client.wait_event("response.done", timeout=60)
+        await asyncio.sleep(1.0)
+    finally:
+        await client.close()
+        await agent.stop()
+    r = client.result
+    strict_events(r.events)
+    assert r.events.index(cleared) < r.events.index(done), "the reply had ended: nothing to prove"
+    assert done["response"]["status"] in ("completed", "incomplete"), "the reply itself runs on"
+    # What is heard later is at most what was in flight at the clear (aiortc and jitter buffers).
+    late = sum(n for t, n in r.audible_log if t > cleared["_t"] + 0.3)
+    assert late < 0.25 * 48_000, f"{late / 48000:.2f} s of the cleared reply played on"
 
 
 async def _next_event(client: AgentClient, kind: str, after: int, timeout: float) -> dict:
