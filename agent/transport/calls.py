@@ -14,6 +14,7 @@ import time
 from typing import Any, Optional
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
 from agent import metrics
@@ -102,9 +103,10 @@ async def create_call(request: web.Request) -> web.Response:
         return _bad(415, f"an offer is application/sdp or multipart/form-data, not {request.content_type}")
     try:
         sdp, session_part = await _read_offer(request)
-    except (ValueError, UnicodeDecodeError, LookupError, RuntimeError, AssertionError) as exc:
-        # aiohttp's multipart reader raises these on malformed bodies (the 413 of a too-large
-        # plain body is an HTTPException: JSON too, from server.json_errors).
+    except (ValueError, UnicodeDecodeError, LookupError, RuntimeError, AssertionError, HttpProcessingError) as exc:
+        # aiohttp's multipart reader raises these on malformed bodies (a part's bad header:
+        # HttpProcessingError; the 413 of a too-large plain body is an HTTPException: JSON too,
+        # from server.json_errors).
         return _bad(400, f"unreadable offer: {exc}")
     if len(sdp) > MAX_OFFER_BYTES:  # a chunked body declares no length
         return _bad(413, f"offer too large (at most {MAX_OFFER_BYTES} bytes)")

@@ -3,18 +3,23 @@
 aiortc's own parser takes a lot that is not a usable offer: an SDP *answer* (its DTLS role is
 decided already), twenty media sections (each would become a transceiver with its own
 transport), an audio section whose codecs the agent cannot decode (the call would connect
-and stay silent). Each of those is refused here with a reason the client can act on.
+and stay silent), a section with no certificate fingerprint (the call would never connect). Each of those is refused here with a reason the client can act on.
 """
 
 from __future__ import annotations
 
+import re
+
 from aiortc.codecs import CODECS
+from aiortc.rtcdtlstransport import X509_DIGEST_ALGORITHMS
 from aiortc.sdp import SessionDescription
 
 # A browser offers audio, video and the data channel: 3. Room for a few more, not for abuse.
 MAX_MEDIA_SECTIONS = 8
 # The audio codecs aiortc can decode (opus, G722, PCMU, PCMA), by lower-case name.
 _AUDIO_CODECS = {c.mimeType.split("/", 1)[1].lower() for c in CODECS["audio"]}
+# A certificate fingerprint's value: hex byte pairs, colon-separated (RFC 8122).
+_HEX_PAIRS = re.compile(r"[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2})+")
 
 
 class OfferError(ValueError):
@@ -39,8 +44,21 @@ def check_offer(sdp: str) -> None:
     audio = [m for m in parsed.media if m.kind == "audio"]
     if not audio:
         raise OfferError("the offer has no audio: send the microphone")
+    # Without a fingerprint aiortc can use, DTLS cannot be verified: the call would be answered
+    # and never connect (aiortc asserts one exists after the answer, in a task of its own).
+    for media in parsed.media:
+        prints = media.dtls.fingerprints if media.dtls is not None else []
+        if not any(_usable(f.algorithm, f.value) for f in prints):
+            raise OfferError(
+                f"a media section ({media.kind}) has no usable a=fingerprint "
+                f"({', '.join(sorted(X509_DIGEST_ALGORITHMS))}, hex byte pairs)"
+            )
     if not any(_decodable(m) for m in audio):
         raise OfferError(f"no audio codec the agent can decode (offer one of: {', '.join(sorted(_AUDIO_CODECS))})")
+
+
+def _usable(algorithm: str, value: str) -> bool:
+    return algorithm.lower() in X509_DIGEST_ALGORITHMS and _HEX_PAIRS.fullmatch(value) is not None
 
 
 def _decodable(media) -> bool:

@@ -4,7 +4,8 @@ Pins, against a real agent (tiny model) on both offer routes (`POST /v1/realtime
 the page and the SDKs use, and the older `POST /v1/realtime`): no body, a non-JSON or JSON
 body, a wrong content type, a body over the size limit (declared or chunked), a multipart
 without `sdp`, garbage SDP, SDP with no audio, only video, 20 media sections, unsupported
-codecs only, an SDP answer instead of an offer -> each a 4xx with a JSON reason and no
+codecs only, an SDP answer instead of an offer, no usable certificate fingerprint, a multipart
+part with a malformed header -> each a 4xx with a JSON reason and no
 traceback, and the server still answers a real offer afterwards. Then a property-based fuzz
 (hypothesis, a bounded number of examples) of the same endpoint with mutated offers and
 random bodies: never a 5xx, always JSON on refusal, no session left behind. Each test prints
@@ -66,6 +67,9 @@ def _bodies(offer: str, audio_only: str, answer: str) -> list[tuple[str, bytes, 
     bad_codecs = re.sub(r"(a=rtpmap:\d+ )(opus|G722|PCMU|PCMA)/", r"\1X-NOPE/", audio_only)
     bad_codecs = re.sub(r"^(m=audio \d+ \S+) .*$", r"\1 96 9 97 98", bad_codecs, flags=re.M)
     multipart = b'--b\r\nContent-Disposition: form-data; name="session"\r\n\r\n{"type": "realtime"}\r\n--b--\r\n'
+    no_fingerprint = re.sub(r"^a=fingerprint:.*\r?\n", "", offer, flags=re.M)
+    bad_fingerprint = re.sub(r"^a=fingerprint:(\S+) .*$", r"a=fingerprint:\1 ZZ", offer, flags=re.M)
+    bad_header = b"--b\r\ngarbage no headers\r\n\r\nx\r\n--b--\r\n"
     bad_session = (
         b'--b\r\nContent-Disposition: form-data; name="sdp"\r\n\r\n'
         + offer.encode()
@@ -89,6 +93,9 @@ def _bodies(offer: str, audio_only: str, answer: str) -> list[tuple[str, bytes, 
         ("20 m-lines", twenty.encode(), "application/sdp", 400),
         ("unsupported codecs only", bad_codecs.encode(), "application/sdp", 400),
         ("an answer instead of an offer", answer.encode(), "application/sdp", 400),
+        ("no a=fingerprint (could never connect)", no_fingerprint.encode(), "application/sdp", 400),
+        ("a fingerprint not hex", bad_fingerprint.encode(), "application/sdp", 400),
+        ("multipart, a part's header malformed", bad_header, "multipart/form-data; boundary=b", 400),
     ]
 
 
