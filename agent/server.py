@@ -55,17 +55,49 @@ log = logging.getLogger(__name__)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+_PROBES = frozenset({"/healthz", "/livez", "/readyz", "/metrics"})
+
+
+def _api(path: str) -> bool:
+    """The API's and the probes' routes (errors in JSON), not the page's files."""
+    return path.startswith("/v1/") or path in _PROBES
+
+
+def _methods_served(app: web.Application, path: str) -> set[str]:
+    """The methods the API's routes (not the page's files) serve at `path`."""
+    methods: set[str] = set()
+    for resource in app.router.resources():
+        info = resource.get_info()
+        pattern = info.get("pattern")
+        if info.get("path") == path or (pattern is not None and pattern.fullmatch(path)):
+            methods |= {route.method for route in resource if route.method != "*"}
+    return methods
+
+
 @web.middleware
 async def json_errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
     """API errors are JSON with a reason, and a bug is a 500 without a traceback in the body
-    (the traceback goes to the log)."""
+    (the traceback goes to the log). An API path no route serves (the page's catch-all file
+    route would answer it with an empty 404, or a 405) is a JSON 404, or 405 naming the
+    methods that are served there."""
+    match = request.match_info
+    unrouted = isinstance(match.route.resource, web.StaticResource) or match.http_exception is not None
+    if _api(request.path) and unrouted:
+        served = _methods_served(request.app, request.path)
+        if served:
+            allow = ", ".join(sorted(served))
+            return json_error(405, f"{request.method} is not served here: {allow}", "method_not_allowed", Allow=allow)
+        return json_error(404, f"no route {request.path}", "not_found")
     try:
         return await handler(request)
     except web.HTTPException as exc:
-        if exc.status < 400 or not request.path.startswith("/v1/"):
+        if exc.status < 400 or not _api(request.path):
             raise
-        code = "request_too_large" if exc.status == 413 else "invalid_request"
-        return json_error(exc.status, exc.reason, code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            exc.status, "invalid_request"
+        )
+        allow = exc.headers.get("Allow")
+        return json_error(exc.status, exc.reason, code, **({"Allow": allow} if allow else {}))
     except asyncio.CancelledError:
         raise
     except Exception:
@@ -96,8 +128,10 @@ async def client_secrets(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         return json_error(400, "body must be a JSON object", "invalid_request")
     expires = body.get("expires_after") or {}
-    seconds = expires.get("seconds", DEFAULT_TTL_S) if isinstance(expires, dict) else None
-    if expires and (not isinstance(expires, dict) or expires.get("anchor", "created_at") != "created_at"):
+    if not isinstance(expires, dict):
+        return json_error(400, "expires_after must be an object", "invalid_value", param="expires_after")
+    seconds = expires.get("seconds", DEFAULT_TTL_S)
+    if expires.get("anchor", "created_at") != "created_at":
         return json_error(400, "expires_after.anchor must be created_at", "invalid_value", param="expires_after.anchor")
     if not isinstance(seconds, int) or isinstance(seconds, bool):
         return json_error(

@@ -8,7 +8,8 @@ codecs only, an SDP answer instead of an offer, no usable certificate fingerprin
 part with a malformed header -> each a 4xx with a JSON reason and no
 traceback, and the server still answers a real offer afterwards. Then a property-based fuzz
 (hypothesis, a bounded number of examples) of the same endpoint with mutated offers and
-random bodies: never a 5xx, always JSON on refusal, no session left behind. Each test prints
+random bodies: never a 5xx, always JSON on refusal, no session left behind. An API path or
+method no route serves is a JSON 404 or 405 naming the methods served. Each test prints
 what it tried.
 """
 
@@ -106,6 +107,30 @@ async def _refused_cleanly(http: aiohttp.ClientSession, resp: aiohttp.ClientResp
     error = (await resp.json())["error"]
     assert isinstance(error["message"], str) and error["message"] and isinstance(error["code"], str)
     return error
+
+
+async def test_routes_not_served_answer_json(agent) -> None:
+    """An API path or method nothing serves is a JSON 404 or 405 (with Allow), never the page's
+    empty file 404; the page's own files are still served."""
+    running, _ = agent
+    cases = [
+        ("GET", "/v1/realtime/calls", 405, "POST"),
+        ("GET", "/v1/realtime/client_secrets", 405, "POST"),
+        ("PUT", "/v1/realtime/calls", 405, "POST"),
+        ("GET", "/v1/realtime/calls/rtc_x/hangup", 405, "POST"),
+        ("GET", "/v1/nothing/here", 404, None),
+        ("POST", "/v1/nothing/here", 404, None),
+        ("POST", "/healthz", 405, "GET, HEAD"),
+        ("POST", "/metrics", 405, "GET, HEAD"),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for method, path, status, allow in cases:
+            async with http.request(method, running.url + path) as resp:
+                assert (resp.status, resp.headers.get("Allow")) == (status, allow), f"{method} {path}"
+                error = await _refused_cleanly(http, resp)
+                print(f"  {method} {path}: {resp.status} {error['code']}")
+        async with http.get(running.url + "/") as resp:
+            assert resp.status == 200 and resp.content_type == "text/html"
 
 
 async def test_bad_offers_get_4xx_json_and_the_server_keeps_serving(agent) -> None:

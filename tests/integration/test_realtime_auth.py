@@ -6,7 +6,7 @@ Pins:
   (/v1/omni/config also lists the model's voices);
 - the API key works with the official SDK (WebSocket) and on POST /v1/realtime/calls;
 - client_secrets (API key only) mints `ek_…` keys with expires_at and the session they carry;
-  `expires_after.seconds` outside 10..7200 is refused naming the param;
+  `expires_after.seconds` outside 10..7200 (or `expires_after` not an object) is refused naming the param;
 - a valid ephemeral key connects (SDK over WebSocket, and the browser's subprotocol form, with
   `realtime` echoed) and its session applies; once expired it gets 401;
 - a key minted for a transcription session (the page's Captions only on a keyed agent) makes a
@@ -89,6 +89,8 @@ async def test_ephemeral_keys(agent: RunningAgent) -> None:
     async with aiohttp.ClientSession() as http:
         status, body = await _mint(http, agent.url, API_KEY, {"expires_after": {"anchor": "created_at", "seconds": 5}})
         assert status == 400 and body["error"]["param"] == "expires_after.seconds"
+        status, body = await _mint(http, agent.url, API_KEY, {"expires_after": [1]})
+        assert status == 400 and body["error"]["param"] == "expires_after", body
         status, body = await _mint(
             http,
             agent.url,
