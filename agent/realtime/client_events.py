@@ -38,6 +38,7 @@ MAX_MESSAGE_CHARS = slow_events.MAX_APPEND_BYTES * 4 // 3 + 64 * 1024  # base64 
 _MAX_EVENT_CHARS = 256 * 1024  # any other event: instructions and text messages fit many times over
 _AUDIO_EVENTS = ("input_audio_buffer.append", "conversation.item.create")
 _MIN_AUDIO_CHARS = 428  # base64 of 10 ms of 16 kHz pcm16: an append that carries real audio
+_MAX_ITEM_ID = 32  # characters in a client-chosen item id, as GA allows
 
 
 class EventRate:
@@ -258,8 +259,19 @@ def _call(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> La
 
 
 def _new_item_id(session: "Session", item: dict[str, Any]) -> str:
-    """The item's id: the client's (unused so far) or a new one."""
-    item_id = item.get("id") if isinstance(item.get("id"), str) and item["id"] else new_id("item")
+    """The item's id: the client's (unused so far) or a new one. GA holds a client's id to 32
+    characters (a UUID's 36 is refused there), so a client tested here works there too."""
+    given = item.get("id")
+    if given is not None and not isinstance(given, str):
+        raise BadEvent("Invalid type for 'item.id': expected a string.", "invalid_type", "item.id")
+    if given and len(given) > _MAX_ITEM_ID:
+        raise BadEvent(
+            f"Invalid 'item.id': string too long. Expected a string with maximum length {_MAX_ITEM_ID}, "
+            f"but got a string with length {len(given)} instead.",
+            "string_above_max_length",
+            "item.id",
+        )
+    item_id = given or new_id("item")
     if item_id in session.conversation:
         raise BadEvent(f"item {item_id!r} exists already", "invalid_value", "item.id")
     return item_id

@@ -239,7 +239,13 @@ class Session:
         """input_audio_buffer.commit: the buffered audio becomes a user item (no reply by itself)."""
         if not self.input.manual:
             if not self.input.in_turn:
-                self.emit_error("the input audio buffer is empty", "input_audio_buffer_commit_empty", event_id=event_id)
+                # Under turn detection the buffer holds the speech the endpointer heard (silence
+                # never reaches the model), so a commit with none has nothing to commit.
+                self.emit_error(
+                    "the input audio buffer holds no speech (with turn_detection on, only speech is buffered)",
+                    "input_audio_buffer_commit_empty",
+                    event_id=event_id,
+                )
                 return
             self.input.reset()
             self.items.commit(self.turn.commit())

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from agent.config import Config
 from agent.gate import priority
+from agent.realtime import beta_session
 from agent.realtime.config_error import ConfigError
 from agent.realtime.events import PCM_FORMAT, new_id
 from agent.realtime.session_checks import INPUT_FORMATS, check, validate
@@ -213,7 +214,7 @@ def merge(session: dict[str, Any], update: Any, vad_silence_ms: int = Config.vad
     server_vad silence (--vad-silence-ms), the default of a turn_detection switched to server_vad."""
     if not isinstance(update, dict):
         raise ConfigError("session must be an object", "session")
-    update = _given(update)
+    update = _given(beta_session.to_ga(update))
     kind = session.get("type", "realtime")
     if update.get("type", kind) != kind:
         raise ConfigError(
@@ -221,8 +222,11 @@ def merge(session: dict[str, Any], update: Any, vad_silence_ms: int = Config.vad
             "session: ?intent=transcription or an offer's session with type transcription)",
             "session.type",
         )
-    # Unknown top-level fields (beta-era `modalities`, `voice`, …) are dropped, not echoed.
-    merged = _merge(session, {k: v for k, v in update.items() if k in session}, vad_silence_ms)
+    # Unknown top-level fields are dropped, not echoed (beta-era ones were moved to GA's places).
+    known = {k: v for k, v in update.items() if k in session}
+    if isinstance(known.get("audio"), dict):  # a transcription session has no audio.output
+        known["audio"] = {k: v for k, v in known["audio"].items() if k in session["audio"]}
+    merged = _merge(session, known, vad_silence_ms)
     # Fields that are the server's, whatever the client says.
     merged["id"], merged["object"], merged["type"] = session["id"], session["object"], kind
     if kind == "realtime" and isinstance(interpret_to(merged), str) and interpret_to(merged) != interpret_to(session):

@@ -3,7 +3,8 @@
 Pins, over the WebSocket transport of a real agent (tiny model; WebRTC's data channel feeds
 the same handler, tests/integration/test_agent_loopback.py sends it bad events too): non-JSON,
 JSON that is not an event (answered with its event_id where it has one), unknown types,
-wrong field types, an event over the size limit (an append too, past its 15 MiB of audio: an
+wrong field types (an item id that is not a string or is past GA's 32
+characters too), an event over the size limit (an append too, past its 15 MiB of audio: an
 error, not the socket closed) and a binary frame each get an `error` event naming what was wrong, and the session then
 answers a valid event; a flood far above `--max-events-per-s` is dropped past the limit and
 reported in `rate_limited` errors (a few, not one per event), the flooding session still
@@ -93,6 +94,19 @@ BAD = [
         "audio_end_ms a string",
         '{"type": "conversation.item.truncate", "item_id": "x", "audio_end_ms": "9"}',
         "invalid_value",
+    ),
+    (  # GA's limit on a client-chosen id (a UUID's 36 characters is too long there)
+        "item id too long",
+        '{"type": "conversation.item.create", "item": {"id": "'
+        + "i" * 33
+        + '", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}',
+        "string_above_max_length",
+    ),
+    (
+        "item id a number",
+        '{"type": "conversation.item.create", "item": {"id": 7, "type": "message", "role": "user", '
+        '"content": [{"type": "input_text", "text": "hi"}]}}',
+        "invalid_type",
     ),
     ("response a list", '{"type": "response.create", "response": []}', "invalid_value"),
     ("max_output_tokens wrong", '{"type": "response.create", "response": {"max_output_tokens": -3}}', "invalid_value"),

@@ -3,7 +3,10 @@
 Pins:
 - the default session validates strictly as the SDK's GA session model (its max_output_tokens
   "inf", whatever the server's own cap); an update merges
-  nested objects field by field, drops unknown top-level fields, keeps tolerated ones
+  nested objects field by field, drops unknown top-level fields (and audio.output in a
+  transcription session), moves beta-era flat fields to their GA places (the GA field winning
+  when both are given, beta format names mapped, a bad beta value refused under its GA
+  param), keeps tolerated ones
   (tracing, tools, transcription model, noise reduction) and leaves the session unchanged
   when refused, naming the param (values outside GA's enumerations and ranges too); turn
   detection maps to the endpointer's settings; a voice is one of the model's speakers, any
@@ -49,6 +52,40 @@ def test_default_session_is_a_ga_session() -> None:
 TD = "session.audio.input.turn_detection"
 
 
+def test_beta_fields_move_to_their_ga_places() -> None:
+    base = session_config.default_session(Config(vad_silence_ms=300))
+    beta = {
+        "modalities": ["text", "audio"],
+        "voice": "alloy",
+        "input_audio_format": "g711_ulaw",
+        "output_audio_format": "pcm16",
+        "input_audio_transcription": {"model": "whisper-1"},
+        "input_audio_noise_reduction": {"type": "near_field"},
+        "turn_detection": None,
+        "max_response_output_tokens": 200,
+        "temperature": 0.7,
+    }
+    merged = session_config.merge(base, beta)
+    RealtimeSessionCreateRequest.model_validate(merged)
+    audio_in, audio_out = merged["audio"]["input"], merged["audio"]["output"]
+    assert merged["output_modalities"] == ["audio"] and merged["max_output_tokens"] == 200
+    assert audio_in["format"] == {"type": "audio/pcmu"} and audio_in["turn_detection"] is None
+    assert audio_in["transcription"]["model"] == "whisper-1" and audio_in["noise_reduction"]["type"] == "near_field"
+    assert audio_out["voice"] == "alloy" and audio_out["format"] == {"type": "audio/pcm", "rate": 24000}
+    assert not set(beta) & set(merged) and beta["voice"] == "alloy"  # the client's dict untouched
+    assert session_config.merge(base, {"modalities": ["text"]})["output_modalities"] == ["text"]
+    # The GA field wins over its beta twin in the same update.
+    both = session_config.merge(base, {"voice": "alloy", "audio": {"output": {"voice": "marin"}}})
+    assert both["audio"]["output"]["voice"] == "marin"
+    with pytest.raises(ConfigError) as refused:
+        session_config.merge(base, {"input_audio_format": "pcm24"})
+    assert refused.value.param == "session.audio.input.format"
+    # A transcription session has no output: a beta voice (or a GA audio.output) is dropped.
+    transcription = session_config.default_transcription_session(Config())
+    quiet = session_config.merge(transcription, {"voice": "alloy", "audio": {"output": {"speed": 2}}})
+    assert set(quiet["audio"]) == {"input"}
+
+
 def test_merge_tolerates_refuses_and_maps() -> None:
     base = session_config.default_session(Config(vad_silence_ms=300))
     merged = session_config.merge(
@@ -57,7 +94,7 @@ def test_merge_tolerates_refuses_and_maps() -> None:
             "type": "realtime",
             "tracing": "auto",
             "tools": [{"type": "function", "name": "f"}],
-            "modalities": ["text"],
+            "unknown_field": 1,
             "audio": {
                 "input": {
                     "transcription": {"model": "gpt-4o-mini-transcribe"},
@@ -68,7 +105,7 @@ def test_merge_tolerates_refuses_and_maps() -> None:
             },
         },
     )
-    assert merged["tracing"] == "auto" and merged["tools"][0]["name"] == "f" and "modalities" not in merged
+    assert merged["tracing"] == "auto" and merged["tools"][0]["name"] == "f" and "unknown_field" not in merged
     assert merged["audio"]["input"]["format"] == base["audio"]["input"]["format"]  # untouched sibling kept
     assert merged["audio"]["output"]["voice"] == "marin" and merged["id"] == base["id"]
     RealtimeSessionCreateRequest.model_validate(merged)
