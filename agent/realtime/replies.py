@@ -101,23 +101,36 @@ class Replies:
             return "text"
         return "audio"
 
-    def respond_to_turn(self, item_id: str) -> None:
+    def respond_to_turn(self, item_id: str) -> bool:
         """Server VAD ended a turn that asks for a response. In interpreter mode a turn that ends
         while the previous translation is still being made does not wait for an error: the engine
         holds it apart (the next utterance's audio does not join it) and it is answered as soon
-        as that translation ends, in order; its audio plays after the previous one's."""
+        as that translation ends, in order; its audio plays after the previous one's. Returns
+        False when no response was begun (refused, or one in progress): the item stays in the
+        conversation unanswered, its audio in the model's context, and the next response
+        answers it with what follows, as after a commit that asks none."""
         if (self.current is not None or self._held) and session_config.interpret_to(self._settings()):
             if not self._admission.turns.allow():
-                metrics.TURNS_REJECTED.inc()
-                self._engine.discard_turn()
-                self._outbox.error(
-                    "too many turns on this engine right now; please repeat", "rate_limited", kind="server_error"
-                )
-                return
+                self._refuse_turn(None)
+                return False
             self._engine.send(HoldTurn())  # (EngineBusy: the turn is dropped, nothing is held)
             self._held.append(item_id)
-            return
-        self.create_response({}, None)
+            return True
+        return self.create_response({}, None)
+
+    def _refuse_turn(self, event_id: Optional[str]) -> None:
+        """Admission refused a response (too many turns on the engine). The conversation keeps
+        what the client was told it holds (its committed items, their audio in the model's
+        context), so nothing is rolled back; only a speculation on the turn's pause goes."""
+        metrics.TURNS_REJECTED.inc()
+        self._engine.drop_speculation()
+        self._outbox.error(
+            "too many turns on this engine right now: no response was made (the conversation keeps "
+            "the turn; the next response answers it)",
+            "rate_limited",
+            kind="server_error",
+            event_id=event_id,
+        )
 
     def _answer_held(self) -> None:
         """The reply before a held turn has ended: answer the held turn now."""
@@ -130,32 +143,26 @@ class Replies:
             metrics.ERRORS.labels(where="engine_busy").inc()
             self._outbox.error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
 
-    def create_response(self, params: dict[str, Any], event_id: Optional[str], held: Optional[str] = None) -> None:
+    def create_response(self, params: dict[str, Any], event_id: Optional[str], held: Optional[str] = None) -> bool:
         """held: the user item of a turn the engine held (respond_to_turn), already admitted:
-        its answer follows that item, and its audio queues behind the previous reply's."""
+        its answer follows that item, and its audio queues behind the previous reply's. Returns
+        whether the response was begun (False: refused with an error event)."""
         settings = self._settings()
         if self._transcription_only:
             self._outbox.error(
                 "a transcription session does not respond", "unsupported", param="type", event_id=event_id
             )
-            return
+            return False
         if self.current is not None:
             self._outbox.error(
                 f"a response is in progress ({self.current.id})",
                 "conversation_already_has_active_response",
                 event_id=event_id,
             )
-            return
+            return False
         if not held and not self._admission.turns.allow():
-            metrics.TURNS_REJECTED.inc()
-            self._engine.discard_turn()
-            self._outbox.error(
-                "too many turns on this engine right now; please repeat",
-                "rate_limited",
-                kind="server_error",
-                event_id=event_id,
-            )
-            return
+            self._refuse_turn(event_id)
+            return False
         if self.audio.playing is not None and not held:
             self.clear_output()  # a new reply does not queue behind the old one's audio
         mode = self.reply_mode(params.get("output_modalities") or settings["output_modalities"])
@@ -192,6 +199,7 @@ class Replies:
             self._outbox.emit(event)
         if not tools:  # without tools the message is announced at once, as it always was
             self._open_message(reply)
+        return True
 
     def _reply_tools(self, params: dict[str, Any], settings: dict[str, Any]) -> bool:
         """Tell the engine this response's own instructions and tools, if it has any; returns

@@ -136,7 +136,7 @@ class ServerTurn:
                 item_id = self.item_id or new_id("item")
                 self.item_id = None
                 # The rest of the silence is not part of the turn; create_response commits the
-                # speculation (a refusal discards the turn, and it with it).
+                # speculation (a refusal drops it; the turn stays).
                 self.speculating, self.after_pause = False, None
                 self._outbox.emit(
                     {
@@ -150,7 +150,8 @@ class ServerTurn:
                 if self._transcription_only:
                     self._engine.send(EndTurn())
                 elif td is None or td.create_response:
-                    self._replies.respond_to_turn(item_id)
+                    if not self._replies.respond_to_turn(item_id):
+                        self._transcription.item_ended()  # unanswered: committed as if none was asked
                 else:
                     self._transcription.item_ended()
         except EngineBusy:

@@ -3,7 +3,7 @@ of what a session does with client events without a model.
 
 The engine takes every command and answers it at once (or refuses the ones `refuse` picks, as
 the engine thread refuses a command it cannot carry out, with a ValueError); it counts the
-audio it is handed. The session runs manual turns (turn detection off) unless told otherwise,
+audio it is handed and records the calls on the turn's stream (begin, discard, speculation). The session runs manual turns (turn detection off) unless told otherwise,
 and its server events are collected, parsed.
 """
 
@@ -33,6 +33,7 @@ class RecordingEngine:
         self.commands: list[SessionCommand] = []
         self.audio_samples = 0
         self.closed: list[str] = []
+        self.turn_calls: list[str] = []
         self.refuse: Callable[[SessionCommand], bool] = lambda command: False
 
     def send(self, sid: str, command: SessionCommand) -> asyncio.Future:
@@ -47,14 +48,29 @@ class RecordingEngine:
     def append_audio(self, sid: str, pcm: np.ndarray) -> None:
         self.audio_samples += len(pcm)
 
+    # The turn's stream: recorded by name, in order with nothing else (what a test asks is
+    # whether the session rolled a turn back, answered it, or dropped a speculation).
+    def discard_turn(self, sid: str) -> None:
+        self.turn_calls.append("discard_turn")
+
+    def begin_reply(self, sid: str, images: list, *, mode: str, history: tuple) -> None:
+        self.turn_calls.append(f"begin_reply:{mode}")
+
+    def drop_speculation(self, sid: str) -> None:
+        self.turn_calls.append("drop_speculation")
+
+    def cancel_reply(self, sid: str) -> None:
+        self.turn_calls.append("cancel_reply")
+
     def close_session(self, sid: str) -> None:
         self.closed.append(sid)
 
 
 def recording_session(
-    pool: Optional[Executor] = None, manual: bool = True
+    pool: Optional[Executor] = None, manual: bool = True, admission: Optional[Admission] = None
 ) -> tuple[Session, RecordingEngine, list[dict[str, Any]]]:
-    """A WebSocket session (turn detection off when `manual`), its engine and its events."""
+    """A WebSocket session (turn detection off when `manual`), its engine and its events;
+    `admission`: the engine's (the config's defaults unless given)."""
     config = Config()
     settings = default_session(config)
     if manual:
@@ -64,7 +80,7 @@ def recording_session(
     session = Session(
         config,
         engine,  # type: ignore[arg-type]
-        Admission.from_config(config),
+        admission or Admission.from_config(config),
         send=lambda text: sent.append(json.loads(text)),
         on_closed=lambda _: None,
         webrtc=False,

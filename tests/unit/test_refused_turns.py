@@ -1,0 +1,83 @@
+"""A response refused by admission (too many turns on the engine) leaves the conversation as the
+client was told it is.
+
+Pins: a `response.create` refused as `rate_limited` (its event_id in the error) after a manual
+commit rolls nothing back: the engine is not told to discard the turn (the committed item's
+audio stays in the model's context; it was discarded once, so the conversation listed an item
+the model no longer had), only a speculation is dropped, the item is still retrievable, and
+once the bucket refills the next `response.create` begins a reply. With server VAD a turn whose
+response is refused is committed as if it asked none: speech_stopped and committed are sent,
+nothing is discarded, and (transcription on) its transcript is finished at once (EndUserItem),
+so the item does not wait for a reply that is not coming.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from support.recording_session import errors, recording_session, send_event
+
+from agent.config import Config
+from agent.engine.commands import EndUserItem
+from agent.gate.ladder import Admission, TurnRateLimiter
+from agent.media.turn_events import SpeechStarted, SpeechStopped
+
+
+def _admission(now: list[float]) -> Admission:
+    """One turn a second, burst one, on a clock the test moves."""
+    return Admission(Admission.from_config(Config()).ladder, TurnRateLimiter(1.0, 1.0, clock=lambda: now[0]))
+
+
+def _speech(ms: int) -> str:
+    pcm = (np.sin(np.arange(24 * ms) / 7) * 8000).astype("<i2")
+    return base64.b64encode(pcm.tobytes()).decode()
+
+
+async def test_a_refused_response_keeps_the_committed_turn() -> None:
+    now = [0.0]
+    admission = _admission(now)
+    session, engine, sent = recording_session(admission=admission)
+    send_event(session, {"type": "input_audio_buffer.append", "audio": _speech(300)})
+    send_event(session, {"type": "input_audio_buffer.commit"})
+    await session.inbox.idle()
+    [item_id] = [e["item_id"] for e in sent if e["type"] == "input_audio_buffer.committed"]
+    assert admission.turns.allow()  # another session took the engine's last turn
+
+    send_event(session, {"type": "response.create", "event_id": "evt_refused"})
+    await session.inbox.idle()
+    [error] = errors(sent)
+    assert (error["code"], error["event_id"]) == ("rate_limited", "evt_refused")
+    assert engine.turn_calls == ["drop_speculation"]  # nothing rolled back
+    assert not [e for e in sent if e["type"] == "response.created"]
+
+    send_event(session, {"type": "conversation.item.retrieve", "item_id": item_id})
+    await session.inbox.idle()
+    assert [e["item"]["id"] for e in sent if e["type"] == "conversation.item.retrieved"] == [item_id]
+
+    now[0] = 1.5  # the bucket refills: the same turn is answered now
+    send_event(session, {"type": "response.create"})
+    await session.inbox.idle()
+    assert engine.turn_calls == ["drop_speculation", "begin_reply:audio"]
+    assert len([e for e in sent if e["type"] == "response.created"]) == 1 and len(errors(sent)) == 1
+    await session.close()
+
+
+async def test_a_refused_vad_turn_is_committed_with_its_transcript() -> None:
+    now = [0.0]
+    admission = _admission(now)
+    session, engine, sent = recording_session(manual=False, admission=admission)
+    transcription = {"model": "qwen3-omni-thinker"}
+    send_event(session, {"type": "session.update", "session": {"audio": {"input": {"transcription": transcription}}}})
+    await session.inbox.idle()
+    assert admission.turns.allow()
+
+    session.turn.on_event(SpeechStarted(at=0.1, onset=0.1))
+    session.turn.on_event(SpeechStopped(at=1.2, end_of_speech=0.9))
+    await session.inbox.idle()
+    kinds = [e["type"] for e in sent]
+    assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index("input_audio_buffer.committed")
+    assert [e["code"] for e in errors(sent)] == ["rate_limited"]
+    assert "discard_turn" not in engine.turn_calls and not any(k.startswith("begin_reply") for k in engine.turn_calls)
+    assert [c for c in engine.commands if isinstance(c, EndUserItem)] == [EndUserItem()]
+    await session.close()
