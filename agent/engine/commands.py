@@ -124,7 +124,8 @@ class EndTurn(SessionCommand):
 @dataclass(frozen=True)
 class EndUserItem(SessionCommand):
     """A conversation's user item was committed with no reply asked (a manual commit, or server
-    VAD without create_response): its transcript ends here; the turn goes on."""
+    VAD without create_response): its audio ends here (a discard of the turn keeps it) and so
+    does its transcript; the turn goes on."""
 
 
 @dataclass(frozen=True)

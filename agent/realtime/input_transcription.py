@@ -78,9 +78,11 @@ class InputTranscription:
 
     def item_ended(self) -> None:
         """The user item being spoken was committed with no reply asked (a manual commit, or
-        server VAD without create_response): its transcript completes now, not with the next
-        reply (a transcription session ends its turn instead: EndTurn)."""
-        if self.on and not self._transcription_only:
+        server VAD without create_response or with its response refused): the engine marks
+        where it ends, so that a later discard of the turn keeps its audio, and its transcript
+        completes now, not with the next reply (a transcription session ends its turn
+        instead: EndTurn)."""
+        if not self._transcription_only:  # (not only for the transcript: where the item ends)
             self._engine.send(EndUserItem())
 
     def speech_stopped(self, item_id: str, audio_seconds: float) -> None:

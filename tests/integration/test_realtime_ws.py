@@ -21,7 +21,9 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
 - truncating the latest reply answers conversation.item.truncated and shortens its transcript;
   deleting it answers conversation.item.deleted (it is gone); deleting an earlier item is refused;
 - server VAD with create_response false commits a turn without answering it, and with
-  interrupt_response false speaking over a reply does not cancel it;
+  interrupt_response false speaking over a reply does not cancel it; a clear of the speech
+  after a committed item leaves that item in the model's context (the next response counts
+  its audio);
 - agent.client.client.WsAgentClient (the benchmark's WebSocket client) times a turn;
 - every server event validates strictly against the SDK's GA pydantic models.
 """
@@ -368,6 +370,30 @@ async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: 
         done = await ev.wait("response.done", 90, after=mark)
         assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
         assert ev.all.index(committed) < mark
+
+
+async def test_a_clear_keeps_the_committed_item(agent: RunningAgent, speech_wav: Path, strict_event) -> None:
+    """create_response false: a committed item, then more speech cleared (input_audio_buffer.clear
+    while the user speaks): the response that follows still hears the committed item (its audio
+    is counted; the clear once dropped it with the speech after it)."""
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
+        await ev.wait("session.created", 10)
+        vad = {"type": "server_vad", "create_response": False}
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": vad}}})
+        await ev.wait("session.updated", 10)
+        pcm = pcm24(speech_wav)
+        await stream_realtime(conn, pcm, tail_silence_s=1.0)
+        await ev.wait("input_audio_buffer.committed", 30)
+        mark = len(ev.all)
+        voiced = np.flatnonzero(np.abs(pcm) > 500)
+        await stream_realtime(conn, pcm[max(0, voiced[0] - 480) : voiced[0] + 24_000], tail_silence_s=0)
+        await ev.wait("input_audio_buffer.speech_started", 30, after=mark)
+        await conn.input_audio_buffer.clear()
+        await ev.wait("input_audio_buffer.cleared", 10, after=mark)
+        assert not ev.of("input_audio_buffer.speech_stopped")[1:], "the cleared speech was committed"
+        await conn.response.create()
+        done = await ev.wait("response.done", 90, after=mark)
+        assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
 
 
 async def test_ws_agent_client_times_a_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:

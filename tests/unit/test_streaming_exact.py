@@ -185,6 +185,41 @@ def test_discard_turn_rolls_back_the_prefilled_audio(loaded):
     assert runner.sessions["s"].thinker.length == start
 
 
+def test_a_discard_keeps_the_audio_of_committed_items(loaded):
+    """A user item committed with no reply (end_user_item), more speech, a discard: only the
+    speech after the item goes; the reply to what follows is the one of the turn that never
+    had that speech (text, codes, tokens prefilled). Without an item, the whole turn goes."""
+    item, dropped, after = make_audio(1.4, 220, 21), make_audio(0.9, 330, 22), make_audio(1.1, 440, 23)
+
+    def answer(runner: StreamingRunner, sid: str, spoken: list[np.ndarray], discard_after: int | None):
+        runner.open_session(sid)
+        for n, wav in enumerate(spoken):
+            runner.append_audio(sid, wav)
+            if n == 0:
+                runner.end_user_item(sid)  # the item is committed; the turn goes on
+            while runner.has_work():  # prefilled before the discard: it comes back out of the cache
+                runner.step()
+            if n == discard_after:
+                runner.discard_turn(sid)
+        runner.begin_reply(sid, [])
+        while runner.has_work():
+            runner.step()
+        return runner.records[sid]
+
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True)
+    kept = answer(runner, "kept", [item, after], None)
+    cleared = answer(runner, "cleared", [item, dropped, after], 1)
+    assert cleared.prefill_tokens == kept.prefill_tokens
+    assert cleared.text_ids == kept.text_ids and np.array_equal(cleared.codes, kept.codes)
+    # No item committed: the discard takes the whole turn, as a false start.
+    runner.open_session("false_start")
+    start = runner.sessions["false_start"].thinker.length
+    runner.append_audio("false_start", dropped)
+    runner.discard_turn("false_start")
+    state = runner.sessions["false_start"]
+    assert state.thinker.length == start and not state.turn.pending_audio and not state.turn.kept_tokens
+
+
 def test_two_sessions_stepped_together_stay_independent(loaded, compiled):
     inputs = {"a": (make_audio(1.2, 220, 13), [make_image(5)]), "b": (make_audio(1.0, 400, 14), [])}
     runner = StreamingRunner(

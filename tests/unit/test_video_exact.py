@@ -13,7 +13,10 @@ Pins:
 - so does a turn whose reply was speculated on a pause and committed, or speculated and
   dropped because the user went on (the speculation works on its own copy of the turn's grids);
 - the end of that turn encodes at most one grid (the last half second) and prefills only the
-  grids whose time came after the last audio flush.
+  grids whose time came after the last audio flush;
+- a discard after a committed user item (end_user_item) drops the later speech and the grids of
+  its time only: what follows is answered as if that speech had never come (same text, codes
+  and video grids).
 """
 
 from __future__ import annotations
@@ -330,3 +333,49 @@ def test_a_second_camera_turn_reuses_the_cache_and_equals_generate(loaded):
     assert list(record.text_ids) == text
     np.testing.assert_array_equal(record.codes, codes)
     assert done.stats["prefill_tokens"] < done.stats["context_tokens"] / 2  # the first turn stayed cached
+
+
+def test_a_discard_after_a_committed_item_drops_only_the_later_grids(loaded):
+    item, dropped, after = make_audio(1.5, 31), make_audio(1.0, 32), make_audio(1.0, 33)
+
+    def feed(runner, audio, shift):
+        frames, fed = [marker_frame(shift + i) for i in range(int(len(audio) / 16000 * 4))], 0
+        for start in range(0, len(audio), 1280):
+            while fed < len(frames) and fed / 4.0 <= start / 16000:
+                runner.append_video("s", frames[fed], 0.0)
+                fed += 1
+            runner.append_audio("s", audio[start : start + 1280])
+
+    def answer(discard: bool):
+        runner = StreamingRunner(
+            loaded,
+            SYSTEM,
+            max_reply_tokens=TOKENS,
+            max_reply_seconds=FRAMES * 0.08,
+            audio_window_s=1.0,
+            record=True,
+            video=VideoPolicy(fps=4.0, window_s=2.0, max_tokens=768),
+        )
+        runner.open_session("s")
+        feed(runner, item, 0)
+        runner.end_user_item("s")
+        if discard:
+            feed(runner, dropped, 10)
+            while runner.has_work():
+                runner.step()
+            turn = runner.sessions["s"].turn
+            assert turn.video.grids.placed() > 0  # some of the item's grids were in the cache
+            runner.discard_turn("s")
+            assert all(g.threshold < turn.kept_tokens for g in turn.video.grids.grids)
+            assert turn.video.grids.placed() == 0 and turn.video.grids.budget.count == len(turn.video.grids.grids)
+        feed(runner, after, 20)
+        runner.begin_reply("s", [])
+        while runner.has_work():
+            done = runner.step()
+        return runner.records["s"], done[-1].stats
+
+    kept, kept_stats = answer(False)
+    cleared, cleared_stats = answer(True)
+    assert kept_stats["video_grids"] >= 3 and cleared_stats["video_grids"] == kept_stats["video_grids"]
+    assert list(cleared.text_ids) == list(kept.text_ids) and cleared.prefill_tokens == kept.prefill_tokens
+    np.testing.assert_array_equal(cleared.codes, kept.codes)

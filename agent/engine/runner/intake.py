@@ -62,13 +62,17 @@ class Intake:
             self.turns.video.encode_waiting(list(self.sessions.values()))
 
     @torch.inference_mode()
-    def discard_turn(self, session_id: str) -> None:
+    def discard_turn(self, session_id: str, keep_items: bool = True) -> None:
         """The turn being spoken is dropped (a false start, input_audio_buffer.clear): its audio
-        leaves the cache and the transcript; a new turn begins."""
+        leaves the cache and the transcript; a new turn begins. With `keep_items` the audio of
+        user items committed in it stays, and only the speech after them goes (the turn goes on:
+        TurnPrefill.drop_speech)."""
         self.speculation.drop_speculation(session_id)
         state = self.sessions[session_id]
         turn = state.turn
         self.transcriber.discard(session_id)
+        if keep_items and self.turns.drop_speech(state):
+            return
         if turn.header_done:  # only ever prefilled while no reply runs, so nothing came after it
             state.thinker.crop(turn.start_length, turn.start_pos)
         state.turn = self.turns.new_turn()

@@ -285,6 +285,8 @@ class StreamingRunner:
         return self.edits.add_assistant_text(session_id, text, joins)
 
     def drop_turn_items(self, session_id: str) -> None:
+        # The fallback answered the turn: the audio of its committed items goes too.
+        self.intake.discard_turn(session_id, keep_items=False)
         self.edits.drop_turn_items(session_id)
 
     def voices(self) -> Voices:

@@ -52,11 +52,11 @@ class TranscriptionCommands:
         """A conversation's user item committed with no reply asked: without this its transcript
         would wait for the turn's end, the next reply. Its audio is encoded to the end now (the
         turn goes on, from a fresh audio stream: TurnPrefill.cut_audio) and its final run
-        follows. Only while the session transcribes: otherwise nothing changes."""
+        follows (while the session transcribes). Where it ends is marked either way: a later
+        discard keeps the item's audio (TurnPrefill.drop_speech)."""
         state = self.sessions[session_id]
         if state.choices.captions_only:
             raise RuntimeError("a transcription-only session ends its turns with EndTurn")
-        if session_id not in self.transcriber.sessions:
-            return
         self.turns.cut_audio(state)
-        self.transcriber.item_ended(session_id, state.turn)
+        if session_id in self.transcriber.sessions:
+            self.transcriber.item_ended(session_id, state.turn)

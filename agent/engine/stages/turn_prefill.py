@@ -97,6 +97,28 @@ class TurnPrefill:
         if tail.shape[0]:
             turn.pending_audio.append(tail)
         turn.audio = self.new_turn().audio
+        turn.kept_tokens = sum(int(t.shape[0]) for t in (*turn.audio_feats, *turn.pending_audio))
+        turn.kept_samples = turn.samples
+
+    def drop_speech(self, state: SessionState) -> bool:
+        """The turn being spoken loses its speech after its committed user items (a discard:
+        input_audio_buffer.clear, new turn detection rules), and only that: the items' audio
+        comes back out of the cache (unprefill_turn) and waits to be prefilled again as the turn
+        goes on; the camera's grids after it go too. False, and nothing changed: no item was
+        committed in the turn, or its prefill replaced the history (it cannot be taken back
+        out): the caller drops the whole turn."""
+        turn = state.turn
+        if not turn.kept_tokens or turn.history_reset:
+            return False
+        self.unprefill_turn(state)
+        audio = torch.cat([*turn.audio_feats, *turn.pending_audio], dim=0)
+        turn.audio_feats, turn.pending_audio = [], [audio[: turn.kept_tokens]]
+        turn.pcm.clear()
+        turn.samples = turn.kept_samples
+        turn.audio = self.new_turn().audio
+        if turn.video.grids is not None:
+            turn.video.grids.drop_from(turn.kept_tokens)
+        return True
 
     def encode_audio(self, state: SessionState) -> None:
         """Run the queued microphone audio of the turn being spoken through the incremental encoder."""

@@ -213,6 +213,17 @@ class TurnVideo:
         for grid in placed[count:]:
             grid.state = "waiting"
 
+    def drop_from(self, threshold: int) -> None:
+        """The turn's audio from token `threshold` on was discarded: the grids of that time go
+        (none is placed: the turn was taken out of the cache first), and the budget is what the
+        grids left took of it, as if the others had never come."""
+        self.grids = [g for g in self.grids if g.threshold < threshold]
+        self.tail = None
+        if self.budget is not None:
+            self.budget = GridBudget(self.budget.max_grids)
+            for grid in self.grids:
+                self.budget.admit(grid.index)
+
     def placed(self) -> int:
         return sum(g.state == "placed" for g in self.grids)
 

@@ -96,7 +96,11 @@ class TurnState:
     header_done: bool = False  # <|im_start|>user\n (and the previous reply's closing) prefilled
     audio_open: bool = False  # <|audio_start|> prefilled
     pending_audio: list[torch.Tensor] = field(default_factory=list)  # final tokens not yet prefilled
-    audio_tokens: int = 0
+    # Where the turn's committed user items end (TurnPrefill.cut_audio: an item committed with
+    # no reply asked): its audio tokens and samples then. A discard keeps them: the conversation
+    # lists those items, so the model keeps their audio (TurnPrefill.drop_speech).
+    kept_tokens: int = 0
+    kept_samples: int = 0
     samples: int = 0
     # For a rollback (discard_turn) or a context reset: where the turn started, and what it
     # prefilled so far (token ids and the audio features that fill its audio pads).
