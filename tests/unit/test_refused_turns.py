@@ -7,8 +7,9 @@ audio stays in the model's context; it was discarded once, so the conversation l
 the model no longer had), only a speculation is dropped, the item is still retrievable, and
 once the bucket refills the next `response.create` begins a reply. With server VAD a turn whose
 response is refused is committed as if it asked none: speech_stopped and committed are sent,
-nothing is discarded, and (transcription on) its transcript is finished at once (EndUserItem),
-so the item does not wait for a reply that is not coming.
+nothing is discarded, and its end is marked (EndUserItem: a later clear keeps its audio; with
+transcription on its transcript is finished at once, so the item does not wait for a reply
+that is not coming).
 """
 
 from __future__ import annotations
