@@ -171,9 +171,10 @@ class Transcribing(Protocol):
     def end_turn(self, session_id: str) -> None:
         """A transcription session's turn ended: its final transcript follows."""
 
-    def end_user_item(self, session_id: str) -> None:
-        """A conversation's user item ended with no reply asked: its final transcript follows
-        (the turn goes on: the model answers its items together)."""
+    def end_user_item(self, session_id: str, transcript: bool = True) -> None:
+        """A conversation's user item ended with no reply asked: where it ends is marked (a
+        discard keeps it) and, with `transcript`, its final transcript follows (the turn goes
+        on: the model answers its items together)."""
 
 
 class ConversationEditing(Protocol):
@@ -205,8 +206,9 @@ class ConversationEditing(Protocol):
 
     def set_reply_instructions(self, session_id: str, text: str) -> int: ...
 
-    def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
-        """Keep the latest reply's text up to its first `audio_frames` codec frames."""
+    def truncate_reply(self, session_id: str, audio_frames: int, missing_ok: bool = False) -> dict:
+        """Keep the latest reply's text up to its first `audio_frames` codec frames (missing_ok:
+        no latest reply in the model's context is no error)."""
         ...
 
     def context(self, session_id: str) -> dict: ...

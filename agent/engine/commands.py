@@ -125,7 +125,10 @@ class EndTurn(SessionCommand):
 class EndUserItem(SessionCommand):
     """A conversation's user item was committed with no reply asked (a manual commit, or server
     VAD without create_response): its audio ends here (a discard of the turn keeps it) and so
-    does its transcript; the turn goes on."""
+    does its transcript (`transcript` false: an audio item the client gave, not speech to
+    transcribe); the turn goes on."""
+
+    transcript: bool = True
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,12 @@ class SetReplyTools(SessionCommand):
 
 @dataclass(frozen=True)
 class TruncateReply(SessionCommand):
+    """Keep the latest reply's first `audio_frames` frames (a text reply's: tokens) in the
+    model's context. missing_ok: a latest reply the model does not hold (one cancelled before
+    its prefill ended, or the fallback model's) is no error: there is nothing to cut."""
+
     audio_frames: int
+    missing_ok: bool = False
 
 
 @dataclass(frozen=True)

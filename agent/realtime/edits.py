@@ -92,34 +92,38 @@ class Edits:
             return
         conversation, replies, outbox = self._conversation, self._replies, self._outbox
 
-        def deleted(_kept_tokens: int) -> None:
+        def deleted(_kept_tokens: Optional[int]) -> None:
             conversation.remove(item_id)
             replies.forget_last()
             outbox.emit({"type": "conversation.item.deleted", "item_id": item_id})
 
         self.cut_latest_reply(0, event_id, deleted)
 
-    def cut_latest_reply(self, audio_frames: int, event_id: Optional[str], then: Callable[[int], None]) -> None:
+    def cut_latest_reply(
+        self, audio_frames: int, event_id: Optional[str], then: Callable[[Optional[int]], None]
+    ) -> None:
         """Keep the latest reply's first `audio_frames` frames' text in the model's context (a reply
         still running is cancelled first, in the command before), then call `then(kept_tokens)`.
         Nothing is called once the session has closed: the engine port cancels the command then."""
         replies, engine = self._replies, self._engine
         if replies.last is replies.current:
             replies.interrupt("client_cancelled")
-        future = engine.send(TruncateReply(audio_frames), event_id=event_id)
+        future = engine.send(TruncateReply(audio_frames, missing_ok=True), event_id=event_id)
 
         def done(f: asyncio.Future) -> None:
             if f.cancelled() or f.exception() is not None or engine.closed:
                 return  # the engine port reported it
-            then(f.result()["kept_tokens"])
+            # None: the model never held the reply (cancelled before its prefill ended, or the
+            # fallback's): nothing of it to cut, its item goes or stays as it is.
+            then(None if f.result().get("absent") else f.result()["kept_tokens"])
 
         future.add_done_callback(done)
 
-    def _announce_truncation(self, reply: Response, audio_end_ms: int) -> Callable[[int], None]:
+    def _announce_truncation(self, reply: Response, audio_end_ms: int) -> Callable[[Optional[int]], None]:
         conversation, outbox = self._conversation, self._outbox
 
-        def truncated(kept_tokens: int) -> None:
-            if reply.item_id in conversation:
+        def truncated(kept_tokens: Optional[int]) -> None:
+            if kept_tokens is not None and reply.item_id in conversation:
                 conversation.set_transcript(reply.item_id, reply.text_upto(kept_tokens))
             outbox.emit(
                 {

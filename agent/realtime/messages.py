@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from agent.config import INPUT_FRAME_SAMPLES
-from agent.engine.commands import AddAssistantText, AddSystemText, AddUserImage, AddUserText
+from agent.engine.commands import AddAssistantText, AddSystemText, AddUserImage, AddUserText, EndUserItem
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.events import message_item
 from agent.realtime.items import Items
@@ -20,19 +20,32 @@ from agent.realtime.message_content import AudioPart, ImagePart, TextPart, UserP
 
 
 class Messages:
-    def __init__(self, engine: EnginePort, items: Items, remember: Callable[[str, str], None]) -> None:
-        """remember: (role, text) for the fallback model's short history."""
-        self._engine, self._items, self._remember = engine, items, remember
+    def __init__(
+        self,
+        engine: EnginePort,
+        items: Items,
+        remember: Callable[[str, str], None],
+        speaking: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """remember: (role, text) for the fallback model's short history; speaking: whether
+        server VAD is in the middle of the user's speech."""
+        self._engine, self._items, self._remember, self._speaking = engine, items, remember, speaking
 
     def add_user(self, item_id: str, parts: list[UserPart], event_id: Optional[str]) -> None:
         """A user message joins the user turn being spoken: its audio as if spoken, then its
-        images, then its text (the engine's order, whatever the parts' order)."""
+        images, then its text (the engine's order, whatever the parts' order). Its audio is a
+        committed item's: unless it joined speech under way, the engine marks where it ends, so
+        that a discard of the speech after it keeps it (no transcript: the client gave the audio)."""
+        audio = False
         for index, part in enumerate(parts):
             if isinstance(part, AudioPart):
                 for start in range(0, len(part.pcm16k), INPUT_FRAME_SAMPLES):
                     self._engine.append_audio(part.pcm16k[start : start + INPUT_FRAME_SAMPLES])
+                audio = True
             elif isinstance(part, ImagePart):
                 self._engine.send(AddUserImage(part.image), event_id=event_id, param=f"item.content[{index}].image_url")
+        if audio and not self._speaking():
+            self._engine.send(EndUserItem(transcript=False), event_id=event_id)
         texts = [part.text for part in parts if isinstance(part, TextPart)]
         if texts:
             text = "\n".join(texts)

@@ -19,9 +19,9 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 from agent import metrics
-from agent.config import OUTPUT_RATE, Config
+from agent.config import CODEC_FRAME_SAMPLES, OUTPUT_RATE, Config
 from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, TextDelta
-from agent.engine.commands import HoldTurn, SetReplyInstructions, SetReplyTools, SetVoice
+from agent.engine.commands import HoldTurn, SetReplyInstructions, SetReplyTools, SetVoice, TruncateReply
 from agent.gate.ladder import Admission
 from agent.realtime import response_checks, session_checks, session_config, tool_config
 from agent.realtime.conversation import Conversation
@@ -247,12 +247,23 @@ class Replies:
             heard = playing.samples - round(self.clear_output() * OUTPUT_RATE)
         reply = self.current
         if reply is not None and reply.engine_open:
-            self._engine.cancel_reply()
-            self._stale_done += 1
-            self._finish(reply, "cancelled", reason, {})
+            self._cancel_in_engine(reply)
+            # Its usage: what the client was sent of it (the engine's own count comes too late).
+            sent = {"text_tokens": reply.tokens, "audio_frames": reply.samples // CODEC_FRAME_SAMPLES}
+            self._finish(reply, "cancelled", reason, sent)
         if reason == "turn_detected" and playing is not None and playing is self.last:
             return playing, max(0, heard)
         return None
+
+    def _cancel_in_engine(self, reply: Response) -> None:
+        """Stop the reply in the engine, and keep in the model only the tokens the client was
+        sent of it: by the time the cancel reaches the engine thread it may have made a token
+        or two more, which the item never shows (a barge-in's cut to what was heard follows,
+        behind this, in order). A reply the model does not hold (cancelled before its prefill
+        ended, the fallback's) has nothing to cut."""
+        self._engine.cancel_reply()
+        self._stale_done += 1
+        self._engine.send(TruncateReply(reply.tokens, missing_ok=True))
 
     def playing_level(self) -> Optional[float]:
         """For the echo guard (agent/media/vad.py): the level the agent plays now, None while
@@ -291,8 +302,7 @@ class Replies:
         self._outbox.emit(reply.text_delta(delta.text, len(delta.token_ids)))
         if reply.max_tokens is not None and reply.tokens >= reply.max_tokens:
             # The client's max_output_tokens, under the server's own cap: end the reply here.
-            self._engine.cancel_reply()
-            self._stale_done += 1
+            self._cancel_in_engine(reply)
             self._finish(reply, "incomplete", "max_output_tokens", {"text_tokens": reply.tokens})
 
     def on_audio(self, audio: AudioOut) -> None:

@@ -114,11 +114,14 @@ class Session:
         self.replies.audio.track = self.track
         self.edits = Edits(self.replies, self.engine, self.conversation, self.outbox)
         self.call_outputs = CallOutputs(self.engine, self.items, self.replies)  # results of the model's calls
-        self.messages = Messages(self.engine, self.items, self.replies.remember)  # user and system messages
         self.input = InputBuffer(
             config,
             session_config.turn_detection(self.settings, config.vad_silence_ms),
             echo=self.replies.playing_level,  # (a method of the replies, not the session: no cycle)
+        )
+        speech = self.input  # (the buffer, not the session, in the closure: no cycle)
+        self.messages = Messages(  # user and system messages
+            self.engine, self.items, self.replies.remember, speaking=lambda: speech.in_turn
         )
         self.turn = ServerTurn(  # the turn server VAD follows (agent/realtime/server_turn.py)
             self.engine,

@@ -16,7 +16,9 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
   usage counts image tokens) and an audio item (conversation.item.create with response.create
   right behind it, with per-response instructions: the item is added first, its audio counted)
   are answered; an empty commit is an error;
-- response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works;
+- response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works; the
+  model keeps exactly the tokens the client was sent of a cancelled reply, and the empty item
+  of a response cancelled at once deletes cleanly;
 - a bad event gets `error` naming its event_id (and the field) and the connection goes on;
 - truncating the latest reply answers conversation.item.truncated and shortens its transcript;
   deleting it answers conversation.item.deleted (it is gone); deleting an earlier item is refused;
@@ -39,6 +41,8 @@ import numpy as np
 import pytest
 from support.realtime_helpers import RunningAgent, module_agent
 from support.realtime_ws import Events, ask_text, b64, pcm24, picture, sdk_session, stream_realtime
+
+from agent.engine.commands import Context
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "qwen3-omni"
@@ -330,6 +334,40 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
         await conn.send({"type": "conversation.item.retrieve", "event_id": "evt_gone", "item_id": item_id})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_gone")
         assert err["error"]["code"] == "item_retrieve_invalid_item_id"
+
+
+async def test_a_cancelled_reply_keeps_in_the_model_what_its_item_says(agent: RunningAgent, strict_event) -> None:
+    """response.cancel: the model keeps the tokens the client was sent, no more (it kept the
+    one or two the engine made before the cancel reached it); a response cancelled before its
+    prefill ended has an empty item that deletes cleanly (it was an engine_error)."""
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
+        created = await ev.wait("session.created", 10)
+        session_id = created["session"]["id"]
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+        await ev.wait("session.updated", 10)
+        story = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a story."}]}
+        await conn.conversation.item.create(item=story)
+        mark = len(ev.all)
+        await conn.response.create()
+        first = await ev.wait("response.output_text.delta", 90, after=mark)
+        await conn.response.cancel()
+        done = await ev.wait("response.done", 30, after=mark)
+        assert done["response"]["status"] == "cancelled"
+        sent = "".join(e["delta"] for e in ev.all[mark:] if e["type"] == "response.output_text.delta")
+        assert sent and sent.startswith(first["delta"])
+        context = await agent.engine.send(session_id, Context())
+        kept = context["last_reply"]["tokens"]
+        assert len(kept) == done["response"]["usage"]["output_token_details"]["text_tokens"], (kept, sent)
+        # Cancelled before its prefill ended: nothing of it is in the model; its item deletes.
+        await conn.conversation.item.create(item=story)
+        mark = len(ev.all)
+        await conn.response.create()
+        await conn.response.cancel()
+        done = await ev.wait("response.done", 30, after=mark)
+        item_id = done["response"]["output"][0]["id"]
+        await conn.conversation.item.delete(item_id=item_id)
+        deleted = await ev.wait("conversation.item.deleted", 10, after=mark)
+        assert deleted["item_id"] == item_id and not ev.of("error"), ev.of("error")
 
 
 async def test_vad_without_create_or_interrupt(agent: RunningAgent, speech_wav: Path, strict_event) -> None:

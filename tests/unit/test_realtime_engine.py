@@ -21,6 +21,10 @@ Pins, by the tokens in the session's KV slot:
   images not yet answered it is refused; a replayed call that joins it (parallel calls) goes
   into that turn after a newline, while the user speaks too, during a reply too, and opens a
   turn of its own once a reply has prefilled that one;
+- a reply cancelled before its prefill ended (its turn given back) is the latest one: a
+  truncation refuses (or with missing_ok answers `absent`) rather than cut the reply before
+  it, and so after the fallback answered a turn (drop_turn_items: the earlier reply of this
+  model's was once cut in its place);
 - a truncation while a reply runs is refused; a cancel ends the reply at once (its ReplyDone
   ready before any tick), so a truncation of it and the next reply's begin queued right behind
   the cancel (one drain of a busy engine's inbox) cut that reply and begin after it;
@@ -232,6 +236,34 @@ def test_items_added_during_a_reply_cancelled_in_its_prefill_go_before_its_turn(
     assert state.after_reply == [] and state.closing[-len(message) :] == message and not state.turn.header_done
     done = run_reply(runner, "s", text_only=True)  # the turn, answered now, after the message
     assert done.stats["prefill_tokens"] > len(message)
+
+
+def test_a_reply_the_model_never_held_has_nothing_to_truncate(loaded) -> None:
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=8, schedule=SchedulerConfig(prefill_chunk_tokens=4))
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    runner.add_user_text("s", "Hi")
+    run_reply(runner, "s", text_only=True)
+    earlier = state.last_reply
+    assert earlier is not None and earlier.tokens
+    runner.add_user_text("s", "Tell me a story about the sea")
+    runner.begin_reply("s", [], text_only=True)  # cancelled before its first tick
+    assert state.reply is not None and not state.reply.prefill.done
+    runner.cancel_reply("s")
+    run_until_idle(runner)
+    # The latest reply is the cancelled one, which the model never held (its begin made the
+    # earlier one untruncatable): a truncation refuses, or with missing_ok cuts nothing.
+    with pytest.raises(RuntimeError):
+        runner.truncate_reply("s", 0)
+    closing = list(state.closing)
+    result = runner.truncate_reply("s", 0, missing_ok=True)
+    assert result["absent"] and result["kept_tokens"] == 0 and state.closing == closing
+    # The fallback's reply is no reply of this model's either.
+    runner.add_user_text("s", "Again")
+    run_reply(runner, "s", text_only=True)
+    assert state.last_reply is not None
+    runner.drop_turn_items("s")
+    assert runner.truncate_reply("s", 0, missing_ok=True)["absent"]
 
 
 def test_instructions_changed_while_the_user_speaks_apply_to_that_turn(runner, loaded) -> None:

@@ -174,15 +174,19 @@ class ConversationEdits:
         return len(ids)
 
     @torch.inference_mode()
-    def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
+    def truncate_reply(self, session_id: str, audio_frames: int, missing_ok: bool = False) -> dict:
         """The listener heard only the first `audio_frames` codec frames of the latest reply: keep
         the text tokens the talker had consumed by then (frame i was made after reading reply token
         i) and close the assistant turn there, in the thinker cache. Its tool calls stay whole (the
         talker spoke none of them, and the client has them as items). A turn being spoken is taken
-        back out of the cache first and prefilled again after the new end."""
+        back out of the cache first and prefilled again after the new end. With `missing_ok`, no
+        latest reply in the context (cancelled before its prefill ended, or the fallback's)
+        answers `absent` instead of raising."""
         self.speculation.drop_speculation(session_id)
         state = self.sessions[session_id]
         last = state.last_reply
+        if missing_ok and state.reply is None and last is None:
+            return {"kept_tokens": 0, "dropped_tokens": 0, "context_tokens": state.thinker.length, "absent": True}
         if state.reply is not None or last is None:
             raise RuntimeError("only the latest reply can be truncated, once it has ended")
         spoken = len(last.tokens) if last.voice_end is None else last.voice_end

@@ -285,8 +285,10 @@ class StreamingRunner:
         return self.edits.add_assistant_text(session_id, text, joins)
 
     def drop_turn_items(self, session_id: str) -> None:
-        # The fallback answered the turn: the audio of its committed items goes too.
+        # The fallback answered the turn: the audio of its committed items goes too, and the
+        # latest reply is the fallback's, not one this model holds (nothing of it to truncate).
         self.intake.discard_turn(session_id, keep_items=False)
+        self.sessions[session_id].last_reply = None
         self.edits.drop_turn_items(session_id)
 
     def voices(self) -> Voices:
@@ -304,8 +306,8 @@ class StreamingRunner:
     def set_reply_instructions(self, session_id: str, text: str) -> int:
         return self.edits.set_reply_instructions(session_id, text)
 
-    def truncate_reply(self, session_id: str, audio_frames: int) -> dict:
-        return self.edits.truncate_reply(session_id, audio_frames)
+    def truncate_reply(self, session_id: str, audio_frames: int, missing_ok: bool = False) -> dict:
+        return self.edits.truncate_reply(session_id, audio_frames, missing_ok)
 
     def set_tools(self, session_id: str, tools: ToolSet | None) -> int:
         return self.tools.set_tools(session_id, tools)
@@ -325,9 +327,9 @@ class StreamingRunner:
     def end_turn(self, session_id: str) -> None:
         self.transcription.end_turn(session_id)
 
-    def end_user_item(self, session_id: str) -> None:
+    def end_user_item(self, session_id: str, transcript: bool = True) -> None:
         self.speculation.drop_speculation(session_id)  # it forked the audio stream that ends here
-        self.transcription.end_user_item(session_id)
+        self.transcription.end_user_item(session_id, transcript)
 
     def playout(self) -> list[PlayoutEstimate]:
         return self.estimates.playout()

@@ -48,7 +48,7 @@ class TranscriptionCommands:
         self.transcriber.ended(session_id, turn)
 
     @torch.inference_mode()
-    def end_user_item(self, session_id: str) -> None:
+    def end_user_item(self, session_id: str, transcript: bool = True) -> None:
         """A conversation's user item committed with no reply asked: without this its transcript
         would wait for the turn's end, the next reply. Its audio is encoded to the end now (the
         turn goes on, from a fresh audio stream: TurnPrefill.cut_audio) and its final run
@@ -58,5 +58,5 @@ class TranscriptionCommands:
         if state.choices.captions_only:
             raise RuntimeError("a transcription-only session ends its turns with EndTurn")
         self.turns.cut_audio(state)
-        if session_id in self.transcriber.sessions:
+        if transcript and session_id in self.transcriber.sessions:
             self.transcriber.item_ended(session_id, state.turn)

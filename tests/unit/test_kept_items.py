@@ -1,5 +1,7 @@
-"""A response refused by admission (too many turns on the engine) leaves the conversation as the
-client was told it is.
+"""The model keeps what the conversation says it holds: committed user items are not rolled
+back by a refused response, and their end is marked for the engine (EndUserItem) so that a
+later discard (input_audio_buffer.clear) keeps their audio (the engine side:
+tests/unit/test_streaming_exact.py, test_video_exact.py).
 
 Pins: a `response.create` refused as `rate_limited` (its event_id in the error) after a manual
 commit rolls nothing back: the engine is not told to discard the turn (the committed item's
@@ -7,9 +9,10 @@ audio stays in the model's context; it was discarded once, so the conversation l
 the model no longer had), only a speculation is dropped, the item is still retrievable, and
 once the bucket refills the next `response.create` begins a reply. With server VAD a turn whose
 response is refused is committed as if it asked none: speech_stopped and committed are sent,
-nothing is discarded, and its end is marked (EndUserItem: a later clear keeps its audio; with
-transcription on its transcript is finished at once, so the item does not wait for a reply
-that is not coming).
+nothing is discarded, and its end is marked (with transcription on its transcript is finished
+at once, so the item does not wait for a reply that is not coming). A user message with an
+`input_audio` part is marked too, with no transcript asked (the client gave the audio), unless
+it joined speech under way (then it is part of that speech, documented).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import base64
 
 import numpy as np
 from support.recording_session import errors, recording_session, send_event
+from support.speech import espeak_at
 
 from agent.config import Config
 from agent.engine.commands import EndUserItem
 from agent.gate.ladder import Admission, TurnRateLimiter
 from agent.media.turn_events import SpeechStarted, SpeechStopped
+from agent.realtime.message_content import AudioPart
 
 
 def _admission(now: list[float]) -> Admission:
@@ -81,4 +86,24 @@ async def test_a_refused_vad_turn_is_committed_with_its_transcript() -> None:
     assert [e["code"] for e in errors(sent)] == ["rate_limited"]
     assert "discard_turn" not in engine.turn_calls and not any(k.startswith("begin_reply") for k in engine.turn_calls)
     assert [c for c in engine.commands if isinstance(c, EndUserItem)] == [EndUserItem()]
+    await session.close()
+
+
+async def test_an_audio_item_is_marked_unless_it_joins_speech(tmp_path) -> None:
+    session, engine, sent = recording_session(manual=False)
+    audio = AudioPart(np.zeros(16000, np.float32))
+    session.messages.add_user("item_a", [audio], None)
+    await session.inbox.idle()
+    assert [c for c in engine.commands if isinstance(c, EndUserItem)] == [EndUserItem(transcript=False)]
+    # The user speaks (real speech through the session's voice detector): an audio item now
+    # joins that speech, so no end is marked for it.
+    speech = espeak_at("hello there, how are you today", tmp_path / "hello.wav", 24000).astype("<i2")
+    for start in range(0, len(speech) // 2, 480):
+        chunk = base64.b64encode(speech[start : start + 480].tobytes()).decode()
+        send_event(session, {"type": "input_audio_buffer.append", "audio": chunk})
+    await session.inbox.idle()
+    assert session.input.in_turn, "the speech was not detected: the test would prove nothing"
+    session.messages.add_user("item_b", [audio], None)
+    await session.inbox.idle()
+    assert len([c for c in engine.commands if isinstance(c, EndUserItem)]) == 1
     await session.close()
