@@ -92,7 +92,8 @@ SESSION_COMMANDS: dict[type, tuple[Optional[type], Handler]] = {
     SetTranscription: (Transcribing, lambda r, sid, c: r.set_transcription(sid, c.mode)),
     SetTranscriptItem: (Transcribing, lambda r, sid, c: r.set_transcript_item(sid, c.item_id)),
     EndTurn: (Transcribing, lambda r, sid, c: r.end_turn(sid)),
-    EndUserItem: (Transcribing, lambda r, sid, c: r.end_user_item(sid, c.transcript)),
+    # A runner that keeps no conversation (--runner reference) has no item's end to mark.
+    EndUserItem: (None, lambda r, sid, c: r.end_user_item(sid, c.transcript) if supports(r, Transcribing) else None),
     SetVideo: (VideoIntake, lambda r, sid, c: r.set_video(sid, c.on)),
     SetPriority: (TurnControl, lambda r, sid, c: r.set_priority(sid, c.priority)),
     HoldTurn: (TurnControl, lambda r, sid, c: r.hold_turn(sid)),
@@ -104,11 +105,22 @@ SESSION_COMMANDS: dict[type, tuple[Optional[type], Handler]] = {
     AddAssistantText: (ConversationEditing, lambda r, sid, c: r.add_assistant_text(sid, c.text, c.joins)),
     SetVoice: (ConversationEditing, lambda r, sid, c: r.set_voice(sid, c.voice)),
     SetReplyInstructions: (ConversationEditing, lambda r, sid, c: r.set_reply_instructions(sid, c.text)),
-    TruncateReply: (ConversationEditing, lambda r, sid, c: r.truncate_reply(sid, c.audio_frames, c.missing_ok)),
+    TruncateReply: (None, lambda r, sid, c: _truncate(r, sid, c)),
     SetTools: (CallsTools, lambda r, sid, c: r.set_tools(sid, c.tools)),
     SetReplyTools: (CallsTools, lambda r, sid, c: r.set_reply_tools(sid, c.tools)),
     Context: (ConversationEditing, lambda r, sid, c: r.context(sid)),
 }
+
+
+def _truncate(runner: Any, sid: str, cmd: TruncateReply) -> dict:
+    """A runner that keeps no conversation holds no reply to cut: with missing_ok (the cut that
+    follows a cancel) that is nothing to do, else the client's truncation is refused."""
+    if not supports(runner, ConversationEditing):
+        if cmd.missing_ok:
+            return {"kept_tokens": 0, "dropped_tokens": 0, "absent": True}
+        raise NotImplementedError(f"the {type(runner).__name__} cannot truncate a reply")
+    return runner.truncate_reply(sid, cmd.audio_frames, cmd.missing_ok)
+
 
 # The stream commands' names in the engine's log and in a failed reply's error.
 _LABELS: dict[type, str] = {

@@ -64,7 +64,11 @@ class Replies:
         self._held: deque[str] = deque()
         self._when_engine_idle: list[Callable[[], None]] = []
         self.history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
-        self._held_at: Optional[str] = None  # the held turn's user item the current response answers
+        # Where the current response's next output item goes in the list: right after the last
+        # item when it began (a held turn's: its user item), then after its own outputs. Items
+        # the client adds meanwhile go after the reply in the model (after_reply), so they are
+        # listed after its outputs, even those announced later (a message with its first words).
+        self._after: Optional[str] = None
         # The calls a function_call_output may answer (the model's, and the client's replayed).
         self.calls = KnownCalls()
 
@@ -193,7 +197,7 @@ class Replies:
             tools=tools,
         )
         self.current = self.last = reply
-        self._held_at = held
+        self._after = held or self._conversation.last_id()
         self.audio.begin(reply)
         for event in reply.started():
             self._outbox.emit(event)
@@ -223,7 +227,8 @@ class Replies:
         """Announce the response's message item (once)."""
         if reply.message_index is not None:
             return
-        previous = self._conversation.add(reply.item("in_progress", ""), after=self._held_at)
+        previous = self._conversation.add(reply.item("in_progress", ""), after=self._after)
+        self._after = reply.item_id
         for event in reply.message_started(previous):
             self._outbox.emit(event)
 
@@ -341,7 +346,8 @@ class Replies:
             )
         if call.announced and not was_announced:
             self._outbox.emit(call.added())
-            previous = self._conversation.add(call.opened())
+            previous = self._conversation.add(call.opened(), after=self._after)
+            self._after = call.item_id
             self._outbox.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": call.opened()})
         if last and call.announced:
             self._outbox.emit(call.delta(last))

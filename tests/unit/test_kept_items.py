@@ -12,7 +12,10 @@ response is refused is committed as if it asked none: speech_stopped and committ
 nothing is discarded, and its end is marked (with transcription on its transcript is finished
 at once, so the item does not wait for a reply that is not coming). A user message with an
 `input_audio` part is marked too, with no transcript asked (the client gave the audio), unless
-it joined speech under way (then it is part of that speech, documented).
+it joined speech under way (then it is part of that speech, documented). A response that may
+call tools announces its message with its first words; an item the client added before then
+is listed after the response's outputs (previous_item_id saying so), as the model has it
+after the reply.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from support.recording_session import errors, recording_session, send_event
 from support.speech import espeak_at
 
 from agent.config import Config
+from agent.engine.api import ReplyDone, TextDelta
 from agent.engine.commands import EndUserItem
 from agent.gate.ladder import Admission, TurnRateLimiter
 from agent.media.turn_events import SpeechStarted, SpeechStopped
@@ -106,4 +110,25 @@ async def test_an_audio_item_is_marked_unless_it_joins_speech(tmp_path) -> None:
     session.messages.add_user("item_b", [audio], None)
     await session.inbox.idle()
     assert len([c for c in engine.commands if isinstance(c, EndUserItem)]) == 1
+    await session.close()
+
+
+async def test_items_added_during_a_response_are_listed_after_its_outputs() -> None:
+    session, engine, sent = recording_session()
+    tool = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}
+    send_event(session, {"type": "session.update", "session": {"type": "realtime", "tools": [tool]}})
+    question = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Time?"}]}
+    send_event(session, {"type": "conversation.item.create", "item": {**question, "id": "item_q"}})
+    send_event(session, {"type": "response.create"})
+    during = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Also"}]}
+    send_event(session, {"type": "conversation.item.create", "item": {**during, "id": "item_during"}})
+    await session.inbox.idle()
+    session.on_text(TextDelta(session.id, "It is noon.", (1, 2, 3)))  # the first words
+    session.on_done(ReplyDone(session.id, "stop", "It is noon.", {"text_tokens": 3}))
+    added = {e["item"]["id"]: e["previous_item_id"] for e in sent if e["type"] == "conversation.item.added"}
+    [message] = [i for i in added if i not in ("item_q", "item_during")]
+    assert added[message] == "item_q" and added["item_during"] == "item_q"
+    send_event(session, {"type": "conversation.item.retrieve", "item_id": "item_during"})
+    await session.inbox.idle()
+    assert errors(sent) == []
     await session.close()

@@ -10,11 +10,13 @@ Pins, by the tokens in the session's KV slot:
   read by then: the cache is cut there and the assistant turn closed (<|im_end|>) before the
   next turn; a turn already being prefilled is taken back out and prefilled again after it;
 - per-response instructions are a system message right before that reply's assistant header;
-- a system message item leaves the session's prompt alone and goes where it is added: queued
-  before the next turn; added while the user speaks, before that turn (its audio is taken back
+- a system message item leaves the session's prompt alone and goes where it is added: after
+  the user's text items before it (a user turn of their own), queued before the next turn; a
+  reply asked with nothing of the user's since (after a system or assistant item) has no empty
+  user message before its header; added while the user speaks, before that turn (its audio is taken back
   out of the cache and prefilled after it); added during a reply, after the reply, followed by
   instructions changed during the same reply (both kept, in order); added during a reply that is
-  cancelled before its prefill ends, before the turn it gives back; instructions changed while
+  cancelled before its prefill ends, after the text of the turn it gives back (before its audio); instructions changed while
   the user speaks go before that turn too, so its reply follows them;
 - an assistant message item (a replayed conversation) is a closed assistant turn after a user
   turn made of the text items before it; while the user speaks it goes before the speech; with
@@ -164,6 +166,29 @@ def test_an_assistant_item_closes_the_user_items_before_it(runner, loaded) -> No
         runner.add_assistant_text("s", "A picture.")
 
 
+def test_a_system_item_follows_the_user_text_before_it_and_no_empty_turn_is_answered(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    ids, tok = loaded.ids, loaded.tokenizer
+    im_end = [ids.im_end, *ids.newline]
+    runner.add_user_text("s", "Hello there.")
+    n = runner.add_system_text("s", "Be brief.")
+    user = [ids.im_start, *ids.user, *ids.newline, *tok.encode("Hello there.", add_special_tokens=False), *im_end]
+    system = system_turn_ids(ids, tok, "Be brief.")
+    # The conversation's order: the user's text, then the system item (it once went first).
+    assert state.closing == user + system and n == len(system) and state.turn.text_ids == []
+    # Nothing of the user's after them: the reply follows the system message directly, with no
+    # empty user message in between.
+    done = run_reply(runner, "s", text_only=True)
+    assert done.stats["prefill_tokens"] == len(user + system) + len(assistant_start_ids(ids))
+    # So after a replayed assistant message.
+    runner.add_user_text("s", "Where am I?")
+    runner.add_assistant_text("s", "In Paris.")
+    before = state.closing[:]
+    done = run_reply(runner, "s", text_only=True)
+    assert done.stats["prefill_tokens"] == len(before) + len(assistant_start_ids(ids))
+
+
 def test_replayed_calls_join_the_assistant_turn_replayed_last(runner, loaded) -> None:
     runner.open_session("s")
     state = runner.sessions["s"]
@@ -219,7 +244,7 @@ def test_a_turns_text_items_are_each_on_a_line_of_their_own(loaded) -> None:
     assert state.turn.text_ids == [*line, *loaded.ids.newline, *encoded("Short, please.")]
 
 
-def test_items_added_during_a_reply_cancelled_in_its_prefill_go_before_its_turn(loaded) -> None:
+def test_items_added_during_a_reply_cancelled_in_its_prefill_follow_its_text(loaded) -> None:
     # 4 tokens a tick: the end of the turn spans several ticks.
     runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=8, schedule=SchedulerConfig(prefill_chunk_tokens=4))
     runner.open_session("s")
@@ -232,10 +257,14 @@ def test_items_added_during_a_reply_cancelled_in_its_prefill_go_before_its_turn(
     assert state.after_reply  # (waiting for the reply's end)
     runner.cancel_reply("s")
     run_until_idle(runner)
-    message = system_turn_ids(loaded.ids, loaded.tokenizer, "Be brief.")
-    assert state.after_reply == [] and state.closing[-len(message) :] == message and not state.turn.header_done
-    done = run_reply(runner, "s", text_only=True)  # the turn, answered now, after the message
-    assert done.stats["prefill_tokens"] > len(message)
+    ids = loaded.ids
+    message = system_turn_ids(ids, loaded.tokenizer, "Be brief.")
+    story = loaded.tokenizer.encode("Tell me a story about the sea", add_special_tokens=False)
+    user = [ids.im_start, *ids.user, *ids.newline, *story, ids.im_end, *ids.newline]
+    # The conversation's order: the user's text, the (empty) reply, then the message.
+    assert state.after_reply == [] and state.closing == user + message and not state.turn.header_done
+    done = run_reply(runner, "s", text_only=True)  # answered now, after the message
+    assert done.stats["prefill_tokens"] == len(user + message) + len(assistant_start_ids(ids))
 
 
 def test_a_reply_the_model_never_held_has_nothing_to_truncate(loaded) -> None:

@@ -90,11 +90,13 @@ class ConversationEdits:
         return "appended"
 
     def add_system_text(self, session_id: str, text: str) -> int:
-        """A system message item: it joins the conversation where it is added (`_append`). The
-        session's instructions stay as they are. Returns its token count."""
+        """A system message item: it joins the conversation where it is added (`_append`), after
+        the user's text items before it (a user turn of their own, as for an assistant item).
+        The session's instructions stay as they are. Returns its token count."""
         self.speculation.drop_speculation(session_id)
+        state = self.sessions[session_id]
         ids = self.turns.system_message_ids(text)
-        self._append(self.sessions[session_id], ids)
+        self._append(state, [*self.turns.user_text_turn(state.turn), *ids])  # (the user's text came first)
         return len(ids)
 
     def add_assistant_text(self, session_id: str, text: str, joins: bool = False) -> int:
@@ -118,10 +120,8 @@ class ConversationEdits:
             raise ValueError("an assistant message cannot be added while turns wait to be answered")
         if joins and not turn.text_ids and self._join(state, text):
             return len(state.replayed_turn)
-        ids, im_end = [], [self.loaded.ids.im_end, *self.loaded.ids.newline]
-        if turn.text_ids:
-            ids += [self.loaded.ids.im_start, *self.loaded.ids.user, *self.loaded.ids.newline, *turn.text_ids, *im_end]
-            turn.text_ids = []
+        im_end = [self.loaded.ids.im_end, *self.loaded.ids.newline]
+        ids = self.turns.user_text_turn(turn)
         state.replayed_turn = (*assistant_start_ids(self.loaded.ids), *self.turns.text_ids(text), *im_end)
         ids += state.replayed_turn
         self._append(state, ids)

@@ -224,10 +224,13 @@ class Replies:
         else:
             self.turns.abandon_reply(state)
             # Nothing of the reply stays to follow: what was added during it goes before the
-            # turn it gave back.
+            # turn it gave back, after that turn's text when it holds nothing but text (the
+            # conversation lists those items before the reply, and the reply before the added).
             added, state.after_reply = state.after_reply, []
             if added:
-                self.turns.append_turns(state, added)
+                spoken = state.turn.header_done or state.turn.pending_audio or state.turn.pcm
+                text = [] if spoken else self.turns.user_text_turn(state.turn)
+                self.turns.append_turns(state, [*text, *added])
         stats = {
             "prefill_tokens": turn.prefill_tokens if reply.prefill.done else 0,
             "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefill.done else 0,

@@ -63,8 +63,14 @@ class EndOfTurn:
                 pixels = encode_images(self.loaded, stills)
                 images = self.thinker.encode_images(pixels["pixel_values"], pixels["image_grid_thw"])
             reply.frames_encoded_at_end = len(reply.images)
-        ids = self.parts.open_turn_ids(state, turn)
-        if turn.video.grids is not None:  # the audio tail and the last grids, then the block's end
+        # Nothing of the user's since the conversation's last turn (a response asked after an
+        # assistant or system item, or after the user's text went out as a turn of its own
+        # ahead of one): no empty user message, the assistant header follows the closing.
+        empty = audio is None and not turn.header_done and not stills and not turn.text_ids
+        ids = self.parts.open_turn_ids(state, turn, user=not empty)
+        if empty:
+            pass
+        elif turn.video.grids is not None:  # the audio tail and the last grids, then the block's end
             part = self.video.part(state, turn, audio, final=True)
             ids += part.ids + [self.ids.audio_end, self.ids.vision_end]
             audio, videos, places = part.audio, join_features(part.feats), part.places
@@ -80,9 +86,10 @@ class EndOfTurn:
         for t, h, w in images.grids if images is not None else ():
             n_tokens = t * h * w // self.thinker.merge**2
             ids += [self.ids.vision_start, *([self.ids.image_pad] * n_tokens), self.ids.vision_end]
-        ids += turn.text_ids  # user text items close the user message, after the audio and frames
+        if not empty:  # user text items close the user message, after the audio and frames
+            ids += [*turn.text_ids, self.ids.im_end, *self.ids.newline]
         header = assistant_start_ids(self.ids)
-        ids += [self.ids.im_end, *self.ids.newline, *turn.reply_system_ids, *header]
+        ids += [*turn.reply_system_ids, *header]
         # The tail is not the user's: generate() gives the talker only the user-role tokens, so a
         # per-response system message stays out of the talker's view of the turn, as the header does.
         tail = len(turn.reply_system_ids) + len(header)

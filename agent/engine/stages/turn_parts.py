@@ -92,13 +92,14 @@ class TurnParts:
             turn.pending_audio.append(tokens)
         turn.pcm.clear()
 
-    def open_turn_ids(self, state: SessionState, turn: TurnState) -> list[int]:
-        """The previous reply's closing and this turn's header, the first time the turn prefills."""
+    def open_turn_ids(self, state: SessionState, turn: TurnState, user: bool = True) -> list[int]:
+        """The previous reply's closing and this turn's header, the first time the turn prefills
+        (`user` false: a reply to a turn with nothing in it, the closing alone)."""
         if turn.header_done:
             return []
         turn.header_done = True
         turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
-        return [*state.closing, self.ids.im_start, *self.ids.user, *self.ids.newline]
+        return [*state.closing, *((self.ids.im_start, *self.ids.user, *self.ids.newline) if user else ())]
 
     # ---- one part of the turn: start, run in chunks, finish -------------------------------------
 

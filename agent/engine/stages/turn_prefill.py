@@ -184,6 +184,17 @@ class TurnPrefill:
         turn.audio_feats.append(audio)
         return self.parts.start(state, turn, ids, audio=audio), take
 
+    def user_text_turn(self, turn: TurnState) -> list[int]:
+        """The turn's user text items as a user message of their own, taken out of the turn: a
+        whole turn added after them (a system or assistant item) follows them, rather than going
+        in front of the turn they wait in. [] when there are none, or images wait with them
+        (those are shown with the turn's end)."""
+        if not turn.text_ids or turn.images:
+            return []
+        ids = [self.ids.im_start, *self.ids.user, *self.ids.newline, *turn.text_ids, self.ids.im_end, *self.ids.newline]
+        turn.text_ids = []
+        return ids
+
     def text_ids(self, text: str) -> list[int]:
         return self.loaded.tokenizer.encode(text, add_special_tokens=False)
 
