@@ -118,7 +118,7 @@ def _truncate(runner: Any, sid: str, cmd: TruncateReply) -> dict:
     if not supports(runner, ConversationEditing):
         if cmd.missing_ok:
             return {"kept_tokens": 0, "dropped_tokens": 0, "absent": True}
-        raise NotImplementedError(f"the {type(runner).__name__} cannot truncate a reply")
+        raise NotImplementedError(f"the {type(runner).__name__} cannot {describe(cmd)}")
     return runner.truncate_reply(sid, cmd.audio_frames, cmd.missing_ok)
 
 
