@@ -338,6 +338,8 @@ def _respond(session: "Session", params: dict[str, Any], event: dict[str, Any]) 
     # `metadata` and `prompt` null is "none", which absent means too.
     params = {key: value for key, value in params.items() if value is not None}
     response_checks.check_response(params, session.settings, session.engine.voices)
+    if session.input.in_turn and session.replies.current is None and not session.transcription_only:
+        session.turn.split()  # the reply hears the speech so far: it is an item first
     session.replies.create_response(params, _event_id(event))
 
 

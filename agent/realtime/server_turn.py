@@ -86,6 +86,21 @@ class ServerTurn:
         self.after_pause = None
         return item_id
 
+    def split(self) -> None:
+        """response.create while the user is speaking: the engine answers the turn as it is, so
+        the speech so far becomes an item now (committed, listed before the reply), and the rest
+        of the utterance a new one, announced as speech starting here (no barge-in: the
+        endpointer saw no new start; the turn goes on)."""
+        item_id = self.commit()
+        self._items.commit(item_id)
+        now = self._input.audio_in.clock
+        self._transcription.speech_stopped(item_id, now - self.speech_at)
+        self.item_id, self.speech_at = new_id("item"), now
+        self._transcription.speech_started(self.item_id, time.monotonic())
+        self._outbox.emit(
+            {"type": "input_audio_buffer.speech_started", "audio_start_ms": int(now * 1000), "item_id": self.item_id}
+        )
+
     def on_event(self, event: object) -> None:
         """One endpointer event (agent/media/vad.py), in order."""
         td = self._input.turn_detection

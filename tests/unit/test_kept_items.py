@@ -15,7 +15,9 @@ at once, so the item does not wait for a reply that is not coming). A user messa
 it joined speech under way (then it is part of that speech, documented). A response that may
 call tools announces its message with its first words; an item the client added before then
 is listed after the response's outputs (previous_item_id saying so), as the model has it
-after the reply.
+after the reply. A `response.create` while server VAD hears the user speaking commits the
+speech so far first (the reply hears it), and the rest of the utterance is a new item with
+its own speech_started, committed when the speech ends.
 """
 
 from __future__ import annotations
@@ -131,4 +133,36 @@ async def test_items_added_during_a_response_are_listed_after_its_outputs() -> N
     send_event(session, {"type": "conversation.item.retrieve", "item_id": "item_during"})
     await session.inbox.idle()
     assert errors(sent) == []
+    await session.close()
+
+
+async def test_a_response_asked_mid_speech_commits_the_speech_so_far(tmp_path) -> None:
+    session, engine, sent = recording_session(manual=False)
+    vad = {"type": "server_vad", "create_response": False}
+    send_event(session, {"type": "session.update", "session": {"audio": {"input": {"turn_detection": vad}}}})
+    speech = espeak_at("hello there, how are you today", tmp_path / "hello.wav", 24000).astype("<i2")
+
+    def append(pcm: np.ndarray) -> None:
+        for start in range(0, len(pcm), 480):
+            chunk = base64.b64encode(pcm[start : start + 480].tobytes()).decode()
+            send_event(session, {"type": "input_audio_buffer.append", "audio": chunk})
+
+    append(speech[: len(speech) // 2])
+    await session.inbox.idle()
+    assert session.input.in_turn, "the speech was not detected: the test would prove nothing"
+    [first] = [e["item_id"] for e in sent if e["type"] == "input_audio_buffer.speech_started"]
+    send_event(session, {"type": "response.create"})
+    await session.inbox.idle()
+    kinds = [e["type"] for e in sent]
+    committed = [e["item_id"] for e in sent if e["type"] == "input_audio_buffer.committed"]
+    started = [e["item_id"] for e in sent if e["type"] == "input_audio_buffer.speech_started"]
+    assert committed == [first] and len(started) == 2 and started[1] != first
+    assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created")
+    assert engine.turn_calls[-1] == "begin_reply:audio"
+    append(np.concatenate([speech[len(speech) // 2 :], np.zeros(24000, "<i2")]))  # the rest, then silence
+    await session.inbox.idle()
+    stopped = [e["item_id"] for e in sent if e["type"] == "input_audio_buffer.speech_stopped"]
+    committed = [e["item_id"] for e in sent if e["type"] == "input_audio_buffer.committed"]
+    assert stopped == [started[1]] and committed == [first, started[1]]
+    assert "turn_detected" not in str([e for e in sent if e["type"] == "response.done"])  # no barge-in
     await session.close()
