@@ -13,7 +13,9 @@ Pins, by the tokens in the session's KV slot:
 - a system message item leaves the session's prompt alone and goes where it is added: after
   the user's text items before it (a user turn of their own), queued before the next turn; a
   reply asked with nothing of the user's since (after a system or assistant item) has no empty
-  user message before its header; added while the user speaks, before that turn (its audio is taken back
+  user message before its header; added after user audio committed with no reply (and no
+  speech since), it follows that audio, which becomes a closed user message (the talker hears
+  it with the next reply); added while the user speaks, before that turn (its audio is taken back
   out of the cache and prefilled after it); added during a reply, after the reply, followed by
   instructions changed during the same reply (both kept, in order); added during a reply that is
   cancelled before its prefill ends, after the text of the turn it gives back (before its audio); instructions changed while
@@ -187,6 +189,38 @@ def test_a_system_item_follows_the_user_text_before_it_and_no_empty_turn_is_answ
     before = state.closing[:]
     done = run_reply(runner, "s", text_only=True)
     assert done.stats["prefill_tokens"] == len(before) + len(assistant_start_ids(ids))
+
+
+def test_an_item_added_after_committed_audio_follows_it(runner, loaded) -> None:
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    ids, tok = loaded.ids, loaded.tokenizer
+    audio = speech(1.5)
+    for i in range(0, len(audio), 1280):
+        runner.append_audio("s", audio[i : i + 1280])
+    runner.end_user_item("s")  # committed, no reply asked
+    tokens = sum(int(t.shape[0]) for t in (*state.turn.audio_feats, *state.turn.pending_audio))
+    start = state.turn.start_length if state.turn.header_done else state.thinker.length  # (partly prefilled)
+    runner.add_user_text("s", "See above.")
+    runner.add_system_text("s", "Be brief.")
+    # The audio item is a closed user message now, in the cache; the text and the system item
+    # follow it (they once went in front of it).
+    system = system_turn_ids(ids, tok, "Be brief.")
+    text = tok.encode("See above.", add_special_tokens=False)
+    user_text = [ids.im_start, *ids.user, *ids.newline, *text, ids.im_end, *ids.newline]
+    assert state.closing == user_text + system and not state.turn.header_done
+    sealed = 1 + len(ids.user) + len(ids.newline) + 1 + tokens + 1 + 1 + len(ids.newline)
+    assert state.thinker.length == start + sealed
+    assert state.talker_history.backlog[-1].ids.count(ids.audio_pad) == tokens
+    done = run_reply(runner, "s", text_only=True)
+    assert done.stats["prefill_tokens"] == len(user_text + system) + len(assistant_start_ids(ids))
+    # Speech after the committed item (not an item yet): the added turn goes before the turn.
+    for i in range(0, len(audio), 1280):
+        runner.append_audio("s", audio[i : i + 1280])
+    runner.end_user_item("s")
+    runner.append_audio("s", audio[:12800])
+    runner.add_system_text("s", "Still brief.")
+    assert state.turn.kept_tokens and state.closing[-len(system_turn_ids(ids, tok, "Still brief.")) :]
 
 
 def test_replayed_calls_join_the_assistant_turn_replayed_last(runner, loaded) -> None:

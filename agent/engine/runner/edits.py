@@ -151,10 +151,12 @@ class ConversationEdits:
 
     def _append(self, state: SessionState, ids: list[int]) -> None:
         """Tokens of a whole turn, at the end of the conversation: after the reply in flight
-        (its item came first), else before the turn being spoken (TurnPrefill.append_turns)."""
+        (its item came first), else after the user items committed in the turn being spoken
+        (TurnPrefill.seal_items) and before the speech not committed yet (append_turns)."""
         if state.reply is not None:
             state.after_reply += ids  # closes the reply, before the next turn
         else:
+            self.turns.seal_items(state)  # committed user items, then these (not before them)
             self.turns.append_turns(state, ids)
 
     def set_context_turns(self, session_id: str, turns: int) -> int:

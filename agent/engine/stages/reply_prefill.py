@@ -16,7 +16,7 @@ from agent.engine.checkpoints.model import assistant_start_ids, encode_images
 from agent.engine.stages.thinker import PrefillOut
 from agent.engine.stages.turn_parts import TurnJob, TurnParts
 from agent.engine.stages.video_prefill import join_features
-from agent.engine.state.session import SessionState, join_text, timed, timed_all
+from agent.engine.state.session import SessionState, TurnState, join_text, timed, timed_all
 from agent.engine.state.video import GridPlace
 
 
@@ -33,6 +33,17 @@ class ReplyPrefill:
     video_mark: tuple = (0, None)  # the turn's video before it (VideoPrefill.mark)
 
 
+@dataclass
+class TurnEnd:
+    """The tokens that end a user message, and the features that fill their placeholders."""
+
+    ids: list[int]
+    audio: torch.Tensor | None
+    images: object | None  # ImageFeatures
+    videos: object | None
+    places: list[GridPlace]
+
+
 class EndOfTurn:
     def __init__(self, parts: TurnParts) -> None:
         self.parts = parts
@@ -40,9 +51,53 @@ class EndOfTurn:
         self.video = parts.video
 
     def start_reply(self, state: SessionState) -> ReplyPrefill:
-        """End of turn: the audio tail, the frames, <|im_end|>\\n<|im_start|>assistant\\n.
+        """End of turn: the audio tail, the frames, <|im_end|>\n<|im_start|>assistant\n.
         The answered turn is reply.turn (begin_reply moved it out of state.turn)."""
         reply, turn = state.reply, state.reply.turn
+        before = (state.thinker.length, state.thinker.next_pos, turn.header_done, turn.audio_open)
+        mark = self.video.mark(turn)
+        end = self._turn_end(state, turn, reply.images)
+        reply.frames_encoded_at_end = len(reply.images) if end.images is not None else 0
+        header = assistant_start_ids(self.ids)
+        # The tail is not the user's: generate() gives the talker only the user-role tokens, so a
+        # per-response system message stays out of the talker's view of the turn, as the header does.
+        tail = len(turn.reply_system_ids) + len(header)
+        part = self.parts.start(
+            state,
+            turn,
+            [*end.ids, *turn.reply_system_ids, *header],
+            audio=end.audio,
+            images=end.images,
+            assistant_tail=tail,
+            may_reset=not reply.phase.speculative,
+            videos=end.videos,
+            places=end.places,
+        )
+        return ReplyPrefill(part, *before, audio=end.audio, video_mark=mark)
+
+    def seal(self, state: SessionState) -> None:
+        """The turn being spoken, made only of committed user items (no speech after the last
+        one), becomes a closed user message now, with no reply: a system or assistant item
+        added after them then follows them in the context, as the conversation lists it. Its
+        prefill runs here, to the end; the talker hears it with the next reply."""
+        turn = state.turn
+        end = self._turn_end(state, turn, [])
+        part = self.parts.start(
+            state, turn, end.ids, audio=end.audio, images=end.images, videos=end.videos, places=end.places
+        )
+        while not part.job.finished:
+            self.parts.run_parts([(state, turn, part)], [None])
+        state.closing = []
+        state.talker_history.backlog.append(turn.talker)
+        state.turn = self.parts.new_turn()
+
+    def _turn_end(self, state: SessionState, turn: TurnState, stills: list) -> "TurnEnd":
+        """The rest of the user message: the audio tail, the last video grids or still images
+        (`stills`: the camera's, handed to a reply, before the user's image items), the user's
+        text items, <|im_end|>\n; after the previous reply's closing and the turn's header if
+        the turn has not prefilled yet. Nothing of the user's since the conversation's last turn
+        (a response asked after an assistant or system item): the closing alone, no empty user
+        message."""
         self.parts.encode(state, turn)
         if not turn.audio.finished:  # a held turn's tail was encoded when it ended (close_turn)
             with timed(state, "audio_encoder"):
@@ -51,26 +106,18 @@ class EndOfTurn:
                 turn.pending_audio.append(tail)
         audio = torch.cat(turn.pending_audio, dim=0) if turn.pending_audio else None
         turn.pending_audio = []
-        before = (state.thinker.length, state.thinker.next_pos, turn.header_done, turn.audio_open)
-        mark = self.video.mark(turn)
         images = videos = None
         places: list[GridPlace] = []
-        # Still images: the camera's, handed to the reply (the camera as video comes below), then
-        # the user's image items.
-        stills = [*reply.images, *turn.images]
+        stills = [*stills, *turn.images]
         if stills:
             with timed(state, "vision_encoder"):
                 pixels = encode_images(self.loaded, stills)
                 images = self.thinker.encode_images(pixels["pixel_values"], pixels["image_grid_thw"])
-            reply.frames_encoded_at_end = len(reply.images)
-        # Nothing of the user's since the conversation's last turn (a response asked after an
-        # assistant or system item, or after the user's text went out as a turn of its own
-        # ahead of one): no empty user message, the assistant header follows the closing.
         empty = audio is None and not turn.header_done and not stills and not turn.text_ids
         ids = self.parts.open_turn_ids(state, turn, user=not empty)
         if empty:
-            pass
-        elif turn.video.grids is not None:  # the audio tail and the last grids, then the block's end
+            return TurnEnd(ids, None, None, None, [])
+        if turn.video.grids is not None:  # the audio tail and the last grids, then the block's end
             part = self.video.part(state, turn, audio, final=True)
             ids += part.ids + [self.ids.audio_end, self.ids.vision_end]
             audio, videos, places = part.audio, join_features(part.feats), part.places
@@ -86,25 +133,9 @@ class EndOfTurn:
         for t, h, w in images.grids if images is not None else ():
             n_tokens = t * h * w // self.thinker.merge**2
             ids += [self.ids.vision_start, *([self.ids.image_pad] * n_tokens), self.ids.vision_end]
-        if not empty:  # user text items close the user message, after the audio and frames
-            ids += [*turn.text_ids, self.ids.im_end, *self.ids.newline]
-        header = assistant_start_ids(self.ids)
-        ids += [*turn.reply_system_ids, *header]
-        # The tail is not the user's: generate() gives the talker only the user-role tokens, so a
-        # per-response system message stays out of the talker's view of the turn, as the header does.
-        tail = len(turn.reply_system_ids) + len(header)
-        part = self.parts.start(
-            state,
-            turn,
-            ids,
-            audio=audio,
-            images=images,
-            assistant_tail=tail,
-            may_reset=not reply.phase.speculative,
-            videos=videos,
-            places=places,
-        )
-        return ReplyPrefill(part, *before, audio=audio, video_mark=mark)
+        # User text items close the user message, after the audio and frames.
+        ids += [*turn.text_ids, self.ids.im_end, *self.ids.newline]
+        return TurnEnd(ids, audio, images, videos, places)
 
     def reply_chunk(self, state: SessionState, budget: int) -> int:
         """Tokens the end-of-turn prefill of `state` takes next within `budget` (starting it

@@ -68,6 +68,28 @@ class TurnPrefill:
     def abandon_reply(self, state: SessionState) -> None:
         self.end.abandon_reply(state)
 
+    @torch.inference_mode()
+    def seal_items(self, state: SessionState) -> bool:
+        """A whole turn is about to be added while the turn being spoken holds committed user
+        items and nothing after them: that turn is closed first (EndOfTurn.seal), so the added
+        turn follows the items, as the conversation lists it. False (nothing done): no such
+        items, speech after them (it is not an item yet: the added turn goes before the turn),
+        or turns held for a reply."""
+        turn = state.turn
+        audio = sum(int(t.shape[0]) for t in (*turn.audio_feats, *turn.pending_audio))
+        if (
+            not turn.kept_tokens
+            or audio != turn.kept_tokens
+            or turn.pcm
+            or turn.samples != turn.kept_samples
+            or state.reply is not None
+            or state.held_turns
+            or state.choices.captions_only
+        ):
+            return False
+        self.end.seal(state)
+        return True
+
     def talker_prefills(self, states: Sequence[SessionState]) -> torch.Tensor:
         return self.end.talker_prefills(states)
 
