@@ -56,6 +56,7 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 _PROBES = frozenset({"/healthz", "/livez", "/readyz", "/metrics"})
+CONNECTION_CLOSE_S = 5.0  # the longest a shutdown waits on one connection's close (a WebSocket bounds its own)
 
 
 def _api(path: str) -> bool:
@@ -251,6 +252,15 @@ async def _tick(admission: Admission) -> None:
         gpu.sample()
 
 
+async def _close(connection) -> None:
+    try:
+        await asyncio.wait_for(connection.close(), CONNECTION_CLOSE_S)
+    except asyncio.TimeoutError:
+        log.warning("shutting down: a connection did not close within %.0f s", CONNECTION_CLOSE_S)
+    except Exception:  # noqa: BLE001 (its peer's failure: the others still close)
+        log.exception("shutting down: closing a connection failed")
+
+
 async def drain(app: web.Application, deadline_s: float) -> int:
     """Shutting down: refuse new calls (503 shutting_down) and wait, at most `deadline_s`, until
     no session is replying or playing a reply out. Returns the sessions still replying then
@@ -311,8 +321,13 @@ def create_app(config: Config, engine: Engine) -> web.Application:
 
     async def on_shutdown(app: web.Application) -> None:
         app[LADDER_TICK].cancel()
-        for connection in list(app[SESSIONS].values()):
-            await connection.close()
+        connections = list(app[SESSIONS].values())
+        for connection in connections:  # replies the drain cut off end, saying why
+            if connection.session is not None:
+                connection.session.replies.shut_down()
+        # All at once, each bounded: one client that does not read its socket (stalled, or gone
+        # with no FIN) cannot hold up the others' closes, the engine's stop or the exit.
+        await asyncio.gather(*(_close(connection) for connection in connections))
         await engine.stop()
         app[DECODE_POOL].shutdown(wait=False, cancel_futures=True)
 

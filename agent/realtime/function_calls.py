@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from agent.realtime.events import new_id
-from agent.tools.call_parser import CallParser
+from agent.tools.call_parser import CallParseError, CallParser
 
 
 @dataclass
@@ -29,6 +29,21 @@ class FunctionCall:
     @property
     def announced(self) -> bool:
         return self.parser.name is not None
+
+    def advance(self, text: str, done: bool) -> tuple[str, Optional[str]]:
+        """More of the model's call text (`done`: its end). Returns the arguments text it added
+        and, for a call that does not parse (the grammar should never let that happen), why:
+        the call is then incomplete."""
+        try:
+            if done:
+                _, self.arguments, last = self.parser.finish(text)
+                self.status = "completed"
+            else:
+                last = self.parser.push(text)
+        except CallParseError as exc:
+            self.status = "incomplete"
+            return "", str(exc)
+        return last, None
 
     def item(self, arguments: Optional[str] = None) -> dict[str, Any]:
         """The item as it stands (`arguments`: as announced, where not the text so far)."""

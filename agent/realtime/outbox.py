@@ -43,8 +43,10 @@ class Outbox:
             try:
                 q.put_nowait(text)
             except asyncio.QueueFull:
-                # A stalled reader loses its stream, not our memory.
+                # A stalled reader loses its stream, not our memory; it is told (the end
+                # marker), so that its connection is closed rather than left open and silent.
                 self._sse.remove(q)
+                _end(q)
 
     def error(
         self,
@@ -63,8 +65,7 @@ class Outbox:
         self._send = _drop  # the transport refers to its session: break the cycle
         self.taps = []  # a tap refers to its listener: the same
         for q in self._sse:
-            if not q.full():
-                q.put_nowait(None)
+            _end(q)
 
     def subscribed(self, q: asyncio.Queue) -> bool:
         return q in self._sse and not self.closed
@@ -81,3 +82,10 @@ class Outbox:
 
 def _drop(text: str) -> None:
     """The send of a closed outbox."""
+
+
+def _end(q: asyncio.Queue) -> None:
+    """The end marker, even to a full queue (its oldest event makes room for it)."""
+    while q.full():
+        q.get_nowait()
+    q.put_nowait(None)

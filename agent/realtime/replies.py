@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from agent import metrics
 from agent.config import CODEC_FRAME_SAMPLES, OUTPUT_RATE, Config
 from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, TextDelta
-from agent.engine.commands import HoldTurn, SetReplyInstructions, SetReplyTools, SetVoice, TruncateReply
+from agent.engine.commands import HoldTurn, SetVoice, TruncateReply
 from agent.gate.ladder import Admission
 from agent.realtime import response_checks, session_checks, session_config, tool_config
 from agent.realtime.conversation import Conversation
@@ -30,9 +30,6 @@ from agent.realtime.known_calls import KnownCalls
 from agent.realtime.outbox import Outbox
 from agent.realtime.reply_audio import ReplyAudio
 from agent.realtime.response import STATUS_BY_REASON, Response
-from agent.tools import qwen_format
-from agent.tools.call_parser import CallParseError
-from agent.tools.spec import ToolChoice, ToolSet
 
 
 class Replies:
@@ -175,7 +172,9 @@ class Replies:
         limit = session_config.max_output_tokens(params.get("max_output_tokens", settings["max_output_tokens"]))
         if limit is not None and limit >= self._config.max_reply_tokens:
             limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
-        tools = self._reply_tools(params, settings)
+        own, tools = tool_config.reply_commands(params, settings)  # its own instructions and tools
+        for command, param in own:
+            self._engine.send(command, param=param)
         self._flush_video()  # the newest frames reach the engine ahead of the reply
         session_voice = settings["audio"]["output"].get("voice") or "default"
         voice = response_checks.response_voice(params) or session_voice
@@ -204,24 +203,6 @@ class Replies:
         if not tools:  # without tools the message is announced at once, as it always was
             self._open_message(reply)
         return True
-
-    def _reply_tools(self, params: dict[str, Any], settings: dict[str, Any]) -> bool:
-        """Tell the engine this response's own instructions and tools, if it has any; returns
-        whether it may call a tool (its message is then announced with its first words)."""
-        own_tools, own_choice = params.get("tools"), params.get("tool_choice")
-        tools = tool_config.tool_set(
-            settings.get("tools", []) if own_tools is None else own_tools,
-            settings.get("tool_choice", "auto") if own_choice is None else own_choice,
-            "response",
-        )
-        instructions = params.get("instructions") or ""
-        if own_tools is not None:  # its tools are described to the model in its own system message
-            instructions = qwen_format.system_text(instructions, tools.tools if tools is not None else ())
-        if instructions:
-            self._engine.send(SetReplyInstructions(instructions))
-        if own_tools is not None or own_choice is not None:
-            self._engine.send(SetReplyTools(tools or ToolSet((), ToolChoice("none"))), param="response.tools")
-        return tools is not None and tools.calls
 
     def _open_message(self, reply: Response) -> None:
         """Announce the response's message item (once)."""
@@ -259,6 +240,22 @@ class Replies:
         if reason == "turn_detected" and playing is not None and playing is self.last:
             return playing, max(0, heard)
         return None
+
+    def shut_down(self) -> None:
+        """The server is going away and this session's reply (being made or played) is cut off:
+        it ends now as failed (`server_shutting_down`), and an error event says why, before the
+        connection closes (a client could not tell it from an ordinary close)."""
+        if not self.active:
+            return
+        reply = self.current
+        self.clear_output()
+        if reply is not None and reply.engine_open:
+            self._cancel_in_engine(reply)
+            sent = {"text_tokens": reply.tokens, "audio_frames": reply.samples // CODEC_FRAME_SAMPLES}
+            self._finish(reply, "failed", None, sent, "the server is shutting down", "server_shutting_down")
+        self._outbox.error(
+            "the server is shutting down: the reply was cut off", "server_shutting_down", kind="server_error"
+        )
 
     def _cancel_in_engine(self, reply: Response) -> None:
         """Stop the reply in the engine, and keep in the model only the tokens the client was
@@ -332,17 +329,10 @@ class Replies:
         if call.status != "in_progress":
             return
         was_announced = call.announced
-        try:
-            if delta.done:
-                _, call.arguments, last = call.parser.finish(delta.text)
-                call.status = "completed"
-            else:
-                last = call.parser.push(delta.text)
-        except CallParseError as exc:
-            call.status = "incomplete"
-            last = ""
+        last, error = call.advance(delta.text, delta.done)
+        if error is not None:
             self._outbox.error(
-                f"the model's tool call could not be read: {exc}", "tool_call_invalid", kind="server_error"
+                f"the model's tool call could not be read: {error}", "tool_call_invalid", kind="server_error"
             )
         if call.announced and not was_announced:
             self._outbox.emit(call.added())
@@ -382,7 +372,13 @@ class Replies:
         self._finish(reply, STATUS_BY_REASON.get(done.reason, "failed"), reason, done.stats, error)
 
     def _finish(
-        self, reply: Response, status: str, reason: Optional[str], stats: dict, error: Optional[str] = None
+        self,
+        reply: Response,
+        status: str,
+        reason: Optional[str],
+        stats: dict,
+        error: Optional[str] = None,
+        error_code: str = "engine_error",
     ) -> None:
         reply.engine_open = False
         if self.current is reply:
@@ -392,7 +388,7 @@ class Replies:
         # A reply ended here (cancelled, capped by the client) has no engine stats: what it
         # played is still audio made (the load benchmark's underrun share divides by it).
         stats = {**stats, "audio_samples": stats.get("audio_samples", reply.samples)}
-        events = reply.finished(status, reason, stats, error)
+        events = reply.finished(status, reason, stats, error, error_code)
         message = reply.message_item()
         if message is not None:
             self._conversation.update(reply.item_id, message)

@@ -133,7 +133,12 @@ class Response:
         return text
 
     def finished(
-        self, status: str, reason: Optional[str], stats: dict[str, Any], error: Optional[str] = None
+        self,
+        status: str,
+        reason: Optional[str],
+        stats: dict[str, Any],
+        error: Optional[str] = None,
+        error_code: str = "engine_error",
     ) -> list[dict[str, Any]]:
         """The closing events; status: completed | incomplete | cancelled | failed. A call the
         model had not finished is incomplete."""
@@ -173,7 +178,7 @@ class Response:
             if status == "failed":
                 details = {
                     "type": "failed",
-                    "error": {"type": "server_error", "code": "engine_error", "message": error},
+                    "error": {"type": "server_error", "code": error_code, "message": error},
                 }
         body = self.body([item for _, item in sorted(outputs, key=lambda o: o[0])], usage(stats), details)
         body["omni"] = {

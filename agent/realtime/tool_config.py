@@ -17,6 +17,7 @@ from typing import Any, Optional
 import jsonschema
 import llguidance
 
+from agent.engine.commands import SessionCommand, SetReplyInstructions, SetReplyTools
 from agent.realtime.config_error import ConfigError
 from agent.tools import qwen_format
 from agent.tools.spec import NAME, Tool, ToolChoice, ToolSchemaError, ToolSet
@@ -125,3 +126,26 @@ def system_text(settings: dict[str, Any]) -> str:
 def session_tools(settings: dict[str, Any]) -> Optional[ToolSet]:
     """A session's ToolSet (None: no tools)."""
     return tool_set(settings.get("tools", []), settings.get("tool_choice", "auto"), "session")
+
+
+def reply_commands(
+    params: dict[str, Any], settings: dict[str, Any]
+) -> tuple[list[tuple[SessionCommand, Optional[str]]], bool]:
+    """What the engine is told of a response's own instructions and tools before it begins
+    (each command with the param a refusal names), and whether the response may call a tool
+    (its message is then announced with its first words)."""
+    own_tools, own_choice = params.get("tools"), params.get("tool_choice")
+    tools = tool_set(
+        settings.get("tools", []) if own_tools is None else own_tools,
+        settings.get("tool_choice", "auto") if own_choice is None else own_choice,
+        "response",
+    )
+    commands: list[tuple[SessionCommand, Optional[str]]] = []
+    instructions = params.get("instructions") or ""
+    if own_tools is not None:  # its tools are described to the model in its own system message
+        instructions = qwen_format.system_text(instructions, tools.tools if tools is not None else ())
+    if instructions:
+        commands.append((SetReplyInstructions(instructions), None))
+    if own_tools is not None or own_choice is not None:
+        commands.append((SetReplyTools(tools or ToolSet((), ToolChoice("none"))), "response.tools"))
+    return commands, tools is not None and tools.calls

@@ -13,7 +13,7 @@ import asyncio
 import copy
 import logging
 
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from agent.engine.api import EngineBusy
 from agent.realtime import client_events, session_config
@@ -38,11 +38,28 @@ _SEND_QUEUE = 4096  # server events waiting for the socket (an 80 ms audio delta
 # One append may carry up to 15 MiB of audio, base64 (20 MiB): the socket takes a little more
 # than the events' own limit, so a message just over it gets `event_too_large`, not a close (1009).
 _MAX_MESSAGE = client_events.MAX_MESSAGE_CHARS + 1024 * 1024
+# A ping when the client has sent nothing for this long, and no pong within half of it: the
+# client is gone (its network dropped with no FIN), and its session and engine slot are freed.
+HEARTBEAT_S = 20.0
+# A close frame is waited on at most this long: a client that does not read (stalled, or gone)
+# is cut off, so it cannot hold up a shutdown, other sessions' closes or the process's exit.
+CLOSE_TIMEOUT_S = 2.0
+
+
+async def close_bounded(ws: web.WebSocketResponse, transport, code: int, message: bytes) -> None:
+    """Close `ws` with `code`, giving the client CLOSE_TIMEOUT_S to take the close frame and
+    answer it; past that (a client that does not read) the connection is aborted."""
+    try:
+        await asyncio.wait_for(ws.close(code=code, message=message), CLOSE_TIMEOUT_S)
+    except (asyncio.TimeoutError, ConnectionError):
+        pass
+    if transport is not None and (not transport.is_closing() or transport.get_write_buffer_size()):
+        transport.abort()  # (what the client did not read is dropped with it)
 
 
 class WsConnection:
-    def __init__(self, ws: web.WebSocketResponse) -> None:
-        self.ws = ws
+    def __init__(self, ws: web.WebSocketResponse, transport=None) -> None:
+        self.ws, self._transport = ws, transport
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=_SEND_QUEUE)
         self.session: Session | None = None
         self.overflowed = False
@@ -55,16 +72,20 @@ class WsConnection:
             self.overflowed = True
 
     async def writer(self) -> None:
-        while not self.overflowed:
-            text = await self.queue.get()
-            if text is None:
-                return
-            await self.ws.send_str(text)
+        try:
+            while not self.overflowed:
+                text = await self.queue.get()
+                if text is None:
+                    return
+                await self.ws.send_str(text)
+        except ConnectionError:
+            return  # the connection was cut (aborted, reset): nothing more to send
         log.warning("websocket client is not reading its events: closing")
-        await self.ws.close(code=1013, message=b"client too slow")
+        await close_bounded(self.ws, self._transport, WSCloseCode.TRY_AGAIN_LATER, b"client too slow")
 
     async def close(self) -> None:
-        await self.ws.close()
+        """The server is shutting down: 1001 (going away), bounded."""
+        await close_bounded(self.ws, self._transport, WSCloseCode.GOING_AWAY, b"server shutting down")
 
     async def finish(self) -> None:
         """The session's teardown hook: when the server ends the session (e.g. the engine could
@@ -76,7 +97,7 @@ class WsConnection:
                 await asyncio.wait_for(self.writer_task, timeout=1.0)
         except Exception:  # noqa: BLE001 (a reset or slow socket: it is being closed anyway)
             pass
-        await self.ws.close()
+        await close_bounded(self.ws, self._transport, WSCloseCode.OK, b"")
 
 
 async def websocket(request: web.Request) -> web.StreamResponse:
@@ -103,9 +124,9 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     )
     if refused is not None:
         return refused
-    ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=None)
+    ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=HEARTBEAT_S)
     await ws.prepare(request)
-    conn = WsConnection(ws)
+    conn = WsConnection(ws, request.transport)
     session = Session(
         app[CONFIG],
         app[ENGINE],
@@ -128,7 +149,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         )
         conn.send(None)
         await writer
-        await ws.close()
+        await close_bounded(ws, request.transport, WSCloseCode.OK, b"")
         return ws
     remember(app, session.id, conn)
     try:
@@ -149,18 +170,26 @@ async def _sideband(request: web.Request) -> web.StreamResponse:
     call = request.app[SESSIONS].get(request.query["call_id"])
     if not isinstance(call, RtcCall):
         return json_error(404, "no such call", "call_not_found", param="call_id")
-    ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=None)
+    ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=HEARTBEAT_S)
     await ws.prepare(request)
     session = call.session
     q = session.outbox.subscribe()
 
     async def forward() -> None:
-        while True:
-            text = await q.get()
-            if text is None:
-                break
-            await ws.send_str(text)
-        await ws.close()
+        try:
+            while True:
+                text = await q.get()
+                if text is None:
+                    break
+                await ws.send_str(text)
+        except ConnectionError:
+            return
+        # The end marker: the call ended, or this reader fell too far behind and was dropped.
+        if session.outbox.closed:
+            await close_bounded(ws, request.transport, WSCloseCode.OK, b"call ended")
+        else:
+            log.warning("sideband client is not reading the call's events: closing")
+            await close_bounded(ws, request.transport, WSCloseCode.TRY_AGAIN_LATER, b"client too slow")
 
     task = asyncio.ensure_future(forward())
     try:
@@ -171,4 +200,6 @@ async def _sideband(request: web.Request) -> web.StreamResponse:
     finally:
         session.outbox.unsubscribe(q)
         task.cancel()
+        # (a client gone without a FIN, found by the heartbeat, still has writes queued to it)
+        await close_bounded(ws, request.transport, WSCloseCode.OK, b"")
     return ws

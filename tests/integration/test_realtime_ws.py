@@ -26,6 +26,7 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
   interrupt_response false speaking over a reply does not cancel it; a clear of the speech
   after a committed item leaves that item in the model's context (the next response counts
   its audio);
+- a client that answers no ping (gone without a FIN) is closed and its session freed;
 - agent.client.client.WsAgentClient (the benchmark's WebSocket client) times a turn;
 - every server event validates strictly against the SDK's GA pydantic models.
 """
@@ -37,12 +38,14 @@ import base64
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
-from support.realtime_helpers import RunningAgent, module_agent
+from support.realtime_helpers import RunningAgent, module_agent, wait_no_sessions
 from support.realtime_ws import Events, ask_text, b64, pcm24, picture, sdk_session, stream_realtime
 
 from agent.engine.commands import Context
+from agent.transport import ws as ws_transport
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "qwen3-omni"
@@ -432,6 +435,26 @@ async def test_a_clear_keeps_the_committed_item(agent: RunningAgent, speech_wav:
         await conn.response.create()
         done = await ev.wait("response.done", 90, after=mark)
         assert done["response"]["usage"]["input_token_details"]["audio_tokens"] > 0
+
+
+async def test_a_client_that_answers_no_ping_is_closed_and_frees_its_session(
+    agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeat: a client gone without a FIN (here: one that never answers a ping) is
+    closed, and its session and engine slot freed, within a heartbeat and a half (it once held
+    them until TCP gave up, refusing new sessions at the cap)."""
+    monkeypatch.setattr(ws_transport, "HEARTBEAT_S", 1.0)
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(f"{agent.url}/v1/realtime?model=x", protocols=("realtime",), autoping=False)
+        started = asyncio.get_running_loop().time()
+
+        async def read() -> int:  # read, never answer
+            return sum([msg.type == aiohttp.WSMsgType.PING async for msg in ws])
+
+        pings = await asyncio.wait_for(read(), 15)  # (bounded: without a heartbeat it never ends)
+        took = asyncio.get_running_loop().time() - started
+    assert pings >= 1 and took < 10, (pings, took)
+    await wait_no_sessions(agent.url, "the session of a client that answers no ping is still open")
 
 
 async def test_ws_agent_client_times_a_turn(agent: RunningAgent, speech_wav: Path, strict_event) -> None:

@@ -7,7 +7,11 @@ Pins:
   while a session's reply in progress runs to its end (completed, not cancelled), then the
   connection is closed and the process exits 0; SIGINT (Ctrl-C, what `make run` gets) on an
   idle agent exits 0 as well; a reply longer than `--drain-s` is cut at that deadline and the
-  process still exits 0.
+  process still exits 0; the client of that reply gets its `response.done` (failed,
+  `server_shutting_down`), an `error` saying why, and a close with 1001 (going away);
+- a WebSocket client that stops reading its socket (its server-side writes back up) cannot hold
+  up the shutdown: `stop()` ends within the close bound, and another client mid-reply is
+  told and closed as above (once, a stalled client held every close and the exit forever).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from support.loopback import free_port, serve_args
 from support.realtime_helpers import offer_sdp, start_agent
 
 from agent.client.client import NotReady, wait_ready
+from agent.transport import ws as ws_transport
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -197,6 +202,14 @@ async def test_sigint_on_an_idle_agent_exits_0(tiny_model_dir: Path) -> None:
     assert status == 0 and "Traceback" not in output and "omni-agent: stopped" in output, output[-3000:]
 
 
+def _told_it_was_cut(ws: aiohttp.ClientWebSocketResponse, events: list) -> None:
+    done = [e for e in events if e["type"] == "response.done"]
+    assert done and done[-1]["response"]["status"] == "failed", [e["type"] for e in events][-8:]
+    assert done[-1]["response"]["status_details"]["error"]["code"] == "server_shutting_down"
+    assert [e for e in events if e["type"] == "error" and e["error"]["code"] == "server_shutting_down"]
+    assert ws.close_code == 1001
+
+
 async def test_a_reply_longer_than_the_drain_deadline_is_cut(tiny_model_dir: Path) -> None:
     flags = ("--max-reply-seconds", "30", "--max-reply-tokens", "400", "--drain-s", "1")
     async with _agent_process(tiny_model_dir, *flags) as (proc, url), aiohttp.ClientSession() as http:
@@ -208,4 +221,64 @@ async def test_a_reply_longer_than_the_drain_deadline_is_cut(tiny_model_dir: Pat
         status, output = await _exit_status(proc)
     assert status == 0 and "Traceback" not in output, output[-3000:]
     assert "cut off at the 1 s deadline" in output, output[-3000:]
+    _told_it_was_cut(ws, events)
     print(f"\ndrain deadline: a 30 s reply cut, exit 0 after {time.monotonic() - signalled:.1f} s")
+
+
+async def _stalled_client(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket client that asks for a lot and never reads: a raw socket with a small
+    receive buffer, so the agent's writes to it back up (its transport pauses)."""
+    import base64
+    import socket
+    import struct
+
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(
+        (
+            f"GET /v1/realtime?model=x HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: realtime\r\n"
+            f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n\r\n"
+        ).encode()
+    )
+    await reader.readuntil(b"\r\n\r\n")
+
+    def frame(event: dict) -> bytes:
+        payload, mask = json.dumps(event).encode(), os.urandom(4)
+        head = b"\x81" + (bytes([0x80 | 127]) + struct.pack(">Q", len(payload)))
+        return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+    text = {"type": "input_text", "text": "x" * 100_000}
+    item = {"id": "item_big", "type": "message", "role": "user", "content": [text]}
+    writer.write(frame({"type": "conversation.item.create", "item": item}))
+    for _ in range(60):  # 6 MB of answers it will never read
+        writer.write(frame({"type": "conversation.item.retrieve", "item_id": "item_big"}))
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_client_that_stops_reading_cannot_hold_up_the_shutdown(tiny_model_dir: Path) -> None:
+    running = await start_agent(tiny_model_dir, max_reply_seconds=30.0, max_reply_tokens=400)
+    stopped = False
+    _, stalled = await _stalled_client(running.url)
+    try:
+        async with aiohttp.ClientSession() as http:
+            ws, events = await _start_reply(http, running.url)
+            reader = asyncio.ensure_future(_read_until_closed(ws, events))
+            await asyncio.sleep(1.0)  # its answers back up in the agent
+            started = time.monotonic()
+            await asyncio.wait_for(running.stop(), 30)
+            stopped = True
+            took = time.monotonic() - started
+            await asyncio.wait_for(reader, 10)
+        assert took < 3 * ws_transport.CLOSE_TIMEOUT_S + 5, took
+        _told_it_was_cut(ws, events)
+        print(f"\nshutdown with a client that does not read: {took:.1f} s")
+    finally:
+        stalled.close()
+        if not stopped:
+            await running.stop()

@@ -21,7 +21,10 @@ Pins:
 - µ-law and A-law decode to the G.711 reference values;
 - the project's extra event types (omni.*, input_video.throttle) reach a session's transport only
   when it asks (omni.events; default on for WebRTC, off for a WebSocket, where some client
-  libraries raise on a type they do not know); SSE readers and taps get every event.
+  libraries raise on a type they do not know); SSE readers and taps get every event; a reader
+  that falls a queue behind is dropped and gets the end marker (after its backlog), as every
+  reader does when the outbox closes, full queue or not, so its connection is closed rather
+  than left open and silent.
 """
 
 from __future__ import annotations
@@ -298,3 +301,22 @@ def test_extra_event_types_only_for_sessions_that_ask() -> None:
     with pytest.raises(ConfigError) as refused:
         session_config.merge(base, {"type": "realtime", "omni": {"events": "yes"}}, 300)
     assert refused.value.param == "session.omni.events"
+
+
+def test_a_reader_dropped_or_at_the_close_gets_the_end_marker() -> None:
+    outbox = Outbox(lambda _: None)
+    slow, quick = outbox.subscribe(), outbox.subscribe()
+    for n in range(slow.maxsize + 1):  # the slow reader never takes one
+        outbox.emit({"type": "omni.tick", "n": n})
+        while not quick.empty():
+            quick.get_nowait()
+    assert not outbox.subscribed(slow) and outbox.subscribed(quick)
+    backlog = [slow.get_nowait() for _ in range(slow.qsize())]
+    assert backlog[-1] is None and all(backlog[:-1])  # told, after what it still holds
+    full = outbox.subscribe()
+    for n in range(full.maxsize):
+        outbox.emit({"type": "omni.tick", "n": n})
+    assert full.full()
+    outbox.close()
+    left = [full.get_nowait() for _ in range(full.qsize())]
+    assert left[-1] is None and quick.get_nowait() is not None
