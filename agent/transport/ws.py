@@ -18,6 +18,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from agent.engine.api import EngineBusy
 from agent.realtime import client_events, session_config
 from agent.realtime.session import Session
+from agent.transport.captions_http import CAPTIONS
 from agent.transport.http import (
     ADMISSION,
     CONFIG,
@@ -108,6 +109,11 @@ async def websocket(request: web.Request) -> web.StreamResponse:
     intent = request.query.get("intent")  # transcription: a transcription-only session
     if intent not in (None, "", "conversation", "transcription"):
         return json_error(400, "intent must be transcription (or absent)", "invalid_value", param="intent")
+    if who.session and intent and (intent == "transcription") != (who.session.get("type") == "transcription"):
+        kind = who.session.get("type", "realtime")
+        return json_error(
+            400, f"this key's session is a {kind} session: ?intent cannot change it", "invalid_value", param="intent"
+        )
     if who.session:
         settings = copy.deepcopy(who.session)
     else:
@@ -167,8 +173,11 @@ async def websocket(request: web.Request) -> web.StreamResponse:
 
 
 async def _sideband(request: web.Request) -> web.StreamResponse:
-    call = request.app[SESSIONS].get(request.query["call_id"])
+    call_id = request.query["call_id"]
+    call = request.app[SESSIONS].get(call_id)
     if not isinstance(call, RtcCall):
+        if call is None and request.app[CAPTIONS].ended(call_id):  # as its events route says
+            return json_error(410, f"call {call_id} has ended", "call_ended", param="call_id")
         return json_error(404, "no such call", "call_not_found", param="call_id")
     ws = web.WebSocketResponse(protocols=("realtime",), max_msg_size=_MAX_MESSAGE, heartbeat=HEARTBEAT_S)
     await ws.prepare(request)

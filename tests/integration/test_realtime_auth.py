@@ -10,7 +10,8 @@ Pins:
 - a valid ephemeral key connects (SDK over WebSocket, and the browser's subprotocol form, with
   `realtime` echoed) and its session applies; once expired it gets 401;
 - a key minted for a transcription session (the page's Captions only on a keyed agent) makes a
-  WebRTC call that transcribes and never answers.
+  WebRTC call that transcribes and never answers; a WebSocket with it asking another
+  `?intent` is refused (400, param intent), not silently given the key's type.
 """
 
 from __future__ import annotations
@@ -156,3 +157,7 @@ async def test_an_ephemeral_key_for_transcription_makes_a_transcription_call(
             assert "input_audio_buffer.speech_stopped" in seen and "response.created" not in seen, seen
         finally:
             await client.close()
+        # The key's session type is the key's: a WebSocket asking another ?intent is refused.
+        headers = {"Authorization": f"Bearer {minted['value']}"}
+        async with http.get(f"{agent.url}/v1/realtime?intent=conversation", headers=headers) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "intent"

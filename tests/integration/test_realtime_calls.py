@@ -9,7 +9,8 @@ Pins:
   event validates strictly against the SDK's GA models; SSE streams the same events;
 - `calls.hangup` ends the call; raw SDP on /v1/realtime/calls?model= and the older
   POST /v1/realtime?model= are answered 201 too; a sideband WebSocket (?call_id=) carries the
-  call's events; DELETE ends a call (204), then 404.
+  call's events; DELETE ends a call (204), then 404; a sideband on an ended call is 410
+  `call_ended`, on one never seen 404.
 """
 
 from __future__ import annotations
@@ -127,5 +128,9 @@ async def test_raw_sdp_url_forms_and_delete(agent: RunningAgent, speech_wav: Pat
             async with http.delete(f"{agent.url}{location}") as resp:
                 assert resp.status == 404
                 assert (await resp.json())["error"]["code"] == "call_not_found"
+            # A sideband on the ended call: 410 call_ended (as its events route), a never-seen one 404.
+            for ended, (status, code) in ((call_id, (410, "call_ended")), ("rtc_never", (404, "call_not_found"))):
+                async with http.get(f"{agent.url}/v1/realtime?call_id={ended}") as resp:
+                    assert (resp.status, (await resp.json())["error"]["code"]) == (status, code)
     finally:
         await client.close()
