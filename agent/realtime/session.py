@@ -214,7 +214,7 @@ class Session:
             self.track.stop()
         # Its FFmpeg filter graph owns one worker thread per core: free it now, not at a GC.
         self.input.audio_in.close()
-        for hook in self.on_close:
+        for hook in list(self.on_close):  # (a hook's own connection may take itself off)
             await hook()
         self._on_closed(self)
         # Drop every callback that refers back to this session or its transport (track hooks,

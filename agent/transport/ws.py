@@ -201,12 +201,22 @@ async def _sideband(request: web.Request) -> web.StreamResponse:
             await close_bounded(ws, request.transport, WSCloseCode.TRY_AGAIN_LATER, b"client too slow")
 
     task = asyncio.ensure_future(forward())
+
+    async def end() -> None:
+        """The call ended: so does its sideband, also one whose client does not read (its
+        forward is stuck on a full socket and would never see the end marker)."""
+        task.cancel()
+        await close_bounded(ws, request.transport, WSCloseCode.OK, b"call ended")
+
+    session.on_close.append(end)
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT:
                 client_events.handle(session, msg.data)
                 await session.inbox.idle()
     finally:
+        if end in session.on_close:
+            session.on_close.remove(end)
         session.outbox.unsubscribe(q)
         task.cancel()
         # (a client gone without a FIN, found by the heartbeat, still has writes queued to it)
