@@ -232,12 +232,14 @@ class Replies:
         if playing is not None:
             heard = playing.samples - round(self.clear_output() * OUTPUT_RATE)
         reply = self.current
+        heard_cut = reason == "turn_detected" and playing is not None and playing is self.last
         if reply is not None and reply.engine_open:
-            self._cancel_in_engine(reply)
+            # (a barge-in heard on WebRTC is cut to what was heard right after: no cut here)
+            self._cancel_in_engine(reply, cut=not heard_cut)
             # Its usage: what the client was sent of it (the engine's own count comes too late).
             sent = {"text_tokens": reply.tokens, "audio_frames": reply.samples // CODEC_FRAME_SAMPLES}
             self._finish(reply, "cancelled", reason, sent)
-        if reason == "turn_detected" and playing is not None and playing is self.last:
+        if heard_cut:
             return playing, max(0, heard)
         return None
 
@@ -257,7 +259,7 @@ class Replies:
             "the server is shutting down: the reply was cut off", "server_shutting_down", kind="server_error"
         )
 
-    def _cancel_in_engine(self, reply: Response) -> None:
+    def _cancel_in_engine(self, reply: Response, cut: bool = True) -> None:
         """Stop the reply in the engine, and keep in the model only the tokens the client was
         sent of it: by the time the cancel reaches the engine thread it may have made a token
         or two more, which the item never shows (a barge-in's cut to what was heard follows,
@@ -265,7 +267,8 @@ class Replies:
         ended, the fallback's) has nothing to cut."""
         self._engine.cancel_reply()
         self._stale_done += 1
-        self._engine.send(TruncateReply(reply.tokens, missing_ok=True))
+        if cut:
+            self._engine.send(TruncateReply(reply.tokens, missing_ok=True))
 
     def playing_level(self) -> Optional[float]:
         """For the echo guard (agent/media/vad.py): the level the agent plays now, None while
