@@ -87,7 +87,7 @@ def _audio(turn: TurnState, start: int = 0, end: int | None = None) -> torch.Ten
 
 
 def _tokens(turn: TurnState) -> int:
-    return sum(int(t.shape[0]) for t in (*turn.audio_feats, *turn.pending_audio))
+    return turn.audio_token_count
 
 
 def _skip(tr: Transcript, turn: TurnState) -> int:

@@ -98,12 +98,10 @@ class EndOfTurn:
         the turn has not prefilled yet. Nothing of the user's since the conversation's last turn
         (a response asked after an assistant or system item): the closing alone, no empty user
         message."""
-        self.parts.encode(state, turn)
-        if not turn.audio.finished:  # a held turn's tail was encoded when it ended (close_turn)
-            with timed(state, "audio_encoder"):
-                tail = turn.audio.finish()
-            if tail.shape[0]:
-                turn.pending_audio.append(tail)
+        if turn.audio.finished:  # a held turn's tail was encoded when it ended (close_turn)
+            self.parts.encode(state, turn)
+        else:
+            self.parts.finish_audio(state, turn)
         audio = torch.cat(turn.pending_audio, dim=0) if turn.pending_audio else None
         turn.pending_audio = []
         images = videos = None

@@ -92,6 +92,16 @@ class TurnParts:
             turn.pending_audio.append(tokens)
         turn.pcm.clear()
 
+    @classmethod
+    def finish_audio(cls, state: SessionState, turn: TurnState) -> None:
+        """The turn's audio encoded to its end: what is queued, then the encoder's tail (waiting
+        in pending_audio, as every final token does)."""
+        cls.encode(state, turn)
+        with timed(state, "audio_encoder"):
+            tail = turn.audio.finish()
+        if tail.shape[0]:
+            turn.pending_audio.append(tail)
+
     def open_turn_ids(self, state: SessionState, turn: TurnState, user: bool = True) -> list[int]:
         """The previous reply's closing and this turn's header, the first time the turn prefills
         (`user` false: a reply to a turn with nothing in it, the closing alone)."""

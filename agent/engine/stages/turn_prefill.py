@@ -24,7 +24,7 @@ from agent.engine.stages.reply_prefill import EndOfTurn
 from agent.engine.stages.thinker import PrefillOut
 from agent.engine.stages.turn_parts import TurnJob, TurnParts
 from agent.engine.stages.video_prefill import join_features
-from agent.engine.state.session import SessionState, TalkerTurn, TurnState, timed
+from agent.engine.state.session import SessionState, TalkerTurn, TurnState
 
 # A transcription-only session's microphone audio is encoded once this much is queued (80 ms at
 # 16 kHz), not per 20 ms frame: the encoder gives the same tokens for any piece sizes and a
@@ -76,10 +76,9 @@ class TurnPrefill:
         items, speech after them (it is not an item yet: the added turn goes before the turn),
         or turns held for a reply."""
         turn = state.turn
-        audio = sum(int(t.shape[0]) for t in (*turn.audio_feats, *turn.pending_audio))
         if (
             not turn.kept_tokens
-            or audio != turn.kept_tokens
+            or turn.audio_token_count != turn.kept_tokens
             or turn.pcm
             or turn.samples != turn.kept_samples
             or state.reply is not None
@@ -99,11 +98,7 @@ class TurnPrefill:
         """The turn being spoken ends without a reply starting now: its audio is encoded to the
         end (the tail waits in pending_audio) and a new turn begins. Returns the ended turn."""
         turn = state.turn
-        self.parts.encode(state, turn)
-        with timed(state, "audio_encoder"):
-            tail = turn.audio.finish()
-        if tail.shape[0]:
-            turn.pending_audio.append(tail)
+        self.parts.finish_audio(state, turn)
         state.turn = self.new_turn()
         return turn
 
@@ -113,13 +108,9 @@ class TurnPrefill:
         end (the tail waits in pending_audio), and the turn's later audio is encoded from a fresh
         stream, as after a reply given back (EndOfTurn.abandon_reply)."""
         turn = state.turn
-        self.parts.encode(state, turn)
-        with timed(state, "audio_encoder"):
-            tail = turn.audio.finish()
-        if tail.shape[0]:
-            turn.pending_audio.append(tail)
+        self.parts.finish_audio(state, turn)
         turn.audio = self.new_turn().audio
-        turn.kept_tokens = sum(int(t.shape[0]) for t in (*turn.audio_feats, *turn.pending_audio))
+        turn.kept_tokens = turn.audio_token_count
         turn.kept_samples = turn.samples
 
     def drop_speech(self, state: SessionState) -> bool:

@@ -124,6 +124,11 @@ class TurnState:
     origin: TurnState | None = field(default=None, compare=False, repr=False)
 
     @property
+    def audio_token_count(self) -> int:
+        """The turn's final audio tokens so far, prefilled or waiting."""
+        return sum(int(t.shape[0]) for t in (*self.audio_feats, *self.pending_audio))
+
+    @property
     def queued_seconds(self) -> float:
         """The turn's audio the engine has so far (encoded or queued): the clock frames are put on."""
         return (self.samples + sum(len(p) for p in self.pcm)) / 16000
