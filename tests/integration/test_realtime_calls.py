@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from openai import AsyncOpenAI
+from support.raw_ws import stalled_client
 from support.realtime_helpers import RunningAgent, module_agent, wait_no_sessions
 
 from agent.client.client import AgentClient
@@ -138,46 +139,17 @@ async def test_raw_sdp_url_forms_and_delete(agent: RunningAgent, speech_wav: Pat
 
 
 async def test_a_sideband_that_does_not_read_ends_with_its_call(agent: RunningAgent, speech_wav: Path) -> None:
-    import base64
-    import os
-    import socket
-    import struct
-
     client = AgentClient(agent.url, speech_wav, video=False)
     await client.connect()
     call_id = client.result.call_id
-    host, port = agent.url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    sock.setblocking(False)
-    reader, writer = await asyncio.open_connection(sock=sock)
 
     def forwards() -> int:
         return sum("_sideband" in repr(t.get_coro()) for t in asyncio.all_tasks() if not t.done())
 
+    writer = None
     try:
         before = forwards()
-        writer.write(
-            (
-                f"GET /v1/realtime?call_id={call_id} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-                "Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-                f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n\r\n"
-            ).encode()
-        )
-        assert b" 101 " in await reader.readuntil(b"\r\n\r\n")
-
-        def frame(event: dict) -> bytes:
-            payload, mask = json.dumps(event).encode(), os.urandom(4)
-            head = b"\x81" + bytes([0x80 | 127]) + struct.pack(">Q", len(payload))
-            return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-
-        text = {"type": "input_text", "text": "x" * 100_000}
-        item = {"id": "item_big", "type": "message", "role": "user", "content": [text]}
-        writer.write(frame({"type": "conversation.item.create", "item": item}))
-        for _ in range(60):  # 6 MB of answers it will never read
-            writer.write(frame({"type": "conversation.item.retrieve", "item_id": "item_big"}))
-        await writer.drain()
+        _, writer = await stalled_client(agent.url, f"call_id={call_id}")
         await asyncio.sleep(1.0)
         assert forwards() > before, "the sideband is not attached: the test would prove nothing"
         async with aiohttp.ClientSession() as http:
@@ -189,5 +161,6 @@ async def test_a_sideband_that_does_not_read_ends_with_its_call(agent: RunningAg
             await asyncio.sleep(0.1)
         assert forwards() == before, "the sideband of the ended call is still open"
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         await client.close()

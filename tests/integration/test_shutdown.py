@@ -30,6 +30,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from support.loopback import free_port, serve_args
+from support.raw_ws import stalled_client
 from support.realtime_helpers import offer_sdp, start_agent
 
 from agent.client.client import NotReady, wait_ready
@@ -225,46 +226,10 @@ async def test_a_reply_longer_than_the_drain_deadline_is_cut(tiny_model_dir: Pat
     print(f"\ndrain deadline: a 30 s reply cut, exit 0 after {time.monotonic() - signalled:.1f} s")
 
 
-async def _stalled_client(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A WebSocket client that asks for a lot and never reads: a raw socket with a small
-    receive buffer, so the agent's writes to it back up (its transport pauses)."""
-    import base64
-    import socket
-    import struct
-
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    sock.setblocking(False)
-    reader, writer = await asyncio.open_connection(sock=sock)
-    writer.write(
-        (
-            f"GET /v1/realtime?model=x HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-            "Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: realtime\r\n"
-            f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n\r\n"
-        ).encode()
-    )
-    await reader.readuntil(b"\r\n\r\n")
-
-    def frame(event: dict) -> bytes:
-        payload, mask = json.dumps(event).encode(), os.urandom(4)
-        head = b"\x81" + (bytes([0x80 | 127]) + struct.pack(">Q", len(payload)))
-        return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-
-    text = {"type": "input_text", "text": "x" * 100_000}
-    item = {"id": "item_big", "type": "message", "role": "user", "content": [text]}
-    writer.write(frame({"type": "conversation.item.create", "item": item}))
-    for _ in range(60):  # 6 MB of answers it will never read
-        writer.write(frame({"type": "conversation.item.retrieve", "item_id": "item_big"}))
-    await writer.drain()
-    return reader, writer
-
-
 async def test_a_client_that_stops_reading_cannot_hold_up_the_shutdown(tiny_model_dir: Path) -> None:
     running = await start_agent(tiny_model_dir, max_reply_seconds=30.0, max_reply_tokens=400)
     stopped = False
-    _, stalled = await _stalled_client(running.url)
+    _, stalled = await stalled_client(running.url, "model=x")
     try:
         async with aiohttp.ClientSession() as http:
             ws, events = await _start_reply(http, running.url)
