@@ -42,6 +42,17 @@ class AudioOut:
 
 
 @dataclass(frozen=True)
+class ReplyInput:
+    """What a reply's end-of-turn prefill put in the model, sent as soon as it is done (its
+    counts: prefill_tokens, input_audio/image/video_tokens). A response cancelled later still
+    reports its input usage from it: the cancelled reply's own ReplyDone comes after the
+    client has been told the response is done."""
+
+    session_id: str
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ReplyDone:
     session_id: str
     reason: str  # "stop" (model ended) | "length" (cap reached) | "cancelled" | "error"
@@ -72,7 +83,7 @@ class StageTime:
     batch: int = 1  # sessions served by the same (batched) call; `seconds` is the whole call's
 
 
-Output = Union[TextDelta, CallDelta, AudioOut, ReplyDone, StageTime, TranscriptOut]
+Output = Union[TextDelta, CallDelta, AudioOut, ReplyInput, ReplyDone, StageTime, TranscriptOut]
 
 
 @dataclass(frozen=True)
@@ -265,8 +276,8 @@ def voices_of(runner: Any) -> Voices:
 
 class ReplySink(Protocol):
     """Per-session receiver of engine output. Called on the asyncio loop only. Optional, looked
-    up when needed: on_transcript(TranscriptOut), on_call(CallDelta), and on_open_failed(message)
-    when the engine could not open the session at all."""
+    up when needed: on_transcript(TranscriptOut), on_call(CallDelta), on_input(ReplyInput), and
+    on_open_failed(message) when the engine could not open the session at all."""
 
     def on_text(self, delta: TextDelta) -> None: ...
 

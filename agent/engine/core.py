@@ -30,6 +30,7 @@ from agent.engine.api import (
     ConversationEditing,
     Output,
     ReplyDone,
+    ReplyInput,
     ReplySink,
     Runner,
     SlotsExhausted,
@@ -149,6 +150,7 @@ DELIVER: dict[type, str] = {
     AudioOut: "on_audio",
     CallDelta: "on_call",
     TranscriptOut: "on_transcript",
+    ReplyInput: "on_input",
     ReplyDone: "on_done",
 }
 

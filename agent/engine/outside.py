@@ -39,7 +39,7 @@ class ThreadOutside:
         self._loop.call_soon_threadsafe(settle, future, result, error)
 
     def deliver(self, sink: Any, method: str, payload: Any) -> None:
-        fn = getattr(sink, method, None)  # on_call, on_transcript, on_open_failed: optional
+        fn = getattr(sink, method, None)  # on_call, on_transcript, on_input, on_open_failed: optional
         if fn is not None:
             self._loop.call_soon_threadsafe(fn, payload)
 

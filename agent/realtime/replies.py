@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from agent import metrics
 from agent.config import CODEC_FRAME_SAMPLES, OUTPUT_RATE, Config
-from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, TextDelta
+from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, ReplyInput, TextDelta
 from agent.engine.commands import HoldTurn, SetVoice, TruncateReply
 from agent.gate.ladder import Admission
 from agent.realtime import response_checks, session_checks, session_config, tool_config
@@ -296,6 +296,11 @@ class Replies:
         elapsed = time.monotonic() - reply.end_of_turn
         histogram.labels(priority=self._priority).observe(elapsed)
         return elapsed
+
+    def on_input(self, out: ReplyInput) -> None:
+        reply = self._live()
+        if reply is not None:
+            reply.input = dict(out.stats)
 
     def on_text(self, delta: TextDelta) -> None:
         reply = self._live()

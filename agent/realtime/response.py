@@ -50,6 +50,9 @@ class Response:
     tools: bool = False  # it may call tools: its message is announced with its first words
     message_index: Optional[int] = None  # the message's output_index, once announced
     calls: list[FunctionCall] = field(default_factory=list)
+    # What its prefill put in the model (the engine's ReplyInput, once the prefill is done): the
+    # input usage of a response that ends before the engine's own count comes back (a cancel).
+    input: dict[str, int] = field(default_factory=dict)
 
     # ---- ids and shapes -------------------------------------------------------------------
     def _ids(self) -> dict[str, Any]:
@@ -180,7 +183,9 @@ class Response:
                     "type": "failed",
                     "error": {"type": "server_error", "code": error_code, "message": error},
                 }
-        body = self.body([item for _, item in sorted(outputs, key=lambda o: o[0])], usage(stats), details)
+        body = self.body(
+            [item for _, item in sorted(outputs, key=lambda o: o[0])], usage({**self.input, **stats}), details
+        )
         body["omni"] = {
             "ttft_ms": _ms(self.ttft),
             "ttfa_ms": _ms(self.ttfa),

@@ -26,7 +26,7 @@ import av
 
 from agent import metrics
 from agent.config import Config
-from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, TextDelta, TranscriptOut
+from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, ReplyInput, TextDelta, TranscriptOut
 from agent.engine.commands import (
     EndTurn,
     SetContextTurns,
@@ -332,6 +332,9 @@ class Session:
 
     def on_call(self, delta: CallDelta) -> None:
         self.replies.on_call(delta)
+
+    def on_input(self, out: ReplyInput) -> None:
+        self.replies.on_input(out)
 
     def on_done(self, done: ReplyDone) -> None:
         self.replies.on_done(done)

@@ -17,7 +17,8 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
   right behind it, with per-response instructions: the item is added first, its audio counted)
   are answered; an empty commit is an error;
 - response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works; the
-  model keeps exactly the tokens the client was sent of a cancelled reply, and the empty item
+  model keeps exactly the tokens the client was sent of a cancelled reply, its usage counts
+  those and the input its prefill took, and the empty item
   of a response cancelled at once deletes cleanly;
 - a bad event gets `error` naming its event_id (and the field) and the connection goes on;
 - truncating the latest reply answers conversation.item.truncated and shortens its transcript;
@@ -360,7 +361,11 @@ async def test_a_cancelled_reply_keeps_in_the_model_what_its_item_says(agent: Ru
         assert sent and sent.startswith(first["delta"])
         context = await agent.engine.send(session_id, Context())
         kept = context["last_reply"]["tokens"]
-        assert len(kept) == done["response"]["usage"]["output_token_details"]["text_tokens"], (kept, sent)
+        usage = done["response"]["usage"]
+        assert len(kept) == usage["output_token_details"]["text_tokens"], (kept, sent)
+        # Its input was prefilled before its first word: the usage counts it (it said 0).
+        assert usage["input_token_details"]["text_tokens"] > 0, usage
+        assert usage["input_tokens"] == usage["total_tokens"] - usage["output_tokens"] > 0, usage
         # Cancelled before its prefill ended: nothing of it is in the model; its item deletes.
         await conn.conversation.item.create(item=story)
         mark = len(ev.all)

@@ -9,6 +9,8 @@ Pins:
   that never speculated; several pauses in one turn may each start and discard one;
 - committed (the turn ended), its held text and first frame come out at once (take_ready,
   before any step), and the reply is the one a plain begin_reply at the pause would give;
+- a reply's input counts (ReplyInput) come out once, before its first text, equal to those its
+  ReplyDone reports: a speculation's are held with the rest until its commit;
 - the scheduler serves speculations last: only in ticks with no first-audio work and no
   session under the low-water mark;
 - a conversation edit (a user text item) discards a speculation.
@@ -19,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 from support.engine_drive import PIECE, SYSTEM, make_audio, run_until_idle, speak
 
-from agent.engine.api import AudioOut, ReplyDone, StageTime, TextDelta
+from agent.engine.api import AudioOut, ReplyDone, ReplyInput, StageTime, TextDelta
+from agent.engine.runner.replies import INPUT_STATS
 from agent.engine.runner.scheduler import ReplyView, SchedulerConfig, plan_tick
 from agent.engine.runner.streaming import StreamingRunner
 from agent.engine.state.phase import ReplyPhase
@@ -87,6 +90,15 @@ def test_discarded_speculations_leave_no_trace(loaded) -> None:
     done = [o for o in outputs if isinstance(o, ReplyDone)][0]
     assert done.stats["speculative"] is False
     assert_same(runner.records["s"], want)
+    assert_input_once(outputs, done)
+
+
+def assert_input_once(outputs: list, done: ReplyDone) -> None:
+    """One ReplyInput, before the first text, with the counts the ReplyDone has."""
+    kinds = [type(o) for o in outputs]
+    assert kinds.count(ReplyInput) == 1 and kinds.index(ReplyInput) < kinds.index(TextDelta), kinds
+    given = outputs[kinds.index(ReplyInput)].stats
+    assert given == {key: done.stats[key] for key in INPUT_STATS} and given["input_audio_tokens"] > 0, given
 
 
 def test_committed_speculation_releases_its_held_frame_at_once(loaded) -> None:
@@ -106,6 +118,7 @@ def test_committed_speculation_releases_its_held_frame_at_once(loaded) -> None:
     done = [o for o in outputs if isinstance(o, ReplyDone)][0]
     assert done.stats["speculative"] is True and done.stats["first_audio_seconds"] == 0.0
     assert_same(runner.records["s"], want)
+    assert_input_once(ready + outputs, done)
 
 
 def test_an_edit_discards_the_speculation(loaded) -> None:

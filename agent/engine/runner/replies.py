@@ -29,6 +29,9 @@ from agent.engine.state.phase import ReplyPhase
 from agent.engine.state.reply import CallStage, PlayoutClock, PrefillStage, TextStage, VoiceStage
 from agent.engine.state.session import LastReply, ReplyRecord, ReplyState, Rollback, SessionState, TurnState
 
+# A reply's input counts (Replies.input_stats), in its ReplyInput and its ReplyDone's stats.
+INPUT_STATS = ("prefill_tokens", "input_audio_tokens", "input_image_tokens", "input_video_tokens")
+
 
 class Replies:
     def __init__(
@@ -201,6 +204,13 @@ class Replies:
         assert isinstance(done, ReplyDone)
         return outputs[:-1] + [replace(done, stats={**done.stats, "error": f"{type(exc).__name__}: {exc}"})]
 
+    def input_stats(self, turn: TurnState) -> dict[str, int]:
+        """What the turn's prefill put in the model (its usage in): tokens in all, and of them
+        audio, image and video tokens."""
+        pads = (self.loaded.ids.audio_pad, self.loaded.ids.image_pad, self.turns.video.kinds.video_pad)
+        counts = [turn.prefill_tokens, *(turn.ids.count(pad) for pad in pads)]
+        return dict(zip(INPUT_STATS, counts))
+
     def finish(self, session_id: str, state: SessionState, reason: str) -> list[Output]:
         """The reply ends (ENDED): it stays in the history as text, and its ReplyDone goes out."""
         reply, turn = state.reply, state.reply.turn
@@ -232,10 +242,7 @@ class Replies:
                 text = [] if spoken else self.turns.user_text_turn(state.turn)
                 self.turns.append_turns(state, [*text, *added])
         stats = {
-            "prefill_tokens": turn.prefill_tokens if reply.prefill.done else 0,
-            "input_audio_tokens": turn.ids.count(self.loaded.ids.audio_pad) if reply.prefill.done else 0,
-            "input_image_tokens": turn.ids.count(self.loaded.ids.image_pad) if reply.prefill.done else 0,
-            "input_video_tokens": turn.ids.count(self.turns.video.kinds.video_pad) if reply.prefill.done else 0,
+            **(self.input_stats(turn) if reply.prefill.done else dict.fromkeys(INPUT_STATS, 0)),
             **self.turns.video.stats(turn, reply.frames_encoded_at_end),
             "history_reset": turn.history_reset if reply.prefill.done else False,
             "text_tokens": len(text_ids),

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from agent.decoding import Decoding
-from agent.engine.api import Output, StageTime, Voices
+from agent.engine.api import Output, ReplyInput, StageTime, Voices
 from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.codecs.output_audio import talker_tokens_for
 from agent.engine.compile.wiring import GraphConfig, Graphing, GraphMode
@@ -387,6 +387,7 @@ class StreamingRunner:
             budget -= take
         done = self.turns.run_replies([(state, take) for _, state, take in chunks]) if chunks else []
         finished = [(sid, state, out) for (sid, state, _), out in zip(chunks, done) if out is not None]
+        outputs += [ReplyInput(sid, self.replies.input_stats(state.reply.turn)) for sid, state, _ in finished]
         outputs += self._first_tokens(finished)
         started: list[Row] = [(sid, state) for sid, state, _ in finished]
         decoding = [(sid, replies[sid]) for sid in plan.decode]
