@@ -30,7 +30,7 @@ import binascii
 import io
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 
@@ -67,6 +67,7 @@ class TextPart:
 @dataclass(frozen=True)
 class AudioPart:
     pcm16k: np.ndarray  # float32 mono 16 kHz
+    transcript: Optional[str] = None  # the client's own, kept in the item as given
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,10 @@ def _part(
         data = _base64(part.get("audio"), f"{where}.audio", "audio")
         if input_format == "audio/pcm" and len(data) % 2:
             raise ContentError("audio/pcm is 16-bit samples: an even number of bytes", f"{where}.audio")
-        return AudioPart(audio_codec.to_16k(input_format, data))
+        transcript = part.get("transcript")
+        if transcript is not None and not isinstance(transcript, str):
+            raise ContentError("an input_audio transcript is a string", f"{where}.transcript")
+        return AudioPart(audio_codec.to_16k(input_format, data), transcript)
     if kind == "input_image":
         detail = part.get("detail") or "auto"
         if detail not in DETAILS:
@@ -237,7 +241,7 @@ def item_content(parts: list[UserPart]) -> list[dict[str, Any]]:
         if isinstance(part, TextPart):
             out.append({"type": "input_text", "text": part.text})
         elif isinstance(part, AudioPart):
-            out.append({"type": "input_audio", "transcript": None})
+            out.append({"type": "input_audio", "transcript": part.transcript})
         else:
             out.append({"type": "input_image", "detail": part.detail, "image_url": None})
     return out

@@ -13,7 +13,8 @@ Pins:
   bytes that are no PNG or JPEG (a GIF), more than 4K pixels (before decoding), a 200:1 strip,
   an unknown detail, too many images or parts, a part with no text; an image past the
   session's pixel budget (read from its header) is refused as rate_limited until the bucket
-  refills; the item as announced carries no image bytes;
+  refills; the item as announced carries no image or audio bytes, and keeps an input_audio
+  transcript the client gave (one that is not a string is refused);
 - in the engine (tiny model, greedy): an image item is shown at the end of the turn exactly
   where a still handed to the reply is (the same reply, text and codec codes), its vision
   tokens counted in the reply's stats; a dropped turn's audio goes but its image and text items
@@ -177,16 +178,21 @@ def test_parts_keep_their_order_and_the_item_carries_no_bytes() -> None:
             {"type": "input_text", "text": "what is this?"},
             image_part(data_url(split(8, 8)), "low"),
             {"type": "input_audio", "audio": audio},
+            {"type": "input_audio", "audio": audio, "transcript": "and this"},
         ]
     )
-    assert [type(p).__name__ for p in parts] == ["TextPart", "ImagePart", "AudioPart"]
+    assert [type(p).__name__ for p in parts] == ["TextPart", "ImagePart", "AudioPart", "AudioPart"]
     assert parts[2].pcm16k.shape == (1600,)  # resampled to 16 kHz
     assert message_content.item_content(parts) == [
         {"type": "input_text", "text": "what is this?"},
         {"type": "input_image", "detail": "low", "image_url": None},
         {"type": "input_audio", "transcript": None},
+        {"type": "input_audio", "transcript": "and this"},  # a client's own transcript is kept
     ]
     assert isinstance(parts[0], TextPart)
+    with pytest.raises(ContentError) as caught:
+        parse([{"type": "input_audio", "audio": audio, "transcript": 7}])
+    assert (caught.value.code, caught.value.param) == ("invalid_value", "item.content[0].transcript")
 
 
 # ---- in the engine --------------------------------------------------------------------------
