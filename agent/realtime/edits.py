@@ -90,14 +90,14 @@ class Edits:
                 event_id=event_id,
             )
             return
-        conversation, replies, outbox = self._conversation, self._replies, self._outbox
-
-        def deleted(_kept_tokens: Optional[int]) -> None:
-            conversation.remove(item_id)
-            replies.forget_last()
-            outbox.emit({"type": "conversation.item.deleted", "item_id": item_id})
-
-        self.cut_latest_reply(0, event_id, deleted)
+        # The list changes now, not when the engine answers: the engine applies the cut before
+        # any command of a later event, and the later events must see the item gone. LiveKit
+        # replaces an item by a delete and a create of the same id, back to back: the create was
+        # refused, the deleted item still being the last one.
+        self.cut_latest_reply(0, event_id, lambda _kept_tokens: None)
+        self._conversation.remove(item_id)
+        self._replies.forget_last()
+        self._outbox.emit({"type": "conversation.item.deleted", "item_id": item_id})
 
     def cut_latest_reply(
         self, audio_frames: int, event_id: Optional[str], then: Callable[[Optional[int]], None]

@@ -28,7 +28,9 @@ Pins:
 - what client libraries send and expect: a first item placed at `previous_item_id: "root"`
   (LiveKit) is added; a later one there is refused (items are only added at the end); the
   default session's `max_output_tokens` is "inf"; response.cancel with no active response
-  gets OpenAI's code and wording, and one naming another response cancels nothing.
+  gets OpenAI's code and wording, and one naming another response cancels nothing; an item
+  replaced by a delete and a create of its id sent back to back (LiveKit) is deleted, then
+  added (the events after a delete or truncate wait for it).
 """
 
 from __future__ import annotations
@@ -471,6 +473,22 @@ async def test_what_client_libraries_send_and_expect(agent: RunningAgent) -> Non
         assert done["response"]["status"] in ("completed", "incomplete"), done["response"]
         bad = {"type": "response.cancel", "response_id": 7}
         assert errors(await conn.exchange(bad)) == [("invalid_value", "response_id")]
+        # LiveKit replaces an item by a delete and a create of the same id, back to back: the
+        # create sees the list as the delete left it (it was refused, the item still the last).
+        reply_id, start = done["response"]["output"][0]["id"], len(conn.events)
+        await conn.ws.send_str(json.dumps({"type": "conversation.item.delete", "item_id": reply_id}))
+        edited = {
+            "id": reply_id,
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hi."}],
+        }
+        after = {"type": "conversation.item.create", "previous_item_id": added[0]["item"]["id"], "item": edited}
+        await conn.exchange(after)
+        replaced = [e for e in conn.events[start:] if e["type"] != "error" or e["error"]["event_id"] is None]
+        kinds = [(e["type"], e.get("item_id") or e.get("item", {}).get("id")) for e in replaced]
+        assert kinds[:2] == [("conversation.item.deleted", reply_id), ("conversation.item.added", reply_id)], replaced
+        assert not errors(replaced), replaced
 
 
 async def test_function_call_shapes(agent: RunningAgent) -> None:
