@@ -198,12 +198,15 @@ def system_text(content: Any) -> str:
 
 def assistant_text(content: Any) -> str:
     """An assistant message's text: its output_text parts' text and output_audio parts'
-    transcripts (a replayed conversation's words; audio bytes are not taken), joined."""
+    transcripts (a replayed conversation's words; audio bytes are not taken), joined. Text
+    parts typed `input_text` (Pipecat sends its assistant messages so) or the beta's `text` are
+    taken as output_text: a refusal there stops Pipecat's session. The item is announced with
+    GA's output_text all the same."""
     return _texts(
         content,
         "an assistant message",
         "output_text parts",
-        {"output_text": "text", "output_audio": "transcript"},
+        {"output_text": "text", "output_audio": "transcript", "input_text": "text", "text": "text"},
         "an assistant message holds output_text (or output_audio with a transcript) parts",
     )
 

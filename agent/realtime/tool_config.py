@@ -94,10 +94,10 @@ def _parameters(schema: Any, param: str) -> Optional[dict[str, Any]]:
 
 
 def check_choice(choice: Any, tools: tuple[Tool, ...], param: str) -> tuple[str, Optional[str]]:
-    """(mode, function name) of a `tool_choice` value."""
+    """(mode, function name) of a `tool_choice` value. `required` with no tools is kept, not
+    refused: Pipecat sets it before it sends the tools, and a refusal there stops its session.
+    A response it applies to, with still no tool, is an ordinary reply (tool_set: no ToolSet)."""
     if choice in ("auto", "none", "required"):
-        if choice == "required" and not tools:
-            raise ConfigError("tool_choice required needs at least one tool", param)
         return choice, None
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = choice.get("name")

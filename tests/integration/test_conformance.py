@@ -23,7 +23,8 @@ Pins:
   reply's usage counts image tokens (the next reply's none); a bad image part (a URL to fetch)
   refuses the whole message, naming the part;
 - a replayed history (user, assistant and system messages in turn, each assistant shape the SDK
-  allows and an output_audio transcript) is added and a reply made over it; an assistant message
+  allows, an output_audio transcript and Pipecat's input_text one, announced as output_text)
+  is added and a reply made over it; an assistant message
   right after an image not yet answered is refused and withdrawn (conversation.item.deleted);
 - what client libraries send and expect: a first item placed at `previous_item_id: "root"`
   (LiveKit) is added; a later one there is refused (items are only added at the end); the
@@ -387,15 +388,18 @@ async def test_a_replayed_history(agent: RunningAgent) -> None:
         user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
         answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]}
         spoken = {"type": "message", "role": "assistant", "content": [{"type": "output_audio", "transcript": "Hey."}]}
+        # Pipecat's assistant message: its text typed input_text (announced as GA's output_text).
+        pipecat = {"type": "message", "role": "assistant", "content": [{"type": "input_text", "text": "Hello!"}]}
         sent = 0
-        for item in [*shapes(RealtimeConversationItemAssistantMessageParam, answer, depth=0), spoken]:
+        for item in [*shapes(RealtimeConversationItemAssistantMessageParam, answer, depth=0), spoken, pipecat]:
             assert not errors(await conn.exchange({"type": "conversation.item.create", "item": user}))
             got = await conn.exchange({"type": "conversation.item.create", "item": item})
             assert not errors(got), (item, errors(got))
             [added] = [e["item"] for e in got if e["type"] == "conversation.item.added"]
             assert added["role"] == "assistant" and added["content"][0]["text"] in ("Hello!", "Hey.")
+            assert added["content"][0]["type"] == "output_text"
             sent += 1
-        assert sent == 3
+        assert sent == 4
         system = {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Be brief."}]}
         assert not errors(await conn.exchange({"type": "conversation.item.create", "item": system}))
         got = await conn.exchange({"type": "response.create"}, until="response.done")

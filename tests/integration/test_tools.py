@@ -10,7 +10,8 @@ Pins:
 - the client's function_call_output for that call_id joins the conversation, and the next
   response (tool_choice auto) is spoken to the end, with audio;
 - response.tools with tool_choice required: the call names one of the response's own tools;
-  usage counts the call's tokens;
+  usage counts the call's tokens; a session's required choice set before any tool (Pipecat)
+  is kept, not refused;
 - bad tools are refused with an `error` naming the field (an unknown function in tool_choice,
   an invalid schema, an output for an unknown call_id, a non-string output, an MCP tool), the
   session unchanged; a text turn is answered after them;
@@ -131,6 +132,10 @@ async def test_named_call_then_output_then_spoken_reply(agent: RunningAgent, str
 async def test_response_tools_required(agent: RunningAgent, strict_event) -> None:
     async with sdk_session(agent.url, strict_event) as (conn, ev):
         await ev.wait("session.created", 10)
+        # Pipecat sets a required choice before it sends any tool: kept, not refused.
+        await conn.session.update(session={"type": "realtime", "tool_choice": "required"})
+        updated = await ev.wait("session.updated", 10)
+        assert updated["session"]["tool_choice"] == "required" and not updated["session"]["tools"]
         mark = len(ev.all)
         await ask_text(conn, "What is the weather in Paris?", tools=[WEATHER], tool_choice="required")
         done = await ev.wait("response.done", 120, after=mark)
@@ -138,7 +143,7 @@ async def test_response_tools_required(agent: RunningAgent, strict_event) -> Non
         assert calls and all(c["name"] == "get_weather" for c in calls), done["response"]
         for c in calls:
             jsonschema.validate(json.loads(c["arguments"]), SCHEMAS["get_weather"])
-        assert not [e for e in ev.all[mark:] if e["type"] == "error"]
+        assert not [e for e in ev.all if e["type"] == "error"]
 
 
 async def test_bad_tools_are_refused_and_the_session_goes_on(agent: RunningAgent, strict_event) -> None:

@@ -5,7 +5,7 @@ Pins:
 - a system message's input_text parts (type given or left out) join with newlines; any other
   part is refused as unsupported, a part with no text or no parts at all as invalid; an
   assistant message's output_text texts and output_audio transcripts join the same way (audio
-  with no transcript is refused);
+  with no transcript is refused), text parts typed input_text (Pipecat) or text (beta) too;
 - decoding (agent/realtime/message_content.py): a PNG or JPEG data URL becomes RGB uint8 with its
   colours where they were, its longer side brought to the camera frames' side for detail "low"
   and twice that for "high"/"auto" (a smaller image is left as it is); every bad part is refused
@@ -160,9 +160,13 @@ def test_a_system_message_is_its_text_parts() -> None:
 def test_an_assistant_message_is_its_text_and_transcripts() -> None:
     content = [{"type": "output_text", "text": "Hello."}, {"type": "output_audio", "transcript": "How are you?"}]
     assert message_content.assistant_text(content) == "Hello.\nHow are you?"
+    # Pipecat types an assistant message's text input_text; the beta typed it text.
+    lenient = [{"type": "input_text", "text": "Hi."}, {"type": "text", "text": "Bye."}]
+    assert message_content.assistant_text(lenient) == "Hi.\nBye."
     for content, code, param in [
         ([{"type": "output_audio", "audio": "AAAA"}], "invalid_value", "item.content[0].transcript"),
-        ([{"type": "input_text", "text": "x"}], "unsupported", "item.content[0].type"),
+        ([{"type": "input_image", "image_url": "data:,"}], "unsupported", "item.content[0].type"),
+        ([{"type": "input_text"}], "invalid_value", "item.content[0].text"),
         ([{"type": "output_text"}], "invalid_value", "item.content[0].text"),
         ([], "invalid_value", "item.content"),
     ]:
