@@ -11,7 +11,8 @@ Pins (the tiny model's words are random: the protocol and the prefix property, n
 - that session sends no response.* event and no audio at all, refuses response.create, and
   keeps transcribing turn after turn (the item holds its transcript on retrieve);
 - a conversation session with `audio.input.transcription` set transcribes its user turns as
-  well as answering them; without it, none of these events come; a WebSocket session that did
+  well as answering them, and a text turn after a spoken one gets no transcript events (its
+  spoken item keeps its one transcript); without it, none of these events come; a WebSocket session that did
   not ask for the extra events never gets omni.input_audio_transcription.partial;
 - a user item committed with no response asked (server VAD with create_response false, or a
   manual commit) gets its `completed` transcript with no response at all; a response.create
@@ -30,7 +31,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 from support.realtime_helpers import RunningAgent, module_agent
-from support.realtime_ws import Events, b64, pcm24, stream_realtime
+from support.realtime_ws import Events, ask_text, b64, pcm24, stream_realtime
 from support.speech import espeak_at, write_wav
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -134,6 +135,13 @@ async def test_conversation_with_input_transcription(agent: RunningAgent, speech
         await ev.wait("response.done", after=start)
         check_partials(ev.all[start:], stopped["item_id"])
         assert not ev.of(PARTIAL), "an extra event type on a WebSocket that did not ask for it"
+        # A text turn after it transcribes nothing: the spoken item keeps its one transcript
+        # (each text turn sent that item's transcription again, with new words).
+        start = len(ev.all)
+        await ask_text(conn, "And in writing?")
+        await ev.wait("response.done", after=start)
+        assert not [e for e in ev.all[start:] if e["type"] in (DELTA, COMPLETED)]
+        assert len([e for e in ev.all if e["type"] == COMPLETED and e["item_id"] == stopped["item_id"]]) == 1
     finally:
         ev.close()
         await manager.__aexit__(None, None, None)

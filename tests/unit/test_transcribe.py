@@ -11,7 +11,7 @@ Pins (the tiny model's words are random: the protocol and the prefix property, n
   no reply, takes no second slot, and its transcript row stays bounded over many turns;
 - a conversation session ('on') transcribes in a slot of its own, gives it back when turned
   off, and its reply still comes (the transcript's final after the reply's prefill);
-- a discarded turn gives no transcript;
+- a discarded turn gives no transcript, and a turn of text only (no audio) none either;
 - a user item committed with no reply asked (end_user_item) has its final transcript at once,
   equal to the one its speech gets as a turn answered by a reply; the turn goes on: the next
   item's partials and final cover only its own speech (equal to its speech's as a turn of its
@@ -103,6 +103,12 @@ def test_conversation_transcribes_in_its_own_slot(runner):
     assert [type(o) for o in outs if isinstance(o, ReplyDone)] == [ReplyDone]
     assert len(finals) == 1 and finals[0].final and finals[0].item_id == "u1"
     check_prefixes(partials, finals[0])
+    # A turn of text only has no audio to transcribe: no transcript (it sent u1's again, new words).
+    runner.add_user_text("s", "and now in writing")
+    runner.begin_reply("s", [], text_only=True)
+    outs = run_until_idle(runner)
+    assert any(isinstance(o, ReplyDone) for o in outs)
+    assert not [o for o in outs if isinstance(o, TranscriptOut)]
     # A false start: nothing is transcribed for it.
     runner.set_transcript_item("s", "u2")
     runner.append_audio("s", audio(0.5, 8))

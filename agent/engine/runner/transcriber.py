@@ -133,6 +133,10 @@ class Transcriber:
         tr = self.sessions.get(session_id)
         if tr is None:
             return
+        if not turn.queued_seconds and not _tokens(turn):
+            # No audio at all (a turn of text items): no item to transcribe. Its final run would
+            # have transcribed nothing as the last spoken item, whose transcript it replaced.
+            return
         # After an item ended inside the turn (its final run done or to come), what is left is
         # the item spoken since, if any.
         cut = _skip(tr, turn) or any(end is not None and _same_turn(t, turn) for t, _, end in tr.finishing)
