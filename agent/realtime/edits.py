@@ -107,7 +107,7 @@ class Edits:
         Nothing is called once the session has closed: the engine port cancels the command then."""
         replies, engine = self._replies, self._engine
         if replies.last is replies.current:
-            replies.interrupt("client_cancelled")
+            replies.cancel_for_edit()
         future = engine.send(TruncateReply(audio_frames, missing_ok=True), event_id=event_id)
 
         def done(f: asyncio.Future) -> None:

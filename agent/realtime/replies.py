@@ -23,7 +23,7 @@ from agent.config import CODEC_FRAME_SAMPLES, OUTPUT_RATE, Config
 from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, ReplyInput, TextDelta
 from agent.engine.commands import HoldTurn, SetVoice, TruncateReply
 from agent.gate.ladder import Admission
-from agent.realtime import response_checks, session_checks, session_config, tool_config
+from agent.realtime import response_plan, session_checks, session_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.known_calls import KnownCalls
@@ -68,6 +68,9 @@ class Replies:
         self._after: Optional[str] = None
         # The calls a function_call_output may answer (the model's, and the client's replayed).
         self.calls = KnownCalls()
+        # The response a truncate or delete of its item cancelled (the engine cuts only an ended
+        # reply), until the next begins: the one response.cancel for it then is answered by nothing.
+        self._cancelled_by_edit: Optional[str] = None
 
     @property
     def in_flight(self) -> bool:
@@ -95,12 +98,7 @@ class Replies:
 
     def reply_mode(self, modalities: list[str]) -> str:
         """audio | text | fallback, by the degradation ladder's level and the modalities asked."""
-        level = self._admission.ladder.level
-        if level >= 2 and self._engine.has_fallback:
-            return "fallback"
-        if level >= 1 or modalities == ["text"]:
-            return "text"
-        return "audio"
+        return response_plan.reply_mode(self._admission.ladder.level, self._engine.has_fallback, modalities)
 
     def respond_to_turn(self, item_id: str) -> bool:
         """Server VAD ended a turn that asks for a response. In interpreter mode a turn that ends
@@ -166,41 +164,38 @@ class Replies:
             return False
         if self.audio.playing is not None and not held:
             self.clear_output()  # a new reply does not queue behind the old one's audio
-        mode = self.reply_mode(params.get("output_modalities") or settings["output_modalities"])
-        if held and mode == "fallback":
-            mode = "text"  # the held turn is in the Omni model's hands (the fallback would drop it)
-        limit = session_config.max_output_tokens(params.get("max_output_tokens", settings["max_output_tokens"]))
-        if limit is not None and limit >= self._config.max_reply_tokens:
-            limit = None  # the engine's own cap ends the reply there (as "incomplete", with its stats)
-        own, tools = tool_config.reply_commands(params, settings)  # its own instructions and tools
-        for command, param in own:
+        ladder = self._admission.ladder
+        plan = response_plan.plan_response(
+            params, settings, self._config.max_reply_tokens, ladder.level, self._engine.has_fallback, bool(held)
+        )
+        for command, param in plan.commands:  # its own instructions and tools
             self._engine.send(command, param=param)
         self._flush_video()  # the newest frames reach the engine ahead of the reply
-        session_voice = settings["audio"]["output"].get("voice") or "default"
-        voice = response_checks.response_voice(params) or session_voice
-        if voice != session_voice:  # this response's own: a reply keeps the voice it began with
-            self._engine.send(SetVoice(session_checks.speaker(voice)), param="response.audio.output.voice")
-        self._engine.begin_reply(mode, tuple(self.history))
-        if voice != session_voice:
-            self._engine.send(SetVoice(session_checks.speaker(session_voice)))
+        own_voice = plan.voice != plan.session_voice  # a reply keeps the voice it began with
+        if own_voice:
+            self._engine.send(SetVoice(session_checks.speaker(plan.voice)), param="response.audio.output.voice")
+        self._engine.begin_reply(plan.mode, tuple(self.history))
+        if own_voice:
+            self._engine.send(SetVoice(session_checks.speaker(plan.session_voice)))
         self.turns += 1
         metrics.TURNS.inc()
         reply = Response(
-            audio=mode == "audio",
-            mode=mode,
+            audio=plan.mode == "audio",
+            mode=plan.mode,
             end_of_turn=time.monotonic(),
             conversation_id=self._conversation_id,
-            voice=voice if isinstance(voice, str) else "default",
-            max_tokens=limit,
+            voice=plan.voice,
+            max_tokens=plan.max_tokens,
             metadata=params.get("metadata"),
-            tools=tools,
+            tools=plan.tools,
         )
         self.current = self.last = reply
+        self._cancelled_by_edit = None
         self._after = held or self._conversation.last_id()
         self.audio.begin(reply)
         for event in reply.started():
             self._outbox.emit(event)
-        if not tools:  # without tools the message is announced at once, as it always was
+        if not plan.tools:  # without tools the message is announced at once, as it always was
             self._open_message(reply)
         return True
 
@@ -215,6 +210,16 @@ class Replies:
 
     def cancel_response(self, event_id: Optional[str], response_id: Optional[str] = None) -> None:
         """response.cancel: the current response, or only the one named by `response_id`."""
+        if (
+            self.current is None
+            and self._cancelled_by_edit is not None
+            and response_id in (None, self._cancelled_by_edit)
+        ):
+            # A client that interrupts by a truncate, then a cancel (the Agents SDK without
+            # server VAD, or on a guardrail trip), finds the response already ended by the
+            # truncate: its cancel has what it asked for, not an error. (Once: a second is one.)
+            self._cancelled_by_edit = None
+            return
         if self.current is None or response_id not in (None, self.current.id):
             # OpenAI's own wording and code: clients match on them.
             self._outbox.error(
@@ -222,6 +227,13 @@ class Replies:
             )
             return
         self.interrupt("client_cancelled")
+
+    def cancel_for_edit(self) -> None:
+        """A truncate or delete of the running response's item: it ends now (cancelled), as the
+        engine cuts only an ended reply."""
+        if self.current is not None:
+            self._cancelled_by_edit = self.current.id
+            self.interrupt("client_cancelled")
 
     def interrupt(self, reason: str) -> Optional[tuple[Response, int]]:
         """Barge-in or response.cancel: stop generating and drop queued audio at once. For a
@@ -271,13 +283,8 @@ class Replies:
             self._engine.send(TruncateReply(reply.tokens, missing_ok=True))
 
     def playing_level(self) -> Optional[float]:
-        """For the echo guard (agent/media/vad.py): the level the agent plays now, None while
-        silent. On a WebSocket the client plays the deltas at its own pace; all that is known is
-        that a spoken reply is under way (level 0: the duration rule applies, the threshold is
-        not raised)."""
-        if self.audio.track is not None:
-            return self.audio.track.level.level()
-        return 0.0 if self.current is not None and self.current.audio else None
+        """For the echo guard (agent/media/vad.py): the level the agent plays now, None while silent."""
+        return self.audio.level(self.current)
 
     def clear_output(self) -> float:
         """output_audio_buffer.clear (WebRTC): the track drops what it has not played; returns

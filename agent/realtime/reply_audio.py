@@ -48,6 +48,15 @@ class ReplyAudio:
         if self.track is not None and self.playing is reply:
             self.track.end_reply()
 
+    def level(self, current: Optional[Response]) -> Optional[float]:
+        """The level the agent plays now, None while silent (`current`: the response being made).
+        On a WebSocket the client plays the deltas at its own pace; all that is known is that a
+        spoken reply is under way (level 0: the duration rule applies, the threshold is not
+        raised)."""
+        if self.track is not None:
+            return self.track.level.level()
+        return 0.0 if current is not None and current.audio else None
+
     def clear(self, last: Optional[Response]) -> float:
         """output_audio_buffer.clear (WebRTC): the track drops what it has not played; returns
         the seconds dropped. `last`: the latest response, named when none is playing."""

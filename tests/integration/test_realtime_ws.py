@@ -16,6 +16,8 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
   usage counts image tokens) and an audio item (conversation.item.create with response.create
   right behind it, with per-response instructions: the item is added first, its audio counted)
   are answered; an empty commit is an error;
+- a truncate of the reply being made, then response.cancel (the Agents SDK's interrupt
+  without server VAD), ends it with no error; a cancel after that is response_cancel_not_active;
 - response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works; the
   model keeps exactly the tokens the client was sent of a cancelled reply, its usage counts
   those and the input its prefill took, and the empty item
@@ -338,6 +340,27 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
         await conn.send({"type": "conversation.item.retrieve", "event_id": "evt_gone", "item_id": item_id})
         err = await ev.wait("error", 10, where=lambda e: e["error"]["event_id"] == "evt_gone")
         assert err["error"]["code"] == "item_retrieve_invalid_item_id"
+
+
+async def test_an_interrupt_by_truncate_then_cancel_is_no_error(agent: RunningAgent, strict_event) -> None:
+    """The Agents SDK's interrupt without server VAD (and on a guardrail trip): a truncate of the
+    reply being made, then response.cancel. The truncate ends the reply; the cancel, finding it
+    ended, is no error (it was response_cancel_not_active every time). A later one is."""
+    async with sdk_session(agent.url, strict_event) as (conn, ev):
+        await ev.wait("session.created", 10)
+        await ask_text(conn, "Tell me a long story.")
+        first = await ev.wait("response.output_audio.delta", 90)
+        await conn.conversation.item.truncate(item_id=first["item_id"], content_index=0, audio_end_ms=0)
+        await conn.response.cancel(response_id=first["response_id"])
+        truncated = await ev.wait("conversation.item.truncated", 30)
+        done = await ev.wait("response.done", 30)
+        assert done["response"]["status"] == "cancelled" and truncated["item_id"] == first["item_id"]
+        await conn.send({"type": "response.cancel", "event_id": "evt_again"})
+        await conn.send({"type": "conversation.item.retrieve", "item_id": first["item_id"], "event_id": "evt_sync"})
+        await ev.wait("conversation.item.retrieved", 10)
+        errors = [e["error"] for e in ev.all if e["type"] == "error"]
+        # Only the cancel sent once the client had seen the response end is refused (OpenAI's code).
+        assert [(e["code"], e["event_id"]) for e in errors] == [("response_cancel_not_active", "evt_again")], errors
 
 
 async def test_a_cancelled_reply_keeps_in_the_model_what_its_item_says(agent: RunningAgent, strict_event) -> None:
