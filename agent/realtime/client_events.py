@@ -301,6 +301,11 @@ def _item_retrieve(session: "Session", event: dict[str, Any]) -> None:
             "item_retrieve_invalid_item_id",
             "item_id",
         )
+    current = session.replies.current
+    if current is not None and current.item_id == item["id"]:
+        # The message being made: its words so far (the Agents SDK retrieves it mid-reply; the
+        # list keeps its text only from its end).
+        item = current.item("in_progress", current.text)
     session.emit({"type": "conversation.item.retrieved", "item": item})
 
 

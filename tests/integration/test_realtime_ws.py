@@ -16,6 +16,7 @@ Pins, with `AsyncOpenAI(base_url=…/v1).realtime.connect()` and the real tiny m
   usage counts image tokens) and an audio item (conversation.item.create with response.create
   right behind it, with per-response instructions: the item is added first, its audio counted)
   are answered; an empty commit is an error;
+- a retrieve of the reply being made holds the transcript sent so far;
 - a truncate of the reply being made, then response.cancel (the Agents SDK's interrupt
   without server VAD), ends it with no error; a cancel after that is response_cancel_not_active;
 - response.cancel mid-reply ends it as cancelled, no audio of it follows, the next works; the
@@ -290,6 +291,11 @@ async def test_cancel_mid_reply_and_truncate(agent: RunningAgent, strict_event) 
         )
         await conn.response.create()
         first = await ev.wait("response.output_audio.delta", 90)
+        # The item being made holds the words sent so far (it was empty until the reply ended).
+        making = await _retrieve(conn, ev, first["item_id"])
+        upto = next(i for i, e in enumerate(ev.all) if e["type"] == "conversation.item.retrieved")
+        said = "".join(e["delta"] for e in ev.all[:upto] if e["type"] == "response.output_audio_transcript.delta")
+        assert making["status"] == "in_progress" and making["content"][0]["transcript"] == said and said
         await conn.response.cancel()
         done = await ev.wait("response.done", 30)
         assert done["response"]["id"] == first["response_id"] and done["response"]["status"] == "cancelled"
