@@ -143,7 +143,7 @@ async def client_secrets(request: web.Request) -> web.Response:
         kind = part.get("type") if isinstance(part, dict) else None
         await check_tools_off_loop(request.app, part, session_config.base_session(request.app[CONFIG], kind))
         session = session_config.client_secret_session(request.app[CONFIG], body)
-        session_checks.check_voice(session, request.app[ENGINE].voices)
+        session_checks.check_servable(session, request.app[ENGINE].voices, request.app[CONFIG].context_limit)
         value, expires_at = request.app[KEYS].mint(seconds, session)
     except session_config.ConfigError as exc:
         return json_error(400, str(exc), "invalid_value", param=exc.param)

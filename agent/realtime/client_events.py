@@ -182,7 +182,7 @@ def _update(session: "Session", update: Any) -> None:
             "session %s: session.update fields not served: %s", session.id, sorted(set(update) - set(session.settings))
         )
     merged = session_config.merge(session.settings, update, session.config.vad_silence_ms)
-    session_checks.check_voice(merged, session.engine.voices)
+    session_checks.check_servable(merged, session.engine.voices, session.config.context_limit)
     if session_config.priority_of(merged) != session.priority:
         raise BadEvent(
             "omni.priority is set when the session is created (the offer's ?priority=)", param="session.omni.priority"

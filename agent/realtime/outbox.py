@@ -11,6 +11,19 @@ from agent.realtime.events import error_event, new_id
 _SSE_QUEUE = 256  # per SSE subscriber; a subscriber that falls this far behind is dropped
 
 
+def _json(event: dict[str, Any]) -> str:
+    """The event's JSON text, non-ASCII characters as themselves: a \\uXXXX escape is 6 bytes
+    where UTF-8 takes 1 to 4, and a data channel's messages are bounded (64 KiB on some peers).
+    A lone surrogate (a client's own "\\ud800", echoed) has no UTF-8: such an event is escaped."""
+    text = json.dumps(event, ensure_ascii=False)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(event)
+    return text
+
+
 def is_extra(kind: str) -> bool:
     """An event type the GA protocol does not define: the project's `omni.*` events and the
     camera's `input_video.throttle`. Some client libraries raise on a type they do not know
@@ -34,7 +47,7 @@ class Outbox:
         if self.closed:
             return
         event.setdefault("event_id", new_id("event"))
-        text = json.dumps(event)
+        text = _json(event)
         if self.extras or not is_extra(event["type"]):
             self._send(text)
         for tap in self.taps:

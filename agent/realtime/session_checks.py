@@ -10,7 +10,7 @@ from typing import Any
 from agent.engine.api import Voices
 from agent.gate import priority
 from agent.realtime.config_error import ConfigError
-from agent.realtime.tool_config import tool_set
+from agent.realtime.tool_config import system_text, tool_set
 
 INPUT_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
 MAX_OUTPUT_TOKENS = 4096
@@ -81,6 +81,32 @@ def validate(s: dict[str, Any]) -> None:
         "session.audio.output.voice",
     )
     _validate_omni(s)
+
+
+def check_servable(session: dict[str, Any], voices: Voices, context_limit: int) -> None:
+    """What the loaded model can serve, checked before the session changes: its voice
+    (check_voice), and instructions and tools that fit the model's context (check_fits)."""
+    check_voice(session, voices)
+    check_fits(session, context_limit)
+
+
+def check_fits(session: dict[str, Any], context_limit: int) -> None:
+    """A realtime session's system message (its instructions and, in Qwen's format, its tools)
+    takes at most `context_limit` bytes of UTF-8: a token is at least a byte, so it fits the
+    model's context whatever it says. Past the context it could never be prefilled, and the
+    engine prefills it at once, every session waiting (60 KB took 13 s of a 2-core CPU)."""
+    if session.get("type") != "realtime":
+        return
+    size = len(system_text(session).encode("utf-8", "surrogatepass"))
+    if size <= context_limit:
+        return
+    own = len(session["instructions"].encode("utf-8", "surrogatepass"))
+    param = "session.instructions" if own > context_limit // 2 or not session.get("tools") else "session.tools"
+    raise ConfigError(
+        f"the instructions and tools take {size} bytes; at most {context_limit} fit the model's context "
+        f"({context_limit} tokens, a token at least a byte)",
+        param,
+    )
 
 
 def check_voice(session: dict[str, Any], voices: Voices) -> None:

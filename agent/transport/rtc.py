@@ -9,6 +9,7 @@ events emitted before the channel opens wait (bounded) and go out in order once 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from concurrent.futures import Executor
 from typing import Any, Callable, Optional
@@ -21,7 +22,7 @@ from agent.config import Config
 from agent.engine.loop import Engine
 from agent.gate.ladder import Admission
 from agent.realtime import client_events
-from agent.realtime.events import new_id
+from agent.realtime.events import error_event, new_id
 from agent.realtime.session import Session
 from agent.serve.ownership import call_id
 from agent.transport.jitter import lower_audio_jitter_hold
@@ -154,7 +155,7 @@ class RtcCall:
     def _send(self, text: str) -> None:
         channel = self._channel
         if channel is not None and channel.readyState == "open":
-            channel.send(text)
+            _send_event(channel, text, self.id)
         elif len(self._pending) < _MAX_PENDING_EVENTS:
             self._pending.append(text)
 
@@ -166,10 +167,28 @@ class RtcCall:
         def flush_pending() -> None:
             pending, self._pending = self._pending, []
             for text in pending:
-                channel.send(text)
+                _send_event(channel, text, self.id)
 
         if channel.readyState == "open":
             flush_pending()
         else:
             channel.on("open", flush_pending)
         channel.on("message", lambda message: client_events.handle(self.session, message))
+
+
+def _send_event(channel: RTCDataChannel, text: str, call: str) -> None:
+    """One server event on the data channel. One larger than the peer takes (its SDP's
+    a=max-message-size; 64 KiB where it names none, RFC 8841: Pion's) cannot go: the client gets
+    an `error` naming the event it missed. The send used to raise inside the event's handler,
+    after its change was made, and the client was told the change had failed."""
+    try:
+        channel.send(text)
+    except ValueError as exc:  # aiortc: larger than the remote's maximum message size
+        metrics.ERRORS.labels(where="event_too_large").inc()
+        try:
+            kind = json.loads(text).get("type", "?")
+        except ValueError:
+            kind = "?"
+        log.warning("call %s: a %s event not sent: %s", call, kind, exc)
+        notice = error_event(f"a {kind} event was not sent: {exc}", "event_too_large", kind="server_error")
+        channel.send(json.dumps({**notice, "event_id": new_id("event")}))

@@ -6,7 +6,9 @@ route (POST /v1/realtime/calls, `oai-events` channel) gets the Realtime events i
 agent audio after its speech ended; the agent's own TTFT/TTFA land in /metrics; bad offers
 get 4xx JSON reasons; a second session works while the first is connected; barge-in clears
 the output buffer; output_audio_buffer.clear with the reply left running plays none of its
-later audio; bad client events get `error` events; text-only sessions stay silent; an
+later audio; bad client events get `error` events; an event larger than the peer's data channel takes is
+not sent and an `error` says so (the change it reports stands), non-ASCII text going as UTF-8;
+text-only sessions stay silent; an
 answered offer whose peer never connects is closed, and the connect deadline counts from the
 answer, so an engine slow to open the session does not eat the peer's time to connect.
 """
@@ -259,6 +261,50 @@ async def test_data_channel_errors_and_text_only_mode(agent_url: str, speech_wav
     assert r.of_type("response.created")[0]["omni"]["mode"] == "text"
     assert done["response"]["output"][0]["content"][0]["text"] and r.of_type("response.output_text.delta")
     assert not r.of_type("output_audio_buffer.started") and r.audible_samples == 0
+
+
+async def test_events_larger_than_the_peer_takes(agent_url: str, speech_wav: Path) -> None:
+    """A peer whose data channel takes small messages (its a=max-message-size; Pion names none:
+    64 KiB): non-ASCII text goes as UTF-8 (an event that fits only so is sent), and an event
+    that does not fit is not sent, an `error` (event_too_large) says which, and the change it
+    reports stands (the client was told it failed, and it was made)."""
+    client = AgentClient(agent_url, speech_wav, video=False)
+    limit = 8192
+
+    async def small_messages(offer: str) -> tuple[str, str]:
+        lines = [line for line in offer.splitlines() if not line.startswith("a=max-message-size")]
+        sdp = "\r\n".join(lines).replace("a=sctp-port:5000", f"a=sctp-port:5000\r\na=max-message-size:{limit}")
+        async with aiohttp.ClientSession() as http:
+            headers = {"Content-Type": "application/sdp"}
+            async with http.post(f"{agent_url}/v1/realtime/calls", data=sdp + "\r\n", headers=headers) as resp:
+                assert resp.status == 201, await resp.text()
+                return await resp.text(), resp.headers["Location"]
+
+    try:
+        await client.connect(signal=small_messages)
+        await client.wait_event("session.created", timeout=10)
+        await client.wait_open()
+        chinese = "你好" * 1000  # 6,000 bytes of UTF-8; 12,000 as \u escapes
+        client.send({"type": "session.update", "session": {"type": "realtime", "instructions": chinese}})
+        updated = await client.wait_event("session.updated", timeout=30)
+        assert updated["session"]["instructions"] == chinese
+        client.send({"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief. " * 1000}})
+        too_large = await client.wait_event("error", timeout=30)
+        client.send(
+            {
+                "type": "conversation.item.create",
+                "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            }
+        )
+        added = await client.wait_event("conversation.item.added", timeout=30)
+    finally:
+        await client.close()
+    assert too_large["error"]["code"] == "event_too_large" and "session.updated" in too_large["error"]["message"]
+    assert str(limit) in too_large["error"]["message"]
+    assert added["item"]["content"][0]["text"] == "Hi"
+    # Only the one notice: the update was made (no "failed on the server"), the session goes on.
+    assert [e["error"]["code"] for e in client.result.of_type("error")] == ["event_too_large"]
+    assert len(client.result.of_type("session.updated")) == 1
 
 
 async def test_offer_that_never_connects_frees_its_slot(tiny_model_dir: Path, speech_wav: Path) -> None:

@@ -10,7 +10,9 @@ Pins:
   (tracing, tools, transcription model, noise reduction) and leaves the session unchanged
   when refused, naming the param (values outside GA's enumerations and ranges too); turn
   detection maps to the endpointer's settings; a voice is one of the model's speakers, any
-  case, `default` or an OpenAI name, never a custom-voice object;
+  case, `default` or an OpenAI name, never a custom-voice object; instructions and tools past
+  the model's context (in UTF-8 bytes, a token being at least one) are refused, naming which;
+- events go out as UTF-8 JSON, non-ASCII unescaped (a lone surrogate escaped);
 - a null field is one not given (its value stays), except where GA null means off/none
   (turn_detection, transcription, noise_reduction, tracing, prompt, include); the merged
   session is whole: turn_detection holds every field of its type (a new type: that type's
@@ -169,6 +171,35 @@ def test_a_voice_is_one_the_model_speaks_with() -> None:
     assert "chelsie" in str(info.value) or "custom" in str(info.value)
     # Before the model is loaded its speakers are not known: a name is the engine's to refuse.
     session_checks.check_voice(session_config.merge(base, {"audio": {"output": {"voice": "nobody"}}}), Voices())
+
+
+def test_instructions_and_tools_fit_the_context() -> None:
+    base = session_config.default_session(Config())
+    tool = {"type": "function", "name": "f", "description": "Does f. " * 150, "parameters": {"type": "object"}}
+    fits = session_config.merge(base, {"type": "realtime", "instructions": "x" * 800, "tools": [tool]})
+    session_checks.check_servable(fits, Voices(), context_limit=4096)
+    for update, param in [
+        ({"instructions": "x" * 5000}, "session.instructions"),
+        ({"instructions": "字" * 1400}, "session.instructions"),  # 4,200 bytes of UTF-8: over, though 1,400 characters
+        ({"tools": [{**tool, "name": f"f{i}"} for i in range(5)]}, "session.tools"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            session_checks.check_fits(session_config.merge(base, {"type": "realtime", **update}), 4096)
+        assert info.value.param == param and "4096" in str(info.value)
+    # A transcription session has no system message.
+    session_checks.check_fits(session_config.base_session(Config(), "transcription"), 16)
+
+
+def test_events_keep_their_characters_unescaped() -> None:
+    """Non-ASCII text goes as UTF-8, not \\u escapes (a data channel's messages are bounded);
+    a lone surrogate, which has no UTF-8, is escaped as it came."""
+    sent: list[str] = []
+    outbox = Outbox(sent.append)
+    outbox.emit({"type": "conversation.item.added", "text": "你好, señor"})
+    outbox.emit({"type": "conversation.item.added", "text": "half \ud800 pair"})
+    assert "你好, señor" in sent[0] and len(sent[0].encode()) < len(json.dumps(json.loads(sent[0])).encode())
+    assert "\\ud800" in sent[1] and json.loads(sent[1])["text"] == "half \ud800 pair"
+    assert all(text.encode("utf-8") for text in sent)
 
 
 def test_null_is_not_given_and_the_session_stays_whole() -> None:
