@@ -3,7 +3,9 @@
 aiortc's own parser takes a lot that is not a usable offer: an SDP *answer* (its DTLS role is
 decided already), twenty media sections (each would become a transceiver with its own
 transport), an audio section whose codecs the agent cannot decode (the call would connect
-and stay silent), a section with no certificate fingerprint (the call would never connect). Each of those is refused here with a reason the client can act on.
+and stay silent), a section with no certificate fingerprint (the call would never connect),
+sections not bundled (aiortc bundles them in its answer all the same). Each of those is
+refused here with a reason the client can act on.
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ def check_offer(sdp: str) -> None:
     # means the body is an answer to someone else's offer.
     roles = {m.dtls.role for m in parsed.media if m.dtls is not None}
     if roles - {"auto"}:
-        raise OfferError("this is an SDP answer (a=setup is not actpass): send the offer")
+        raise OfferError(
+            "an offer leaves the DTLS role open (a=setup:actpass, RFC 8842); a=setup:active or passive is an answer's"
+        )
+    # aiortc answers every section in one BUNDLE group, whatever the offer asked, and then runs
+    # them all on the first one's transport: a peer that offered them unbundled (separate
+    # transports) connects its audio, but its data channel never opens. Refused, saying so.
+    bundled = {mid for g in parsed.group if g.semantic == "BUNDLE" for mid in g.items}
+    if len(parsed.media) > 1 and any(m.rtp.muxId not in bundled for m in parsed.media):
+        raise OfferError("the offer must bundle its media sections (a=group:BUNDLE naming every a=mid)")
     audio = [m for m in parsed.media if m.kind == "audio"]
     if not audio:
         raise OfferError("the offer has no audio: send the microphone")

@@ -4,8 +4,9 @@ Pins, against a real agent (tiny model) on both offer routes (`POST /v1/realtime
 the page and the SDKs use, and the older `POST /v1/realtime`): no body, a non-JSON or JSON
 body, a wrong content type, a body over the size limit (declared or chunked), a multipart
 without `sdp`, garbage SDP, SDP with no audio, only video, 20 media sections, unsupported
-codecs only, an SDP answer instead of an offer, no usable certificate fingerprint, a multipart
-part with a malformed header -> each a 4xx with a JSON reason and no
+codecs only, an SDP answer instead of an offer, an offer with its DTLS role taken, media
+sections not bundled, no usable certificate fingerprint, a multipart part with a malformed
+header -> each a 4xx with a JSON reason and no
 traceback, and the server still answers a real offer afterwards. Then a property-based fuzz
 (hypothesis, a bounded number of examples) of the same endpoint with mutated offers and
 random bodies: never a 5xx, always JSON on refusal, no session left behind. An API path or
@@ -71,6 +72,8 @@ def _bodies(offer: str, audio_only: str, answer: str) -> list[tuple[str, bytes, 
     no_fingerprint = re.sub(r"^a=fingerprint:.*\r?\n", "", offer, flags=re.M)
     bad_fingerprint = re.sub(r"^a=fingerprint:(\S+) .*$", r"a=fingerprint:\1 ZZ", offer, flags=re.M)
     bad_header = b"--b\r\ngarbage no headers\r\n\r\nx\r\n--b--\r\n"
+    unbundled = re.sub(r"^a=group:BUNDLE.*\r?\n", "", offer, flags=re.M)  # aiortc would bundle it anyway
+    active = offer.replace("a=setup:actpass", "a=setup:active")  # an offer with the role taken
     bad_session = (
         b'--b\r\nContent-Disposition: form-data; name="sdp"\r\n\r\n'
         + offer.encode()
@@ -97,6 +100,8 @@ def _bodies(offer: str, audio_only: str, answer: str) -> list[tuple[str, bytes, 
         ("no a=fingerprint (could never connect)", no_fingerprint.encode(), "application/sdp", 400),
         ("a fingerprint not hex", bad_fingerprint.encode(), "application/sdp", 400),
         ("multipart, a part's header malformed", bad_header, "multipart/form-data; boundary=b", 400),
+        ("media sections not bundled (the data channel would never open)", unbundled.encode(), "application/sdp", 400),
+        ("a=setup:active in an offer", active.encode(), "application/sdp", 400),
     ]
 
 
