@@ -10,7 +10,10 @@ Pins:
   it is valid;
 - tool choice `none`: <tool_call> is never chosen, even when the model's logits want it most;
 - a schema the grammar cannot take is refused when the tools are set, and the session keeps
-  the ones it had.
+  the ones it had;
+- near the end of the context a turn whose reply may call keeps room for a call (the history
+  starts over instead), and a call that still reaches the end is cut there ("length"), never
+  overflowing the cache; the next turn starts the history over.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from support.engine_drive import SYSTEM
 
 from agent.engine.api import AudioOut, CallDelta, ReplyDone, TextDelta
 from agent.engine.runner.streaming import StreamingRunner
+from agent.engine.stages import turn_parts
 from agent.tools.spec import Tool, ToolChoice, ToolSet
 
 WEATHER = Tool(
@@ -266,3 +270,50 @@ def test_unbounded_arguments_still_end_in_a_valid_call(runner: StreamingRunner) 
         assert len(calls) == 1 and calls[0]["name"] == "log"
         _valid(calls[0], (loose,))
         assert outputs[-1].reason == "stop"
+
+
+NOTE = Tool(
+    "note",
+    "Write a note down.",
+    {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+)
+
+
+def _near_the_end(loaded, spare: int) -> tuple[StreamingRunner, list]:
+    """A session with a call answered, then a user text that leaves the reply `spare` tokens of
+    the context (past its text cap and closing, not counting a call's room); the reply's outputs."""
+    limit = 1024
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=16, max_reply_seconds=2.0, context_limit=limit)
+    runner.open_session("s")
+    runner.set_tools("s", ToolSet((NOTE,), ToolChoice("required", None), parallel=False))
+    runner.add_user_text("s", "Note this.")
+    assert _reply(runner, "s")[-1].reason == "stop"
+    state = runner.sessions["s"]
+    used = state.thinker.length + len(state.closing) + 5  # + the user header and the turn's end
+    word = len(runner.loaded.tokenizer.encode(" word", add_special_tokens=False))
+    runner.add_user_text("s", " word" * ((limit - used - 16 - 8 - spare) // word))
+    return runner, _reply(runner, "s")
+
+
+def test_a_turn_that_may_call_keeps_room_for_the_call(loaded) -> None:
+    """A soak at a 2,048-token context: a call began near the end and overflowed the slot. A
+    turn whose reply may call keeps room for one (the history starts over instead)."""
+    runner, outputs = _near_the_end(loaded, spare=40)
+    done = outputs[-1]
+    assert isinstance(done, ReplyDone) and done.reason == "stop" and done.stats["history_reset"], done
+    assert _calls(outputs)[0]["name"] == "note"
+
+
+def test_a_call_that_reaches_the_end_of_the_context_is_cut_there(loaded, monkeypatch) -> None:
+    """More than a call's room (here: none kept) is cut at the context's end: the reply ends
+    there ("length", its call incomplete) instead of failing with a slot overflow, and the next
+    turn starts the history over, its tools working."""
+    monkeypatch.setattr(turn_parts, "CALL_RESERVE_TOKENS", 0)
+    runner, outputs = _near_the_end(loaded, spare=40)
+    done = outputs[-1]
+    assert isinstance(done, ReplyDone) and done.reason == "length" and not done.stats["history_reset"], done
+    assert runner.sessions["s"].thinker.length <= 1024
+    assert [o.done for o in outputs if isinstance(o, CallDelta)][-1] is False  # cut inside its call
+    runner.add_user_text("s", "Again.")
+    after = _reply(runner, "s")
+    assert after[-1].reason == "stop" and after[-1].stats["history_reset"] and _calls(after)

@@ -34,13 +34,10 @@ from agent.engine.stages.code_predictor import CodePredictorOps
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.thinker import ThinkerOps
 from agent.engine.stages.token_choice import TokenChoice
-from agent.engine.stages.tool_grammar import apply_masks
+from agent.engine.stages.tool_grammar import MAX_CALL_TOKENS, apply_masks
 from agent.engine.state.session import SessionState, add_batch_time
 
 Row = tuple[str, SessionState]
-# Tokens a reply may spend inside tool calls (its text cap counts the rest): a call's arguments
-# can be long, and the grammar ends every call.
-MAX_CALL_TOKENS = 1024
 
 
 class FrameBatcher:
@@ -135,6 +132,11 @@ class FrameBatcher:
         if calls.open:
             calls.tokens += 1
         if len(text.tokens) - calls.tokens >= self.max_reply_tokens or calls.tokens >= MAX_CALL_TOKENS:
+            text.done, text.reason = True, "length"
+        if state.thinker.length + 1 >= self.thinker.context_limit:
+            # The cache is full (a turn started with room for the reply's reserve, then it went
+            # past it): the reply ends here, as at its cap, rather than overflow the slot, which
+            # failed the reply and lost the history with it. The next turn starts the history over.
             text.done, text.reason = True, "length"
         if token == self.tool_call and not calls.open and calls.matcher is not None:
             calls.open, calls.tokens = True, calls.tokens + 1

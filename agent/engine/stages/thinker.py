@@ -101,6 +101,7 @@ class ThinkerOps:
             cfg.thinker_config.video_token_id,
         )
         self.graphing = graphing
+        self.context_limit = context_limit  # tokens a session's slot holds
         # Where pad rows (and start-up captures) write: the scratch row, or slot 0 where no
         # batch is ever padded (agent/engine/compile/wiring.py kv_rows).
         self.pad_slot = graphing.kv_pad_slot(slots) if graphing is not None else slots

@@ -45,13 +45,24 @@ _ONE = ("items", "additionalProperties")
 _MANY = ("anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "$defs", "definitions", "patternProperties")
 
+# Tokens a reply may spend inside tool calls (its text cap counts the rest): a call's arguments
+# can be long, and the grammar ends every call.
+MAX_CALL_TOKENS = 1024
+
 
 # A call that runs this long (a model looping on a digit or inside a string, as the random tiny
 # one does greedily) is wound down: from here each step prefers, among the ids its grammar
-# allows, those that close something (`"`, `}`, `]`), then those that move on (`,`), so the call
-# ends in a few tokens and still validates. A real model's calls end long before.
+# allows, those that close something (`"`, then `}` and `]`: _WIND_DOWN), then those that move on
+# (`,`), so the call ends in a few tokens and still validates. A real model's calls end long before.
 WIND_DOWN_TOKENS = 256
-_CLOSING, _NEXT = ('"', "}", "]"), (",",)
+# Room a turn whose reply may call a tool keeps in the context besides its text's (TurnParts):
+# one call, wound down at WIND_DOWN_TOKENS and closed within a few more. More calls than that may
+# reach the context's end: the reply then ends there, cut (FrameBatcher.take_token).
+CALL_RESERVE_TOKENS = WIND_DOWN_TOKENS + 32
+# The wind-down's preferences, in order: a quote first (inside a string, "}" and "]" are only
+# characters: a model that kept choosing "}" there never closed its call), then what closes an
+# object or array, then what moves on.
+_WIND_DOWN = (('"',), ("}", "]"), (",",))
 
 
 class ToolGrammarError(RuntimeError):
@@ -293,9 +304,9 @@ def mask_bias(bitmask: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Te
 
 def _wind_down_masks(tokenizer: Any, vocab: int) -> tuple[torch.Tensor, ...]:
     """For the wind-down, in one pass over the vocabulary: a [ceil(vocab / 32)] int32 bitmask
-    (llguidance's layout) per group of starts (_CLOSING, _NEXT), the ids whose token text starts
+    (llguidance's layout) per group of starts (_WIND_DOWN), the ids whose token text starts
     with one of them (byte-level BPE keeps these ASCII characters as they are)."""
-    groups = (_CLOSING, _NEXT)
+    groups = _WIND_DOWN
     bits = torch.zeros(len(groups), ((vocab + 31) // 32) * 32, dtype=torch.bool)
     for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
         if token is not None:

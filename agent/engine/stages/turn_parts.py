@@ -18,6 +18,7 @@ from agent.engine.checkpoints.model import LoadedModel, system_turn_ids
 from agent.engine.stages.audio_stream import AudioStream
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.thinker import ImageFeatures, PrefillJob, ThinkerOps
+from agent.engine.stages.tool_grammar import CALL_RESERVE_TOKENS
 from agent.engine.stages.video_clock import VideoPolicy
 from agent.engine.stages.video_prefill import VideoPrefill, join_features
 from agent.engine.state.kv import KVState
@@ -126,7 +127,7 @@ class TurnParts:
         places: Sequence[GridPlace] = (),
     ) -> TurnJob:
         n_closing = len(state.closing) if not turn.ids else 0
-        full = state.thinker.length + len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit
+        full = state.thinker.length + len(ids) + self._reserve(state, turn) > self.context_limit
         # A bounded context (interpreter mode): a turn after `max_turns` answered ones starts the
         # history over, as a full context does, so a long stream neither grows nor slows.
         bounded = 0 < state.choices.max_turns <= state.context_turns and not turn.ids and not turn.history_reset
@@ -139,6 +140,13 @@ class TurnParts:
             rope = self.video.positions(turn, ids, state.thinker.next_pos, images, places)
         job = self.thinker.start_prefill(state.thinker, ids, audio=audio, images=images, videos=videos, rope=rope)
         return TurnJob(job, n_closing, assistant_tail, images, videos)
+
+    def _reserve(self, state: SessionState, turn: TurnState) -> int:
+        """Room the turn's reply needs after it: its text cap, a call's where it may call a tool
+        (a soak at a 2,048-token context overflowed the slot in a call), and the closing."""
+        tools = turn.reply_tools if turn.reply_tools is not None else state.choices.tools
+        calls = CALL_RESERVE_TOKENS if tools is not None and tools.calls else 0
+        return self.max_reply_tokens + calls + CLOSING_MARGIN
 
     def run_parts(
         self, parts: Sequence[tuple[SessionState, TurnState, TurnJob]], max_tokens: Sequence[int | None]
@@ -178,7 +186,7 @@ class TurnParts:
         state.talker_history, state.closing = TalkerHistory(), []
         state.context_turns = 0
         self.prefill_system(state)
-        if state.thinker.length + len(replay) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
+        if state.thinker.length + len(replay) + self._reserve(state, turn) > self.context_limit:
             raise RuntimeError("one turn is longer than the context limit")
         turn.ids, turn.talker, turn.prefill_tokens, turn.history_reset = [], TalkerTurn(), 0, True
         turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
