@@ -3,7 +3,9 @@
 Pins: over 30 utterances the session's thinker row (and the talker's view of the user turns)
 stays bounded when at most 3 answered turns are kept: its length never exceeds what it reached
 in the first few turns, while without the bound it grows with every turn; every utterance is
-still answered, and the history starts over only when 3 answered turns are in it.
+still answered, and the history starts over only when 3 answered turns are in it. A turn that
+starts the history over (a full context) replays the system and assistant items added before
+it, not an instruction change (the new system prompt holds it).
 """
 
 from __future__ import annotations
@@ -50,3 +52,35 @@ def test_thirty_utterances_stay_bounded(loaded):
     free.open_session("s")
     grown, _, _ = talk(free, 12)
     assert grown[-1] > 2 * max(lengths)  # what the bound saves, even after 12 turns
+
+
+def _reset_turn(loaded, add) -> tuple[dict, StreamingRunner]:
+    """A session with one answered turn, then `add(runner)`, then a turn too long for what is left
+    of a 512-token context (it starts the history over): that turn's ReplyDone stats."""
+    runner = StreamingRunner(loaded, "You are a helpful voice assistant.", max_reply_tokens=8, context_limit=512)
+    runner.open_session("s")
+    runner.add_user_text("s", "Hello" + " there" * 100)
+    runner.begin_reply("s", [], text_only=True)
+    run_until_idle(runner, 400)
+    add(runner)
+    runner.add_user_text("s", " word" * 400)
+    runner.begin_reply("s", [], text_only=True)
+    [done] = [o for o in run_until_idle(runner, 400) if isinstance(o, ReplyDone)]
+    assert done.stats["history_reset"] and done.reason in ("stop", "length")
+    return done.stats, runner
+
+
+def test_a_reset_replays_the_items_added_before_its_turn(loaded):
+    """A turn that starts the history over replays, before itself, the system and assistant items
+    added since the last reply (the conversation lists them there; a reset dropped them), but not
+    an instruction change (the reset's system prompt is the new instructions already)."""
+    base, _ = _reset_turn(loaded, lambda r: None)
+    system, runner = _reset_turn(loaded, lambda r: r.add_system_text("s", "Answer in French."))
+    item = len(runner.turns.system_message_ids("Answer in French."))
+    assert system["prefill_tokens"] == base["prefill_tokens"] + item
+    assistant, _ = _reset_turn(loaded, lambda r: r.add_assistant_text("s", "Bonjour."))
+    assert assistant["prefill_tokens"] > base["prefill_tokens"]
+    told, runner = _reset_turn(loaded, lambda r: r.set_instructions("s", "Be terse."))
+    assert told["prefill_tokens"] == base["prefill_tokens"]  # not replayed: the system prompt says it
+    fed = runner.context("s")["last_reply"]["fed"]
+    assert told["context_tokens"] - told["prefill_tokens"] - fed == len(runner.turns.system_message_ids("Be terse."))

@@ -86,7 +86,9 @@ class ConversationEdits:
             state.thinker.crop(0, 0)
             self.turns.prefill_system(state)
             return "replaced"
-        self._append(state, self.turns.system_message_ids(text))
+        ids = self.turns.system_message_ids(text)
+        self._append(state, ids)
+        state.instruction_turns.append(ids)  # (a history reset's system prompt says it instead)
         return "appended"
 
     def add_system_text(self, session_id: str, text: str) -> int:
@@ -203,6 +205,7 @@ class ConversationEdits:
         if cut < last.fed:
             state.thinker.crop(last.start_length + cut, last.start_pos + cut)
         state.closing = [*kept[cut:], *im_end, *after]
+        state.closing_tail = len(state.closing) - len(after)
         voice_end = None if last.voice_end is None else keep
         state.last_reply = LastReply(last.start_length, last.start_pos, tuple(kept), cut, voice_end)
         return {

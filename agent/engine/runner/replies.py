@@ -223,6 +223,7 @@ class Replies:
             # The history keeps this reply as text: what the thinker has not fed yet, then the end.
             state.closing = [t for t in reply.text.tokens[reply.text.fed :] if t not in self.eos]
             state.closing += [self.loaded.ids.im_end, *self.loaded.ids.newline]
+            state.closing_tail = len(state.closing)
             fed = min(reply.text.fed, len(text_ids))
             state.last_reply = LastReply(
                 state.thinker.length - fed, state.thinker.next_pos - fed, tuple(text_ids), fed, reply.text.voice_end

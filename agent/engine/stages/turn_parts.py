@@ -178,12 +178,16 @@ class TurnParts:
     def _reset_history(
         self, state: SessionState, turn: TurnState, new_ids: list[int], images, assistant_tail: int
     ) -> TurnJob:
-        """The context is full: drop the history, keep the system prompt and replay this turn."""
-        replay = turn.ids + new_ids
+        """The context is full: drop the history, keep the system prompt and replay this turn, after
+        the whole turns added since the last reply (system and assistant items: the conversation
+        lists them before this turn; a reset used to drop them)."""
+        items = _without(state.closing[state.closing_tail :], state.instruction_turns)
+        state.instruction_turns = []
+        replay = items + turn.ids + new_ids
         audio = torch.cat(turn.audio_feats, dim=0) if turn.audio_feats else None
         state.thinker = KVState(state.slot)
         state.talker = KVState(state.slot)
-        state.talker_history, state.closing = TalkerHistory(), []
+        state.talker_history, state.closing, state.closing_tail = TalkerHistory(), [], 0
         state.context_turns = 0
         self.prefill_system(state)
         if state.thinker.length + len(replay) + self._reserve(state, turn) > self.context_limit:
@@ -191,6 +195,7 @@ class TurnParts:
         turn.ids, turn.talker, turn.prefill_tokens, turn.history_reset = [], TalkerTurn(), 0, True
         turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
         turn.video.block = None  # the replay opens the turn's block again
+        state.closing = items  # prefilled first, and not the user's (start counts them as closing)
         part = self.start(
             state,
             turn,
@@ -203,3 +208,14 @@ class TurnParts:
         )
         part.history_reset = True
         return part
+
+
+def _without(ids: list[int], turns: Sequence[list[int]]) -> list[int]:
+    """`ids` less the first occurrence of each of `turns` (whole turns within it)."""
+    ids = list(ids)
+    for turn in turns:
+        for i in range(len(ids) - len(turn) + 1):
+            if ids[i : i + len(turn)] == turn:
+                del ids[i : i + len(turn)]
+                break
+    return ids

@@ -199,6 +199,7 @@ class Rollback:
     talker: tuple[int, int]
     talker_history: TalkerHistory  # a copy
     closing: tuple[int, ...]
+    closing_tail: int
     last_reply: LastReply | None
 
     @classmethod
@@ -208,6 +209,7 @@ class Rollback:
             (state.talker.length, state.talker.next_pos),
             state.talker_history.copy(),
             tuple(state.closing),
+            state.closing_tail,
             state.last_reply,
         )
 
@@ -215,7 +217,7 @@ class Rollback:
         state.thinker.crop(*self.thinker)
         state.talker.crop(*self.talker)
         state.talker_history = self.talker_history.copy()
-        state.closing = list(self.closing)
+        state.closing, state.closing_tail = list(self.closing), self.closing_tail
         state.last_reply = self.last_reply
 
 
@@ -264,6 +266,11 @@ class SessionState:
     # The talker cache starts with every earlier user turn; see TalkerHistory.
     talker_history: TalkerHistory = field(default_factory=TalkerHistory)
     closing: list[int] = field(default_factory=list)  # the previous reply's unfed tail + <|im_end|>\n
+    # How many of closing's first tokens end the previous reply (its unfed tail and its end); the
+    # rest are whole turns added since (system and assistant items), which a history reset keeps,
+    # but for the instruction changes among them (the reset's system prompt is the latest).
+    closing_tail: int = 0
+    instruction_turns: list[list[int]] = field(default_factory=list)
     reply: ReplyState | None = None
     # (stage, seconds, sessions in the call) for StageTime outputs, emitted by the next step()
     pending_stages: list[tuple[str, float, int]] = field(default_factory=list)
