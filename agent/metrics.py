@@ -9,12 +9,25 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from agent.thread_cpu import ThreadCpuCollector
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 REGISTRY.register(ThreadCpuCollector())  # agent_thread_cpu_seconds_total{thread=...}
+# The standard process_* (resident memory, CPU, open descriptors), python_gc_* and python_info
+# series that operators' dashboards look for; a registry of our own has none unless told.
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    REGISTRY.register(_collector)
 
 # Latency buckets dense around the 100-500 ms band we care about.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)

@@ -5,7 +5,8 @@ TTFA histograms count the reply; stage histograms see thinker/talker/code-predic
 code2wav time; sessions_active rises and falls; frames over 4 fps are dropped and counted
 (the video ring's backlog and the throttle metrics move in test_video_backpressure.py); the playout buffer fills; an engine that falls behind real
 time mid-reply produces counted underruns; a bad offer is counted as rejected; the
-degradation level and GPU gauges are exported (they move in test_ladder_rtc / on a GPU).
+degradation level and GPU gauges are exported (they move in test_ladder_rtc / on a GPU); so are
+the standard process_* series (resident memory, CPU seconds moving).
 """
 
 from __future__ import annotations
@@ -113,3 +114,5 @@ async def test_metrics_exist_and_move(tiny_model_dir: Path, speech_wav: Path) ->
     assert moved("agent_playout_underruns_total") > 0, "a stalled engine must show underruns"
     assert moved('agent_offers_rejected_total{reason="bad_request"}') == 1
     assert "agent_degradation_level" in during and "agent_gpu_utilization_ratio" in during
+    # The standard process series operators' dashboards read (a registry of our own had none).
+    assert during["process_resident_memory_bytes"] > 100e6 and moved("process_cpu_seconds_total") > 0
