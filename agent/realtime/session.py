@@ -168,7 +168,7 @@ class Session:
             self.emit({"type": "session.created", "session": self.settings})
             return
         if tool_config.system_text(self.settings) != self.config.system_prompt:
-            self.engine.send(SetInstructions(tool_config.system_text(self.settings)))
+            self.engine.send(SetInstructions(tool_config.system_text(self.settings)), param="session.instructions")
         if self.settings["tools"]:
             self.engine.send(SetTools(tool_config.session_tools(self.settings)), param="session.tools")
         if session_config.interpret_to(self.settings):  # interpreter mode: a bounded context
@@ -300,7 +300,7 @@ class Session:
             # Each read once: a tool list's JSON is written for every read (~2 ms at 90 tools).
             text, tools = tool_config.system_text(merged), tool_config.session_tools(merged)
             if text != tool_config.system_text(old):  # the instructions, or the tools they describe
-                self.engine.send(SetInstructions(text))
+                self.engine.send(SetInstructions(text), param="session.instructions")
             if tools != tool_config.session_tools(old):
                 self.engine.send(SetTools(tools), param="session.tools")
         if session_config.interpret_to(merged) != session_config.interpret_to(old):

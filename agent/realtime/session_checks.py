@@ -92,19 +92,21 @@ def check_servable(session: dict[str, Any], voices: Voices, context_limit: int) 
 
 def check_fits(session: dict[str, Any], context_limit: int) -> None:
     """A realtime session's system message (its instructions and, in Qwen's format, its tools)
-    takes at most `context_limit` bytes of UTF-8: a token is at least a byte, so it fits the
-    model's context whatever it says. Past the context it could never be prefilled, and the
-    engine prefills it at once, every session waiting (60 KB took 13 s of a 2-core CPU)."""
+    takes at most 2 bytes of UTF-8 per token of the model's context: text takes 3 to 4 bytes a
+    token (English, JSON, CJK), so what passes fits with room for the conversation. Past the
+    context it could never be prefilled, and the engine prefills it at once, every session
+    waiting (60 KB took 13 s of a 2-core CPU). The engine counts the tokens of what passes
+    (StreamingRunner.set_instructions) and refuses what still does not fit."""
     if session.get("type") != "realtime":
         return
-    size = len(system_text(session).encode("utf-8", "surrogatepass"))
-    if size <= context_limit:
+    size, most = len(system_text(session).encode("utf-8", "surrogatepass")), 2 * context_limit
+    if size <= most:
         return
     own = len(session["instructions"].encode("utf-8", "surrogatepass"))
-    param = "session.instructions" if own > context_limit // 2 or not session.get("tools") else "session.tools"
+    param = "session.instructions" if own > most // 2 or not session.get("tools") else "session.tools"
     raise ConfigError(
-        f"the instructions and tools take {size} bytes; at most {context_limit} fit the model's context "
-        f"({context_limit} tokens, a token at least a byte)",
+        f"the instructions and tools take {size} bytes; at most {most} fit the model's context "
+        f"({context_limit} tokens)",
         param,
     )
 

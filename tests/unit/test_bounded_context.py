@@ -5,12 +5,14 @@ stays bounded when at most 3 answered turns are kept: its length never exceeds w
 in the first few turns, while without the bound it grows with every turn; every utterance is
 still answered, and the history starts over only when 3 answered turns are in it. A turn that
 starts the history over (a full context) replays the system and assistant items added before
-it, not an instruction change (the new system prompt holds it).
+it, not an instruction change (the new system prompt holds it). Instructions that leave no room
+for a reply are refused, the session left as it was.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from support.engine_drive import make_audio, run_until_idle, speak
 
 from agent.engine.api import ReplyDone
@@ -84,3 +86,15 @@ def test_a_reset_replays_the_items_added_before_its_turn(loaded):
     assert told["prefill_tokens"] == base["prefill_tokens"]  # not replayed: the system prompt says it
     fed = runner.context("s")["last_reply"]["fed"]
     assert told["context_tokens"] - told["prefill_tokens"] - fed == len(runner.turns.system_message_ids("Be terse."))
+
+
+def test_instructions_that_leave_no_room_for_a_reply_are_refused(loaded):
+    """The engine counts the tokens of a session's instructions (the session bounds their bytes
+    first): a prompt that leaves no room for a reply is refused, the session left as it was."""
+    runner = StreamingRunner(loaded, "You are a helpful voice assistant.", max_reply_tokens=8, context_limit=512)
+    runner.open_session("s")
+    length = runner.sessions["s"].thinker.length
+    with pytest.raises(ValueError, match="the context holds 512"):
+        runner.set_instructions("s", " word" * 500)
+    assert runner.sessions["s"].choices.system_prompt is None and runner.sessions["s"].thinker.length == length
+    assert runner.set_instructions("s", " word" * 400) == "replaced"

@@ -11,7 +11,7 @@ Pins:
   when refused, naming the param (values outside GA's enumerations and ranges too); turn
   detection maps to the endpointer's settings; a voice is one of the model's speakers, any
   case, `default` or an OpenAI name, never a custom-voice object; instructions and tools past
-  the model's context (in UTF-8 bytes, a token being at least one) are refused, naming which;
+  2 bytes of UTF-8 per token of the model's context are refused, naming which;
 - events go out as UTF-8 JSON, non-ASCII unescaped (a lone surrogate escaped);
 - a null field is one not given (its value stays), except where GA null means off/none
   (turn_detection, transcription, noise_reduction, tracing, prompt, include); the merged
@@ -179,13 +179,13 @@ def test_instructions_and_tools_fit_the_context() -> None:
     fits = session_config.merge(base, {"type": "realtime", "instructions": "x" * 800, "tools": [tool]})
     session_checks.check_servable(fits, Voices(), context_limit=4096)
     for update, param in [
-        ({"instructions": "x" * 5000}, "session.instructions"),
-        ({"instructions": "字" * 1400}, "session.instructions"),  # 4,200 bytes of UTF-8: over, though 1,400 characters
-        ({"tools": [{**tool, "name": f"f{i}"} for i in range(5)]}, "session.tools"),
+        ({"instructions": "x" * 9000}, "session.instructions"),
+        ({"instructions": "字" * 2800}, "session.instructions"),  # 8,400 bytes of UTF-8: over, though 2,800 characters
+        ({"tools": [{**tool, "name": f"f{i}"} for i in range(8)]}, "session.tools"),
     ]:
         with pytest.raises(ConfigError) as info:
             session_checks.check_fits(session_config.merge(base, {"type": "realtime", **update}), 4096)
-        assert info.value.param == param and "4096" in str(info.value)
+        assert info.value.param == param and "8192 fit" in str(info.value)
     # A transcription session has no system message.
     session_checks.check_fits(session_config.base_session(Config(), "transcription"), 16)
 

@@ -78,6 +78,8 @@ class ConversationEdits:
         ("replaced"); later it is added as a system message before the next user turn
         ("appended", where a system message item would go: `_append`), and it is what a history
         reset prefills."""
+        ids = self.turns.system_message_ids(text)
+        self.turns.check_system(ids)  # (a refusal changes nothing)
         self.speculation.drop_speculation(session_id)
         state = self.sessions[session_id]
         state.choices.system_prompt = text
@@ -86,7 +88,6 @@ class ConversationEdits:
             state.thinker.crop(0, 0)
             self.turns.prefill_system(state)
             return "replaced"
-        ids = self.turns.system_message_ids(text)
         self._append(state, ids)
         state.instruction_turns.append(ids)  # (a history reset's system prompt says it instead)
         return "appended"

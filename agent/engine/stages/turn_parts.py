@@ -75,6 +75,14 @@ class TurnParts:
         stream = AudioStream(tower, extractor=self.loaded.feature_extractor, n_window_infer=self.n_window_infer)
         return TurnState(audio=stream)
 
+    def check_system(self, ids: list[int]) -> None:
+        """Raise ValueError when a system prompt of `ids` leaves no room for a reply in the
+        context (the session checks a byte bound first: this is the token count)."""
+        if len(ids) + self.max_reply_tokens + CLOSING_MARGIN > self.context_limit:
+            raise ValueError(
+                f"the instructions and tools take {len(ids)} tokens: the context holds {self.context_limit}"
+            )
+
     def prefill_system(self, state: SessionState) -> None:
         prompt = self.system_prompt if state.choices.system_prompt is None else state.choices.system_prompt
         ids = system_turn_ids(self.ids, self.loaded.tokenizer, prompt)

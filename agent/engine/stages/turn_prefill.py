@@ -211,6 +211,10 @@ class TurnPrefill:
     def text_ids(self, text: str) -> list[int]:
         return self.loaded.tokenizer.encode(text, add_special_tokens=False)
 
+    def check_system(self, ids: list[int]) -> None:
+        """Raise ValueError when a system prompt of `ids` leaves no room for a reply in the context."""
+        self.parts.check_system(ids)
+
     def system_message_ids(self, text: str) -> list[int]:
         return system_turn_ids(self.ids, self.loaded.tokenizer, text)
 
