@@ -94,21 +94,23 @@ class Edits:
         # any command of a later event, and the later events must see the item gone. LiveKit
         # replaces an item by a delete and a create of the same id, back to back: the create was
         # refused, the deleted item still being the last one.
-        self.cut_latest_reply(0, event_id, lambda _kept_tokens: None)
+        self.cut_latest_reply(0, event_id)
         self._conversation.remove(item_id)
         self._replies.forget_last()
         self._outbox.emit({"type": "conversation.item.deleted", "item_id": item_id})
 
     def cut_latest_reply(
-        self, audio_frames: int, event_id: Optional[str], then: Callable[[Optional[int]], None]
+        self, audio_frames: int, event_id: Optional[str], then: Optional[Callable[[Optional[int]], None]] = None
     ) -> None:
         """Keep the latest reply's first `audio_frames` frames' text in the model's context (a reply
-        still running is cancelled first, in the command before), then call `then(kept_tokens)`.
+        still running is cancelled first, in the command before), then call `then(kept_tokens)`, if given.
         Nothing is called once the session has closed: the engine port cancels the command then."""
         replies, engine = self._replies, self._engine
         if replies.last is replies.current:
             replies.cancel_for_edit()
         future = engine.send(TruncateReply(audio_frames, missing_ok=True), event_id=event_id)
+        if then is None:
+            return
 
         def done(f: asyncio.Future) -> None:
             if f.cancelled() or f.exception() is not None or engine.closed:

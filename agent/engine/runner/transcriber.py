@@ -86,10 +86,6 @@ def _audio(turn: TurnState, start: int = 0, end: int | None = None) -> torch.Ten
     return audio if audio is not None and audio.shape[0] else None
 
 
-def _tokens(turn: TurnState) -> int:
-    return turn.audio_token_count
-
-
 def _skip(tr: Transcript, turn: TurnState) -> int:
     """The audio tokens of `turn` (or of a speculation's fork of it) that earlier items took."""
     skipped, n = tr.skip
@@ -133,7 +129,7 @@ class Transcriber:
         tr = self.sessions.get(session_id)
         if tr is None:
             return
-        if not turn.queued_seconds and not _tokens(turn):
+        if not turn.queued_seconds and not turn.audio_token_count:
             # No audio at all (a turn of text items): no item to transcribe. Its final run would
             # have transcribed nothing as the last spoken item, whose transcript it replaced.
             return
@@ -157,7 +153,7 @@ class Transcriber:
         item = tr.turn_item if _same_turn(tr.turn, turn) else tr.item_id
         if tr.turn is None:
             tr.turn, tr.turn_item = turn, item
-        tr.finishing.append((turn, item, _tokens(turn)))
+        tr.finishing.append((turn, item, turn.audio_token_count))
         tr.item_id = None  # (the next item's speech names it: set_item)
 
     def discard(self, session_id: str) -> None:
@@ -197,7 +193,7 @@ class Transcriber:
                 self._reset(tr)
                 tr.turn, tr.turn_item = turn, item
             return "final"
-        new_tokens = _tokens(state.turn) - _skip(tr, state.turn)  # (the current item's)
+        new_tokens = state.turn.audio_token_count - _skip(tr, state.turn)  # (the current item's)
         if tr.turn is None:
             if not new_tokens and state.turn.audio.encoder.open_frames < PARTIAL_EVERY_FRAMES:
                 return None  # no speech to show yet

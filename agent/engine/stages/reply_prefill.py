@@ -87,7 +87,7 @@ class EndOfTurn:
         )
         while not part.job.finished:
             self.parts.run_parts([(state, turn, part)], [None])
-        state.closing, state.closing_tail, state.instruction_turns = [], 0, []
+        state.closing_prefilled()
         state.talker_history.backlog.append(turn.talker)
         state.turn = self.parts.new_turn()
 
@@ -154,7 +154,7 @@ class EndOfTurn:
             if not part.job.finished:
                 outs.append(None)
                 continue
-            state.closing, state.closing_tail, state.instruction_turns = [], 0, []
+            state.closing_prefilled()
             state.context_turns += 1
             state.reply.prefill.done, state.reply.prefill.job = True, None
             outs.append(part.job.result())

@@ -190,12 +190,12 @@ class TurnParts:
         the whole turns added since the last reply (system and assistant items: the conversation
         lists them before this turn; a reset used to drop them)."""
         items = _without(state.closing[state.closing_tail :], state.instruction_turns)
-        state.instruction_turns = []
         replay = items + turn.ids + new_ids
         audio = torch.cat(turn.audio_feats, dim=0) if turn.audio_feats else None
         state.thinker = KVState(state.slot)
         state.talker = KVState(state.slot)
-        state.talker_history, state.closing, state.closing_tail = TalkerHistory(), [], 0
+        state.talker_history = TalkerHistory()
+        state.closing_prefilled()
         state.context_turns = 0
         self.prefill_system(state)
         if state.thinker.length + len(replay) + self._reserve(state, turn) > self.context_limit:

@@ -288,6 +288,10 @@ class SessionState:
     # answered by the next begin_reply, in order; none is prefilled before its reply starts.
     held_turns: list[TurnState] = field(default_factory=list)
 
+    def closing_prefilled(self) -> None:
+        """The closing is in the cache (or went with the history): none waits, nothing to replay."""
+        self.closing, self.closing_tail, self.instruction_turns = [], 0, []
+
 
 @contextmanager
 def timed(state: SessionState, stage: str) -> Iterator[None]:
