@@ -83,6 +83,12 @@ PLAYOUT_UNDERRUNS = Counter(
     "20 ms frames sent as silence while a reply was still playing",
     registry=REGISTRY,
 )
+DTLS_FIRST_FLIGHT_RESENDS = Counter(
+    "agent_dtls_first_flight_resends_total",
+    "ClientHellos sent again early (100-700 ms) because the peer had answered nothing yet: a peer "
+    "whose DTLS starts after its ICE drops the first (agent/transport/dtls_flight.py)",
+    registry=REGISTRY,
+)
 BARGE_IN_PAUSES = Counter(
     "agent_barge_in_pauses_total",
     "Outbound audio paused on a barge-in candidate, by how the pause ended: flushed (confirmed), "

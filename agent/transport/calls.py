@@ -22,6 +22,7 @@ from agent.config import Config
 from agent.engine.api import EngineBusy
 from agent.realtime import session_checks, session_config
 from agent.transport.consent import install_consent_freshness
+from agent.transport.dtls_flight import install_dtls_resend
 from agent.transport.http import (
     ADMISSION,
     CONFIG,
@@ -91,6 +92,7 @@ def _peer_connection(config: Config) -> RTCPeerConnection:
     # gets one minted for this call from --turn-secret, as the page's does.
     servers = with_credentials(config.ice_servers, config.turn_secret, config.turn_ttl_s, AGENT_USER, time.time())
     install_consent_freshness()  # a call outlives a peer that answers consent checks late
+    install_dtls_resend()  # a peer that drops the first ClientHello connects without a 1 s wait
     return RTCPeerConnection(rtc_configuration(servers))
 
 
