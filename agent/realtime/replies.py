@@ -2,8 +2,9 @@
 the turns held for later (interpreter mode), from response.create to response.done.
 
 A `Session` owns one `Replies`; it alone changes that state. It starts replies on the engine,
-turns the engine's output (the session's ReplySink calls) into GA server events and the
-outbound audio (its part `audio`, agent/realtime/reply_audio.py), cancels on barge-in or
+turns the engine's output (the session's ReplySink calls) into GA server events, the
+outbound audio (its part `audio`, agent/realtime/reply_audio.py) and output items in the
+conversation (its part `_items`, agent/realtime/reply_items.py), cancels on barge-in or
 response.cancel (a barge-in's cut of the model's context to what was heard is
 agent/realtime/edits.py's), and runs work that must wait until every cancelled reply has ended
 in the engine. It is given the ports it needs (the session's engine port, outbox, conversation,
@@ -29,6 +30,7 @@ from agent.realtime.engine_port import EnginePort
 from agent.realtime.known_calls import KnownCalls
 from agent.realtime.outbox import Outbox
 from agent.realtime.reply_audio import ReplyAudio
+from agent.realtime.reply_items import ReplyItems
 from agent.realtime.response import STATUS_BY_REASON, Response
 
 
@@ -61,13 +63,9 @@ class Replies:
         self._held: deque[str] = deque()
         self._when_engine_idle: list[Callable[[], None]] = []
         self.history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
-        # Where the current response's next output item goes in the list: right after the last
-        # item when it began (a held turn's: its user item), then after its own outputs. Items
-        # the client adds meanwhile go after the reply in the model (after_reply), so they are
-        # listed after its outputs, even those announced later (a message with its first words).
-        self._after: Optional[str] = None
         # The calls a function_call_output may answer (the model's, and the client's replayed).
         self.calls = KnownCalls()
+        self._items = ReplyItems(conversation, outbox, self.calls)  # where the outputs go in the list
         # The response a truncate or delete of its item cancelled (the engine cuts only an ended
         # reply), until the next begins: the one response.cancel for it then is answered by nothing.
         self._cancelled_by_edit: Optional[str] = None
@@ -191,22 +189,13 @@ class Replies:
         )
         self.current = self.last = reply
         self._cancelled_by_edit = None
-        self._after = held or self._conversation.last_id()
+        self._items.begin(held or self._conversation.last_id())
         self.audio.begin(reply)
         for event in reply.started():
             self._outbox.emit(event)
         if not plan.tools:  # without tools the message is announced at once, as it always was
-            self._open_message(reply)
+            self._items.open_message(reply)
         return True
-
-    def _open_message(self, reply: Response) -> None:
-        """Announce the response's message item (once)."""
-        if reply.message_index is not None:
-            return
-        previous = self._conversation.add(reply.item("in_progress", ""), after=self._after)
-        self._after = reply.item_id
-        for event in reply.message_started(previous):
-            self._outbox.emit(event)
 
     def cancel_response(self, event_id: Optional[str], response_id: Optional[str] = None) -> None:
         """response.cancel: the current response, or only the one named by `response_id`."""
@@ -315,7 +304,7 @@ class Replies:
             return
         if reply.ttft is None:
             reply.ttft = self._since_end_of_turn(reply, metrics.TTFT)
-        self._open_message(reply)
+        self._items.open_message(reply)
         self._outbox.emit(reply.text_delta(delta.text, len(delta.token_ids)))
         if reply.max_tokens is not None and reply.tokens >= reply.max_tokens:
             # The client's max_output_tokens, under the server's own cap: end the reply here.
@@ -328,40 +317,17 @@ class Replies:
             return
         if reply.ttfa is None:
             reply.ttfa = self._since_end_of_turn(reply, metrics.TTFA)
-        self._open_message(reply)
+        self._items.open_message(reply)
         self.audio.push(reply, audio.pcm)
 
     def on_call(self, delta: CallDelta) -> None:
-        """The model's tool call `delta.index` grew or ended: its item is announced once its
-        function is named, its arguments stream, and its end completes it (a call that does not
-        parse is incomplete, with an error event: the grammar should never let that happen)."""
+        """The model's tool call grew or ended (its items: agent/realtime/reply_items.py)."""
         reply = self._live()
         if reply is None:
             return
         if reply.ttft is None:
             reply.ttft = self._since_end_of_turn(reply, metrics.TTFT)
-        call = reply.call(delta.index)
-        if call.status != "in_progress":
-            return
-        was_announced = call.announced
-        last, error = call.advance(delta.text, delta.done)
-        if error is not None:
-            self._outbox.error(
-                f"the model's tool call could not be read: {error}", "tool_call_invalid", kind="server_error"
-            )
-        if call.announced and not was_announced:
-            self._outbox.emit(call.added())
-            previous = self._conversation.add(call.opened(), after=self._after)
-            self._after = call.item_id
-            self._outbox.emit({"type": "conversation.item.added", "previous_item_id": previous, "item": call.opened()})
-        if last and call.announced:
-            self._outbox.emit(call.delta(last))
-        if call.status != "in_progress" and call.announced:
-            self.calls.add(call.call_id, call.parser.name or "")
-            for event in call.done():
-                self._outbox.emit(event)
-            self._conversation.update(call.item_id, call.item())
-            self._outbox.emit({"type": "conversation.item.done", "item": call.item()})
+        self._items.advance_call(reply, delta)
 
     def on_done(self, done: ReplyDone) -> None:
         if self._stale_done:
