@@ -55,7 +55,7 @@ async def _resend_first_flight(dtls: RTCDtlsTransport, send: Send, flight: list[
             return
         try:
             await send(flight[0])
-        except ConnectionError:  # ICE closed under the handshake: aiortc's own loop reports it
+        except OSError:  # ICE closed under the handshake (ConnectionError): aiortc's own loop reports it
             return
         metrics.DTLS_FIRST_FLIGHT_RESENDS.inc()
         log.debug("DTLS first flight sent again: nothing heard %.1f s after it", waited)
