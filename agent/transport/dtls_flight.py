@@ -9,8 +9,10 @@ after ICE, where other stacks take tens of milliseconds.
 This sends the first flight's datagrams again `RESEND_AFTER_S` after it (100 ms, then 300 ms and
 700 ms) for as long as nothing at all has come back on the DTLS transport; from the first
 datagram received on, or past 700 ms, OpenSSL's own timers alone decide. A server that did get
-the first copy takes a second for a retransmission (RFC 6347, 4.2.4: it repeats its own flight,
-which the client's handshake takes as such), so the handshake itself never changes, only how
+the first copy (a path slower than 100 ms a round trip) takes a second for a retransmission, as
+it must take OpenSSL's own (RFC 6347, 4.2.4: it repeats its flight, and the client drops the
+copy of a message it has handled); a server that checks record numbers for replays drops it,
+and OpenSSL's retransmission follows as before. The handshake itself never changes, only how
 soon a lost first flight is replaced. Each early resend is counted
 (`agent_dtls_first_flight_resends_total`).
 
