@@ -85,8 +85,7 @@ class ConversationEdits:
         state.choices.system_prompt = text
         pristine = state.reply is None and state.last_reply is None and not state.turn.header_done
         if pristine and not state.closing:
-            state.thinker.crop(0, 0)
-            self.turns.prefill_system(state)
+            self.turns.system.start(state)  # (in chunks, from the next tick: SystemPrefill)
             return "replaced"
         self._append(state, ids)
         state.instruction_turns.append(ids)  # (a history reset's system prompt says it instead)

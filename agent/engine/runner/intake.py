@@ -113,8 +113,10 @@ class Intake:
     def prefill_speaking(self, budget: int) -> None:
         """Encode microphone audio of users speaking, and prefill it (bounded, one batched
         forward) where no reply of theirs holds the thinker cache (a barge-in's audio waits for
-        its reply to end)."""
+        its reply to end). Before it, in a forward and budget of their own, the system prompts
+        still going into the cache: a session's audio goes in after its prompt."""
         states = list(self.sessions.values())
+        self.turns.system.run_waiting(states, budget)
         for state in states:
             self.turns.encode_audio(state)
         self.turns.flush_audios(states, budget)

@@ -32,11 +32,13 @@ class Speculation:
         frame run at the scheduler's lowest priority and its output is held; begin_reply commits
         it (the held output goes out at once), drop_speculation or more speech discards it. The
         turn itself keeps listening: the speculation answers a fork of it. Returns whether one
-        started (not while a reply is in flight or a held turn waits for one, nor before the
-        turn has any audio)."""
+        started (not while a reply is in flight or a held turn waits for one, nor while the
+        system prompt is still going into the cache, nor before the turn has any audio)."""
         state = self.sessions[session_id]
         turn = state.turn
-        if state.reply is not None or state.held_turns or not (turn.header_done or turn.pcm or turn.samples):
+        if state.reply is not None or state.held_turns or state.system is not None:
+            return False  # (a rollback would lose the system prompt's progress with the reply's)
+        if not (turn.header_done or turn.pcm or turn.samples):
             return False
         self.replies.speculate(state, images, text_only)
         metrics.SPECULATIONS.labels(outcome="started").inc()

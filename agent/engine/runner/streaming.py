@@ -1,7 +1,8 @@
 """StreamingRunner: Qwen3-Omni replies, one codec frame (80 ms of audio) per engine tick, for
 many sessions at once (continuous batching).
 
-Per session: the system prompt is prefilled at open; the user's audio is encoded and
+Per session: the system prompt goes into the cache first, a chunk per tick from the open on
+(agent/engine/stages/system_prefill.py); the user's audio is encoded and
 prefilled as it becomes final (AudioStream); at end of turn only the tail of the audio, the
 frames and the assistant header are left. Then, per tick, every reply the scheduler picks
 advances one frame, each stage one batched call over those sessions (agent/engine/stages/frame_batch.py):
@@ -21,7 +22,7 @@ made, until their commit.
 The runner composes peer components, each given only what it uses (none holds the runner):
 sessions.py (states, slots, priorities), replies.py (the reply lifecycle, the only code that
 moves a reply's phase), intake.py (frames, audio, held or discarded turns, switches),
-estimates.py (what the scheduler sees), speculation.py, edits.py (user and
+estimates.py (what the scheduler sees), first_audio.py (a tick's end-of-turn prefills), speculation.py, edits.py (user and
 system items, truncate, instructions, voice), tools.py (tool sets; each reply's grammar: agent/engine/stages/tool_grammar.py),
 transcription.py beside transcriber.py, and the stages TurnPrefill (turns) and FrameBatcher
 (frames). Every command is a runner method (agent/engine/commands.py) delegating to its
@@ -53,7 +54,7 @@ import numpy as np
 import torch
 
 from agent.decoding import Decoding
-from agent.engine.api import Output, ReplyInput, StageTime, Voices
+from agent.engine.api import Output, StageTime, Voices
 from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.codecs.output_audio import talker_tokens_for
 from agent.engine.compile.wiring import GraphConfig, Graphing, GraphMode
@@ -61,6 +62,7 @@ from agent.engine.ops.fusion import fuse_decoder
 from agent.engine.ops.moe import fuse_moe
 from agent.engine.runner.edits import ConversationEdits
 from agent.engine.runner.estimates import Estimates
+from agent.engine.runner.first_audio import FirstAudio
 from agent.engine.runner.intake import Intake
 from agent.engine.runner.replies import Replies
 from agent.engine.runner.scheduler import PlayoutEstimate, SchedulerConfig, idle_s, plan_tick
@@ -69,11 +71,11 @@ from agent.engine.runner.speculation import Speculation
 from agent.engine.runner.tools import ToolCommands
 from agent.engine.runner.transcriber import Transcriber
 from agent.engine.runner.transcription import TranscriptionCommands
-from agent.engine.stages.frame_batch import FrameBatcher, Row
+from agent.engine.stages.frame_batch import FrameBatcher
 from agent.engine.stages.talker import TalkerOps
-from agent.engine.stages.thinker import PrefillOut, ThinkerOps
+from agent.engine.stages.thinker import ThinkerOps
 from agent.engine.stages.tool_grammar import ToolGrammars
-from agent.engine.stages.turn_parts import SpeculationRefused, TurnParts
+from agent.engine.stages.turn_parts import TurnParts
 from agent.engine.stages.turn_prefill import TurnPrefill
 from agent.engine.stages.video_clock import VideoPolicy
 from agent.engine.state.kv import KVState
@@ -143,7 +145,15 @@ class StreamingRunner:
         self.talker = TalkerOps(loaded, max_sessions, talker_limit, sampling=decoding.talker, graphing=self.graphing)
         self.turns = TurnPrefill(
             TurnParts(
-                loaded, self.thinker, self.talker, system_prompt, max_reply_tokens, context_limit, n_window_infer, video
+                loaded,
+                self.thinker,
+                self.talker,
+                system_prompt,
+                max_reply_tokens,
+                context_limit,
+                n_window_infer,
+                video,
+                self.schedule.prefill_chunk_tokens,
             )
         )
         self.frames = FrameBatcher(
@@ -175,6 +185,7 @@ class StreamingRunner:
         self.tools = ToolCommands(self.sessions, grammars, self.speculation)
         self.intake = Intake(self.sessions, self.turns, self.transcriber, self.replies, self.speculation, clock)
         self.estimates = Estimates(self.sessions, clock)
+        self.first_audio = FirstAudio(self.turns, self.replies, self.frames, self.intake.discard_turn)
         self.edits = ConversationEdits(self.sessions, loaded, self.turns, self.talker, self.speculation)
         self.transcription = TranscriptionCommands(self.sessions, self.transcriber, self.turns)
 
@@ -219,7 +230,7 @@ class StreamingRunner:
         slot = self.sessions.take_session_slot()
         state = SessionState(slot=slot, thinker=KVState(slot), talker=KVState(slot), turn=self.turns.new_turn())
         self.sessions.add(session_id, state)
-        self.turns.prefill_system(state)
+        self.turns.system.start(state)  # (in chunks, from the next tick: SystemPrefill)
 
     def close_session(self, session_id: str) -> None:
         self.sessions.remove(session_id)  # (its slots go back, its transcription's too)
@@ -337,12 +348,7 @@ class StreamingRunner:
     # ---- the tick ------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return (
-            bool(self.replies.ready)
-            or self.replies.busy()
-            or any(self.turns.pcm_queued(s) for s in self.sessions.values())
-            or self.transcriber.has_work(self.sessions)
-        )
+        return bool(self.replies.ready) or self.replies.busy() or self._other_work()
 
     def idle_s(self) -> float:
         """Seconds until a step is of use (0: now). Replies far enough ahead of real time are
@@ -364,32 +370,11 @@ class StreamingRunner:
         replies = self.estimates.scheduled()
         plan = plan_tick(self.estimates.views(replies, now), self.schedule, other_work=self._other_work())
 
-        # First-audio replies share the prefill budget in deadline order, and all their chunks
-        # run in one batched forward (as do the talker prefixes of those that finish);
-        # speculative ones come last, in ticks that have nothing more urgent (plan.speculate).
-        chunks: list[tuple[str, SessionState, int]] = []
+        # First-audio replies (speculative ones last, in ticks with nothing more urgent): their
+        # prefill chunks, and the first tokens of those whose prefill finished.
         budget = self.schedule.prefill_chunk_tokens
-        for session_id in plan.first + plan.speculate:
-            if budget <= 0:
-                break
-            state = replies[session_id]
-            try:
-                take = self.turns.reply_chunk(state, budget)
-            except SpeculationRefused:  # it would drop the history: that cannot be undone
-                self.replies.discard(state)
-                continue
-            except Exception as exc:
-                # This session's own end-of-turn work (its audio tail, its frames) failed, e.g.
-                # out of memory on a huge image: its reply ends with an error, the others go on.
-                outputs += self._fail(session_id, state, exc)
-                continue
-            chunks.append((session_id, state, take))
-            budget -= take
-        done = self.turns.run_replies([(state, take) for _, state, take in chunks]) if chunks else []
-        finished = [(sid, state, out) for (sid, state, _), out in zip(chunks, done) if out is not None]
-        outputs += [ReplyInput(sid, self.replies.input_stats(state.reply.turn)) for sid, state, _ in finished]
-        outputs += self._first_tokens(finished)
-        started: list[Row] = [(sid, state) for sid, state, _ in finished]
+        first, started = self.first_audio.advance(plan.first + plan.speculate, replies, budget)
+        outputs += first
         decoding = [(sid, replies[sid]) for sid in plan.decode]
         outputs += self.frames.decode(decoding)
         # Row order puts the new replies' first frames first.
@@ -410,33 +395,11 @@ class StreamingRunner:
     # ---- internals ---------------------------------------------------------------------------
 
     def _other_work(self) -> bool:
-        """Work besides the replies: microphone audio to encode and prefill, transcription."""
-        return any(self.turns.pcm_queued(s) for s in self.sessions.values()) or self.transcriber.has_work(self.sessions)
-
-    def _fail(self, session_id: str, state: SessionState, exc: Exception) -> list[Output]:
-        """A reply whose own work raised ends with an error (a speculation is discarded) and a
-        spoken one's turn is dropped, so the session's next turn starts clean."""
-        spoken = not state.reply.phase.speculative
-        outputs = self.replies.fail(session_id, state, exc)
-        if spoken:
-            self.intake.discard_turn(session_id)
-        return outputs
-
-    def _first_tokens(self, finished: list[tuple[str, SessionState, PrefillOut]]) -> list[Output]:
-        """First text token of every reply whose prefill just finished, then the talker prefixes
-        of the spoken ones in one batched forward and their first codebook-0 tokens."""
-        outputs: list[Output] = []
-        if finished:
-            # A reply has at least one text token: the end is held back for the first step.
-            logits = torch.stack([out.last_logits for _, _, out in finished])
-            tokens = self.frames.pick_tokens([state for _, state, _ in finished], logits, first=True)
-            for (session_id, state, _), token in zip(finished, tokens):
-                outputs += self.frames.take_token(session_id, state, token)
-        # (A reply that opens with a tool call never starts its talker: nothing of it is spoken.)
-        spoken = [state for _, state, _ in finished if not (state.reply.text_only or state.reply.voice.done)]
-        if spoken:
-            self.frames.take_code0(spoken, self.turns.talker_prefills(spoken))
-        return outputs
+        """Work besides the replies: system prompts and microphone audio to prefill, transcription."""
+        waiting = self.turns.system.waiting
+        return any(waiting(s) or self.turns.pcm_queued(s) for s in self.sessions.values()) or self.transcriber.has_work(
+            self.sessions
+        )
 
     def _stage_times(self) -> list[Output]:
         outputs: list[Output] = []

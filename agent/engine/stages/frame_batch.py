@@ -144,7 +144,7 @@ class FrameBatcher:
             calls.count += 1
             if text.voice_end is None:
                 # The talker reads no further: what follows is the call, not speech. A reply
-                # that opens with a call never starts its talker (runner._first_tokens).
+                # that opens with a call never starts its talker (FirstAudio._first_tokens).
                 text.voice_end = len(text.tokens) - 1
                 if not text.voice_end and not reply.text_only:
                     reply.voice.done, reply.voice.reason = True, "stop"

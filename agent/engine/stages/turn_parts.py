@@ -1,6 +1,6 @@
 """The parts of a user turn's prefill that both of its sides use (agent/engine/stages/turn_prefill.py:
 the audio while the user speaks; agent/engine/stages/reply_prefill.py: the end of the turn):
-a new turn, the system prompt, the incremental audio encode, the turn's opening tokens, and
+a new turn, the system prompt (agent/engine/stages/system_prefill.py), the incremental audio encode, the turn's opening tokens, and
 one part of the turn started, run in chunks (batched with other sessions' parts) and finished
 (the user's tokens recorded for the talker), or replayed over a dropped history when the
 context is full.
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from agent.engine.checkpoints.model import LoadedModel, system_turn_ids
+from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.stages.audio_stream import AudioStream
+from agent.engine.stages.system_prefill import SystemPrefill
 from agent.engine.stages.talker import TalkerOps
 from agent.engine.stages.thinker import ImageFeatures, PrefillJob, ThinkerOps
 from agent.engine.stages.tool_grammar import CALL_RESERVE_TOKENS
@@ -61,14 +62,15 @@ class TurnParts:
         context_limit: int,
         n_window_infer: int | None,
         video: VideoPolicy | None = None,
+        prefill_chunk_tokens: int = 256,
     ) -> None:
         self.loaded, self.thinker, self.talker = loaded, thinker, talker
         self.ids = loaded.ids
-        self.system_prompt = system_prompt
         self.max_reply_tokens = max_reply_tokens
         self.context_limit = context_limit
         self.n_window_infer = n_window_infer
         self.video = VideoPrefill(loaded, thinker, video)  # the camera as video, prefilled as it comes
+        self.system = SystemPrefill(loaded, thinker, system_prompt, prefill_chunk_tokens)  # first, in chunks
 
     def new_turn(self) -> TurnState:
         tower = self.loaded.model.thinker.model.audio_tower
@@ -82,12 +84,6 @@ class TurnParts:
             raise ValueError(
                 f"the instructions and tools take {len(ids)} tokens: the context holds {self.context_limit}"
             )
-
-    def prefill_system(self, state: SessionState) -> None:
-        prompt = self.system_prompt if state.choices.system_prompt is None else state.choices.system_prompt
-        ids = system_turn_ids(self.ids, self.loaded.tokenizer, prompt)
-        with timed(state, "thinker_prefill"):
-            self.thinker.prefill(state.thinker, ids)
 
     @staticmethod
     def encode(state: SessionState, turn: TurnState) -> None:
@@ -134,6 +130,7 @@ class TurnParts:
         videos: ImageFeatures | None = None,
         places: Sequence[GridPlace] = (),
     ) -> TurnJob:
+        self.system.finish(state)  # (only a path that cannot wait gets here before it is done)
         n_closing = len(state.closing) if not turn.ids else 0
         full = state.thinker.length + len(ids) + self._reserve(state, turn) > self.context_limit
         # A bounded context (interpreter mode): a turn after `max_turns` answered ones starts the
@@ -197,7 +194,10 @@ class TurnParts:
         state.talker_history = TalkerHistory()
         state.closing_prefilled()
         state.context_turns = 0
-        self.prefill_system(state)
+        # The system prompt at once: this turn's replay goes in right after it. A reset is rare (a
+        # full context; interpreter mode's bounded one, whose template is short).
+        self.system.start(state)
+        self.system.finish(state)
         if state.thinker.length + len(replay) + self._reserve(state, turn) > self.context_limit:
             raise RuntimeError("one turn is longer than the context limit")
         turn.ids, turn.talker, turn.prefill_tokens, turn.history_reset = [], TalkerTurn(), 0, True

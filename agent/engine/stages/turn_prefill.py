@@ -8,7 +8,8 @@ Prompt policies that keep the stream equal to generate() (tests/unit/test_stream
 the user turn is `<|im_start|>user\\n<|audio_start|>[audio]<|audio_end|>[images]<|im_end|>\\n`
 then `<|im_start|>assistant\\n`; an earlier reply stays in the history as its text tokens then
 `<|im_end|>\\n` (its "closing", prefilled with the next turn); the talker gets every user turn.
-A full context drops the history: the system prompt is prefilled again and the turn replayed.
+The system prompt goes in first, in chunks (agent/engine/stages/system_prefill.py). A full
+context drops the history: the system prompt is prefilled again and the turn replayed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from agent.engine.checkpoints.model import system_turn_ids
 from agent.engine.runner.transcriber import PARTIAL_EVERY_FRAMES
 from agent.engine.stages.reply_prefill import EndOfTurn
+from agent.engine.stages.system_prefill import SystemPrefill
 from agent.engine.stages.thinker import PrefillOut
 from agent.engine.stages.turn_parts import TurnJob, TurnParts
 from agent.engine.stages.video_prefill import join_features
@@ -54,8 +56,9 @@ class TurnPrefill:
     def new_turn(self) -> TurnState:
         return self.parts.new_turn()
 
-    def prefill_system(self, state: SessionState) -> None:
-        self.parts.prefill_system(state)
+    @property
+    def system(self) -> SystemPrefill:
+        return self.parts.system
 
     # ---- the end of the turn (EndOfTurn) -------------------------------------------------------
 
@@ -166,6 +169,7 @@ class TurnPrefill:
         session's reply; a held turn goes in before this one, with its reply)."""
         return (
             bool(state.turn.pending_audio)
+            and state.system is None  # (it goes in first: SystemPrefill)
             and state.reply is None
             and not state.choices.captions_only
             and not state.held_turns

@@ -287,6 +287,10 @@ class SessionState:
     # Turns that ended while a reply was in flight (interpreter mode), oldest first: each is
     # answered by the next begin_reply, in order; none is prefilled before its reply starts.
     held_turns: list[TurnState] = field(default_factory=list)
+    # The system prompt while it goes into the cache in chunks: a PrefillJob
+    # (agent/engine/stages/thinker.py) of SystemPrefill's (agent/engine/stages/system_prefill.py),
+    # the stage's own type; None once it is all in. Nothing else of the session is prefilled before.
+    system: Any = None
 
     def closing_prefilled(self) -> None:
         """The closing is in the cache (or went with the history): none waits, nothing to replay."""

@@ -1,0 +1,122 @@
+"""A long system prompt goes into the cache a chunk per tick, and nobody waits on it but its own session.
+
+Pins, on the tiny model (agent/engine/stages/system_prefill.py):
+- instructions of thousands of tokens are in the cache a chunk (prefill_chunk_tokens) at a time:
+  the first when they are set, the rest one chunk per tick; another session's reply gets its
+  frames in the ticks between the chunks;
+- a turn that ends before its session's prompt is all in waits for it: the prompt's chunks go
+  in the reply's first-audio budget, the turn's audio after them, and the reply equals
+  generate() on that prompt;
+- instructions that replace a prompt half in start the cache over: the reply equals that of a
+  session that had them from the start;
+- no speculation starts while the prompt goes in, and one does once it is in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from support.engine_drive import SYSTEM, generate_speaking, run_until_idle, speak
+from support.exact import FRAMES, SECONDS, TOKENS, assert_same, make_audio
+
+from agent.engine.api import AudioOut
+from agent.engine.checkpoints.model import build_inputs, system_turn_ids
+from agent.engine.runner.streaming import StreamingRunner
+
+CHUNK = 256  # the scheduler's default prefill_chunk_tokens
+
+
+def long_prompt(words: int, topic: str = "brief") -> str:
+    return " ".join(f"rule{i} is to be {topic}" for i in range(words // 5))
+
+
+def runner_for(loaded, **options) -> StreamingRunner:
+    return StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **options)
+
+
+def test_a_long_prompt_goes_in_a_chunk_per_tick_between_another_sessions_frames(loaded) -> None:
+    runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=64, max_reply_seconds=3.0)
+    runner.open_session("a")
+    speak(runner, "a", make_audio(1.0, 220, 1))
+    runner.begin_reply("a", [])
+    runner.step()  # a speaks from here on
+
+    runner.open_session("b")
+    prompt = long_prompt(1500)
+    n = len(system_turn_ids(loaded.ids, loaded.tokenizer, prompt))
+    assert n > 4 * CHUNK
+    assert runner.set_instructions("b", prompt) == "replaced"
+    b = runner.sessions["b"]
+    assert b.thinker.length == CHUNK  # the first chunk at once
+
+    lengths, frames = [b.thinker.length], []
+    while b.system is not None:
+        outputs = runner.step()
+        lengths.append(b.thinker.length)
+        frames.append(sum(isinstance(o, AudioOut) and o.session_id == "a" for o in outputs))
+        assert len(lengths) < 200
+    assert lengths[-1] == n
+    growth = np.diff(lengths)
+    assert growth.max() <= CHUNK
+    assert np.count_nonzero(growth) >= math.ceil((n - CHUNK) / CHUNK)
+    # a's frames came out while b's prompt went in, not only after it.
+    moved = np.flatnonzero(growth)
+    assert sum(frames[moved[0] : moved[-1]]) > 0
+
+
+def test_a_turn_ended_before_its_prompt_is_in_waits_for_it_and_equals_generate(loaded) -> None:
+    prompt = long_prompt(700, "kind")
+    audio = make_audio(1.0, 260, 2)
+    inputs = build_inputs(loaded, audio, [], prompt)
+    sequences, wav, codes = generate_speaking(loaded, TOKENS, FRAMES, **inputs)
+    text = [t for t in sequences[0, inputs["input_ids"].shape[1] :].tolist() if t not in loaded.thinker_eos_ids]
+
+    runner = runner_for(loaded)
+    runner.open_session("s")
+    state = runner.sessions["s"]
+    n = len(system_turn_ids(loaded.ids, loaded.tokenizer, prompt))
+    assert n > 3 * CHUNK
+    runner.set_instructions("s", prompt)
+    speak(runner, "s", audio)
+    assert state.thinker.length == CHUNK  # the audio waits behind the prompt
+    runner.begin_reply("s", [])
+    first = runner.step()  # the reply's budget goes to the prompt
+    assert state.thinker.length == 2 * CHUNK
+    assert not any(isinstance(o, AudioOut) for o in first)
+    run_until_idle(runner)
+    assert_same(runner.records["s"], (text, codes, wav.reshape(-1).numpy(), None))
+
+
+def test_instructions_replacing_a_prompt_half_in_start_the_cache_over(loaded) -> None:
+    audio = make_audio(1.0, 300, 3)
+    final = long_prompt(400, "calm")
+    runner = runner_for(loaded)
+    runner.open_session("changed")
+    runner.set_instructions("changed", long_prompt(1200))
+    runner.step()
+    assert runner.sessions["changed"].system is not None  # half in
+    assert runner.set_instructions("changed", final) == "replaced"
+    runner.open_session("direct")
+    runner.set_instructions("direct", final)
+    for sid in ("changed", "direct"):
+        speak(runner, sid, audio)
+        runner.begin_reply(sid, [])
+        run_until_idle(runner)
+    n = len(system_turn_ids(loaded.ids, loaded.tokenizer, final))
+    changed, direct = runner.records["changed"], runner.records["direct"]
+    assert changed.text_ids == direct.text_ids and changed.prefill_tokens == direct.prefill_tokens
+    np.testing.assert_array_equal(changed.codes, direct.codes)
+    assert runner.sessions["changed"].last_reply.start_length == runner.sessions["direct"].last_reply.start_length
+    assert runner.sessions["direct"].last_reply.start_length > n
+
+
+def test_no_speculation_starts_while_the_prompt_goes_in(loaded) -> None:
+    runner = runner_for(loaded)
+    runner.open_session("s")
+    runner.set_instructions("s", long_prompt(700))
+    speak(runner, "s", make_audio(0.6, 220, 4))
+    assert not runner.speculate("s", [])
+    while runner.sessions["s"].system is not None:
+        runner.step()
+    assert runner.speculate("s", [])
