@@ -4,7 +4,9 @@ first text token and talker prefix (its first frame is rendered with the tick's 
 First-audio replies share the tick's prefill budget (prefill_chunk_tokens) in the scheduler's
 order (agent/engine/runner/scheduler.py: priority, then deadline), speculative ones last. A
 reply whose session's system prompt is not all in the cache yet spends its share on the prompt
-first (agent/engine/stages/system_prefill.py), and its own prefill starts with what is left.
+first (agent/engine/stages/system_prefill.py), then on the part of its turn that began going
+in while the user spoke, if that is not all in (a long closing: TurnPrefill.flush_audios), and
+its own prefill starts with what is left.
 The replies' chunks run in one batched forward, as do the talker prefixes of those that finish.
 """
 
@@ -39,13 +41,11 @@ class FirstAudio:
         chunks: list[tuple[str, SessionState, int]] = []
         for session_id in session_ids:
             state = replies[session_id]
-            if state.system is not None and budget > 0:  # it goes in first (never a speculation's)
-                take = min(budget, self.turns.system.left(state))
-                self.turns.system.run([(state, take)])
-                budget -= take
+            if budget > 0 and self.turns.ahead(state):  # never a speculation's (Speculation.speculate)
+                budget -= self.turns.run_ahead(state, budget)
             if budget <= 0:
                 break
-            if state.system is not None:
+            if self.turns.ahead(state):
                 continue
             try:
                 take = self.turns.reply_chunk(state, budget)

@@ -33,11 +33,12 @@ class Speculation:
         it (the held output goes out at once), drop_speculation or more speech discards it. The
         turn itself keeps listening: the speculation answers a fork of it. Returns whether one
         started (not while a reply is in flight or a held turn waits for one, nor while the
-        system prompt is still going into the cache, nor before the turn has any audio)."""
+        system prompt or a part of the turn is still going into the cache, nor before the turn
+        has any audio)."""
         state = self.sessions[session_id]
         turn = state.turn
-        if state.reply is not None or state.held_turns or state.system is not None:
-            return False  # (a rollback would lose the system prompt's progress with the reply's)
+        if state.reply is not None or state.held_turns or state.system is not None or turn.flushing is not None:
+            return False  # (a rollback would lose the progress of those prefills with the reply's)
         if not (turn.header_done or turn.pcm or turn.samples):
             return False
         self.replies.speculate(state, images, text_only)

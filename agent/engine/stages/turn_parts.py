@@ -68,6 +68,7 @@ class TurnParts:
         self.ids = loaded.ids
         self.max_reply_tokens = max_reply_tokens
         self.context_limit = context_limit
+        self.chunk_tokens = prefill_chunk_tokens
         self.n_window_infer = n_window_infer
         self.video = VideoPrefill(loaded, thinker, video)  # the camera as video, prefilled as it comes
         self.system = SystemPrefill(loaded, thinker, system_prompt, prefill_chunk_tokens)  # first, in chunks
@@ -130,7 +131,9 @@ class TurnParts:
         videos: ImageFeatures | None = None,
         places: Sequence[GridPlace] = (),
     ) -> TurnJob:
-        self.system.finish(state)  # (only a path that cannot wait gets here before it is done)
+        # Only a path that cannot wait gets here before these are in (sealing items, a reset).
+        self.system.finish(state)
+        self.finish_flushing(state, turn)
         n_closing = len(state.closing) if not turn.ids else 0
         full = state.thinker.length + len(ids) + self._reserve(state, turn) > self.context_limit
         # A bounded context (interpreter mode): a turn after `max_turns` answered ones starts the
@@ -166,6 +169,12 @@ class TurnParts:
             if part.job.finished:
                 self._finish(turn, part)
         return done
+
+    def finish_flushing(self, state: SessionState, turn: TurnState) -> None:
+        """The rest of the turn's part begun while the user spoke (TurnState.flushing), now."""
+        part, turn.flushing = turn.flushing, None
+        if part is not None:
+            self.run_parts([(state, turn, part)], [None])
 
     def _finish(self, turn: TurnState, part: TurnJob) -> None:
         """Record the user's tokens of a finished part for the talker (and for a replay)."""

@@ -60,6 +60,27 @@ class TurnPrefill:
     def system(self) -> SystemPrefill:
         return self.parts.system
 
+    def ahead(self, state: SessionState) -> int:
+        """Tokens that go into the cache before the session's reply's own prefill: the rest of its
+        system prompt, then the rest of its turn's part begun while the user spoke."""
+        part = state.reply.turn.flushing
+        return self.system.left(state) + (0 if part is None else len(part.job.ids) - part.job.done)
+
+    def run_ahead(self, state: SessionState, budget: int) -> int:
+        """At most `budget` of those tokens, in that order; returns how many went in."""
+        taken = min(budget, self.system.left(state))
+        if taken:
+            self.system.run([(state, taken)])
+        turn = state.reply.turn
+        part = turn.flushing
+        if state.system is None and part is not None and budget > taken:
+            take = min(budget - taken, len(part.job.ids) - part.job.done)
+            self.parts.run_parts([(state, turn, part)], [take])
+            if part.job.finished:
+                turn.flushing = None
+            taken += take
+        return taken
+
     # ---- the end of the turn (EndOfTurn) -------------------------------------------------------
 
     def reply_chunk(self, state: SessionState, budget: int) -> int:
@@ -150,30 +171,44 @@ class TurnPrefill:
     def flush_audios(self, states: Sequence[SessionState], budget: int | None = None) -> int:
         """flush_audio for several sessions, sharing `budget` audio tokens in order (None: no
         bound), all their prefills in one batched forward; returns the audio tokens taken."""
-        parts, taken = [], 0
+        parts, limits, taken = [], [], 0
+        chunk = self.parts.chunk_tokens
         # Their grids first, all in one forward of the vision tower (part() then finds them encoded).
         self.video.encode_waiting([state for state in states if self._flushable(state)])
         for state in states:
-            if budget is not None and budget - taken <= 0:
+            left = None if budget is None else budget - taken
+            if left is not None and left <= 0:
                 break
-            part, take = self._flush_part(state, None if budget is None else budget - taken)
-            if part is not None:
-                parts.append((state, state.turn, part))
-                taken += take
-        self.parts.run_parts(parts, [None] * len(parts))
+            part = state.turn.flushing if self._prefills(state) else None
+            if part is not None:  # begun in an earlier tick: it goes on first
+                limit = min(left or chunk, len(part.job.ids) - part.job.done)
+                taken += limit
+            else:
+                part, take = self._flush_part(state, left)
+                if part is None:
+                    continue
+                # Its tokens besides audio: the turn's header, and the closing (the last reply's
+                # end, instructions and items added since). Past a chunk, a chunk per tick.
+                limit = None if len(part.job.ids) - take <= chunk else (left or chunk)
+                taken += take if limit is None else limit
+            parts.append((state, state.turn, part))
+            limits.append(limit)
+        self.parts.run_parts(parts, limits)
+        for _, turn, part in parts:
+            turn.flushing = None if part.job.finished else part
         return taken
 
+    @classmethod
+    def _flushable(cls, state: SessionState) -> bool:
+        """Audio of the turn being spoken waits and may go into the cache now."""
+        return bool(state.turn.pending_audio) and state.turn.flushing is None and cls._prefills(state)
+
     @staticmethod
-    def _flushable(state: SessionState) -> bool:
-        """Audio of the turn being spoken waits and may go into the cache now (not during the
-        session's reply; a held turn goes in before this one, with its reply)."""
-        return (
-            bool(state.turn.pending_audio)
-            and state.system is None  # (it goes in first: SystemPrefill)
-            and state.reply is None
-            and not state.choices.captions_only
-            and not state.held_turns
-        )
+    def _prefills(state: SessionState) -> bool:
+        """The turn being spoken may go into the cache now: not before the system prompt
+        (SystemPrefill), nor during the session's reply; a held turn goes in before this one,
+        with its reply."""
+        return state.system is None and state.reply is None and not state.choices.captions_only and not state.held_turns
 
     def _flush_part(self, state: SessionState, max_tokens: int | None) -> tuple[TurnJob | None, int]:
         turn = state.turn
@@ -231,6 +266,7 @@ class TurnPrefill:
         if turn.history_reset:
             raise RuntimeError("the turn being spoken replaced the history: nothing before it to change")
         state.thinker.crop(turn.start_length, turn.start_pos)
+        turn.flushing = None  # (its audio is in audio_feats: it waits again with the rest)
         turn.pending_audio = [*turn.audio_feats, *turn.pending_audio]
         turn.audio_feats, turn.ids, turn.talker, turn.prefill_tokens = [], [], TalkerTurn(), 0
         turn.header_done = turn.audio_open = False
@@ -255,7 +291,7 @@ class TurnPrefill:
         prefills = state.reply is None and not state.choices.captions_only and not state.held_turns
         if state.choices.captions_only:
             return caption_audio_due(state.turn)
-        return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio))
+        return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio or state.turn.flushing))
 
     @staticmethod
     def queue_pcm(state: SessionState, pcm: np.ndarray) -> None:

@@ -110,6 +110,10 @@ class TurnState:
     audio_feats: list[torch.Tensor] = field(default_factory=list)
     talker: TalkerTurn = field(default_factory=TalkerTurn)
     prefill_tokens: int = 0  # thinker tokens prefilled for this turn (closing and header included)
+    # A part of the turn begun while the user speaks and not all in the cache yet (a TurnJob of
+    # agent/engine/stages/turn_parts.py: one whose closing is long goes in a chunk per tick);
+    # nothing else of the turn is prefilled before it.
+    flushing: Any = None
     history_reset: bool = False  # the context filled up and the history was dropped
     # Realtime API additions: user text items (after the audio, inside the same user message,
     # each on a line of its own: add_text) and a per-response system message put right before

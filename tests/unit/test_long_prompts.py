@@ -1,6 +1,6 @@
-"""A long system prompt goes into the cache a chunk per tick, and nobody waits on it but its own session.
+"""Long instructions go into the cache a chunk per tick, and nobody waits on them but their own session.
 
-Pins, on the tiny model (agent/engine/stages/system_prefill.py):
+Pins, on the tiny model, for the system prompt (agent/engine/stages/system_prefill.py):
 - instructions of thousands of tokens are in the cache a chunk (prefill_chunk_tokens) at a time:
   the first when they are set, the rest one chunk per tick; another session's reply gets its
   frames in the ticks between the chunks;
@@ -10,6 +10,13 @@ Pins, on the tiny model (agent/engine/stages/system_prefill.py):
 - instructions that replace a prompt half in start the cache over: the reply equals that of a
   session that had them from the start;
 - no speculation starts while the prompt goes in, and one does once it is in.
+And for instructions changed after a reply (a system message in the next turn's closing,
+TurnPrefill.flush_audios), with the 1 s audio window that prefills speech as it comes:
+- while the user speaks, the turn's first part (the closing, then the speech) goes in a chunk
+  at a time (on an idle engine one per piece of audio that arrives, else one per tick), and
+  the reply equals that of a runner that prefills the closing in one forward;
+- a system item added while that part is half in takes the turn back out of the cache and goes
+  before it: the reply equals the one-forward runner's after the same commands.
 """
 
 from __future__ import annotations
@@ -17,11 +24,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from support.engine_drive import SYSTEM, generate_speaking, run_until_idle, speak
+from support.engine_drive import PIECE, SYSTEM, generate_speaking, run_until_idle, speak
 from support.exact import FRAMES, SECONDS, TOKENS, assert_same, make_audio
 
 from agent.engine.api import AudioOut
 from agent.engine.checkpoints.model import build_inputs, system_turn_ids
+from agent.engine.runner.scheduler import SchedulerConfig
 from agent.engine.runner.streaming import StreamingRunner
 
 CHUNK = 256  # the scheduler's default prefill_chunk_tokens
@@ -120,3 +128,61 @@ def test_no_speculation_starts_while_the_prompt_goes_in(loaded) -> None:
     while runner.sessions["s"].system is not None:
         runner.step()
     assert runner.speculate("s", [])
+
+
+def _after_a_reply(loaded, chunk: int) -> StreamingRunner:
+    """A session that has had one reply, with the 1 s audio window (speech prefilled as it comes)."""
+    runner = runner_for(loaded, audio_window_s=1.0, schedule=SchedulerConfig(prefill_chunk_tokens=chunk))
+    runner.open_session("s")
+    speak(runner, "s", make_audio(1.0, 220, 5))
+    runner.begin_reply("s", [])
+    run_until_idle(runner)
+    return runner
+
+
+def test_instructions_changed_after_a_reply_go_in_a_chunk_per_tick_while_the_user_speaks(loaded) -> None:
+    prompt, audio = long_prompt(1200, "calm"), make_audio(3.0, 300, 6)
+    records = []
+    for chunk in (CHUNK, 1 << 16):
+        runner = _after_a_reply(loaded, chunk)
+        state = runner.sessions["s"]
+        assert runner.set_instructions("s", prompt) == "appended"
+        n = len(system_turn_ids(loaded.ids, loaded.tokenizer, prompt))
+        lengths, halfway = [state.thinker.length], 0
+        for i in range(0, len(audio), PIECE):  # an idle engine prefills as the audio comes
+            runner.append_audio("s", audio[i : i + PIECE])
+            lengths.append(state.thinker.length)
+            halfway += state.turn.flushing is not None
+        if chunk == CHUNK:
+            assert np.diff(lengths).max() <= CHUNK  # a chunk per piece of audio at most
+            assert halfway >= n // CHUNK - 1
+            while state.turn.flushing is not None:
+                runner.step()
+                lengths.append(state.thinker.length)
+                assert len(lengths) < 100
+            assert np.diff(lengths).max() <= CHUNK
+        else:
+            assert np.diff(lengths).max() > n and halfway == 0  # the closing in one forward
+        runner.begin_reply("s", [])
+        run_until_idle(runner)
+        records.append(runner.records["s"])
+    chunked, whole = records
+    assert chunked.text_ids == whole.text_ids and chunked.prefill_tokens == whole.prefill_tokens
+    np.testing.assert_array_equal(chunked.codes, whole.codes)
+
+
+def test_a_system_item_added_while_the_closing_goes_in_goes_before_the_turn(loaded) -> None:
+    records = []
+    for chunk in (CHUNK, 1 << 16):
+        runner = _after_a_reply(loaded, chunk)
+        runner.set_instructions("s", long_prompt(1200, "calm"))
+        speak(runner, "s", make_audio(1.2, 300, 7))  # final audio from 1 s on: a few chunks in
+        assert (runner.sessions["s"].turn.flushing is not None) == (chunk == CHUNK)  # half in
+        runner.add_system_text("s", "The user is in Paris.")
+        assert runner.sessions["s"].turn.flushing is None  # the turn came back out
+        runner.begin_reply("s", [])
+        run_until_idle(runner)
+        records.append(runner.records["s"])
+    chunked, whole = records
+    assert chunked.text_ids == whole.text_ids and chunked.prefill_tokens == whole.prefill_tokens
+    np.testing.assert_array_equal(chunked.codes, whole.codes)
