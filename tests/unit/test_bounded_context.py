@@ -83,9 +83,14 @@ def test_a_reset_replays_the_items_added_before_its_turn(loaded):
     assistant, _ = _reset_turn(loaded, lambda r: r.add_assistant_text("s", "Bonjour."))
     assert assistant["prefill_tokens"] > base["prefill_tokens"]
     told, runner = _reset_turn(loaded, lambda r: r.set_instructions("s", "Be terse."))
-    assert told["prefill_tokens"] == base["prefill_tokens"]  # not replayed: the system prompt says it
+    # The reset puts its system prompt in with the turn (prefill_tokens count it): the new
+    # instructions, and the change is not replayed as a message besides.
+    prompt = len(runner.turns.system_message_ids("Be terse."))
+    assert told["prefill_tokens"] - prompt == base["prefill_tokens"] - len(
+        runner.turns.system_message_ids("You are a helpful voice assistant.")
+    )
     fed = runner.context("s")["last_reply"]["fed"]
-    assert told["context_tokens"] - told["prefill_tokens"] - fed == len(runner.turns.system_message_ids("Be terse."))
+    assert told["context_tokens"] == told["prefill_tokens"] + fed  # the prompt, the turn, the reply: nothing else
 
 
 def test_instructions_that_leave_no_room_for_a_reply_are_refused(loaded):

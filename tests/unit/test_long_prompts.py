@@ -9,7 +9,11 @@ Pins, on the tiny model, for the system prompt (agent/engine/stages/system_prefi
   generate() on that prompt;
 - instructions that replace a prompt half in start the cache over: the reply equals that of a
   session that had them from the start;
-- no speculation starts while the prompt goes in, and one does once it is in.
+- no speculation starts while the prompt goes in, and one does once it is in;
+- a turn that fills the context starts the history over with the prompt in its own chunks
+  (no tick adds more than a chunk to the cache), and its reply equals generate() on the fresh
+  single-turn prompt; cancelled before that prefill ends, it leaves an empty cache and the prompt
+  waiting, so the next turn's reply equals generate() on its own single-turn prompt.
 And for instructions changed after a reply (a system message in the next turn's closing,
 TurnPrefill.flush_audios), with the 1 s audio window that prefills speech as it comes:
 - while the user speaks, the turn's first part (the closing, then the speech) goes in a chunk
@@ -27,7 +31,7 @@ import numpy as np
 from support.engine_drive import PIECE, SYSTEM, generate_speaking, run_until_idle, speak
 from support.exact import FRAMES, SECONDS, TOKENS, assert_same, make_audio
 
-from agent.engine.api import AudioOut
+from agent.engine.api import AudioOut, ReplyDone
 from agent.engine.checkpoints.model import build_inputs, system_turn_ids
 from agent.engine.runner.scheduler import SchedulerConfig
 from agent.engine.runner.streaming import StreamingRunner
@@ -186,3 +190,59 @@ def test_a_system_item_added_while_the_closing_goes_in_goes_before_the_turn(load
     chunked, whole = records
     assert chunked.text_ids == whole.text_ids and chunked.prefill_tokens == whole.prefill_tokens
     np.testing.assert_array_equal(chunked.codes, whole.codes)
+
+
+def _generated(loaded, prompt: str, audio: np.ndarray) -> tuple:
+    """generate() on the single-turn prompt, as assert_same takes it."""
+    inputs = build_inputs(loaded, audio, [], prompt)
+    sequences, wav, codes = generate_speaking(loaded, TOKENS, FRAMES, **inputs)
+    text = [t for t in sequences[0, inputs["input_ids"].shape[1] :].tolist() if t not in loaded.thinker_eos_ids]
+    return (text, codes, wav.reshape(-1).numpy(), inputs["input_ids"].shape[1])
+
+
+def _full_after_one_turn(loaded, prompt: str, room: int) -> StreamingRunner:
+    """A session with the long prompt and one answered turn, its context room for one turn of
+    `room` prompt tokens and its reply, not for two."""
+    runner = runner_for(loaded, context_limit=room + TOKENS + 8 + 4)
+    runner.open_session("s")
+    runner.set_instructions("s", prompt)
+    speak(runner, "s", make_audio(1.0, 220, 8))
+    runner.begin_reply("s", [])
+    run_until_idle(runner)
+    return runner
+
+
+def test_a_full_context_puts_a_long_prompt_in_again_a_chunk_per_tick(loaded) -> None:
+    prompt, audio2 = long_prompt(700, "kind"), make_audio(1.0, 300, 9)
+    ref = _generated(loaded, prompt, audio2)
+    runner = _full_after_one_turn(loaded, prompt, ref[3])
+    state = runner.sessions["s"]
+    speak(runner, "s", audio2)
+    runner.begin_reply("s", [])
+    lengths, done = [state.thinker.length], []
+    while runner.has_work():
+        done += [o for o in runner.step() if isinstance(o, ReplyDone)]
+        lengths.append(state.thinker.length)
+    assert done[0].stats["history_reset"]
+    assert min(lengths) <= CHUNK + 1  # the history went
+    assert np.diff(lengths).max() <= CHUNK + 1  # then a chunk a tick (and the reply's tokens)
+    assert_same(runner.records["s"], ref)
+
+
+def test_a_reset_cancelled_before_its_prefill_ends_leaves_the_prompt_waiting(loaded) -> None:
+    prompt, audio3 = long_prompt(700, "kind"), make_audio(1.0, 260, 10)
+    ref = _generated(loaded, prompt, audio3)
+    runner = _full_after_one_turn(loaded, prompt, ref[3])
+    speak(runner, "s", make_audio(1.0, 300, 9))
+    runner.begin_reply("s", [])
+    runner.step()  # the reset and the prompt's first chunk
+    state = runner.sessions["s"]
+    assert 0 < state.thinker.length <= CHUNK
+    runner.cancel_reply("s")
+    assert state.thinker.length == 0  # the prompt waits with the items, to go in with the next turn
+    run_until_idle(runner)
+    runner.discard_turn("s")
+    speak(runner, "s", audio3)
+    runner.begin_reply("s", [])
+    run_until_idle(runner)
+    assert_same(runner.records["s"], ref)

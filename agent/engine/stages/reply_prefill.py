@@ -168,12 +168,17 @@ class EndOfTurn:
         if state.held_turns:
             # Turns wait behind this one (interpreter mode): it cannot go back to being spoken
             # without reordering them, so the cancelled turn is dropped from the cache.
-            if prefill is not None and not prefill.part.history_reset:
-                state.thinker.crop(prefill.start_length, prefill.start_pos)
+            if prefill is not None:  # (a reset's: all of the cache; its closing waits to go in again)
+                state.thinker.crop(
+                    *((0, 0) if prefill.part.history_reset else (prefill.start_length, prefill.start_pos))
+                )
             return
         if prefill is not None:
             if prefill.part.history_reset:
-                turn = self.parts.new_turn()  # the history went with the context reset: so did the turn
+                # The history went with the context reset: so did the turn. The cache held only
+                # the reset's part; its closing (the system prompt, the items) waits to go in again.
+                state.thinker.crop(0, 0)
+                turn = self.parts.new_turn()
             else:
                 state.thinker.crop(prefill.start_length, prefill.start_pos)
                 turn.header_done, turn.audio_open = prefill.header_done, prefill.audio_open

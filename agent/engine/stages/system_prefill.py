@@ -20,8 +20,9 @@ Nothing else of the session goes into the cache before it is done, because the j
 start at 0:
 - its microphone audio waits (TurnPrefill._flushable);
 - no speculation starts (Speculation.speculate);
-- a path that must prefill at once finishes it first (`finish`): sealing committed items, a
-  history reset.
+- a path that must prefill at once finishes it first (`finish`): sealing committed items.
+A history reset (a full context) does not start a job: the prompt goes in as the closing of the
+turn it replays, in that turn's chunks (TurnParts._reset_history).
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ class SystemPrefill:
     def start(self, state: SessionState) -> None:
         """The session's system prompt (its instructions, else the runner's) as the job that
         fills its cache from the start, whatever the cache held; its first chunk now."""
-        prompt = self.system_prompt if state.choices.system_prompt is None else state.choices.system_prompt
-        ids = system_turn_ids(self.loaded.ids, self.loaded.tokenizer, prompt)
         state.thinker.crop(0, 0)
-        state.system = self.thinker.start_prefill(state.thinker, ids)
+        state.system = self.thinker.start_prefill(state.thinker, self.ids(state))
         self.run([(state, self.chunk_tokens)])
+
+    def ids(self, state: SessionState) -> list[int]:
+        """The session's system turn: its instructions, else the runner's prompt."""
+        prompt = self.system_prompt if state.choices.system_prompt is None else state.choices.system_prompt
+        return system_turn_ids(self.loaded.ids, self.loaded.tokenizer, prompt)
 
     @staticmethod
     def waiting(state: SessionState) -> bool:

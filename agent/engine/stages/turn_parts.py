@@ -194,8 +194,13 @@ class TurnParts:
     ) -> TurnJob:
         """The context is full: drop the history, keep the system prompt and replay this turn, after
         the whole turns added since the last reply (system and assistant items: the conversation
-        lists them before this turn; a reset used to drop them)."""
+        lists them before this turn; a reset used to drop them). The system prompt and those
+        turns are the part's closing: they go in with the replay, in its chunks (a long prompt in
+        one forward held the engine at every reset), and they wait in `state.closing` until its
+        reply's prefill ends, so a turn dropped before then (discard, abandon) has the cache
+        cropped to empty and the next turn puts them in again."""
         items = _without(state.closing[state.closing_tail :], state.instruction_turns)
+        system = self.system.ids(state)
         replay = items + turn.ids + new_ids
         audio = torch.cat(turn.audio_feats, dim=0) if turn.audio_feats else None
         state.thinker = KVState(state.slot)
@@ -203,20 +208,18 @@ class TurnParts:
         state.talker_history = TalkerHistory()
         state.closing_prefilled()
         state.context_turns = 0
-        # The system prompt at once: this turn's replay goes in right after it. A reset is rare (a
-        # full context; interpreter mode's bounded one, whose template is short).
-        self.system.start(state)
-        self.system.finish(state)
-        if state.thinker.length + len(replay) + self._reserve(state, turn) > self.context_limit:
+        if len(system) + len(replay) + self._reserve(state, turn) > self.context_limit:
             raise RuntimeError("one turn is longer than the context limit")
         turn.ids, turn.talker, turn.prefill_tokens, turn.history_reset = [], TalkerTurn(), 0, True
-        turn.start_length, turn.start_pos = state.thinker.length, state.thinker.next_pos
+        turn.start_length = turn.start_pos = 0  # (the cache is empty: the turn's part holds it all)
         turn.video.block = None  # the replay opens the turn's block again
-        state.closing = items  # prefilled first, and not the user's (start counts them as closing)
+        # Prefilled first, and not the user's (start counts them as closing); a later reset
+        # replays the items (closing_tail on), not the prompt.
+        state.closing, state.closing_tail = system + items, len(system)
         part = self.start(
             state,
             turn,
-            replay,
+            system + replay,
             audio=audio,
             images=images,
             assistant_tail=assistant_tail,

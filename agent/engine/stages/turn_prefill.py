@@ -170,7 +170,10 @@ class TurnPrefill:
 
     def flush_audios(self, states: Sequence[SessionState], budget: int | None = None) -> int:
         """flush_audio for several sessions, sharing `budget` audio tokens in order (None: no
-        bound), all their prefills in one batched forward; returns the audio tokens taken."""
+        bound), all their prefills in one batched forward; returns the tokens taken. A part with
+        more than a chunk of other tokens (a long closing: instructions or items added since the
+        last reply; a history reset's replay) runs a chunk at a time (the rest of the budget, or
+        one chunk when there is none), the rest in the next calls (TurnState.flushing)."""
         parts, limits, taken = [], [], 0
         chunk = self.parts.chunk_tokens
         # Their grids first, all in one forward of the vision tower (part() then finds them encoded).
