@@ -142,7 +142,7 @@ class EndOfTurn:
         if stage.job is None:
             stage.job = self.start_reply(state)
         job = stage.job.part.job
-        return min(budget, len(job.ids) - job.done)
+        return min(budget, job.left)
 
     def run_replies(self, chunks: Sequence[tuple[SessionState, int]]) -> list[PrefillOut | None]:
         """Advance the end-of-turn prefills (state, tokens from reply_chunk) in one batched

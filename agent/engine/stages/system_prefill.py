@@ -62,7 +62,7 @@ class SystemPrefill:
     @staticmethod
     def left(state: SessionState) -> int:
         job: PrefillJob | None = state.system
-        return 0 if job is None else len(job.ids) - job.done
+        return 0 if job is None else job.left
 
     def run(self, chunks: Sequence[tuple[SessionState, int | None]]) -> None:
         """The next chunk of each session's job (at most that many tokens; None: to its end),

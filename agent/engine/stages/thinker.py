@@ -66,6 +66,11 @@ class PrefillJob:
     def finished(self) -> bool:
         return self.done >= len(self.ids)
 
+    @property
+    def left(self) -> int:
+        """Tokens not prefilled yet."""
+        return len(self.ids) - self.done
+
     def result(self) -> PrefillOut:
         """The whole job's output (after the last chunk)."""
         return PrefillOut(

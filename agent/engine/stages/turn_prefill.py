@@ -64,7 +64,7 @@ class TurnPrefill:
         """Tokens that go into the cache before the session's reply's own prefill: the rest of its
         system prompt, then the rest of its turn's part begun while the user spoke."""
         part = state.reply.turn.flushing
-        return self.system.left(state) + (0 if part is None else len(part.job.ids) - part.job.done)
+        return self.system.left(state) + (0 if part is None else part.job.left)
 
     def run_ahead(self, state: SessionState, budget: int) -> int:
         """At most `budget` of those tokens, in that order; returns how many went in."""
@@ -74,7 +74,7 @@ class TurnPrefill:
         turn = state.reply.turn
         part = turn.flushing
         if state.system is None and part is not None and budget > taken:
-            take = min(budget - taken, len(part.job.ids) - part.job.done)
+            take = min(budget - taken, part.job.left)
             self.parts.run_parts([(state, turn, part)], [take])
             if part.job.finished:
                 turn.flushing = None
@@ -184,7 +184,7 @@ class TurnPrefill:
                 break
             part = state.turn.flushing if self._prefills(state) else None
             if part is not None:  # begun in an earlier tick: it goes on first
-                limit = min(left or chunk, len(part.job.ids) - part.job.done)
+                limit = min(left or chunk, part.job.left)
                 taken += limit
             else:
                 part, take = self._flush_part(state, left)
@@ -291,10 +291,9 @@ class TurnPrefill:
 
     def pcm_queued(self, state: SessionState) -> bool:
         # Captions: agent/engine/runner/transcriber.py reads them; held turns: this turn's audio waits behind theirs.
-        prefills = state.reply is None and not state.choices.captions_only and not state.held_turns
         if state.choices.captions_only:
             return caption_audio_due(state.turn)
-        return bool(state.turn.pcm) or (prefills and bool(state.turn.pending_audio or state.turn.flushing))
+        return bool(state.turn.pcm) or (self._prefills(state) and bool(state.turn.pending_audio or state.turn.flushing))
 
     @staticmethod
     def queue_pcm(state: SessionState, pcm: np.ndarray) -> None:
