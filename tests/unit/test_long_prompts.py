@@ -47,6 +47,27 @@ def runner_for(loaded, **options) -> StreamingRunner:
     return StreamingRunner(loaded, SYSTEM, max_reply_tokens=TOKENS, max_reply_seconds=SECONDS, record=True, **options)
 
 
+def answer(runner: StreamingRunner, sid: str, audio: np.ndarray) -> None:
+    """A turn of `audio`, then its reply, to the end."""
+    speak(runner, sid, audio)
+    runner.begin_reply(sid, [])
+    run_until_idle(runner)
+
+
+def generated(loaded, prompt: str, audio: np.ndarray) -> tuple:
+    """generate() on the single-turn prompt, as assert_same takes it."""
+    inputs = build_inputs(loaded, audio, [], prompt)
+    sequences, wav, codes = generate_speaking(loaded, TOKENS, FRAMES, **inputs)
+    text = [t for t in sequences[0, inputs["input_ids"].shape[1] :].tolist() if t not in loaded.thinker_eos_ids]
+    return (text, codes, wav.reshape(-1).numpy(), inputs["input_ids"].shape[1])
+
+
+def assert_same_reply(a, b) -> None:
+    """Two recorded replies: the same text, prefill and codes."""
+    assert a.text_ids == b.text_ids and a.prefill_tokens == b.prefill_tokens
+    np.testing.assert_array_equal(a.codes, b.codes)
+
+
 def test_a_long_prompt_goes_in_a_chunk_per_tick_between_another_sessions_frames(loaded) -> None:
     runner = StreamingRunner(loaded, SYSTEM, max_reply_tokens=64, max_reply_seconds=3.0)
     runner.open_session("a")
@@ -80,9 +101,7 @@ def test_a_long_prompt_goes_in_a_chunk_per_tick_between_another_sessions_frames(
 def test_a_turn_ended_before_its_prompt_is_in_waits_for_it_and_equals_generate(loaded) -> None:
     prompt = long_prompt(700, "kind")
     audio = make_audio(1.0, 260, 2)
-    inputs = build_inputs(loaded, audio, [], prompt)
-    sequences, wav, codes = generate_speaking(loaded, TOKENS, FRAMES, **inputs)
-    text = [t for t in sequences[0, inputs["input_ids"].shape[1] :].tolist() if t not in loaded.thinker_eos_ids]
+    ref = generated(loaded, prompt, audio)
 
     runner = runner_for(loaded)
     runner.open_session("s")
@@ -97,7 +116,7 @@ def test_a_turn_ended_before_its_prompt_is_in_waits_for_it_and_equals_generate(l
     assert state.thinker.length == 2 * CHUNK
     assert not any(isinstance(o, AudioOut) for o in first)
     run_until_idle(runner)
-    assert_same(runner.records["s"], (text, codes, wav.reshape(-1).numpy(), None))
+    assert_same(runner.records["s"], ref)
 
 
 def test_instructions_replacing_a_prompt_half_in_start_the_cache_over(loaded) -> None:
@@ -112,13 +131,9 @@ def test_instructions_replacing_a_prompt_half_in_start_the_cache_over(loaded) ->
     runner.open_session("direct")
     runner.set_instructions("direct", final)
     for sid in ("changed", "direct"):
-        speak(runner, sid, audio)
-        runner.begin_reply(sid, [])
-        run_until_idle(runner)
+        answer(runner, sid, audio)
     n = len(system_turn_ids(loaded.ids, loaded.tokenizer, final))
-    changed, direct = runner.records["changed"], runner.records["direct"]
-    assert changed.text_ids == direct.text_ids and changed.prefill_tokens == direct.prefill_tokens
-    np.testing.assert_array_equal(changed.codes, direct.codes)
+    assert_same_reply(runner.records["changed"], runner.records["direct"])
     assert runner.sessions["changed"].last_reply.start_length == runner.sessions["direct"].last_reply.start_length
     assert runner.sessions["direct"].last_reply.start_length > n
 
@@ -138,9 +153,7 @@ def _after_a_reply(loaded, chunk: int) -> StreamingRunner:
     """A session that has had one reply, with the 1 s audio window (speech prefilled as it comes)."""
     runner = runner_for(loaded, audio_window_s=1.0, schedule=SchedulerConfig(prefill_chunk_tokens=chunk))
     runner.open_session("s")
-    speak(runner, "s", make_audio(1.0, 220, 5))
-    runner.begin_reply("s", [])
-    run_until_idle(runner)
+    answer(runner, "s", make_audio(1.0, 220, 5))
     return runner
 
 
@@ -170,9 +183,7 @@ def test_instructions_changed_after_a_reply_go_in_a_chunk_per_tick_while_the_use
         runner.begin_reply("s", [])
         run_until_idle(runner)
         records.append(runner.records["s"])
-    chunked, whole = records
-    assert chunked.text_ids == whole.text_ids and chunked.prefill_tokens == whole.prefill_tokens
-    np.testing.assert_array_equal(chunked.codes, whole.codes)
+    assert_same_reply(*records)  # chunked, whole
 
 
 def test_a_system_item_added_while_the_closing_goes_in_goes_before_the_turn(loaded) -> None:
@@ -187,17 +198,7 @@ def test_a_system_item_added_while_the_closing_goes_in_goes_before_the_turn(load
         runner.begin_reply("s", [])
         run_until_idle(runner)
         records.append(runner.records["s"])
-    chunked, whole = records
-    assert chunked.text_ids == whole.text_ids and chunked.prefill_tokens == whole.prefill_tokens
-    np.testing.assert_array_equal(chunked.codes, whole.codes)
-
-
-def _generated(loaded, prompt: str, audio: np.ndarray) -> tuple:
-    """generate() on the single-turn prompt, as assert_same takes it."""
-    inputs = build_inputs(loaded, audio, [], prompt)
-    sequences, wav, codes = generate_speaking(loaded, TOKENS, FRAMES, **inputs)
-    text = [t for t in sequences[0, inputs["input_ids"].shape[1] :].tolist() if t not in loaded.thinker_eos_ids]
-    return (text, codes, wav.reshape(-1).numpy(), inputs["input_ids"].shape[1])
+    assert_same_reply(*records)  # chunked, whole
 
 
 def _full_after_one_turn(loaded, prompt: str, room: int) -> StreamingRunner:
@@ -206,15 +207,13 @@ def _full_after_one_turn(loaded, prompt: str, room: int) -> StreamingRunner:
     runner = runner_for(loaded, context_limit=room + TOKENS + 8 + 4)
     runner.open_session("s")
     runner.set_instructions("s", prompt)
-    speak(runner, "s", make_audio(1.0, 220, 8))
-    runner.begin_reply("s", [])
-    run_until_idle(runner)
+    answer(runner, "s", make_audio(1.0, 220, 8))
     return runner
 
 
 def test_a_full_context_puts_a_long_prompt_in_again_a_chunk_per_tick(loaded) -> None:
     prompt, audio2 = long_prompt(700, "kind"), make_audio(1.0, 300, 9)
-    ref = _generated(loaded, prompt, audio2)
+    ref = generated(loaded, prompt, audio2)
     runner = _full_after_one_turn(loaded, prompt, ref[3])
     state = runner.sessions["s"]
     speak(runner, "s", audio2)
@@ -231,7 +230,7 @@ def test_a_full_context_puts_a_long_prompt_in_again_a_chunk_per_tick(loaded) -> 
 
 def test_a_reset_cancelled_before_its_prefill_ends_leaves_the_prompt_waiting(loaded) -> None:
     prompt, audio3 = long_prompt(700, "kind"), make_audio(1.0, 260, 10)
-    ref = _generated(loaded, prompt, audio3)
+    ref = generated(loaded, prompt, audio3)
     runner = _full_after_one_turn(loaded, prompt, ref[3])
     speak(runner, "s", make_audio(1.0, 300, 9))
     runner.begin_reply("s", [])
@@ -242,7 +241,5 @@ def test_a_reset_cancelled_before_its_prefill_ends_leaves_the_prompt_waiting(loa
     assert state.thinker.length == 0  # the prompt waits with the items, to go in with the next turn
     run_until_idle(runner)
     runner.discard_turn("s")
-    speak(runner, "s", audio3)
-    runner.begin_reply("s", [])
-    run_until_idle(runner)
+    answer(runner, "s", audio3)
     assert_same(runner.records["s"], ref)
