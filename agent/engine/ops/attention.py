@@ -18,6 +18,10 @@ j <= i (`index`, [B, T]); grouped KV heads (GQA) are shared by `q_heads / kv_hea
 - "flash": flash-attn's `flash_attn_with_kvcache` (when installed, CUDA, fp16/bf16), reading the
   cache in place through `cache_batch_idx` with per-row `cache_seqlens` and bottom-right causal
   alignment; it needs each row's new tokens at consecutive indices, which every caller here has.
+  It is called through a registered custom op (`omni_agent::flash_kvcache`): Dynamo cannot trace
+  the C extension, so the compiled steps (torch.compile with fullgraph=True) would fail to
+  compile if they met the raw call; the op is one opaque node to them, and its fake
+  implementation gives the compiler the output's shape.
 
 `select_backend` is the capability check; `kv_traffic` says how many KV bytes a step reads for
 given row lengths on each backend (the benchmark prints it next to the live cache bytes).
@@ -207,7 +211,8 @@ def flex_attend(
 # ---- flash-attn ----------------------------------------------------------------------------
 
 
-def flash_attend(
+@torch.library.custom_op("omni_agent::flash_kvcache", mutates_args=())
+def flash_kvcache(
     q: torch.Tensor,
     cache_k: torch.Tensor,
     cache_v: torch.Tensor,
@@ -215,6 +220,15 @@ def flash_attend(
     index: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    """flash-attn's `flash_attn_with_kvcache` as an opaque op: q [B, q_heads, T, d], caches
+    [rows, kv_heads, capacity, d], slots [B] and index [B, T] long -> [B, T, q_heads, d]
+    (flash's layout, contiguous).
+
+    Dynamo cannot trace into the C extension (flash-attention issue #1386), so a compiled step
+    with fullgraph=True that called it directly would fail to compile; as a registered op it is
+    one node of the graph, run eagerly, and `_flash_kvcache_fake` gives the compiler its output's
+    shape. Nothing is mutated: the caller has already written the new keys and values into the
+    cache, and flash is called with no k/v to append, so it only reads the cache."""
     from flash_attn import flash_attn_with_kvcache
 
     # [rows, kv_heads, capacity, d] viewed as flash's [rows, capacity, kv_heads, d]: same
@@ -229,7 +243,28 @@ def flash_attend(
         softmax_scale=scale,
         causal=True,
     )
-    return out.transpose(1, 2)
+    # flash allocates its output like its q: when q's [B, T, heads, d] view is contiguous (how
+    # the projections lay q out, slots.py) the output is too and this copies nothing. The op
+    # promises contiguous whatever q's strides, so that the fake below is exact.
+    return out.contiguous()
+
+
+@flash_kvcache.register_fake
+def _flash_kvcache_fake(q, cache_k, cache_v, slots, index, scale):
+    batch, heads, n_q, head_dim = q.shape
+    return q.new_empty(batch, n_q, heads, head_dim)
+
+
+def flash_attend(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    slots: torch.Tensor,
+    index: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """flash-attn through the registered op (eager and compiled callers alike)."""
+    return flash_kvcache(q, cache_k, cache_v, slots, index, float(scale)).transpose(1, 2)
 
 
 # ---- what a step reads -----------------------------------------------------------------------
