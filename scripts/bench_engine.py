@@ -12,7 +12,11 @@ Stages: preprocessing + encoders at end of turn, Thinker first token, Talker fir
 code predictor and code2wav per frame, TTFA, real-time factor (compute / audio length).
 Last line: `ttfa_ratio_vs_reference=R utterance_growth=G`.
 
-    .venv/bin/python scripts/bench_engine.py [--repeats 3] [--model PATH] [--batch 1,4]
+    .venv/bin/python scripts/bench_engine.py [--repeats 3] [--model PATH] [--batch 1,4] [--context 4096]
+
+The engine is sized to the run, not to the card: one session slot per session of the largest
+--batch, --context tokens each (4096 unless told), so a run at real size fits an 80 GB H100
+(docs/memory.md).
 
 With --kernels (scripts/bench_kernels.py, docs/engine-roofline.md) it instead counts the
 kernels of one engine tick and of the end-of-turn path at real structure (1 and 2 layers per
@@ -46,6 +50,8 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +99,19 @@ def load(args: argparse.Namespace):
     )
 
 
-CAP_CONTEXT = 4096  # tokens per session slot under --memory-cap-gib: the bench's turns need < 1000
+# Tokens per session slot in the timed run (--context): the bench's turns need < 1000. The engine's
+# own default (32768 tokens, 8 slots) is ~29 GiB of KV beside 65.8 GiB of weights at real size,
+# more than an 80 GB H100 holds; this keeps every bench on one.
+BENCH_CONTEXT = 4096
+KERNEL_CONTEXT = 1024  # --context of the kernel and byte models (--kernels): KV bytes a tick reads
+PROFILED_BATCHES = (1, 4)  # --profile-ticks profiles these batches (scripts/bench_profile.py)
+
+
+def bench_config(cfg: Config, batches: Sequence[int], context: int, profile_ticks: int = 0) -> Config:
+    """The Config's session slots and context sized to the run: as many slots as the largest batch
+    it runs (the profiled ones too), `context` tokens each, and no transcription slots."""
+    slots = max([*batches, *(PROFILED_BATCHES if profile_ticks else ())])
+    return replace(cfg, max_sessions=slots, max_transcription_sessions=0, context_limit=context)
 
 
 def cap_memory(gib: float, device: str) -> None:
@@ -128,6 +146,13 @@ def main() -> None:
         "bytes of the int4 model against bf16 on the meta device instead of counting kernels (scripts/bench_bytes.py)",
     )
     p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1])
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help=f"tokens of KV per session: the timed run's slots, one per session of the largest --batch "
+        f"(default {BENCH_CONTEXT}); with --kernels, the byte model's (default {KERNEL_CONTEXT})",
+    )
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--max-reply-tokens", type=int, default=24)
     p.add_argument("--max-reply-seconds", type=float, default=2.0)
@@ -143,8 +168,8 @@ def main() -> None:
         "--memory-cap-gib",
         type=float,
         default=0.0,
-        help="CUDA: cap this process's device memory (set_per_process_memory_fraction, before the load) and "
-        f"size the static caches to the run (slots = the largest --batch, {CAP_CONTEXT} tokens each)",
+        help="CUDA: cap this process's device memory (set_per_process_memory_fraction, before the load); "
+        "the static caches are sized to the run whether capped or not (--context)",
     )
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="stream eagerly on CUDA")
     p.add_argument(
@@ -188,7 +213,6 @@ def main() -> None:
     )
     k.add_argument("--layers", type=ints, default=[1, 2], help="two depths per stack to difference (default 1,2)")
     k.add_argument("--kernel-batches", type=ints, default=[1, 4, 10], help="steady-tick batch sizes (1 and 4 always)")
-    k.add_argument("--context", type=int, default=1024, help="tokens of KV per session in the byte model")
     k.add_argument(
         "--graphs",
         choices=("fake", "off"),
@@ -213,6 +237,8 @@ def main() -> None:
     )
     m.add_argument("--load-dir", default=None, help="where the temporary checkpoints go (default: the system temp dir)")
     args = p.parse_args()
+    if args.context is None:
+        args.context = KERNEL_CONTEXT if args.kernels else BENCH_CONTEXT
     # Each step's compile time as it finishes: a cold compile at real depth can outlast a time
     # limit on the device, and the log then says how far it got.
     logging.basicConfig(format="# %(relativeCreated)7.0f ms  %(message)s", stream=sys.stdout)
@@ -263,15 +289,11 @@ def main() -> None:
         sampling=sampled if args.decoding == "sample" else Decoding.greedy(seed=0),
     )
     if args.compile is not None:
-        from dataclasses import fields, replace
-
         if "compile" not in {f.name for f in fields(Config)}:
             p.error("--compile: this engine's Config has no compile option yet")
         cfg = replace(cfg, compile=args.compile)
-    if args.memory_cap_gib:  # the default 8 slots x 32768 tokens of KV alone are ~29 GiB at real size
-        from dataclasses import replace
-
-        cfg = replace(cfg, max_sessions=max(args.batch), context_limit=CAP_CONTEXT)
+    cfg = bench_config(cfg, args.batch, args.context, args.profile_ticks)
+    print(f"# slots: {cfg.max_sessions} x {cfg.context_limit} tokens", flush=True)
     from agent.engine.compile.wiring import GraphConfig
 
     graphs = GraphConfig(

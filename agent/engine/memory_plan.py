@@ -21,22 +21,27 @@ naming the flag to lower and by how much. On the CPU nothing is derived: the def
 Where: `size_limits(config)` runs before the engine and the HTTP app are built (agent/__main__.py
 `serve`, a Ray replica's start), on the main thread before the event loop runs (a Ray replica
 runs it in a worker thread). It reads the checkpoint's config.json (weights counted on the meta
-device: nothing is loaded) and `torch.cuda.mem_get_info()`, and returns the Config with the
-resolved numbers, so admission (agent/transport/http.py, `config.max_sessions`), the engine inbox
-and the engine's caches (`config.engine_slots`, `config.context_limit`) all read the same ones.
-After the load the engine thread compares the plan with what is really free (`check_after_load`).
+device: nothing is loaded) and the GPU's free memory through NVML, less the engine's CUDA context
+still to come (`engine_free`: no CUDA context is made in this process, whose memory the engine's
+child process could not use), and returns the Config with the resolved numbers, so admission
+(agent/transport/http.py, `config.max_sessions`), the engine inbox and the engine's caches
+(`config.engine_slots`, `config.context_limit`) all read the same ones. After the load the engine
+compares the plan with what is really free (`check_after_load`, in the engine's process).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from agent.engine.model_memory import Card, GiB, KiB, ModelMemory
+from agent.engine.model_memory import CUDA_CONTEXT_BYTES, Card, GiB, KiB, ModelMemory
 
 if TYPE_CHECKING:
+    import torch
+
     from agent.config import Config
     from agent.engine.checkpoints.model import LoadedModel
 
@@ -53,8 +58,29 @@ DEFAULT_SESSIONS = 8  # Config().max_sessions: the cap on derived sessions
 DEFAULT_CONTEXT = 32768  # Config().context_limit: the derived context's ceiling
 MIN_SESSIONS = 2  # the plan lowers the context before it goes under this many sessions ...
 MIN_CONTEXT = 8192  # ... but not under this many tokens
-CONTEXT_STEP = 1024  # derived contexts are multiples of this
+CONTEXT_STEP = 1024  # the granularity of the longest context a refusal suggests
+# Derived contexts round down to a tier (powers of two from this one, and each one's 1.5x: 4096,
+# 6144, 8192, 12288, 16384, 24576, 32768, ...): the context is a compiled shape, part of the compile
+# cache's key, so a start with a little less free memory (another process, a driver update) must
+# derive the same context as the last one, or it compiles cold.
+CONTEXT_TIER_BASE = 4096
+# Device memory the engine's own CUDA context takes once it starts (the context, cuBLAS/cuDNN
+# handles, the kernels' modules): the plan reads free memory through NVML before any context
+# exists, in a process that never makes one. An estimate, the same one the named cards are counted
+# with (model_memory.CUDA_CONTEXT_BYTES, 0.5 GiB for CUDA 12 on H100/H200); no bench result
+# measures it yet. check_after_load, once the context exists, says when it was short.
+ENGINE_CONTEXT_BYTES = CUDA_CONTEXT_BYTES
 LIMITS = ("max_sessions", "context_limit")
+
+
+def context_tier(tokens: int) -> int:
+    """The largest context tier at or under `tokens`: CONTEXT_TIER_BASE x 2**k or 1.5 x that
+    (0 under CONTEXT_TIER_BASE)."""
+    tier, power = 0, CONTEXT_TIER_BASE
+    while power <= tokens:
+        tier = power * 3 // 2 if power * 3 // 2 <= tokens else power
+        power *= 2
+    return tier
 
 
 def pad_rows(slots: int) -> int:
@@ -164,8 +190,9 @@ def plan(
     them; given: check them. `free` None (the CPU): nothing is derived or refused (the defaults).
 
     Derived: as many sessions (at most `cap`) as fit at `default_context`; if that is under
-    MIN_SESSIONS, the longest context (a multiple of CONTEXT_STEP, at least MIN_CONTEXT) at
-    which MIN_SESSIONS fit, else one session. Raises MemoryPlanError when nothing fits."""
+    MIN_SESSIONS, the longest context (a tier of `context_tier`, at least MIN_CONTEXT, at most
+    `default_context`) at which MIN_SESSIONS fit, else one session. Raises MemoryPlanError when
+    nothing fits."""
     derived = tuple(name for name, value in zip(LIMITS, (sessions, context)) if value is None)
     if free is None:
         return MemoryPlan(sessions or cap, context or default_context, transcription, memory, None, reserve, (), "cpu")
@@ -183,10 +210,16 @@ def plan(
             return unpadded
         return max(0, fit - transcription - 1)
 
-    def longest_context(n: int, ceiling: int | None = default_context) -> int:
+    def longest_context(n: int) -> int:
+        """The longest context at which `n` sessions fit, in CONTEXT_STEPs: what a refusal
+        suggests for --context-limit (a given limit is the user's shape, not tiered)."""
         per_row = budget // rows(n) - memory.slot_state - memory.talker_kv_token * memory.talker_extra_tokens
-        ctx = per_row // (memory.thinker_kv_token + memory.talker_kv_token) // CONTEXT_STEP * CONTEXT_STEP
-        return max(0, ctx if ceiling is None else min(ceiling, ctx))
+        return max(0, per_row // (memory.thinker_kv_token + memory.talker_kv_token) // CONTEXT_STEP * CONTEXT_STEP)
+
+    def derived_context(n: int) -> int:
+        """The context the plan chooses for `n` sessions: the longest that fits, down to its
+        tier, at most `default_context` (which stands as given when it fits)."""
+        return min(default_context, context_tier(longest_context(n)))
 
     def made(n: int, ctx: int) -> MemoryPlan:
         return MemoryPlan(n, ctx, transcription, memory, free, reserve, derived, device)
@@ -200,11 +233,9 @@ def plan(
     if sessions is not None and context is not None:
         if rows(sessions) * memory.kv_per_slot(context) <= budget:
             return made(sessions, context)
-        raise MemoryPlanError(
-            _too_big(made(sessions, context), most_sessions(context), longest_context(sessions, None))
-        )
+        raise MemoryPlanError(_too_big(made(sessions, context), most_sessions(context), longest_context(sessions)))
     if sessions is not None:  # the context is derived for the sessions asked for
-        ctx = longest_context(sessions)
+        ctx = derived_context(sessions)
         if ctx >= MIN_CONTEXT:
             return made(sessions, ctx)
         raise MemoryPlanError(
@@ -218,12 +249,12 @@ def plan(
         n = min(cap, most_sessions(context))
         if n >= 1:
             return made(n, context)
-        raise MemoryPlanError(_too_big(made(1, context), context=longest_context(1, None)))
+        raise MemoryPlanError(_too_big(made(1, context), context=longest_context(1)))
     n = min(cap, most_sessions(default_context))
     if n >= MIN_SESSIONS:
         return made(n, default_context)
     for want in (MIN_SESSIONS, 1):
-        ctx = longest_context(want)
+        ctx = derived_context(want)
         if ctx >= MIN_CONTEXT:
             return made(min(cap, most_sessions(ctx)), ctx)
     raise MemoryPlanError(_too_big(made(1, MIN_CONTEXT), other="use a GPU with more memory"))
@@ -243,10 +274,78 @@ def _too_big(asked: MemoryPlan, sessions: int = 0, context: int = 0, other: str 
     )
 
 
+def nvml_device(device: torch.device, environ: Mapping[str, str]) -> int | str:
+    """NVML's name for `device` (cuda, cuda:N): NVML indexes the physical GPUs, CUDA the ones
+    CUDA_VISIBLE_DEVICES lists, in its order. Returns the physical index, or the uuid an entry
+    gives (GPU-..., MIG-...). Index entries are taken in NVML's (PCI bus) order, which is CUDA's
+    unless CUDA_DEVICE_ORDER is left at FASTEST_FIRST on a host of mixed GPUs. Raises ValueError
+    when the device is not among the visible ones."""
+    index = 0 if device.index is None else device.index  # "cuda" is device 0 until set otherwise
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return index
+    entries = [entry.strip() for entry in visible.split(",")]
+    if index >= len(entries) or not entries[index]:
+        raise ValueError(f"{device} is not among CUDA_VISIBLE_DEVICES={visible!r}")
+    entry = entries[index]
+    return int(entry) if entry.isdigit() else entry
+
+
+def nvml_free(device: torch.device, environ: Mapping[str, str]) -> tuple[int, str]:
+    """Free bytes on `device` and its name, read through NVML (the `gpu` extra): no CUDA context
+    is made. Raises ImportError without the package, and NVML's errors without a driver."""
+    import pynvml
+
+    gpu = nvml_device(device, environ)
+    pynvml.nvmlInit()
+    try:
+        if isinstance(gpu, int):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu)
+        free = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+        name = pynvml.nvmlDeviceGetName(handle)
+    finally:
+        pynvml.nvmlShutdown()
+    return free, f"{name.decode() if isinstance(name, bytes) else name} (NVML device {gpu})"
+
+
+def engine_free(device: torch.device, engine_process: bool, environ: Mapping[str, str] | None = None) -> int:
+    """Device memory the engine can allocate before its load: NVML's free memory less the
+    engine's CUDA context still to come (ENGINE_CONTEXT_BYTES). Without NVML, torch's
+    mem_get_info: that makes a CUDA context in this process (its memory, counted in the figure,
+    stays taken while the server runs); the engine's own is then still to come only where the
+    engine runs in a child process (`engine_process`)."""
+    try:
+        free, name = nvml_free(device, os.environ if environ is None else environ)
+    except Exception as exc:  # no package, no driver, no such device; pynvml's errors share no base we could import
+        import torch
+
+        log.warning(
+            "NVML could not read the free memory of %s (%s: %s): reading it through torch.cuda.mem_get_info, "
+            "which creates a CUDA context in this process (~%s of the GPU the engine cannot use); install the "
+            "`gpu` extra (nvidia-ml-py)",
+            device,
+            type(exc).__name__,
+            exc,
+            _gib(ENGINE_CONTEXT_BYTES),
+        )
+        free = torch.cuda.mem_get_info(device)[0]
+        return free - (ENGINE_CONTEXT_BYTES if engine_process else 0)
+    log.info(
+        "%s on %s: %s free, less %s for the engine's CUDA context (an estimate)",
+        device,
+        name,
+        _gib(free),
+        _gib(ENGINE_CONTEXT_BYTES),
+    )
+    return free - ENGINE_CONTEXT_BYTES
+
+
 def size_limits(config: Config) -> tuple[Config, MemoryPlan]:
     """The Config with --max-sessions / --context-limit resolved for this machine, and the plan
-    (logged and exported). Raises MemoryPlanError when the limits cannot fit."""
-    import torch
+    (logged and exported). Raises MemoryPlanError when the limits cannot fit. Makes no CUDA
+    context where NVML is installed (`engine_free`)."""
     from transformers import AutoConfig
 
     from agent.engine.checkpoints.model import complete_config, resolve_device, resolve_dtype
@@ -257,7 +356,7 @@ def size_limits(config: Config) -> tuple[Config, MemoryPlan]:
     model_config = AutoConfig.from_pretrained(ensure_model(config))
     complete_config(model_config)
     memory = ModelMemory.from_config(model_config, dtype, config.max_reply_seconds or 60.0, config.quantize)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    free = engine_free(device, config.engine_process) if device.type == "cuda" else None
     given = {name: (None if name in config.sized_from_memory else getattr(config, name)) for name in LIMITS}
     # A derived limit's Config value (the default) is its cap: at most 8 sessions, 32768 tokens.
     result = plan(

@@ -10,7 +10,13 @@ Pins, with the real Qwen3-Omni-30B-A3B config counted on the meta device (no wei
 - given flags that do not fit are refused, and the message's "lower --max-sessions to N or
   --context-limit to M" both fit; a given flag is kept and the other derived around it;
 - transcription slots and the pad row are rows of every cache; the pad row only where the
-  engine's graphs pad a batch (3 slots or more), by the wiring's own rule;
+  engine's graphs pad a batch (3 slots or more), by the wiring's own rule; a derived context is
+  a tier (16384 for two sessions and a caption slot on an H100, where a third session then fits);
+- a derived context is the tier (4096 x 2**k or 1.5 x that) under the longest that fits, so
+  free memory 1 GiB apart inside one tier derives the same context (and compiled shapes) where
+  the longest that fits differs by 2048 tokens;
+- scripts/bench_engine.py sizes its slots to the largest batch it runs at --context tokens
+  (4096): its largest run (10 sessions) fits an 80 GB H100, where the engine's defaults do not;
 - on the CPU nothing is derived or refused: 8 sessions x 32768 tokens, exported on /metrics;
 - the command line records which limits it left out, and `omni-agent` exits 2 with the plan's
   message when the plan is refused (a GPU faked by its free memory).
@@ -19,6 +25,7 @@ Pins, with the real Qwen3-Omni-30B-A3B config counted on the meta device (no wei
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +36,7 @@ from agent.__main__ import main
 from agent.config import Config
 from agent.engine import memory_plan
 from agent.engine.checkpoints.presets import REAL, preset_config
-from agent.engine.memory_plan import LIMITS, MIN_CONTEXT, MemoryPlanError, plan
+from agent.engine.memory_plan import LIMITS, MIN_CONTEXT, MemoryPlanError, context_tier, plan
 from agent.engine.model_memory import H100_80G, H200, Card, GiB, KiB, ModelMemory
 from agent.flags import add_serve_arguments, config_from_args
 
@@ -111,9 +118,57 @@ def test_transcription_slots_are_rows_of_every_cache(real: ModelMemory) -> None:
     alone, with_captions = plan(real, H100_80G.free), plan(real, H100_80G.free, transcription=1)
     assert with_captions.rows == with_captions.sessions + 1 + 1  # 3 slots: the pad row too
     assert with_captions.kv == with_captions.rows * real.kv_per_slot(with_captions.context) + real.fixed_state
-    # Still 2 conversations: the caption viewer's slot is paid for with context.
-    assert with_captions.sessions == alone.sessions and with_captions.context < alone.context
+    # The caption viewer's slot is paid for with context: two sessions' longest context (21504
+    # tokens) rounds down to the 16384 tier, and at that tier a third session fits as well.
+    assert (alone.sessions, alone.context) == (2, 32768)
+    assert (with_captions.sessions, with_captions.context) == (3, 16384)
     assert with_captions.need <= H100_80G.free
+
+
+def test_context_tiers_are_powers_of_two_and_their_one_and_a_half() -> None:
+    tiers = {tokens: context_tier(tokens) for tokens in (4095, 4096, 6143, 6144, 8192, 12287, 12288, 20000, 32767)}
+    assert tiers == {
+        4095: 0,
+        4096: 4096,
+        6143: 4096,
+        6144: 6144,
+        8192: 8192,
+        12287: 8192,
+        12288: 12288,
+        20000: 16384,
+        32767: 24576,
+    }
+    assert context_tier(98303) == 65536 and context_tier(98304) == 98304  # the tiers go on past 32768
+
+
+def test_a_little_less_free_memory_derives_the_same_context(real: ModelMemory) -> None:
+    """Three sessions on an H100, and on the same card with 1 GiB less free: the longest context
+    that fits differs (what a refusal suggests for --context-limit, in steps of 1024), the derived
+    one does not."""
+    frees = (H100_80G.free, H100_80G.free - GiB)
+    longest = []
+    for free in frees:
+        with pytest.raises(MemoryPlanError) as refused:
+            plan(real, free, sessions=3, context=32768)
+        longest.append(int(re.search(r"--context-limit to (\d+)", str(refused.value)).group(1)))
+    assert longest == [21504, 19456]
+    derived = [plan(real, free, sessions=3) for free in frees]
+    assert [p.context for p in derived] == [16384, 16384]
+    assert all(p.need <= free for p, free in zip(derived, frees))
+
+
+def test_the_engine_bench_sizes_its_slots_to_its_largest_batch(real: ModelMemory) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from bench_engine import BENCH_CONTEXT, bench_config
+
+    sized = bench_config(Config(max_transcription_sessions=1), [1, 4, 10], BENCH_CONTEXT)
+    assert (sized.engine_slots, sized.context_limit) == (10, 4096)
+    assert bench_config(Config(), [2], 8192).engine_slots == 2
+    assert bench_config(Config(), [2], 8192, profile_ticks=8).engine_slots == 4  # it profiles batches 1 and 4
+    # The largest run fits an 80 GB H100; the engine's own 8 x 32768 tokens do not.
+    assert plan(real, H100_80G.free, sessions=sized.max_sessions, context=sized.context_limit).need <= H100_80G.free
+    with pytest.raises(MemoryPlanError):
+        plan(real, H100_80G.free, sessions=Config().max_sessions, context=Config().context_limit)
 
 
 def test_the_cpu_keeps_the_defaults(real: ModelMemory, tiny_model_dir: Path) -> None:
@@ -141,9 +196,14 @@ def test_the_command_line_records_the_limits_it_left_out() -> None:
 
 
 def test_serve_exits_with_the_plans_message_when_it_cannot_fit(tiny_model_dir: Path, monkeypatch, capsys) -> None:
-    """A GPU faked by its free memory: the tiny model with 2 GiB free leaves no room for the reserve."""
+    """A GPU faked by its free memory: the tiny model with 2 GiB free leaves no room for the reserve.
+    No NVML (an import that fails), so the plan reads torch's figure, as it does without the `gpu`
+    extra (tests/unit/test_memory_plan_nvml.py fakes NVML instead)."""
+    import sys
+
     from agent.engine.checkpoints import model
 
+    monkeypatch.setitem(sys.modules, "pynvml", None)
     monkeypatch.setattr(model, "resolve_device", lambda device: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * GiB, 2 * GiB))
     code = main(["serve", "--model", str(tiny_model_dir), "--ice-host", "127.0.0.1", "--fallback-model", "none"])
