@@ -152,6 +152,15 @@ MEMORY_PLAN_CONTEXT = Gauge(
     "agent_memory_plan_context_tokens", "Tokens per session the caches hold (--context-limit)", registry=REGISTRY
 )
 
+# The engine's start-up (agent/engine/startup.py): each phase's seconds, set as it finishes.
+STARTUP_SECONDS = Gauge(
+    "agent_startup_seconds",
+    "Seconds each start-up phase took: plan, load, build (compiles and graph capture included), "
+    "compile:<step> (one per compiled step, inside build), fallback, ready (engine start to serving)",
+    ["phase"],
+    registry=REGISTRY,
+)
+
 for _priority in ("high", "normal"):  # both classes are exported from the start, at zero
     TTFT.labels(priority=_priority)
     TTFA.labels(priority=_priority)

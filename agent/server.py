@@ -182,10 +182,19 @@ async def omni_config(request: web.Request) -> web.Response:
     return web.json_response(body, headers={"Cache-Control": "no-store"})
 
 
+def startup_body(engine: Engine) -> dict[str, Any]:
+    """Where a start-up is, for a probe's body while it is not over: the running phase and the
+    finished phases' seconds (agent/engine/startup.py)."""
+    view = engine.startup
+    return {"phase": view.phase, "phases": {name: round(seconds, 3) for name, seconds in view.finished}}
+
+
 async def healthz(request: web.Request) -> web.Response:
     engine, start = request.app[ENGINE], request.app[ENGINE_START]
     body: dict[str, Any] = {"status": "ok" if engine.ready else "loading", "sessions": len(request.app[SESSIONS])}
     healthy = engine.ready
+    if not engine.ready:  # loading, or failed while loading: say how far it got
+        body.update(startup_body(engine))
     if start.done() and start.exception() is not None:
         body.update(status="failed", error=f"model load failed: {start.exception()}")
     elif engine.ready and not engine.alive:  # read per request: a dead thread fails the next probe
@@ -229,9 +238,12 @@ async def livez(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     """Ready for new calls: the model is loaded, the engine alive, and the agent not draining."""
     alive, body = liveness(request.app)
-    ready = alive and request.app[ENGINE].ready
+    engine = request.app[ENGINE]
+    ready = alive and engine.ready
     if ready and request.app[DRAINING].is_set():
         body, ready = {"status": "draining"}, False
+    elif not engine.ready:  # loading (or its load failed): the phase it is in, and those done
+        body.update(startup_body(engine))
     return web.json_response(body, status=200 if ready else 503)
 
 

@@ -1,7 +1,8 @@
 """Building the engine a Config describes: which runners, from which checkpoint.
 
 `runner_factory(config)` returns the callable the engine thread runs to build its runner,
-so that model loading (and, on CUDA, graph capture) happens inside that thread.
+so that model loading (and, on CUDA, graph capture) happens inside that thread. Its start-up
+phases (load, build, compile:<step>) go to the PhaseTimer it is given (agent/engine/startup.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from agent.decoding import is_tiny
 from agent.engine.api import Runner
 from agent.engine.checkpoints.tiny import ensure_model
 from agent.engine.loop import Engine
+from agent.engine.startup import BUILD, LOAD, PhaseDone, PhaseTimer, StartupLog, compile_phases
 
 log = logging.getLogger(__name__)
 
 
-def runner_factory(config: Config) -> Callable[[], Runner]:
-    """Build (inside the engine thread) the runner the config asks for."""
+def runner_factory(config: Config, timer: Optional[PhaseTimer] = None) -> Callable[[], Runner]:
+    """Build (inside the engine thread) the runner the config asks for; `timer`, when given,
+    hears of its phases."""
+    phases = timer if timer is not None else PhaseTimer(lambda event: None)
 
     def build() -> Runner:
         import torch
@@ -34,28 +38,37 @@ def runner_factory(config: Config) -> Callable[[], Runner]:
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
         from agent.engine.checkpoints.model import load_model
 
+        phases.begin(LOAD)
         loaded = load_model(ensure_model(config), device=config.device, dtype=config.dtype, quantize=config.quantize)
         # The limits were planned before the load (memory_plan.size_limits): say if the GPU now has less.
         from agent.engine.memory_plan import check_after_load
 
         check_after_load(loaded, config)
+        phases.end(LOAD, f"{loaded.device}, {config.dtype}" + (f", {config.quantize}" if config.quantize else ""))
         log_decoding(config)
+        phases.begin(BUILD)
         if config.runner == "reference":
             from agent.engine.runner.reference import GenerateRunner
 
-            return GenerateRunner(
+            reference = GenerateRunner(
                 loaded,
                 system_prompt=config.system_prompt,
                 max_reply_tokens=config.max_reply_tokens,
                 max_reply_seconds=config.max_reply_seconds,
                 decoding=config.sampling,
             )
+            phases.end(BUILD, "reference runner")
+            return reference
         from agent.engine.runner.streaming import StreamingRunner
 
         # from_config reads config.cuda_graphs (--no-cuda-graphs): graphs on CUDA unless off.
         runner = StreamingRunner.from_config(loaded, config)
         graphing = runner.graphing
         log.info("streaming runner on %s, graphs %s %s", loaded.device, graphing.mode, graphing.batch_sizes)
+        compiler = getattr(graphing, "compiler", None)
+        phases.end(BUILD, f"graphs {graphing.mode}, compile {'on' if compiler is not None else 'off'}")
+        for step in compile_phases(compiler):  # known once built: inside build's seconds
+            phases.record(step)
         return runner
 
     return build
@@ -108,23 +121,32 @@ def inbox_size(config: Config) -> int:
     return config.engine_inbox + config.engine_inbox_per_session * config.engine_slots
 
 
-def build_engine(config: Config, wrap: Optional[Callable[[Runner], Runner]] = None) -> Engine:
+def build_engine(
+    config: Config, wrap: Optional[Callable[[Runner], Runner]] = None, planned: Optional[PhaseDone] = None
+) -> Engine:
     """The engine `config` describes: in a child process (config.engine_process, the default) or
     a thread of this one. `wrap`, when given, receives the primary runner once the engine thread
     has built it and returns the runner to use (a test's fault or stall around the real one), so
     that a wrapped engine is configured like the served one in everything else; it runs in a
-    thread of this process."""
+    thread of this process. `planned`: how long the memory plan took (startup.timed_plan), the
+    first phase of the engine's start-up log."""
+    startup = StartupLog()
+    if planned is not None:
+        startup.apply(planned)
     if config.engine_process and wrap is None:  # (a test's wrapped runner needs this process)
         from agent.engine.process import ProcessEngine
 
         fallback = fallback_factory(config) is not None
         builders = (runner_factory, fallback_factory)
-        return ProcessEngine(config, builders, inbox_size(config), fallback, config.video_frames_per_turn)
-    build = runner_factory(config)
+        return ProcessEngine(
+            config, builders, inbox_size(config), fallback, config.video_frames_per_turn, startup=startup
+        )
+    build = runner_factory(config, PhaseTimer(startup.apply))
     factory = build if wrap is None else lambda: wrap(build())
     return Engine(
         factory,
         inbox_size=inbox_size(config),
         fallback_factory=fallback_factory(config),
         frames_per_turn=config.video_frames_per_turn,
+        startup=startup,
     )

@@ -38,6 +38,7 @@ from agent.engine.commands import (
 )
 from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope, Handler
 from agent.engine.outside import ThreadOutside
+from agent.engine.startup import FALLBACK, PhaseTimer, StartupLog, StartupView
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,13 @@ class Engine:
         inbox_size: int = 256,
         fallback_factory: Optional[Callable[[], Runner]] = None,
         frames_per_turn: int = 2,
+        startup: Optional[StartupLog] = None,
     ) -> None:
         """runner_factory builds the Omni runner; fallback_factory, when given, a text-only
         runner that serves "fallback" replies (degradation level 2). Both run in the thread.
-        frames_per_turn: the newest camera frames a reply is shown."""
+        frames_per_turn: the newest camera frames a reply is shown. startup: the log this engine's
+        start-up phases go to (the factory's PhaseTimer reports to the same one); a fresh one
+        when not given."""
         self._factory = runner_factory
         self._fallback_factory = fallback_factory
         self._inbox: "queue.Queue[Envelope]" = queue.Queue(maxsize=inbox_size)
@@ -75,12 +79,14 @@ class Engine:
         # The talker speakers sessions may choose, known once the model is loaded (GET
         # /v1/omni/config lists them for the page's voice picker).
         self.voices = Voices()
+        self._startup = startup if startup is not None else StartupLog()
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         """Start the thread and wait until the model is loaded (raises if loading failed)."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
+        self._startup.start()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
         await self._ready
@@ -88,6 +94,11 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self._ready is not None and self._ready.done() and self._ready.exception() is None
+
+    @property
+    def startup(self) -> StartupView:
+        """Where the start-up is (its running phase) and what it took so far (agent/engine/startup.py)."""
+        return self._startup.view()
 
     async def stop(self) -> None:
         if self._thread is None:
@@ -188,13 +199,17 @@ class Engine:
         try:
             runners = [self._factory()]
             if self._fallback_factory is not None:
+                phases = PhaseTimer(self._startup.apply)
+                phases.begin(FALLBACK)
                 runners.append(self._fallback_factory())
+                phases.end(FALLBACK)
         except Exception as exc:  # loading failed: report it to start(), end the thread
             log.exception("engine: model load failed")
             self._loop.call_soon_threadsafe(self._ready.set_exception, exc)
             return
         self.core = EngineCore(runners, ThreadOutside(self._loop), self._handlers, self._frames_per_turn)
         self.voices = voices_of(runners[0])
+        self._startup.ready()
         self._loop.call_soon_threadsafe(self._ready.set_result, None)
         try:
             self.core.serve(self._inbox)

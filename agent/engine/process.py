@@ -12,10 +12,11 @@ and, where it is answered, a number standing for its future. The child (`serve_c
 with "spawn": torch and threads do not survive a fork) builds the runners from the Config, as
 the engine thread would, and serves the inbox with an EngineCore whose Outside (ChildOutside)
 sends every answer and output back over one queue: ("settle", number, result, error),
-("deliver", session id, sink method, payload), ("stage", StageTime), ("ready", Voices) or
-("failed", reason).
+("deliver", session id, sink method, payload), ("stage", StageTime), ("startup", PhaseBegun or
+PhaseDone: agent/engine/startup.py), ("ready", Voices) or ("failed", reason).
 A reader thread in the parent turns them into call_soon_threadsafe calls on the sinks (the
-Sessions stay in the parent; the child knows their ids) and records stage metrics. If the child
+Sessions stay in the parent; the child knows their ids), records stage metrics and keeps the
+engine's StartupLog (the phases are timed in the child, logged and exported by the parent). If the child
 dies, every session with a reply gets its error (ReplyDone "error") and health checks fail.
 
 Limits: session commands are SESSION_COMMANDS only (Engine.register's test handlers need the
@@ -43,21 +44,32 @@ from agent.engine.commands import CloseSession, OpenSession, SessionCommand, Str
 from agent.engine.core import SESSION_COMMANDS, EngineCore, Envelope
 from agent.engine.loop import Engine
 from agent.engine.outside import record_stage, settle
+from agent.engine.startup import FALLBACK, PhaseTimer, StartupLog
 
 log = logging.getLogger(__name__)
 
 _SPAWN = multiprocessing.get_context("spawn")
-# (runner_factory, fallback_factory): Config -> the callable that builds a runner (or None).
-Builders = tuple[Callable[[Config], Callable[[], Runner]], Callable[[Config], Optional[Callable[[], Runner]]]]
+# (runner_factory, fallback_factory): Config (and the runner's PhaseTimer) -> the callable that
+# builds a runner (or None).
+Builders = tuple[
+    Callable[[Config, Optional[PhaseTimer]], Callable[[], Runner]], Callable[[Config], Optional[Callable[[], Runner]]]
+]
 
 
 class ProcessEngine(Engine):
     def __init__(
-        self, config: Config, builders: Builders, inbox_size: int, fallback: bool, frames_per_turn: int
+        self,
+        config: Config,
+        builders: Builders,
+        inbox_size: int,
+        fallback: bool,
+        frames_per_turn: int,
+        startup: Optional[StartupLog] = None,
     ) -> None:
         """builders: (runner_factory, fallback_factory) of agent/engine/factory.py, module-level
-        functions the child calls with the config (spawn pickles them by name)."""
-        super().__init__(_unused_factory, inbox_size, None, frames_per_turn)
+        functions the child calls with the config (spawn pickles them by name). startup: the log
+        the child's phases go to (a fresh one when not given)."""
+        super().__init__(_unused_factory, inbox_size, None, frames_per_turn, startup)
         self._config, self._builders = config, builders
         self._fallback, self._inbox_size = fallback, inbox_size
         self._process: Optional[multiprocessing.process.BaseProcess] = None
@@ -81,6 +93,7 @@ class ProcessEngine(Engine):
         self._ready = self._loop.create_future()
         self._inbox = _SPAWN.Queue(maxsize=self._inbox_size)
         self._outbox = _SPAWN.Queue()
+        self._startup.start()
         self._process = _SPAWN.Process(
             target=serve_child,
             args=(self._config, self._builders, self._fallback, self._frames_per_turn, self._inbox, self._outbox),
@@ -167,11 +180,14 @@ class ProcessEngine(Engine):
                     loop.call_soon_threadsafe(settle, future, result, error)
             elif kind == "stage":
                 record_stage(message[1])
+            elif kind == "startup":  # a phase began or ended in the child
+                self._startup.apply(message[1])
             elif kind == "count" and message[1] in FORWARDED:
                 _, name, labels, delta = message
                 getattr(metrics, name).labels(**labels).inc(delta)
             elif kind == "ready":  # the runners are loaded; what the parent must know of them
                 self.voices = message[1]
+                self._startup.ready()
                 loop.call_soon_threadsafe(settle, ready, None, None)
             elif kind == "failed":  # the model did not load
                 loop.call_soon_threadsafe(settle, ready, None, RuntimeError(message[1]))
@@ -266,12 +282,15 @@ def serve_child(
     """The child process: build the runners as the engine thread would, then serve the inbox."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     runner_factory, fallback_factory = builders
+    phases = PhaseTimer(lambda event: outbox.put(("startup", event)))  # the parent keeps the log
     try:
-        runners = [runner_factory(config)()]
+        runners = [runner_factory(config, phases)()]
         if fallback:
             build = fallback_factory(config)
             assert build is not None
+            phases.begin(FALLBACK)
             runners.append(build())
+            phases.end(FALLBACK)
     except Exception as exc:  # noqa: BLE001 (told to the parent, whatever it is)
         log.exception("engine process: model load failed")
         outbox.put(("failed", f"{type(exc).__name__}: {exc}"))

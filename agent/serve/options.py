@@ -10,6 +10,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from agent.engine.startup import COLD_START_S
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -37,7 +39,11 @@ class ServeOptions:
     # compile, a second agent) had both replicas, calls and all, stopped in mid-test. Serve's
     # own default.
     health_check_timeout_s: float = 30.0
-    start_timeout_s: float = 300.0  # model load inside a replica
+    # How long a replica's engine may take to start (load, compile, capture) before the replica
+    # gives up and Serve replaces it. A replica that gives up loses its compile and the next one
+    # starts it over, so this covers a cold start (COLD_START_S, docs/ray-serve.md "Start-up"):
+    # at 300 s a real model compiling its steps was replaced in a loop.
+    start_timeout_s: float = COLD_START_S
 
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
@@ -57,6 +63,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=d.max_offers_per_s,
         help="with --ray: new calls per second a replica accepts (503 + Retry-After beyond)",
+    )
+    p.add_argument(
+        "--replica-start-timeout-s",
+        dest="start_timeout_s",
+        type=float,
+        default=d.start_timeout_s,
+        help="with --ray: how long a replica's engine may take to load and compile before Serve replaces it "
+        "(covers a cold compile; see docs/ray-serve.md)",
     )
 
 

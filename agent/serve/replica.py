@@ -30,12 +30,13 @@ from agent import metrics
 from agent.config import Config
 from agent.engine.factory import build_engine
 from agent.engine.memory_plan import size_limits
+from agent.engine.startup import timed_plan
 from agent.serve.admission import OfferGate
 from agent.serve.options import ServeOptions
 from agent.serve.relay import AsgiBridge
 from agent.server import create_app, liveness
 from agent.transport.captions_http import CAPTIONS
-from agent.transport.http import DRAINING, ENGINE_START, SESSIONS
+from agent.transport.http import DRAINING, ENGINE, ENGINE_START, SESSIONS
 from agent.transport.ice import restrict_ice_hosts
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 ICE_HOST_ENV = "OMNI_AGENT_ICE_HOST"  # per node (Kubernetes: the pod's host IP), when --ice-host is not set
 _REPORT_EVERY_S = 1.0
 _WATCH_EVERY_S = 1.0  # how often a replica asks the controller whether it is being removed
+_STARTING_LOG_EVERY_S = 30.0  # how often a starting replica logs its engine's phase
 
 
 def _node_config(config: Config, replica_id: str) -> Config:
@@ -58,27 +60,49 @@ class AgentReplica:
 
     async def __init__(self, config: Config, options: ServeOptions) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._began = time.monotonic()
         # The session and context limits this replica's GPU holds (agent/engine/memory_plan.py),
         # sized off the event loop (it reads the checkpoint's config and the device's memory).
-        sized, _ = await asyncio.to_thread(size_limits, _node_config(config, self.replica_id))
+        sized, _, planned = await asyncio.to_thread(timed_plan, size_limits, _node_config(config, self.replica_id))
         self.config = config = sized
         self.options = options
         restrict_ice_hosts(config.ice_hosts)
         self.gate = OfferGate(options.max_offers_per_s)
         self._dir = tempfile.mkdtemp(prefix="omni-replica-")
         socket_path = os.path.join(self._dir, "http.sock")
-        self.web = create_app(config, build_engine(config))
+        self.web = create_app(config, build_engine(config, planned=planned))
         self._runner = web.AppRunner(self.web, handle_signals=False)
         await self._runner.setup()
         await web.UnixSite(self._runner, socket_path).start()
         # Ready only once the model is: Serve routes nothing to a replica before __init__ returns.
-        await asyncio.wait_for(asyncio.shield(self.web[ENGINE_START]), options.start_timeout_s)
+        # A cold start compiles every step (minutes: docs/ray-serve.md "Start-up"); the timeout
+        # is sized for it, since a replica that gives up here is replaced and compiles again.
+        await self._wait_for_engine(options.start_timeout_s)
         self.bridge = AsgiBridge(socket_path, self.replica_id, self.gate)
         self._calls_gauge = serve_metrics.Gauge("omni_agent_active_calls", description="calls this replica carries")
         self._gpu_gauge = serve_metrics.Gauge("omni_agent_gpu_utilization_ratio", description="GPU busy ratio")
         self._report = asyncio.ensure_future(self._report_metrics())
         self._watch = asyncio.ensure_future(self._watch_for_stop())
         log.info("replica %s ready (%s)", self.replica_id, socket_path)
+
+    async def _wait_for_engine(self, timeout_s: float) -> None:
+        """Until the engine is ready (raises its load's error), saying every _STARTING_LOG_EVERY_S
+        which phase it is in: Serve routes no request (no /readyz) to a replica still in its
+        constructor, so its log is where a start-up is watched."""
+        start, deadline = self.web[ENGINE_START], time.monotonic() + timeout_s
+        while not start.done():
+            left = deadline - time.monotonic()
+            view = self.web[ENGINE].startup
+            if left <= 0:  # the start future is not cancelled: the process ends with the replica
+                raise TimeoutError(
+                    f"replica {self.replica_id}: the engine was not ready in {timeout_s:.0f} s "
+                    f"(--replica-start-timeout-s); still in phase {view.phase!r}, done: {view.phases}"
+                )
+            await asyncio.wait({start}, timeout=min(_STARTING_LOG_EVERY_S, left))
+            if not start.done():
+                view = self.web[ENGINE].startup
+                log.info("replica %s starting: phase %s; done %s", self.replica_id, view.phase, view.phases)
+        start.result()
 
     def __serve_build_asgi_app__(self) -> AsgiBridge:
         return self.bridge
@@ -112,10 +136,17 @@ class AgentReplica:
 
     def check_health(self) -> None:
         # Serve's liveness check of this replica (it restarts a failing one): the same answer as
-        # the replica's /livez, so an engine thread that died after loading fails it too.
+        # the replica's /livez, so an engine thread that died after loading fails it too. A
+        # start-up in progress passes (a restart would only begin the compile again) until it
+        # has run past the start timeout: then it is stuck, not slow.
         alive, body = liveness(self.web)
         if not alive:
             raise RuntimeError(body.get("error", "the engine thread is not running"))
+        engine = self.web[ENGINE]
+        if not engine.ready and time.monotonic() - self._began > self.options.start_timeout_s:
+            raise RuntimeError(
+                f"start-up past {self.options.start_timeout_s:.0f} s, still in phase {engine.startup.phase!r}"
+            )
 
     async def _report_metrics(self) -> None:
         # Ray's metrics carry the deployment and replica labels: one series per replica.
