@@ -77,8 +77,14 @@ class Config:
     compile: str = "auto"
     # Compiled, each decoder layer one nested region: one layer's code generated and called per
     # layer, so the cold compile does not grow with depth (agent/engine/ops/slots.py; on CPU the
-    # thinker's step at 48 layers: ~54 s against ~970 s). Off until a GPU measures a tick with it.
-    compile_regions: bool = False
+    # thinker's step at 48 layers: ~54 s against ~970 s). None: on CUDA, off on CPU.
+    compile_regions: bool | None = None
+    # Compiled, one compile per batch bucket, each specialised to its batch, instead of one for
+    # every bucket (the batch symbolic): a cold start several times as long.
+    compile_per_bucket: bool = False
+    # The slot caches' attention kernel: auto (flash-attn where installed, flex on CUDA, sdpa on
+    # CPU) | sdpa | flex | flash (agent/engine/ops/attention.py).
+    attention: str = "auto"
     runner: str = "stream"  # stream | reference (transformers' generate(): whole reply at once)
     speaker: str = ""  # "" = first speaker in the talker config
     # Left None, these are the model's own (agent/decoding.py): the tiny random model gets a

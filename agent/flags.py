@@ -128,9 +128,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile-regions",
         default=d.compile_regions,
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="compile each decoder layer once and call it per layer: a first start that does not grow "
-        "with depth (48 thinker layers), no fusion across layers (docs/running.md)",
+        "with depth (48 thinker layers), no fusion across layers (default: on CUDA; docs/running.md)",
+    )
+    p.add_argument(
+        "--compile-per-bucket",
+        default=d.compile_per_bucket,
+        action="store_true",
+        help="compile each step once per batch bucket, specialised to it, instead of once for all "
+        "(a cold start several times as long)",
+    )
+    p.add_argument(
+        "--attention",
+        default=d.attention,
+        choices=["auto", "sdpa", "flex", "flash"],
+        help="the KV caches' attention kernel (auto: flash-attn where installed, flex on CUDA, sdpa on CPU)",
     )
     p.add_argument(
         "--runner",

@@ -81,7 +81,7 @@ def measure(layers: int, regions: bool) -> dict[str, float]:
     # One more call of each decode step, counted: every row a pad row, the shortest key read.
     # Inputs made in inference mode like the captures' (else the guards recompile, unmarked).
     with torch.inference_mode():
-        key_len = graphing.key_lens(thinker.kv.capacity)[0]
+        key_len = graphing.key_lens(thinker.kv)[0]
         rows = graphing.example_rows(4, thinker.pad_slot, key_len, loaded.device)
         embeds = torch.zeros(4, 1, loaded.model.talker.config.text_config.hidden_size, dtype=loaded.dtype)
     with torch.inference_mode(), KernelCounter() as counter:

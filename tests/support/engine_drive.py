@@ -95,7 +95,7 @@ def decode_inputs(ops, batch: int, gen: torch.Generator):
         state = KVState(slot)
         state.length, state.next_pos = torch.randint(0, 200, (2,), generator=gen).tolist()
         states.append(state)
-    return ops.graphing.decode_rows(states, ops.kv.capacity, ops.kv.device, tokens=[5] * batch)
+    return ops.graphing.decode_rows(states, ops.kv, ops.kv.device, tokens=[5] * batch)
 
 
 def assert_steps_equal_eager(thinker, talker, batch: int, gen: torch.Generator) -> None:

@@ -58,7 +58,7 @@ def test_graphed_replies_equal_eager(loaded) -> None:
         assert stats[name].captures >= 1 and stats[name].replays > stats[name].captures and stats[name].eager == 0
     # Decode steps: traced at start-up for every batch bucket (1, 2, 4) and attention length
     # (256 .. 2048), so none is traced in a reply.
-    lengths = len(runner.graphing.key_lens(runner.thinker.kv.capacity))
+    lengths = len(runner.graphing.key_lens(runner.thinker.kv))
     assert stats["thinker_decode"].captures == 3 * lengths and stats["thinker_decode"].refused == 0
 
 

@@ -25,10 +25,13 @@ own capture replays those writes by construction (tests/unit/test_graph_wiring.p
 On CPU the same compiled code runs through inductor's C++ backend behind a pool that pads
 without capturing (`PaddedBackend`).
 
-Compiling is slow (tens of seconds per function and bucket on a small CPU), so it happens at
-start-up: the runner's constructor warms every bucket (agent/engine/runner/streaming.py), never a live
-reply. Compiled artifacts go to inductor's on-disk FX graph cache under `cache_dir`, so a
-restart re-traces (seconds) but does not re-generate nor re-build kernels.
+Compiling is slow (tens of seconds per function on a small CPU), so it happens at start-up: the
+runner's constructor warms every bucket (agent/engine/runner/streaming.py), never a live reply.
+Compiled artifacts go to inductor's on-disk caches under `cache_dir`, and all of them into one
+file keyed by software, card and shapes (agent/engine/compile/cache.py), loaded before the first
+compile: a restart, or a fresh machine given the file, re-traces (seconds) but does not
+re-generate nor re-build kernels. Each step's first compile says whether inductor found its
+graphs in the cache (`StepCompiler.cache_report`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 
+from agent.engine.compile.cache import CacheState
 from agent.engine.compile.capture import Outputs, StepFn
 
 log = logging.getLogger(__name__)
@@ -93,6 +97,21 @@ class CompileStats:
     compiles: dict[int, float] = field(default_factory=dict)  # bucket (0: all) -> seconds of the calls that compiled
     calls: int = 0
     eager: int = 0  # batches above every bucket
+    graphs: int = 0  # graphs dynamo made for this step (its compiles)
+    cache_hits: int = 0  # inductor FX graphs (the step's, its regions') found in the on-disk cache
+    cache_misses: int = 0  # ... and generated
+
+    @property
+    def cache(self) -> CacheState:
+        """ "hit" when every graph of the step came from the cache, else "miss" ("off": none
+        looked up, e.g. caches disabled)."""
+        if self.cache_misses:
+            return "miss"
+        return "hit" if self.cache_hits else "off"
+
+
+def _cache_lookups() -> tuple[int, int]:
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
 class CompiledStep:
@@ -147,13 +166,27 @@ class CompiledStep:
         # A call that made dynamo compile a graph: its first for the key, or one more (a dynamic
         # batch's compile may specialise batch 1 in a graph of its own): all of them counted.
         graphs = counters["stats"]["unique_graphs"]
+        hits, misses = _cache_lookups()
         started = time.perf_counter()
         out = self._call(batch, args)
-        if key in self.stats.compiles and counters["stats"]["unique_graphs"] == graphs:
+        made = counters["stats"]["unique_graphs"] - graphs
+        if key in self.stats.compiles and not made:
             return out
         seconds = time.perf_counter() - started
         self.stats.compiles[key] = self.stats.compiles.get(key, 0.0) + seconds
-        log.info("compiled %s for batch %s in %.1f s", self.name, "any" if key == 0 else batch, seconds)
+        self.stats.graphs += made
+        new_hits, new_misses = _cache_lookups()
+        self.stats.cache_hits += new_hits - hits
+        self.stats.cache_misses += new_misses - misses
+        log.info(
+            "compiled %s for batch %s in %.1f s (cache %s: %d graphs found, %d generated)",
+            self.name,
+            "any" if key == 0 else batch,
+            seconds,
+            self.stats.cache,
+            new_hits - hits,
+            new_misses - misses,
+        )
         return out
 
     def _mark_batch(self, args: Sequence[Tensor]) -> None:
@@ -203,6 +236,15 @@ class StepCompiler:
 
     def compile_seconds(self) -> dict[str, dict[int, float]]:
         return {name: dict(step.stats.compiles) for name, step in self.steps.items()}
+
+    def cache_report(self) -> dict[str, CacheState]:
+        """Each step's on-disk cache result at its compiles: "hit" (no code generated), "miss"
+        (some generated), "off" (nothing looked up)."""
+        return {name: step.stats.cache for name, step in self.steps.items()}
+
+    def graph_counts(self) -> dict[str, int]:
+        """Graphs dynamo made for each step: 1 where one compile serves every bucket."""
+        return {name: step.stats.graphs for name, step in self.steps.items()}
 
 
 class RerunGraph:

@@ -15,10 +15,13 @@ What makes a step graphable here:
   KV caches get no scratch row (`kv_rows`, `kv_pad_slot`): a whole session's KV saved, the
   start-up captures writing into slot 0 before any session holds it;
 - caches are reserved at their limit before capture: a graph holds their addresses;
-- attention reads a fixed number of keys, the mask says which are valid. Reading the whole
-  context limit (32k keys) every step would cost more than the graph saves, so the read length
-  is bucketed: 256, 512, ... up to the cache capacity, a graph per (batch, length) bucket,
-  the shortest captured at start-up and longer ones on first use.
+- with sdpa (CPU, or a GPU without flex), attention reads a fixed number of keys, the mask
+  says which are valid. Reading the whole context limit (32k keys) every step would cost more
+  than the graph saves, so the read length is bucketed: 256, 512, ... up to the cache capacity,
+  a graph per (batch, length) bucket. flex and flash-attn read each row's own length from the
+  cache index, so their graphs are not keyed by a length at all (the mask is one column wide,
+  never read): one graph per batch bucket. Either way every graph a call can need is captured
+  at start-up: a capture inside a live tick stops every session on the engine.
 
 Modes: "cuda" (real graphs), "cpu" (the same wiring on CPU, each step traced with TorchScript
 per bucket and replayed off the GIL: agent/engine/compile/cpu_traces.py; what `omni-agent serve` runs on
@@ -28,23 +31,27 @@ CPU), "fake" (the same wiring on CPU through a capture backend the caller inject
 `--no-cuda-graphs` makes it "off".
 
 Compilation (agent/engine/compile/inductor.py; `compile`: "auto" = on CUDA only, `--compile on|off`)
-wraps each step function in one torch.compile per bucket before its pool is made. It needs the
+wraps each step function in one torch.compile before its pool is made: by default one compile
+for every batch bucket (the batch symbolic; graphs are still captured per bucket) with each
+decoder layer a nested compile region on CUDA, so a step's cold compile grows neither with the
+buckets nor with the depth (`--compile-per-bucket` specialises each bucket instead). It needs the
 static wiring too (bucket shapes, reserved caches), so with graphs "off" and compile on the
 pools still pad, through a backend that captures nothing (CPU). Buckets: 1, 2, 4, 8, 16; a
-bucket costs one capture (and one compile) per step function at start-up and its memory pool,
-and a batch of 9-16 sessions would otherwise run eagerly, i.e. thousands of launches per tick.
+bucket costs one capture per step function at start-up and its memory pool, and a batch of
+9-16 sessions would otherwise run eagerly, i.e. thousands of launches per tick.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from torch import Tensor
 
+from agent.engine.compile.cache import ArtifactFile, CacheState, software_key
 from agent.engine.compile.capture import CaptureBackend, CudaBackend, GraphPool, GraphStats, StepFn
 from agent.engine.compile.cpu_traces import TracedBackend
 from agent.engine.compile.inductor import (
@@ -55,6 +62,7 @@ from agent.engine.compile.inductor import (
     StepCompiler,
     resolve_compile,
 )
+from agent.engine.ops.attention import Backend
 from agent.engine.ops.slots import SlotKV
 from agent.engine.state.kv import KVState
 
@@ -68,11 +76,17 @@ class GraphConfig:
     compile: CompileMode = "auto"  # torch.compile the step functions ("auto": on CUDA only)
     compile_cache: Path | None = None  # inductor's on-disk cache (None: the environment's)
     cudagraphs: CudaGraphImpl = "own"  # with compile on CUDA: our capture, or inductor's
-    compile_dynamic_batch: bool | None = None  # one compile for all buckets (None: on CPU only)
+    # One compile for all buckets, the batch symbolic (None: yes; False: one per bucket, each
+    # specialised to its batch: `--compile-per-bucket`, 4-5x the cold start).
+    compile_dynamic_batch: bool | None = None
     # Each decoder layer a nested compile region (agent/engine/ops/slots.py decoder_forward):
     # one layer's code generated and reused for all of them, so the cold compile of a step does
-    # not grow with depth. Off until measured on a GPU (what it costs a tick there is unknown).
-    compile_regions: bool = False
+    # not grow with depth (48 thinker layers). None: on CUDA, where the inlined compile of every
+    # step at real depth took longer than a GPU session; off on CPU, where compiling is opt-in.
+    compile_regions: bool | None = None
+    # The slot caches' attention kernel (agent/engine/ops/attention.py); None: the device's best.
+    # Forcing "flex" on CPU runs the kernel CUDA uses through the same wiring (tests, benches).
+    attention: Backend | None = None
     # Compiled code-predictor projections as reductions with the norms and residual adds fused
     # in (agent/engine/ops/gemv.py), or library matmuls. None: on CUDA only (compiled for all batches
     # at once, as CPU compiles, inductor's C++ loops for them are slow: the loop 5x slower at
@@ -114,15 +128,19 @@ class Graphing:
 
     def __init__(self, config: GraphConfig, device: torch.device, max_sessions: int) -> None:
         self.config = config
+        self.device = device
         self.mode = resolve_mode(config.mode, device)
+        self.artifacts: ArtifactFile | None = None
+        self.artifacts_state: CacheState = "off"
         self.batch_sizes = batch_buckets(config.batch_sizes, max_sessions)
         self.compiler: StepCompiler | None = None
         self.fused_gemv = device.type == "cuda" if config.fused_gemv is None else config.fused_gemv
+        regions = config.compile_regions
+        self.regions = device.type == "cuda" if regions is None else regions
         if resolve_compile(config.compile, device):
             if self.mode == "fake":
                 raise ValueError("fake graphs trace the eager ops: run them with compile off")
-            dynamic = config.compile_dynamic_batch
-            dynamic = device.type != "cuda" if dynamic is None else dynamic
+            dynamic = True if config.compile_dynamic_batch is None else config.compile_dynamic_batch
             # Unbacked only where it was shown to trace (CompiledStep._mark_batch says why).
             unbacked = device.type == "cpu" and not self.fused_gemv
             settings = CompileSettings(config.compile_cache, config.cudagraphs, device.type, dynamic, unbacked)
@@ -152,7 +170,7 @@ class Graphing:
     @property
     def compiles_regions(self) -> bool:
         """Whether compiled steps run each decoder layer as a nested compile region."""
-        return self.compiler is not None and self.config.compile_regions
+        return self.compiler is not None and self.regions
 
     @property
     def enabled(self) -> bool:
@@ -209,28 +227,54 @@ class Graphing:
     def stats(self) -> dict[str, GraphStats]:
         return {name: pool.stats for name, pool in self.pools.items()}
 
-    def key_lens(self, capacity: int) -> list[int]:
-        """Attention read lengths: min_key_len doubling, capped by (and ending at) capacity."""
+    def load_compile_cache(self, shapes: Mapping[str, Any]) -> CacheState:
+        """Before the first compile: load the artifacts of an earlier start with the same
+        software, card and `shapes` (agent/engine/compile/cache.py); "off" when not compiling."""
+        if self.compiler is None or self.config.compile_cache is None:
+            return "off"
+        c = self.config
+        key = {
+            **software_key(self.device),
+            **shapes,
+            "buckets": self.batch_sizes,
+            "graphs": (self.mode, c.cudagraphs, c.min_key_len, c.warmup_iters),
+            "compile": (self.compiler.settings.dynamic_batch, self.compiler.settings.unbacked_batch),
+            "regions": self.regions,
+            "fused_gemv": self.fused_gemv,
+        }
+        self.artifacts = ArtifactFile(c.compile_cache / "artifacts", key)
+        self.artifacts_state = self.artifacts.load()
+        return self.artifacts_state
+
+    def save_compile_cache(self) -> int:
+        """After start-up: write what this start compiled, unless every step came from the
+        loaded file (then the file already holds it); the bytes written."""
+        if self.artifacts is None or self.compiler is None:
+            return 0
+        report = self.compiler.cache_report()
+        if self.artifacts_state == "hit" and "miss" not in report.values():
+            return 0
+        return self.artifacts.save()
+
+    def key_lens(self, kv: SlotKV) -> list[int]:
+        """Attention read lengths of a graphed step on `kv`: min_key_len doubling, capped by (and
+        ending at) the capacity where the kernel reads a window (sdpa); one dummy length of 1
+        where it reads each row's own length from the cache index (flex, flash)."""
+        if not kv.windowed:
+            return [1]
         lens, n = [], self.config.min_key_len
-        while n < capacity:
+        while n < kv.capacity:
             lens.append(n)
             n *= 2
-        return lens + [capacity]
+        return lens + [kv.capacity]
 
-    def start_key_lens(self, capacity: int) -> list[int]:
-        """The attention lengths a decode step is captured for at start-up: the shortest (CUDA:
-        longer ones on first use, each a graph and its memory), or every one on CPU graphs (a
-        trace is cheap to keep, and tracing one in a reply would stall it: agent/engine/compile/cpu_traces.py)."""
-        lens = self.key_lens(capacity)
-        return lens if self.mode == "cpu" else lens[:1]
-
-    def key_len(self, needed: int, capacity: int) -> int:
-        if needed > capacity:
-            raise RuntimeError(f"KV slot overflow: {needed} keys > capacity {capacity}")
-        return next(n for n in self.key_lens(capacity) if n >= needed)
+    def key_len(self, needed: int, kv: SlotKV) -> int:
+        if needed > kv.capacity:
+            raise RuntimeError(f"KV slot overflow: {needed} keys > capacity {kv.capacity}")
+        return next(n for n in self.key_lens(kv) if n >= needed)
 
     def decode_rows(
-        self, states: Sequence[KVState], capacity: int, device: torch.device, tokens: Sequence[int] | None = None
+        self, states: Sequence[KVState], kv: SlotKV, device: torch.device, tokens: Sequence[int] | None = None
     ) -> DecodeRows:
         """The per-call inputs of a graphed decode step for these sessions: one host-to-device
         copy for the integers, the mask made on the device from the cache index."""
@@ -238,7 +282,7 @@ class Graphing:
         if tokens is not None:
             rows.append(list(tokens))
         meta = torch.tensor(rows, dtype=torch.long).to(device)
-        key_len = self.key_len(max(s.length for s in states) + 1, capacity)
+        key_len = self.key_len(max(s.length for s in states) + 1, kv)
         mask = torch.arange(key_len, device=device).view(1, -1) <= meta[1].view(-1, 1)
         return DecodeRows(meta[0], meta[1], meta[2], mask, meta[3] if tokens is not None else None)
 
@@ -288,12 +332,12 @@ def slot_cache_with_graph(
     moves; its extra row (index `slots`), where some batch is padded, takes pad rows' writes.
     """
     rows = graphing.kv_rows(slots) if graphing is not None else slots
-    kv = SlotKV(decoder, rows, limit, device, dtype)
+    kv = SlotKV(decoder, rows, limit, device, dtype, graphing.config.attention if graphing is not None else None)
     if graphing is None or not graphing.enabled:
         return kv, None
     kv.reserve(limit)
-    variants = len(graphing.key_lens(kv.capacity))
-    # The mask's key length is the attention length bucket: dynamic for the compiler.
+    variants = len(graphing.key_lens(kv))
+    # A windowed kernel's mask length is the attention length bucket: dynamic for the compiler.
     return kv, graphing.pool(
         name,
         step,
@@ -301,5 +345,5 @@ def slot_cache_with_graph(
         clone_outputs=clone_outputs,
         variants=variants,
         compiled=True,
-        dynamic_dims=((mask_arg, 1),),
+        dynamic_dims=((mask_arg, 1),) if kv.windowed else (),
     )

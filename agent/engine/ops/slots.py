@@ -88,6 +88,12 @@ class SlotKV:
         self.values: list[torch.Tensor] = []
         self.capacity = 0
 
+    @property
+    def windowed(self) -> bool:
+        """Whether a causal step's attention reads a fixed key window (sdpa), so its graphs are
+        keyed by the window's length; flex and flash read each row's own length instead."""
+        return self.backend == "sdpa"
+
     def traffic(self, lengths: Sequence[int], key_len: int | None = None) -> KVTraffic:
         """KV bytes one decode step of rows holding `lengths` keys reads with this cache's
         backend, next to the bytes they hold (`key_len`: sdpa's window, default the longest)."""

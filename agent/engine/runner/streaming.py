@@ -57,6 +57,7 @@ from agent.decoding import Decoding
 from agent.engine.api import Output, StageTime, Voices
 from agent.engine.checkpoints.model import LoadedModel
 from agent.engine.codecs.output_audio import talker_tokens_for
+from agent.engine.compile.cache import compiled_shapes
 from agent.engine.compile.wiring import GraphConfig, Graphing, GraphMode
 from agent.engine.ops.fusion import fuse_decoder
 from agent.engine.ops.moe import fuse_moe
@@ -159,10 +160,15 @@ class StreamingRunner:
         self.frames = FrameBatcher(
             loaded, self.thinker, self.talker, max_sessions, max_reply_tokens, record, self.graphing, decoding
         )
-        # Every cache is in place (reserved): capture now, on the thread that will replay.
+        # Every cache is in place (reserved): capture now, on the thread that will replay, every
+        # graph a call can need (nothing is compiled or captured once the engine is ready); the
+        # compiles first look for an earlier start's artifacts.
+        caches = {"thinker": self.thinker.kv, "talker": self.talker.kv}
+        self.graphing.load_compile_cache(compiled_shapes(loaded.model.config, loaded.dtype, max_sessions, caches))
         self.thinker.capture_graphs()
         self.talker.capture_graphs()
         self.frames.capture_graphs()
+        self.graphing.save_compile_cache()
         self.transcriber = Transcriber(loaded, self.thinker)  # live input transcription
         # The components, side by side: each is given only what it uses.
         self.sessions = SessionTable(max_sessions, self.transcriber)
@@ -192,7 +198,8 @@ class StreamingRunner:
     @classmethod
     def from_config(cls, loaded: LoadedModel, config, graphs: GraphConfig | None = None) -> "StreamingRunner":
         """From agent.config.Config (system_prompt, max_reply_tokens, max_reply_seconds,
-        audio_window_s, engine_slots, context_limit, cuda_graphs, compile, compile_regions, cache_dir). `graphs`: graph
+        audio_window_s, engine_slots, context_limit, cuda_graphs, compile, compile_regions,
+        compile_per_bucket, attention, cache_dir). `graphs`: graph
         settings (default "auto": graphs on a CUDA device); `config.cuda_graphs=False`
         (--no-cuda-graphs) turns them off whatever they say; `config.compile` decides compilation."""
         graphs = graphs or GraphConfig()
@@ -206,7 +213,9 @@ class StreamingRunner:
             graphs,
             compile=config.compile,
             compile_cache=Path(config.cache_dir) / "compile",
-            compile_regions=config.compile_regions or graphs.compile_regions,
+            compile_regions=graphs.compile_regions if config.compile_regions is None else config.compile_regions,
+            compile_dynamic_batch=False if config.compile_per_bucket else graphs.compile_dynamic_batch,
+            attention=graphs.attention if config.attention == "auto" else config.attention,
         )
         return cls(
             loaded,

@@ -88,7 +88,7 @@ class BucketedPrefill:
         self.pad_slot = pad_slot
         self.pool: GraphPool | None = None
         if graphing is not None and graphing.enabled and self.buckets:
-            variants = len(self.buckets) * (len(graphing.key_lens(kv.capacity)) if self._windowed else 1)
+            variants = len(self.buckets) * len(graphing.key_lens(kv))
             # Pads: zero inputs into the scratch row at 0..T-1, every key visible (never empty).
             pads = (0.0, pad_slot, 0, 0, 0, 1)
             # Compiled like the per-frame steps, with the batch, the token count (embeds,
@@ -116,16 +116,17 @@ class BucketedPrefill:
     @property
     def _windowed(self) -> bool:
         """Whether attention reads a fixed key window (sdpa) that the graphs must be keyed by."""
-        return self.kv.backend == "sdpa"
+        return self.kv.windowed
 
     def capture_graphs(self) -> None:
-        """Capture every (batch, token) bucket at the shortest key window."""
+        """Capture every (batch, token) bucket at every key window a chunk of it can need: a
+        capture in a live tick would stop every session on the engine."""
         if self.pool is None:
             return
         device, dtype = self.kv.device, self.kv.dtype
         hidden = self.body.config.hidden_size
-        for n_tokens in self.buckets:
-            key_len = self._key_len(n_tokens)
+        windows = self.graphing.key_lens(self.kv) if self._windowed and self.graphing is not None else [1]
+        for n_tokens, key_len in ((n, k) for n in self.buckets for k in windows if k >= self._key_len(n)):
 
             def example(batch: int, n_tokens: int = n_tokens, key_len: int = key_len) -> tuple[torch.Tensor, ...]:
                 zeros = torch.zeros(batch, dtype=torch.long, device=device)
@@ -219,7 +220,7 @@ class BucketedPrefill:
         # own length from the cache index, so the mask is a 1-wide dummy their graphs ignore.
         if not self._windowed or self.graphing is None:
             return 1
-        return self.graphing.key_len(needed, self.kv.capacity)
+        return self.graphing.key_len(needed, self.kv)
 
     def _step(
         self,

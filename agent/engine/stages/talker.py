@@ -136,7 +136,7 @@ class TalkerOps:
 
     def capture_graphs(self) -> None:
         """Capture the step for every batch bucket at the start-up attention lengths
-        (Graphing.start_key_lens), and the prefix prefill for every (batch, token) bucket."""
+        (Graphing.key_lens: every one), and the prefix prefill for every (batch, token) bucket."""
         self.prefiller.capture_graphs()
         self.choice.capture_graphs()
         if self._graph is None:
@@ -144,7 +144,7 @@ class TalkerOps:
         hidden = self.talker.config.text_config.hidden_size
         device, dtype = self.loaded.device, self.loaded.dtype
 
-        for key_len in self.graphing.start_key_lens(self.kv.capacity):
+        for key_len in self.graphing.key_lens(self.kv):
 
             def example(batch: int, key_len: int = key_len) -> tuple[torch.Tensor, ...]:
                 rows = self.graphing.example_rows(batch, self.pad_slot, key_len, device)
@@ -219,7 +219,7 @@ class TalkerOps:
         plus its text side); returns (float32 logits [B, vocab], last hidden [B, 1, hidden])."""
         device = embeds.device
         if self._graph is not None:
-            rows = self.graphing.decode_rows(states, self.kv.capacity, device)
+            rows = self.graphing.decode_rows(states, self.kv, device)
             logits, hidden = self._graph(embeds, rows.slots, rows.index, rows.positions, rows.mask)
         else:
             batch = Rows.make([s.slot for s in states], [s.length for s in states], 1, device)

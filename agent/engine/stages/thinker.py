@@ -153,12 +153,12 @@ class ThinkerOps:
 
     def capture_graphs(self) -> None:
         """Capture the decode step for every batch bucket at the start-up attention lengths
-        (Graphing.start_key_lens), and the prefill for every (batch, token) bucket."""
+        (Graphing.key_lens: every one), and the prefill for every (batch, token) bucket."""
         self.prefiller.capture_graphs()
         if self._graph is None:
             return
 
-        for key_len in self.graphing.start_key_lens(self.kv.capacity):
+        for key_len in self.graphing.key_lens(self.kv):
 
             def example(batch: int, key_len: int = key_len) -> tuple[torch.Tensor, ...]:
                 rows = self.graphing.example_rows(batch, self.pad_slot, key_len, self.loaded.device)
@@ -298,7 +298,7 @@ class ThinkerOps:
                 list(tokens), device=device
             )
         if self._graph is not None:
-            rows: DecodeRows = self.graphing.decode_rows(states, self.kv.capacity, device, tokens)
+            rows: DecodeRows = self.graphing.decode_rows(states, self.kv, device, tokens)
             logits = self._graph(rows.tokens, rows.slots, rows.index, rows.positions, rows.mask)
             for s in states:
                 s.length += 1
