@@ -1,5 +1,6 @@
-"""Command line: `omni-agent [serve] [flags]`, `omni-agent call URL`, `omni-agent make-tiny DIR` and
-`omni-agent quantize SRC DST` (its flags: agent/engine/quant/command.py; serve's: agent/flags.py)."""
+"""Command line: `omni-agent [serve] [flags]`, `omni-agent precompile [serve's flags]`, `omni-agent call
+URL`, `omni-agent make-tiny DIR` and `omni-agent quantize SRC DST` (its flags:
+agent/engine/quant/command.py; serve's: agent/flags.py)."""
 
 from __future__ import annotations
 
@@ -23,15 +24,41 @@ if TYPE_CHECKING:
 def serve(config: Config) -> None:
     from agent.engine.factory import build_engine
     from agent.engine.memory_plan import size_limits
+    from agent.engine.startup import timed_plan
     from agent.server import create_app
     from agent.transport.ice import restrict_ice_hosts
 
     restrict_ice_hosts(config.ice_hosts)
     # Before the loop runs and the model loads: a plan that cannot fit is refused at once, and
     # admission and the engine read the same resolved limits from `config`.
-    config, _ = size_limits(config)
-    engine = build_engine(config)
+    config, _, planned = timed_plan(size_limits, config)
+    engine = build_engine(config, planned=planned)
     asyncio.run(_serve(config, create_app(config, engine)))
+
+
+def precompile(config: Config) -> int:
+    """Build the engine's runner as `serve` would with these flags (same memory plan, so the same
+    compiled shapes), here in this process, and exit: its compiles write the compiled steps'
+    artifacts under --cache-dir (agent/engine/compile/cache.py), which a later `serve` on the same
+    kind of card loads instead of compiling. A KubeRay init container or a job per GPU type runs
+    it into the cache volume (docs/ray-serve.md). Exit status 0 once the file is written or was
+    already complete, 1 when the runner does not compile (nothing to cache)."""
+    from agent.engine.factory import runner_factory
+    from agent.engine.memory_plan import size_limits
+
+    config, _ = size_limits(config)
+    runner = runner_factory(config)()
+    graphing = getattr(runner, "graphing", None)
+    compiler = graphing.compiler if graphing is not None else None
+    if compiler is None or graphing.artifacts is None:
+        print("omni-agent precompile: these flags compile nothing (CPU without --compile on, or --runner reference)")
+        return 1
+    report = compiler.cache_report()
+    for step, seconds in compiler.compile_seconds().items():
+        print(f"  {step:>16}: {sum(seconds.values()):7.1f} s, cache {report[step]}")
+    path = graphing.artifacts.path
+    print(f"omni-agent precompile: {path} ({path.stat().st_size / 2**20:.1f} MiB; loaded: {graphing.artifacts_state})")
+    return 0
 
 
 async def _serve(config: Config, app: "web.Application") -> None:
@@ -70,6 +97,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-agent", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     add_serve_arguments(sub.add_parser("serve", help="run the agent (the default command)"))
+    add_serve_arguments(
+        sub.add_parser(
+            "precompile",
+            help="compile the engine's steps for serve's flags into --cache-dir's compile cache, then exit",
+        )
+    )
     tiny = sub.add_parser("make-tiny", help="build the tiny Qwen3-Omni checkpoint into DIR")
     tiny.add_argument("dir", type=Path)
     quant = sub.add_parser(
@@ -87,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     add_call_arguments(call)
     call.add_argument("--log-level", default="WARNING")
-    if not argv or argv[0] not in ("serve", "call", "make-tiny", "quantize", "-h", "--help"):
+    if not argv or argv[0] not in ("serve", "precompile", "call", "make-tiny", "quantize", "-h", "--help"):
         argv = ["serve", *argv]
     ns = parser.parse_args(argv)
     if ns.command == "make-tiny":
@@ -107,6 +140,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = config_from_args(ns)
     except ValueError as exc:  # settings that contradict each other (Config.__post_init__)
         parser.error(str(exc))
+    if ns.command == "precompile":
+        return precompile(config)
     if ns.ray:
         try:
             from agent.serve.app import run as serve_on_ray

@@ -68,7 +68,10 @@ async def test_loading_is_alive_but_not_ready_then_both_ok(tiny_model_dir: Path)
             loop = asyncio.get_running_loop()
             assert await loop.run_in_executor(None, held.wait, _HOLD_S), "the engine never reached its load"
             assert await _probe(http, url, "/livez") == (200, {"status": "loading"})
-            assert await _probe(http, url, "/readyz") == (503, {"status": "loading"})
+            status, body = await _probe(http, url, "/readyz")
+            # Where it is: the runner built, held before the engine says ready.
+            assert status == 503 and body["status"] == "loading" and body["phase"] == "build", body
+            assert list(body["phases"])[0] == "load" and "ready" not in body["phases"], body
         finally:
             release.set()
         await asyncio.wait_for(asyncio.shield(app[ENGINE_START]), _HOLD_S)
