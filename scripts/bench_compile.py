@@ -1,27 +1,28 @@
-"""Cold compile time of the thinker's and talker's steps against depth, each layer inlined or a region.
+"""A GPU user's first start, measured on CPU: cold and warm compile of the thinker's and talker's steps.
 
-At real depth (48 thinker layers, 20 talker layers) the compiled path's start-up did not finish
-inside a GPU session's time (bench/results/engine-h200-2026-12-04.txt): every step is traced and
-compiled with all its layers unrolled, so its cold compile grows with depth. With
-`GraphConfig(compile_regions=True)` each decoder layer is a nested compile region
-(agent/engine/ops/slots.py `decoder_forward`): traced and compiled once, called per layer.
+What the CUDA engine does by default at start-up (agent/engine/compile/wiring.py), run through
+inductor's C++ backend: each per-frame step compiled once for every batch bucket (the batch
+symbolic), each decoder layer a nested compile region, fused projections, and the attention
+kernel CUDA uses (`--attention flex`, forced; CPU would pick sdpa). For each depth in
+`--layers` a fresh process with an empty cache directory builds the real structure
+(`--preset qwen3-omni-30b-a3b`: real head counts and head_dim; `--widths real` keeps every real
+width and expert count, `scaled` the CPU-test widths of presets.scaled_overrides), wires and
+compiles the thinker's decode and prefill and the talker's step and prefill, and writes the
+compile cache file (agent/engine/compile/cache.py). That is the cold start. A second fresh
+process at the deepest depth, with an empty inductor directory but the cache file, is the warm
+start (a restart, or a new machine given the file): Dynamo traces again, nothing is generated.
 
-For each depth in `--layers` and each way (inlined, regions) this starts a fresh process with an
-empty inductor cache (a cold start, one compile thread) that builds the real structure at
-CPU-test widths (agent/engine/checkpoints/presets.py `scaled_overrides`: every stack `L` layers
-deep, real head counts, fused q/k/v and MoE as the runner fuses them), wires the steps as CUDA
-compiles them (fused projections, one compile for every batch bucket) and times each step's
-first compile. The per-layer slope between the two depths extrapolates to the real depths.
-Beside the times, the kernels one call of the thinker's and the talker's step launches at batch 4
-(agent/engine/instruments/kernel_count.py, scheduled count: about a Triton kernel each): what a
-region boundary costs, since inductor fuses nothing across it.
+After each start is "ready" the process drives the decode steps at growing contexts (past
+several attention length tiers, batches 1, 3 and 4) and counts what dynamo compiled and what
+the graph pools captured meanwhile (must be 0), and reads the generated code for any buffer
+as large as a layer's KV cache (a region that copied its cache instead of writing it in place).
 
-    .venv/bin/python scripts/bench_compile.py --layers 2,6
+    .venv/bin/python scripts/bench_compile.py --preset qwen3-omni-30b-a3b --layers 2,4 --attention flex
 
-Last line: `thinker_decode_s_per_layer_inlined=A thinker_decode_s_per_layer_regions=B
-thinker_decode_s_at_48_inlined=C thinker_decode_s_at_48_regions=D talker_step_s_at_20_inlined=E
-talker_step_s_at_20_regions=F kernels_per_layer_inlined=G kernels_per_layer_regions=H` (the
-kernels: the thinker's step per layer).
+Last line: `compiles_per_step=N depth_growth=R cold_start_s=C warm_start_s=W captures_after_ready=K
+kv_copy_bytes=B` (N: the most dynamo graphs any step made; R: cold start at the deeper depth over
+the shallower; C, W: seconds of the deeper depth's start-up compile, cold and warm; K: compiles
+plus captures after ready, all starts; B: bytes of cache-sized buffers in the generated code).
 """
 
 from __future__ import annotations
@@ -32,135 +33,160 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("thinker_decode", "talker_step", "thinker_prefill", "talker_prefill")
-COUNTED = ("thinker_decode", "talker_step")  # kernels of one call each, batch 4
-DEPTHS = {"thinker_decode": 48, "thinker_prefill": 48, "talker_step": 20, "talker_prefill": 20}
+SLOTS, CONTEXT = 4, 4096
+GROWING = (100, 300, 700, 1500, 3000)  # cache lengths after ready: past the 256/512/... tiers
 
 
-def measure(layers: int, regions: bool) -> dict[str, float]:
-    """In this process: build, wire and compile once; each step's first-call seconds."""
+def measure(layers: int, attention: str, widths: str, cache: Path) -> dict[str, object]:
+    """In this process: build, wire and compile once (loading `cache`'s file when there), then
+    drive the decode steps at growing contexts; seconds, counts and cache results as JSON."""
     import torch
+    from torch._dynamo.utils import counters
 
     sys.path.insert(0, str(REPO))
     from agent.config import Config
-    from agent.engine.checkpoints.presets import REAL, scaled_overrides
+    from agent.engine.checkpoints.presets import REAL, depth_overrides, scaled_overrides
     from agent.engine.checkpoints.random_weights import load_random
     from agent.engine.checkpoints.tiny import ensure_model
+    from agent.engine.compile.cache import compiled_shapes
     from agent.engine.compile.wiring import GraphConfig, Graphing
-    from agent.engine.instruments.kernel_count import KernelCounter, marking_scheduled_kernels
+    from agent.engine.instruments.kernel_count import KernelCounter, largest_buffer_bytes
     from agent.engine.ops.fusion import fuse_decoder
     from agent.engine.ops.moe import fuse_moe
     from agent.engine.stages.talker import TalkerOps
     from agent.engine.stages.thinker import ThinkerOps
+    from agent.engine.state.kv import KVState
 
     torch.set_num_threads(1)
-    loaded = load_random(REAL, "cpu", ensure_model(Config()), overrides=scaled_overrides(layers=layers))
+    overrides = depth_overrides(layers) if widths == "real" else scaled_overrides(layers=layers)
+    loaded = load_random(REAL, "cpu", ensure_model(Config()), overrides=overrides)
     fuse_moe(loaded.model)  # as the runner does before wiring the steps
     fuse_decoder(loaded.model.thinker.model.language_model)
     fuse_decoder(loaded.model.talker.model)
+    # The CUDA defaults: one compile for all buckets, regions, fused projections; the pools pad
+    # through a backend that captures nothing (CPU), and still count their "captures".
     config = GraphConfig(
         mode="off",
         compile="on",
         batch_sizes=(1, 4),
-        compile_dynamic_batch=True,
         fused_gemv=True,
-        compile_regions=regions,
+        compile_regions=True,
+        attention=attention,
+        compile_cache=cache,
     )
-    graphing = Graphing(config, loaded.device, 4)
-    thinker, talker = ThinkerOps(loaded, 4, 512, graphing), TalkerOps(loaded, 4, 512, graphing=graphing)
+    graphing = Graphing(config, loaded.device, SLOTS)
+    thinker = ThinkerOps(loaded, SLOTS, CONTEXT, graphing)
+    talker = TalkerOps(loaded, SLOTS, CONTEXT, graphing=graphing)
     compiler = graphing.compiler
-    assert compiler is not None
-    with torch.inference_mode(), marking_scheduled_kernels():
+    assert compiler is not None and compiler.settings.dynamic_batch and graphing.compiles_regions
+    started = time.perf_counter()
+    caches = {"thinker": thinker.kv, "talker": talker.kv}
+    loaded_state = graphing.load_compile_cache(compiled_shapes(loaded.model.config, loaded.dtype, SLOTS, caches))
+    with torch.inference_mode():
         thinker.capture_graphs()
         talker.capture_graphs()
-    seconds = compiler.compile_seconds()
-    result = {step: sum(seconds.get(step, {}).values()) for step in STEPS}
-    # One more call of each decode step, counted: every row a pad row, the shortest key read.
-    # Inputs made in inference mode like the captures' (else the guards recompile, unmarked).
-    with torch.inference_mode():
-        key_len = graphing.key_lens(thinker.kv)[0]
-        rows = graphing.example_rows(4, thinker.pad_slot, key_len, loaded.device)
-        embeds = torch.zeros(4, 1, loaded.model.talker.config.text_config.hidden_size, dtype=loaded.dtype)
+    saved = graphing.save_compile_cache()
+    start_s = time.perf_counter() - started
+
+    # Ready: growing contexts, batches 1, 3 (padded to 4) and 4, counted.
+    graphs_at_ready = counters["stats"]["unique_graphs"]
+    captures_at_ready = sum(pool.stats.captures for pool in graphing.pools.values())
+    hidden = loaded.model.talker.config.text_config.hidden_size
     with torch.inference_mode(), KernelCounter() as counter:
-        with counter.stage("thinker_decode"):
-            compiler.steps["thinker_decode"](rows.tokens, rows.slots, rows.index, rows.positions, rows.mask)
-        with counter.stage("talker_step"):
-            compiler.steps["talker_step"](embeds, rows.slots, rows.index, rows.positions, rows.mask)
-    result.update({f"{step}_kernels": float(counter.scheduled[step]) for step in COUNTED})
-    return result
+        for length in GROWING:
+            for batch in (1, 3, 4):
+                states = [KVState(slot, length, length) for slot in range(batch)]
+                thinker.decode(states, [5] * batch)
+                states = [KVState(slot, length, length) for slot in range(batch)]
+                talker.step(states, torch.zeros(batch, 1, hidden, dtype=loaded.dtype))
+    after_ready = (counters["stats"]["unique_graphs"] - graphs_at_ready) + (
+        sum(pool.stats.captures for pool in graphing.pools.values()) - captures_at_ready
+    )
+    layer_bytes = min(kv.keys[0].numel() * kv.keys[0].element_size() for kv in caches.values())
+    biggest = max((largest_buffer_bytes(source) for source in counter.sources.values()), default=0)
+    seconds = compiler.compile_seconds()
+    return {
+        "start_s": start_s,
+        "steps_s": {step: sum(seconds.get(step, {}).values()) for step in STEPS},
+        "graphs": compiler.graph_counts(),
+        "cache": compiler.cache_report(),
+        "file": loaded_state,
+        "saved_bytes": saved,
+        "after_ready": after_ready,
+        "kv_copy_bytes": biggest if biggest >= layer_bytes else 0,
+        "layer_kv_bytes": layer_bytes,
+        "backend": thinker.kv.backend,
+        "capacity": thinker.kv.capacity,
+    }
 
 
-def run_fresh(layers: int, regions: bool) -> dict[str, float]:
-    """`measure` in a new process with an empty inductor cache: a cold start."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_COMPILE_THREADS="1")
-        cmd = [sys.executable, __file__, "--child", str(layers), "--regions" if regions else "--inlined"]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+def run_fresh(layers: int, attention: str, widths: str, cache: Path, python: str) -> dict[str, object]:
+    """`measure` in a new process whose inductor directory is empty (the compile cache file in
+    `cache/artifacts` is what a warm start has)."""
+    with tempfile.TemporaryDirectory() as inductor:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor, TORCHINDUCTOR_COMPILE_THREADS="1")
+        cmd = [python, __file__, "--child", str(layers), "--attention", attention, "--widths", widths]
+        out = subprocess.run([*cmd, "--cache", str(cache)], env=env, capture_output=True, text=True, check=False)
         if out.returncode != 0:
-            raise RuntimeError(f"layers={layers} regions={regions} failed:\n{out.stderr[-3000:]}")
+            raise RuntimeError(f"layers={layers} failed:\n{out.stderr[-4000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 6])
+    p.add_argument("--preset", default="qwen3-omni-30b-a3b", choices=["qwen3-omni-30b-a3b"])
+    p.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    p.add_argument("--attention", default="flex", choices=["flex", "sdpa"])
+    p.add_argument("--widths", default="scaled", choices=["scaled", "real"])
+    p.add_argument("--python", default=sys.executable, help="the interpreter of the runs (another torch's venv)")
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--regions", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--inlined", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.regions)))
+        print(json.dumps(measure(args.child, args.attention, args.widths, args.cache)))
         return
     if len(set(args.layers)) != 2:
-        p.error("--layers takes two different depths, e.g. 2,6")
+        p.error("--layers takes two different depths, e.g. 2,4")
     low, high = sorted(set(args.layers))
-    results: dict[tuple[int, bool], dict[str, float]] = {}
+    version = subprocess.run(
+        [args.python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    print(f"# torch {version}, attention {args.attention}, {args.widths} widths, slots {SLOTS} x {CONTEXT} keys")
     print(
-        f"{'layers':>6} {'way':>8} "
-        + " ".join(f"{s:>16}" for s in STEPS)
-        + "".join(f"{s + ' k':>18}" for s in COUNTED)
-        + "   (seconds of each step's compiles; k: kernels of one call, batch 4)"
+        f"{'layers':>6} {'start':>5} {'file':>5} {'start_s':>8} "
+        + " ".join(f"{s:>15}" for s in STEPS)
+        + f" {'graphs/step':>11} {'cache':>6} {'after_ready':>11} {'kv_copy_B':>9} {'saved_MiB':>9}"
     )
-    for regions in (False, True):
-        for layers in (low, high):
-            row = results[layers, regions] = run_fresh(layers, regions)
-            way = "regions" if regions else "inlined"
-            times = " ".join(f"{row[s]:>16.1f}" for s in STEPS)
-            kernels = "".join(f"{row[s + '_kernels']:>18.0f}" for s in COUNTED)
-            print(f"{layers:>6} {way:>8} {times}{kernels}", flush=True)
-
-    def per_layer(step: str, regions: bool) -> float:
-        return (results[high, regions][step] - results[low, regions][step]) / (high - low)
-
-    def at_depth(step: str, regions: bool) -> float:
-        return results[high, regions][step] + per_layer(step, regions) * (DEPTHS[step] - high)
-
-    def kernels_per_layer(step: str, regions: bool) -> float:
-        return per_layer(f"{step}_kernels", regions)
-
-    print()
-    for step in STEPS:
-        print(
-            f"{step:>16}: per layer {per_layer(step, False):6.2f} s inlined, {per_layer(step, True):6.2f} s regions; "
-            f"at {DEPTHS[step]} layers {at_depth(step, False):7.1f} s inlined, {at_depth(step, True):7.1f} s regions"
-        )
-    for step in COUNTED:
-        print(
-            f"{step:>16}: {kernels_per_layer(step, False):.1f} kernels per layer inlined, "
-            f"{kernels_per_layer(step, True):.1f} as regions"
-        )
+    rows: dict[tuple[int, str], dict] = {}
+    with tempfile.TemporaryDirectory() as keep_high:
+        for layers, kind in ((low, "cold"), (high, "cold"), (high, "warm")):
+            if kind == "cold" and layers == high:
+                cache = Path(keep_high)  # kept for the warm start
+            elif kind == "cold":
+                cache = Path(tempfile.mkdtemp())
+            row = rows[layers, kind] = run_fresh(layers, args.attention, args.widths, cache, args.python)
+            steps = " ".join(f"{row['steps_s'][s]:>15.1f}" for s in STEPS)
+            cache_states = set(row["cache"].values())
+            print(
+                f"{layers:>6} {kind:>5} {row['file']:>5} {row['start_s']:>8.1f} {steps} "
+                f"{max(row['graphs'].values()):>11} {'/'.join(sorted(cache_states)):>6} {row['after_ready']:>11} "
+                f"{row['kv_copy_bytes']:>9} {row['saved_bytes'] / 2**20:>9.1f}",
+                flush=True,
+            )
+    cold_low, cold, warm = rows[low, "cold"], rows[high, "cold"], rows[high, "warm"]
+    print(f"# backend {cold['backend']}, capacity {cold['capacity']}, one layer's keys {cold['layer_kv_bytes']} B")
+    per_step = max(max(r["graphs"].values()) for r in rows.values())
+    after = sum(r["after_ready"] for r in rows.values())
+    copies = max(r["kv_copy_bytes"] for r in rows.values())
     print(
-        f"thinker_decode_s_per_layer_inlined={per_layer('thinker_decode', False):.2f} "
-        f"thinker_decode_s_per_layer_regions={per_layer('thinker_decode', True):.2f} "
-        f"thinker_decode_s_at_48_inlined={at_depth('thinker_decode', False):.1f} "
-        f"thinker_decode_s_at_48_regions={at_depth('thinker_decode', True):.1f} "
-        f"talker_step_s_at_20_inlined={at_depth('talker_step', False):.1f} "
-        f"talker_step_s_at_20_regions={at_depth('talker_step', True):.1f} "
-        f"kernels_per_layer_inlined={kernels_per_layer('thinker_decode', False):.1f} "
-        f"kernels_per_layer_regions={kernels_per_layer('thinker_decode', True):.1f}"
+        f"compiles_per_step={per_step} depth_growth={cold['start_s'] / cold_low['start_s']:.2f} "
+        f"cold_start_s={cold['start_s']:.1f} warm_start_s={warm['start_s']:.1f} "
+        f"warm_over_cold={warm['start_s'] / cold['start_s']:.2f} captures_after_ready={after} kv_copy_bytes={copies}"
     )
 
 

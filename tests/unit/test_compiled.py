@@ -10,6 +10,8 @@ Pins:
   ragged rows across token buckets;
 - on CPU one compile, one graph, serves every bucket (the batch dim is unbacked), made at
   start-up: the runner's constructor compiles, live calls do not (dynamo compiles no new graph);
+- contexts growing past every attention window after start-up compile nothing and capture
+  nothing: every window's graph exists before the runner is ready;
 - per-bucket mode compiles once per bucket seen, never for a padded batch's own size, and runs a
   batch above every bucket eagerly;
 - `--compile` / `--no-compile` / `--compile-regions` reach the runner, and "auto" leaves CPU eager.
@@ -29,6 +31,7 @@ from agent.engine.compile.capture import GraphPool
 from agent.engine.compile.inductor import CompiledStep, CompileSettings, PaddedBackend
 from agent.engine.runner.streaming import StreamingRunner
 from agent.engine.stages.bucketed_prefill import PrefillRow
+from agent.engine.state.kv import KVState
 from agent.flags import add_serve_arguments, config_from_args
 
 BATCHES = (1, 2, 3, 4, 8, 16)  # every bucket, and 3 padded to 4
@@ -141,6 +144,25 @@ def test_live_calls_never_recompiled(runner):
     # Every bucket, padded batches and fresh inputs above ran on what start-up compiled.
     assert runner.graphs_at_start > 0
     assert counters["stats"]["unique_graphs"] == runner.graphs_at_start
+
+
+def test_growing_contexts_compile_and_capture_nothing_after_start_up(runner):
+    graphing = runner.graphing
+    windows = graphing.key_lens(runner.thinker.kv)
+    assert len(windows) >= 3  # the contexts below cross several windows
+    graphs = counters["stats"]["unique_graphs"]
+    captures = {name: pool.stats.captures for name, pool in graphing.pools.items()}
+    hidden = runner.loaded.model.talker.config.text_config.hidden_size
+    with torch.inference_mode():
+        for length in [n - 1 for n in windows] + [windows[0]]:  # each window's last key, then back
+            for batch in (1, 3):
+                runner.thinker.decode([KVState(s, length, length) for s in range(batch)], [5] * batch)
+                runner.talker.step([KVState(s, length, length) for s in range(batch)], torch.zeros(batch, 1, hidden))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert {name: pool.stats.captures for name, pool in graphing.pools.items()} == captures
+    # ... and each decode step really ran at every window (one graph per bucket and window).
+    decode = graphing.pools["thinker_decode"]._state.graphs
+    assert {key[-1][0][1] for key in decode} == set(windows)
 
 
 def test_per_bucket_mode_compiles_once_per_bucket_and_runs_big_batches_eagerly():

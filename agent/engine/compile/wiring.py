@@ -271,6 +271,8 @@ class Graphing:
     def key_len(self, needed: int, kv: SlotKV) -> int:
         if needed > kv.capacity:
             raise RuntimeError(f"KV slot overflow: {needed} keys > capacity {kv.capacity}")
+        if not kv.windowed:
+            return 1  # the kernel reads each row's own length; the 1-wide mask is never read
         return next(n for n in self.key_lens(kv) if n >= needed)
 
     def decode_rows(

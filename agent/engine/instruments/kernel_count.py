@@ -321,3 +321,22 @@ def scheduled_kernels(source: str) -> int | None:
     if cpp and not marks:
         return None
     return marks + sum(launches.values()) - cpp
+
+
+_ALLOCATION = re.compile(r"empty_strided_\w+\(\(([^()]*)\), \([^()]*\), torch\.(\w+)\)")
+
+
+def largest_buffer_bytes(source: str) -> int:
+    """The largest buffer inductor's generated wrapper `source` allocates with a static shape
+    (0 if none): a step that writes its KV cache in place allocates nothing near a cache's size,
+    one whose compile functionalized the writes copies the cache into a buffer as large as it."""
+    largest = 0
+    for dims, dtype in _ALLOCATION.findall(source):
+        sizes = [d.strip() for d in dims.split(",") if d.strip()]
+        if not all(d.isdigit() for d in sizes):
+            continue  # a symbolic size (the batch): never a cache's
+        numel = 1
+        for d in sizes:
+            numel *= int(d)
+        largest = max(largest, numel * getattr(torch, dtype).itemsize)
+    return largest
