@@ -85,6 +85,9 @@ class Config:
     # The slot caches' attention kernel: auto (flash-attn where installed, flex on CUDA, sdpa on
     # CPU) | sdpa | flex | flash (agent/engine/ops/attention.py).
     attention: str = "auto"
+    # Seconds of compiling a start-up may spend before the steps not yet compiled run eagerly
+    # (still graphed): a start that is certain to end. 0: no limit.
+    compile_budget_s: float = 0.0
     runner: str = "stream"  # stream | reference (transformers' generate(): whole reply at once)
     speaker: str = ""  # "" = first speaker in the talker config
     # Left None, these are the model's own (agent/decoding.py): the tiny random model gets a

@@ -140,6 +140,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "(a cold start several times as long)",
     )
     p.add_argument(
+        "--compile-budget-s",
+        type=float,
+        default=d.compile_budget_s,
+        help="seconds of compiling a start-up may spend; steps not compiled by then run eagerly, graphed "
+        "(0: no limit; a step whose compile fails runs eagerly anyway)",
+    )
+    p.add_argument(
         "--attention",
         default=d.attention,
         choices=["auto", "sdpa", "flex", "flash"],

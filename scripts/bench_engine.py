@@ -192,13 +192,28 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="one compile per step for every batch bucket, or one per bucket (default: the engine's, "
-        "per bucket on CUDA: 4 buckets x 6 steps of cold compiles at real depth)",
+        "one for all buckets)",
     )
     p.add_argument(
         "--compile-regions",
-        action="store_true",
-        help="compile each decoder layer once as a nested region, called per layer (GraphConfig.compile_regions: "
-        "a cold compile that does not grow with depth; scripts/bench_compile.py)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile each decoder layer once as a nested region, called per layer (default: the engine's, "
+        "on CUDA: a cold compile that does not grow with depth; scripts/bench_compile.py)",
+    )
+    p.add_argument(
+        "--compile-budget-s",
+        type=float,
+        default=0.0,
+        help="seconds of compiling the start-up may spend; steps not compiled by then run eagerly, graphed "
+        "(0: no limit), so a time-limited run always gets its rows",
+    )
+    p.add_argument(
+        "--compile-cache",
+        type=Path,
+        default=None,
+        help="where the compiled steps' cache lives (inductor's directory and the artifacts file, loaded "
+        "before compiling and written after; default: the engine's, under its cache dir)",
     )
     p.add_argument(
         "--profile-ticks",
@@ -292,6 +307,7 @@ def main() -> None:
         if "compile" not in {f.name for f in fields(Config)}:
             p.error("--compile: this engine's Config has no compile option yet")
         cfg = replace(cfg, compile=args.compile)
+    cfg = replace(cfg, compile_budget_s=args.compile_budget_s)
     cfg = bench_config(cfg, args.batch, args.context, args.profile_ticks)
     print(f"# slots: {cfg.max_sessions} x {cfg.context_limit} tokens", flush=True)
     from agent.engine.compile.wiring import GraphConfig
@@ -300,8 +316,24 @@ def main() -> None:
         fused_gemv=args.fused_gemv,
         compile_dynamic_batch=args.compile_dynamic_batch,
         compile_regions=args.compile_regions,
+        compile_cache=args.compile_cache,
     )
+    started = time.perf_counter()
     stream = StreamingRunner.from_config(loaded, cfg, graphs=graphs)
+    compiler = stream.graphing.compiler
+    if compiler is not None:
+        # Which steps run compiled: a failed or over-budget compile runs that step eagerly
+        # (graphed); the rows below then measure that mix, so it is said first.
+        seconds = {step: sum(s.values()) for step, s in compiler.compile_seconds().items()}
+        report, fallbacks = compiler.cache_report(), compiler.fallbacks()
+        print(
+            f"# start-up {time.perf_counter() - started:.1f} s (compile cache file: {stream.graphing.artifacts_state}); "
+            + "; ".join(
+                f"{step} {'eager: ' + fallbacks[step] if step in fallbacks else f'compiled {seconds[step]:.1f} s, cache {report[step]}'}"
+                for step in compiler.steps
+            ),
+            flush=True,
+        )
     image = camera_frame()
     short, long_ = utterance(1.0), utterance(8.0, seed=1)
 

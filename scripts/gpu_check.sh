@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
+# FIRST CALL (device tool, either card): command `ONLY=bench_compiled COMPILED_LIMIT=540 COMPILED_BATCH=1,4 bash scripts/gpu_check.sh`, carry [".whl"], timeout_s 590.
+# (2026-12-07 defaults: one compile per step for every batch bucket, each decoder layer a nested
+# compile region, flex attention, every graph captured at start-up; the bench's slots are its
+# largest batch x 4,096 tokens, so it fits an 80 GB H100; the compiled steps' cache file is
+# written to $OUT/compile-cache/artifacts: carry it back as `compile-cache` on a second call of the
+# same card and kind to start warm.) Second call: ONLY="pytest_gpu bench_graphs" (or
+# "bench_graphs bench_int4", the bf16/int4 pair). PER_BUCKET=1 compiles each bucket apart;
+# NO_REGIONS=1 inlines every layer (each slow at real depth: 2026-12-04 ran out of time).
 # One short GPU check of the engine's CUDA path. The steps' limits add up to more than one 10-minute
 # device call (15 minutes of device time a session): ONLY="..." runs the setup (~20 s) and the steps
 # named. Measured on 2026-12-04 (bench/results/engine-h200-2026-12-04.txt): the graphs-only bench
-# takes ~90 s; the compiled one's cold compiles at real depth take well over 140 s (on CPU the
-# thinker's step alone ~970 s at 48 layers; bench/results/compile-regions-cpu-2026-12-04.txt),
-# so a session's first call is best
-#   ONLY=bench_compiled REGIONS=1 COMPILED_LIMIT=540 COMPILED_BATCH=1,4 bash scripts/gpu_check.sh
-# (one compile per step for all batches; PER_BUCKET=1 compiles each bucket, the CUDA default;
-# REGIONS=1, any value: each decoder layer compiled once, ~54 s for that step on CPU)
-# and the second ONLY="pytest_gpu bench_graphs" (or "bench_graphs bench_int4", the bf16/int4 pair):
+# takes ~90 s; the compiled one's cold compiles at real depth, every layer inlined, took well over 140 s.
 #   1. machine, driver and Python versions, nvidia-smi;
 #   2. install: the machine's CUDA torch is kept (the project pins torch==2.13.0, whose CPU wheel
 #      this repo's own machines use; a pip resolve would replace a CUDA build), the rest of the
@@ -179,14 +181,17 @@ run bench_int4 "${INT4_LIMIT:-180}" bash -c 'set -o pipefail; bench_int4 "$@"' _
 run bench_code_predictor "${CP_LIMIT:-240}" "$PY" scripts/bench_code_predictor.py --device cuda --batch 1,4 --iters 30
 # Sampled as a real model is by default (agent/decoding.py): the thinker's and talker's choice
 # are compiled, graphed steps of their own, the code predictor samples inside its loop.
-# One compile per step for every batch (--compile-dynamic-batch; PER_BUCKET=1: the CUDA
-# default, one per bucket, four times the cold compiles): on 2026-12-04 the per-bucket compiles
-# at real depth outlasted a 230 s limit before the first row. bench_engine logs each compile.
-# REGIONS=1 (any value; unset: inlined): each decoder layer compiled once and called per layer
-# (--compile-regions), a cold compile that does not grow with depth (scripts/bench_compile.py).
+# The engine's defaults: one compile per step for every batch bucket (PER_BUCKET=1: one per
+# bucket, four times the cold compiles: on 2026-12-04 they outlasted a 230 s limit before the first
+# row) and each decoder layer a nested region (NO_REGIONS=1: inlined, a compile growing with depth;
+# scripts/bench_compile.py). bench_engine logs each compile and its cache result. The compiled
+# steps' cache goes under $RESULTS/compile-cache (in $OUT on the device: a warm start next call).
+# Certain to give rows: compiles stop after COMPILE_BUDGET_S (300 s) of compiling, and a step whose
+# compile fails or comes after that runs eagerly, graphed; the "# start-up" line says which.
 run bench_compiled "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch "${COMPILED_BATCH:-1,4,10}" --repeats 2 --compile on \
   --"${PER_BUCKET:+no-}compile-dynamic-batch" --decoding "${DECODING:-sample}" --profile-ticks 8 \
-  ${REGIONS:+--compile-regions}
+  --"${NO_REGIONS:+no-}compile-regions" --compile-cache "${COMPILE_CACHE:-$RESULTS/compile-cache}" \
+  --compile-budget-s "${COMPILE_BUDGET_S:-300}"
 # The same with library matmuls in every compiled decode step (thinker, talker, code predictor):
 # with bench_compiled, decides GraphConfig.fused_gemv's default (usually a second device call).
 run bench_compiled_library "${COMPILED_LIMIT:-240}" "${BENCH[@]}" --batch 1,4,10 --repeats 2 --compile on \

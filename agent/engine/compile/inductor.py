@@ -69,6 +69,21 @@ class CompileSettings:
     # specialise on. Default on CPU, where a compile costs tens of seconds per function.
     dynamic_batch: bool = False
     unbacked_batch: bool = False  # how a dynamic batch is marked (CompiledStep._mark_batch)
+    # Seconds of compiling a start-up may spend; a step whose first compile comes after that
+    # runs its eager function instead (graphed all the same). None: no limit.
+    budget_s: float | None = None
+
+
+@dataclass
+class CompileBudget:
+    """The compile seconds one runner's steps have spent, against the settings' budget: shared
+    by its steps (the compiler's), read before each step's first compile."""
+
+    limit_s: float | None = None
+    spent_s: float = 0.0
+
+    def allows(self) -> bool:
+        return self.limit_s is None or self.spent_s < self.limit_s
 
 
 def resolve_compile(mode: CompileMode, device: torch.device) -> bool:
@@ -98,6 +113,9 @@ class CompileStats:
     calls: int = 0
     eager: int = 0  # batches above every bucket
     graphs: int = 0  # graphs dynamo made for this step (its compiles)
+    # Why the step runs its eager function ("" while compiled): its compile raised, or the
+    # start-up's compile budget was spent before its turn.
+    fallback: str = ""
     cache_hits: int = 0  # inductor FX graphs (the step's, its regions') found in the on-disk cache
     cache_misses: int = 0  # ... and generated
 
@@ -129,9 +147,11 @@ class CompiledStep:
         settings: CompileSettings,
         dynamic_dims: Sequence[tuple[int, int]] = (),
         dynamic_batch: bool | None = None,
+        budget: CompileBudget | None = None,
     ) -> None:
         self.name = name
         self.fn = fn
+        self.budget = budget if budget is not None else CompileBudget(settings.budget_s)
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.dynamic_dims = tuple(dynamic_dims)
         inductor_graphs = settings.device_type == "cuda" and settings.cudagraphs == "inductor"
@@ -159,20 +179,35 @@ class CompiledStep:
             return self.fn(*args)
         for index, dim in self.dynamic_dims:
             torch._dynamo.maybe_mark_dynamic(args[index], dim)
+        key = 0 if self.dynamic_batch else batch
+        if self.stats.fallback or (key not in self.stats.compiles and not self._may_compile()):
+            self.stats.eager += 1
+            return self.fn(*args)
         if self.dynamic_batch:
             self._mark_batch(args)
         self.stats.calls += 1
-        key = 0 if self.dynamic_batch else batch
         # A call that made dynamo compile a graph: its first for the key, or one more (a dynamic
         # batch's compile may specialise batch 1 in a graph of its own): all of them counted.
         graphs = counters["stats"]["unique_graphs"]
         hits, misses = _cache_lookups()
         started = time.perf_counter()
-        out = self._call(batch, args)
+        try:
+            out = self._call(batch, args)
+        except Exception as exc:
+            if key in self.stats.compiles:
+                raise  # compiled before: a failure of the call, not of the compile
+            # A compile that fails (an inductor error, an op dynamo cannot trace) costs this
+            # step its fusion, not the engine its start: the eager function is graphed instead.
+            self.stats.fallback = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            self.budget.spent_s += time.perf_counter() - started
+            log.exception("%s: %s; it runs eagerly (graphed)", self.name, self.stats.fallback)
+            self.stats.eager += 1
+            return self.fn(*args)
         made = counters["stats"]["unique_graphs"] - graphs
         if key in self.stats.compiles and not made:
             return out
         seconds = time.perf_counter() - started
+        self.budget.spent_s += seconds
         self.stats.compiles[key] = self.stats.compiles.get(key, 0.0) + seconds
         self.stats.graphs += made
         new_hits, new_misses = _cache_lookups()
@@ -188,6 +223,14 @@ class CompiledStep:
             new_misses - misses,
         )
         return out
+
+    def _may_compile(self) -> bool:
+        """Whether a first compile may start now; when the budget is spent, say so once."""
+        if self.budget.allows():
+            return True
+        self.stats.fallback = f"compile budget of {self.budget.limit_s:.0f} s spent before its turn"
+        log.warning("%s: %s; it runs eagerly (graphed)", self.name, self.stats.fallback)
+        return False
 
     def _mark_batch(self, args: Sequence[Tensor]) -> None:
         """Make every argument's first dim the one symbolic batch of the dynamic-batch compile.
@@ -221,6 +264,7 @@ class StepCompiler:
         self.settings = settings
         self.batch_sizes = tuple(batch_sizes)
         self.steps: dict[str, CompiledStep] = {}
+        self.budget = CompileBudget(settings.budget_s)
         if settings.cache_dir is not None:
             use_cache_dir(settings.cache_dir)
         # Dynamo keeps compiled entries per code object, shared by every runner of the process
@@ -230,7 +274,7 @@ class StepCompiler:
     def wrap(
         self, name: str, fn: StepFn, dynamic_dims: Sequence[tuple[int, int]] = (), *, dynamic_batch: bool | None = None
     ) -> CompiledStep:
-        step = CompiledStep(name, fn, self.batch_sizes, self.settings, dynamic_dims, dynamic_batch)
+        step = CompiledStep(name, fn, self.batch_sizes, self.settings, dynamic_dims, dynamic_batch, self.budget)
         self.steps[name] = step
         return step
 
@@ -241,6 +285,10 @@ class StepCompiler:
         """Each step's on-disk cache result at its compiles: "hit" (no code generated), "miss"
         (some generated), "off" (nothing looked up)."""
         return {name: step.stats.cache for name, step in self.steps.items()}
+
+    def fallbacks(self) -> dict[str, str]:
+        """The steps that run eagerly instead of compiled, and why."""
+        return {name: step.stats.fallback for name, step in self.steps.items() if step.stats.fallback}
 
     def graph_counts(self) -> dict[str, int]:
         """Graphs dynamo made for each step: 1 where one compile serves every bucket."""

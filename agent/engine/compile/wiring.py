@@ -87,6 +87,9 @@ class GraphConfig:
     # The slot caches' attention kernel (agent/engine/ops/attention.py); None: the device's best.
     # Forcing "flex" on CPU runs the kernel CUDA uses through the same wiring (tests, benches).
     attention: Backend | None = None
+    # Compile seconds a start-up may spend; steps not compiled by then run eagerly, graphed (and a
+    # step whose compile fails does so anyway). None: no limit.
+    compile_budget_s: float | None = None
     # Compiled code-predictor projections as reductions with the norms and residual adds fused
     # in (agent/engine/ops/gemv.py), or library matmuls. None: on CUDA only (compiled for all batches
     # at once, as CPU compiles, inductor's C++ loops for them are slow: the loop 5x slower at
@@ -143,7 +146,9 @@ class Graphing:
             dynamic = True if config.compile_dynamic_batch is None else config.compile_dynamic_batch
             # Unbacked only where it was shown to trace (CompiledStep._mark_batch says why).
             unbacked = device.type == "cpu" and not self.fused_gemv
-            settings = CompileSettings(config.compile_cache, config.cudagraphs, device.type, dynamic, unbacked)
+            settings = CompileSettings(
+                config.compile_cache, config.cudagraphs, device.type, dynamic, unbacked, config.compile_budget_s
+            )
             self.compiler = StepCompiler(settings, self.batch_sizes)
         self.backend: CaptureBackend | None = None
         self.warmup_iters = config.warmup_iters

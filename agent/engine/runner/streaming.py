@@ -212,10 +212,11 @@ class StreamingRunner:
         graphs = replace(
             graphs,
             compile=config.compile,
-            compile_cache=Path(config.cache_dir) / "compile",
+            compile_cache=graphs.compile_cache or Path(config.cache_dir) / "compile",
             compile_regions=graphs.compile_regions if config.compile_regions is None else config.compile_regions,
             compile_dynamic_batch=False if config.compile_per_bucket else graphs.compile_dynamic_batch,
             attention=graphs.attention if config.attention == "auto" else config.attention,
+            compile_budget_s=config.compile_budget_s or graphs.compile_budget_s,
         )
         return cls(
             loaded,

@@ -1,4 +1,4 @@
-"""The compile cache file and the start-up wiring that keeps compiles and captures out of calls.
+"""A compiled start-up that is certain to end, fast when warm, with nothing left for the calls.
 
 Pins:
 - a process that compiled writes one artifacts file (agent/engine/compile/cache.py); a fresh
@@ -11,7 +11,11 @@ Pins:
   length (a 1-wide mask) whatever the context, so a growing conversation needs no new graph;
   sdpa's windows double up to the capacity;
 - the CUDA defaults: one compile for every batch bucket, each decoder layer a nested region, and
-  `--compile-per-bucket` / `--no-compile-regions` / `--attention` reach the graph settings.
+  `--compile-per-bucket` / `--no-compile-regions` / `--attention` / `--compile-budget-s` reach
+  the graph settings;
+- a step whose compile fails runs its eager function (same outputs, the reason kept), and once
+  the start-up's compile budget is spent the steps not yet compiled run eagerly instead of
+  compiling; a step compiled before still raises its call's own errors.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 
 from agent.config import Config
 from agent.engine.compile.cache import ArtifactFile, compiled_shapes, software_key
+from agent.engine.compile.inductor import CompileSettings, StepCompiler
 from agent.engine.compile.wiring import GraphConfig, Graphing
 from agent.engine.ops.slots import SlotKV
 from agent.engine.state.kv import KVState
@@ -136,3 +141,31 @@ def test_cuda_defaults_compile_once_for_every_bucket_with_layer_regions(loaded):
     )
     assert config.compile_per_bucket and config.compile_regions is False and config.attention == "flex"
     assert Config().compile_regions is None and not Config().compile_per_bucket and Config().attention == "auto"
+
+
+def _untraceable(x: torch.Tensor) -> torch.Tensor:
+    # A host round trip through bytes: dynamo cannot trace it with fullgraph=True.
+    scale = float(len(x.numpy().tobytes()) % 7 + 1)
+    return x * scale
+
+
+def test_a_failed_compile_runs_the_step_eagerly_and_says_why():
+    compiler = StepCompiler(CompileSettings(dynamic_batch=True), (1, 4))
+    step = compiler.wrap("untraceable", _untraceable)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(step(x), _untraceable(x))
+    torch.testing.assert_close(step(x[:1]), _untraceable(x[:1]))
+    assert "compile failed" in compiler.fallbacks()["untraceable"] and step.stats.eager == 2
+
+
+def test_a_spent_budget_leaves_later_steps_eager_and_compiled_ones_compiled():
+    compiler = StepCompiler(CompileSettings(dynamic_batch=True, budget_s=1e-9), (1, 4))
+    first = compiler.wrap("first", lambda x: torch.softmax(x, -1) * 2)
+    second = compiler.wrap("second", lambda x: torch.softmax(x, -1) * 3)
+    x = torch.randn(4, 5)
+    first(x)  # compiles: nothing spent yet; its seconds spend the (tiny) budget
+    assert first.stats.compiles and not first.stats.fallback
+    torch.testing.assert_close(second(x), torch.softmax(x, -1) * 3)
+    assert not second.stats.compiles and "budget" in compiler.fallbacks()["second"]
+    first(x)  # already compiled: still compiled
+    assert first.stats.calls == 2 and "first" not in compiler.fallbacks()
