@@ -90,7 +90,7 @@ def measure(layers: int, attention: str, widths: str, cache: Path) -> dict[str, 
     with torch.inference_mode():
         thinker.capture_graphs()
         talker.capture_graphs()
-    saved = graphing.save_compile_cache()
+    saved = graphing.finish_start_up()
     start_s = time.perf_counter() - started
 
     # Ready: growing contexts, batches 1, 3 (padded to 4) and 4, counted.
@@ -172,6 +172,7 @@ def main() -> None:
             row = rows[layers, kind] = run_fresh(layers, args.attention, args.widths, cache, args.python)
             steps = " ".join(f"{row['steps_s'][s]:>15.1f}" for s in STEPS)
             cache_states = set(row["cache"].values())
+            print(f"# graphs {row['graphs']}, cache {row['cache']}", flush=True)
             print(
                 f"{layers:>6} {kind:>5} {row['file']:>5} {row['start_s']:>8.1f} {steps} "
                 f"{max(row['graphs'].values()):>11} {'/'.join(sorted(cache_states)):>6} {row['after_ready']:>11} "

@@ -15,7 +15,7 @@ Pins:
   the graph settings;
 - a step whose compile fails runs its eager function (same outputs, the reason kept), and once
   the start-up's compile budget is spent the steps not yet compiled run eagerly instead of
-  compiling; a step compiled before still raises its call's own errors.
+  compiling; once the runner serves, a failing call raises (it is not a compile's failure).
 """
 
 from __future__ import annotations
@@ -156,6 +156,13 @@ def test_a_failed_compile_runs_the_step_eagerly_and_says_why():
     torch.testing.assert_close(step(x), _untraceable(x))
     torch.testing.assert_close(step(x[:1]), _untraceable(x[:1]))
     assert "compile failed" in compiler.fallbacks()["untraceable"] and step.stats.eager == 2
+    # Once serving, a failure is the call's own: it is raised, not hidden behind an eager run.
+    serving = StepCompiler(CompileSettings(dynamic_batch=True), (1, 4))
+    late = serving.wrap("untraceable", _untraceable)
+    serving.finish_start_up()
+    with pytest.raises(Exception, match="tobytes|Unsupported|numpy"):
+        late(x)
+    assert not serving.fallbacks()
 
 
 def test_a_spent_budget_leaves_later_steps_eager_and_compiled_ones_compiled():

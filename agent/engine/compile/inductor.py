@@ -76,11 +76,14 @@ class CompileSettings:
 
 @dataclass
 class CompileBudget:
-    """The compile seconds one runner's steps have spent, against the settings' budget: shared
-    by its steps (the compiler's), read before each step's first compile."""
+    """The compile seconds one runner's steps have spent, against the settings' budget, and
+    whether the runner is still starting: shared by its steps (the compiler's). While it starts,
+    a step that fails is one whose compile failed (start-up calls run on harmless pad inputs);
+    once it serves, a failure is the call's own."""
 
     limit_s: float | None = None
     spent_s: float = 0.0
+    phase: Literal["start-up", "serving"] = "start-up"
 
     def allows(self) -> bool:
         return self.limit_s is None or self.spent_s < self.limit_s
@@ -194,8 +197,8 @@ class CompiledStep:
         try:
             out = self._call(batch, args)
         except Exception as exc:
-            if key in self.stats.compiles:
-                raise  # compiled before: a failure of the call, not of the compile
+            if self.budget.phase == "serving":
+                raise  # the call's own failure: start-up compiled every shape a call meets
             # A compile that fails (an inductor error, an op dynamo cannot trace) costs this
             # step its fusion, not the engine its start: the eager function is graphed instead.
             self.stats.fallback = f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -285,6 +288,10 @@ class StepCompiler:
         """Each step's on-disk cache result at its compiles: "hit" (no code generated), "miss"
         (some generated), "off" (nothing looked up)."""
         return {name: step.stats.cache for name, step in self.steps.items()}
+
+    def finish_start_up(self) -> None:
+        """The runner serves from now on: a failing step raises instead of falling back."""
+        self.budget.phase = "serving"
 
     def fallbacks(self) -> dict[str, str]:
         """The steps that run eagerly instead of compiled, and why."""

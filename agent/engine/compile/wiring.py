@@ -251,9 +251,12 @@ class Graphing:
         self.artifacts_state = self.artifacts.load()
         return self.artifacts_state
 
-    def save_compile_cache(self) -> int:
-        """After start-up: write what this start compiled, unless every step came from the
-        loaded file (then the file already holds it); the bytes written."""
+    def finish_start_up(self) -> int:
+        """Every graph is captured: the compiled steps serve from now on (a failure is no longer a
+        compile's), and what this start compiled is written to the cache file, unless every step
+        came from the loaded file (it holds them already); the bytes written."""
+        if self.compiler is not None:
+            self.compiler.finish_start_up()
         if self.artifacts is None or self.compiler is None:
             return 0
         report = self.compiler.cache_report()

@@ -168,7 +168,7 @@ class StreamingRunner:
         self.thinker.capture_graphs()
         self.talker.capture_graphs()
         self.frames.capture_graphs()
-        self.graphing.save_compile_cache()
+        self.graphing.finish_start_up()
         self.transcriber = Transcriber(loaded, self.thinker)  # live input transcription
         # The components, side by side: each is given only what it uses.
         self.sessions = SessionTable(max_sessions, self.transcriber)

@@ -93,10 +93,15 @@ class BucketedPrefill:
             pads = (0.0, pad_slot, 0, 0, 0, 1)
             # Compiled like the per-frame steps, with the batch, the token count (embeds,
             # positions, mask) and the key window symbolic: one compile serves every (batch,
-            # token, window) bucket, so start-up pays for one, not dozens. Except flex attention
-            # on CUDA, whose prefill kernels need a static query length (agent/engine/ops/attention.py),
-            # and where the compile with a symbolic batch failed (below): captured uncompiled.
-            static_tokens = self.kv.backend == "flex" and torch.device(self.kv.device).type == "cuda"
+            # token, window) bucket, so start-up pays for one, not dozens. Except with flex
+            # attention, whose prefill kernels need a static query length (on CUDA a symbolic
+            # one sends chunks to the flex-decoding lowering, which has no kernel for them:
+            # agent/engine/ops/attention.py): one compile per token bucket, the batch symbolic.
+            # That compile failed once on an H200 (2026-12-04, torch 2.11: "CantSplit: 32768 not
+            # divisible by 16*s55"), not reproduced on CPU at the real head counts and a
+            # 32,768-key cache; should it fail again, the step runs its eager function, graphed
+            # (agent/engine/compile/inductor.py), which is what ran there since.
+            static_tokens = self.kv.backend == "flex"
             dynamic = (() if static_tokens else ((0, 1), (3, 2), (5, 1))) + (((5, 2),) if self._windowed else ())
             self.pool = graphing.pool(
                 name,
@@ -104,11 +109,7 @@ class BucketedPrefill:
                 pads,
                 clone_outputs=True,
                 variants=variants,
-                # Not compiled with flex on CUDA: inductor failed there on 2026-12-04 (H200, torch
-                # 2.11: "CantSplit: 32768 not divisible by 16*s55", the symbolic batch times a
-                # token bucket against the cache's length). Captured as eager graphs, as measured
-                # on 2026-11-30 and 2026-12-04; the per-frame steps stay compiled.
-                compiled=not static_tokens,
+                compiled=True,
                 dynamic_dims=dynamic,
                 dynamic_batch=True,
             )
