@@ -91,7 +91,10 @@ def decode_inputs(ops, batch: int, gen: torch.Generator):
     """Rows of `batch` sessions in random slots of `ops`' cache, at random cache lengths and
     RoPE positions, as the engine hands them to a graphed decode step."""
     states = []
-    for slot in torch.randperm(ops.kv.slots, generator=gen)[:batch].tolist():
+    # Sessions' slots only: the scratch row (where there is one) takes the pad rows' writes, and
+    # flex gathers its queries by slot, so a session there would share its row with a pad row.
+    scratch = ops.pad_slot != 0 and ops.pad_slot == ops.kv.slots - 1
+    for slot in torch.randperm(ops.kv.slots - scratch, generator=gen)[:batch].tolist():
         state = KVState(slot)
         state.length, state.next_pos = torch.randint(0, 200, (2,), generator=gen).tolist()
         states.append(state)

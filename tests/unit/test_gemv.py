@@ -18,6 +18,9 @@ Pins:
   to the eager steps for ragged rows in random slots; and so again with each decoder layer a
   nested compile region (`compile_regions`), whose one generated body each step calls once per
   layer;
+- the CUDA default wiring (one compile for every bucket, the batch unbacked over flex caches,
+  regions, fused projections, flex attention forced on CPU) equals the eager steps for
+  batches 1, 3 and 4, one graph per step;
 - a decoder the fused path would compute wrongly (dense MLPs, layer scales, another norm) is
   refused when the steps are built.
 """
@@ -165,6 +168,40 @@ def test_decode_steps_with_one_region_per_layer_equal_eager(loaded, compiled_opt
         (region,) = region_functions(source)  # one body, generated once
         calls.append(source.count(f"= {region}("))
     assert sorted(calls) == layers, calls  # the thinker's step and the talker's: one call per layer
+
+
+def test_the_cuda_default_wiring_with_flex_attention_equals_eager(loaded, compiled_options):
+    """What CUDA runs by default, on CPU: one compile for every batch bucket (the batch unbacked
+    over flex's slot caches), each layer a nested region, fused projections, flex attention
+    reading the caches in place. Batches 1, 3 (padded to 4) and 4 equal the eager steps, and each
+    step is one graph for all of them (no batch of its own: a warm start has one graph to find)."""
+    from agent.engine.compile.wiring import GraphConfig, Graphing
+    from agent.engine.ops.fusion import fuse_decoder
+    from agent.engine.ops.moe import fuse_moe
+    from agent.engine.stages.talker import TalkerOps
+    from agent.engine.stages.thinker import ThinkerOps
+
+    fuse_moe(loaded.model)
+    fuse_decoder(loaded.model.thinker.model.language_model)
+    fuse_decoder(loaded.model.talker.model)
+    config = GraphConfig(
+        mode="off",
+        compile="on",
+        compile_cache=compiled_options["graphs"].compile_cache,
+        batch_sizes=(1, 4),
+        fused_gemv=True,
+        compile_regions=True,
+        attention="flex",
+    )
+    graphing = Graphing(config, loaded.device, 4)
+    thinker, talker = ThinkerOps(loaded, 4, 512, graphing), TalkerOps(loaded, 4, 512, graphing=graphing)
+    assert thinker.kv.backend == talker.kv.backend == "flex" and thinker.regions and thinker.fused_gemv
+    gen = torch.Generator().manual_seed(21)
+    fill_with_noise(thinker, talker, gen=gen)
+    for batch in (4, 3, 1):
+        assert_steps_equal_eager(thinker, talker, batch, gen)
+    graphs = graphing.compiler.graph_counts()
+    assert graphs["thinker_decode"] == graphs["talker_step"] == 1, graphs
 
 
 def test_a_decoder_the_fused_path_would_get_wrong_is_refused(loaded):

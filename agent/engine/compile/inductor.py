@@ -151,6 +151,7 @@ class CompiledStep:
         dynamic_dims: Sequence[tuple[int, int]] = (),
         dynamic_batch: bool | None = None,
         budget: CompileBudget | None = None,
+        unbacked: bool | None = None,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -163,7 +164,7 @@ class CompiledStep:
         self._compiled: dict[int, Any] = {}
 
         self.dynamic_batch = settings.dynamic_batch if dynamic_batch is None else dynamic_batch
-        self.unbacked_batch = settings.unbacked_batch
+        self.unbacked_batch = settings.unbacked_batch if unbacked is None else unbacked
 
     def for_batch(self, batch: int) -> Any:
         if self.dynamic_batch:
@@ -244,8 +245,12 @@ class CompiledStep:
         became three graphs per function, doubling the start-up compile. Backed elsewhere:
         - with fused projections, whose [outputs, rows] result read transposed has a unit
           stride only at batch 1, which sdpa checks (an unbacked batch cannot be traced there);
-        - on CUDA (one extra graph for batch 1, the end-of-turn prefills only): it is what ran
-          on an H200; unbacked there is unmeasured."""
+        - on CUDA for the steps that attend with sdpa (code2wav's window, the code predictor).
+        The thinker's and talker's steps over flex or flash slot caches are unbacked everywhere
+        (`unbacked` given per step): no sdpa check in them, one graph for every batch. Backed
+        there, batch 1 got a graph of its own, and a warm start on the compile cache file once
+        ran that graph for batch 4 (2026-12-07, CPU, flex, layers as regions: the prefill's
+        outputs came back with a batch of 1); unbacked, there is one graph to find."""
         for arg in args:
             if self.unbacked_batch:
                 torch._dynamo.decorators.mark_unbacked(arg, 0, shape_id="batch", min=1, max=self.batch_sizes[-1])
@@ -275,9 +280,19 @@ class StepCompiler:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
     def wrap(
-        self, name: str, fn: StepFn, dynamic_dims: Sequence[tuple[int, int]] = (), *, dynamic_batch: bool | None = None
+        self,
+        name: str,
+        fn: StepFn,
+        dynamic_dims: Sequence[tuple[int, int]] = (),
+        *,
+        dynamic_batch: bool | None = None,
+        unbacked: bool | None = None,
     ) -> CompiledStep:
-        step = CompiledStep(name, fn, self.batch_sizes, self.settings, dynamic_dims, dynamic_batch, self.budget)
+        """`unbacked`: how this step marks its symbolic batch (None: the settings'; see
+        CompiledStep._mark_batch)."""
+        step = CompiledStep(
+            name, fn, self.batch_sizes, self.settings, dynamic_dims, dynamic_batch, self.budget, unbacked
+        )
         self.steps[name] = step
         return step
 

@@ -207,16 +207,17 @@ class Graphing:
         compiled: bool = False,
         dynamic_dims: Sequence[tuple[int, int]] = (),
         dynamic_batch: bool | None = None,
+        unbacked: bool | None = None,
     ) -> GraphPool | None:
         """A pool for `fn`, or None when graphs are off. `variants`: how many values another
         input dimension takes (attention length buckets): graphs allowed per batch bucket.
         `compiled`: compile `fn` first when compiling; `dynamic_dims` names the varying
         dimensions, (arg, dim); `dynamic_batch` overrides the compiler's choice of one compile
-        for every batch bucket (None: the compiler's setting)."""
+        for every batch bucket (None: the compiler's setting), `unbacked` how its batch is marked."""
         if not self.enabled:
             return None
         if self.compiler is not None and compiled:
-            fn = self.compiler.wrap(name, fn, dynamic_dims, dynamic_batch=dynamic_batch)
+            fn = self.compiler.wrap(name, fn, dynamic_dims, dynamic_batch=dynamic_batch, unbacked=unbacked)
         pool = GraphPool(
             fn,
             self.batch_sizes,
@@ -356,4 +357,6 @@ def slot_cache_with_graph(
         variants=variants,
         compiled=True,
         dynamic_dims=((mask_arg, 1),) if kv.windowed else (),
+        # No sdpa over the slots (flex, flash): one graph for every batch (CompiledStep._mark_batch).
+        unbacked=None if kv.windowed else True,
     )

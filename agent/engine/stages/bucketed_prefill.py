@@ -112,6 +112,7 @@ class BucketedPrefill:
                 compiled=True,
                 dynamic_dims=dynamic,
                 dynamic_batch=True,
+                unbacked=None if self._windowed else True,  # (CompiledStep._mark_batch)
             )
 
     @property
