@@ -187,8 +187,6 @@ class CompiledStep:
         if self.stats.fallback or (key not in self.stats.compiles and not self._may_compile()):
             self.stats.eager += 1
             return self.fn(*args)
-        if self.dynamic_batch:
-            self._mark_batch(args)
         self.stats.calls += 1
         # A call that made dynamo compile a graph: its first for the key, or one more (a dynamic
         # batch's compile may specialise batch 1 in a graph of its own): all of them counted.
@@ -196,6 +194,8 @@ class CompiledStep:
         hits, misses = _cache_lookups()
         started = time.perf_counter()
         try:
+            if self.dynamic_batch:
+                self._mark_batch(args)
             out = self._call(batch, args)
         except Exception as exc:
             if self.budget.phase == "serving":
@@ -253,7 +253,7 @@ class CompiledStep:
         outputs came back with a batch of 1); unbacked, there is one graph to find."""
         for arg in args:
             if self.unbacked_batch:
-                torch._dynamo.decorators.mark_unbacked(arg, 0, shape_id="batch", min=1, max=self.batch_sizes[-1])
+                _mark_unbacked(arg, self.batch_sizes[-1])
             else:
                 torch._dynamo.maybe_mark_dynamic(arg, 0)
 
@@ -263,6 +263,16 @@ class CompiledStep:
         # Size-oblivious: a batch of 1 traces like any other size where the code allows it.
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
             return self.for_batch(batch)(*args)
+
+
+def _mark_unbacked(arg: Tensor, largest: int) -> None:
+    """The batch dim unbacked, in 1..largest where this torch takes a range (2.13; torch 2.11,
+    the GPU machines', has no `min`/`max`: the range is then left open)."""
+    mark = torch._dynamo.decorators.mark_unbacked
+    try:
+        mark(arg, 0, shape_id="batch", min=1, max=largest)
+    except TypeError:
+        mark(arg, 0, shape_id="batch")
 
 
 class StepCompiler:
