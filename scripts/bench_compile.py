@@ -19,10 +19,12 @@ as large as a layer's KV cache (a region that copied its cache instead of writin
 
     .venv/bin/python scripts/bench_compile.py --preset qwen3-omni-30b-a3b --layers 2,4 --attention flex
 
-Last line: `compiles_per_step=N depth_growth=R cold_start_s=C warm_start_s=W captures_after_ready=K
-kv_copy_bytes=B` (N: the most dynamo graphs any step made; R: cold start at the deeper depth over
-the shallower; C, W: seconds of the deeper depth's start-up compile, cold and warm; K: compiles
-plus captures after ready, all starts; B: bytes of cache-sized buffers in the generated code).
+Last line: `compiles_per_step=N depth_growth=R cold_start_s=C warm_start_s=W warm_over_cold=Q
+captures_after_ready=K kv_copy_bytes=B prefill_graphs=P eager_steps=E` (N: the most dynamo graphs
+a per-frame step made; R: cold start at the deeper depth over the shallower; C, W: seconds of the
+deeper depth's start-up compile, cold and warm, Q their ratio; K: compiles plus captures after
+ready, all starts; B: bytes of cache-sized buffers in the generated code; P: graphs of a prefill,
+one per token bucket with flex; E: steps whose compile failed and that ran eagerly instead).
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ def measure(layers: int, attention: str, widths: str, cache: Path) -> dict[str, 
         "steps_s": {step: sum(seconds.get(step, {}).values()) for step in STEPS},
         "graphs": compiler.graph_counts(),
         "cache": compiler.cache_report(),
+        "fallbacks": compiler.fallbacks(),
         "file": loaded_state,
         "saved_bytes": saved,
         "after_ready": after_ready,
@@ -172,7 +175,7 @@ def main() -> None:
             row = rows[layers, kind] = run_fresh(layers, args.attention, args.widths, cache, args.python)
             steps = " ".join(f"{row['steps_s'][s]:>15.1f}" for s in STEPS)
             cache_states = set(row["cache"].values())
-            print(f"# graphs {row['graphs']}, cache {row['cache']}", flush=True)
+            print(f"# graphs {row['graphs']}, cache {row['cache']}, eager {row['fallbacks'] or 'none'}", flush=True)
             print(
                 f"{layers:>6} {kind:>5} {row['file']:>5} {row['start_s']:>8.1f} {steps} "
                 f"{max(row['graphs'].values()):>11} {'/'.join(sorted(cache_states)):>6} {row['after_ready']:>11} "
@@ -181,13 +184,17 @@ def main() -> None:
             )
     cold_low, cold, warm = rows[low, "cold"], rows[high, "cold"], rows[high, "warm"]
     print(f"# backend {cold['backend']}, capacity {cold['capacity']}, one layer's keys {cold['layer_kv_bytes']} B")
-    per_step = max(max(r["graphs"].values()) for r in rows.values())
+    # The per-frame steps: one graph each for every batch; a flex prefill has one per token bucket.
+    per_step = max(max(r["graphs"][s] for s in ("thinker_decode", "talker_step")) for r in rows.values())
+    prefill = max(max(r["graphs"][s] for s in ("thinker_prefill", "talker_prefill")) for r in rows.values())
+    eager = sorted({step for r in rows.values() for step in r["fallbacks"]})
     after = sum(r["after_ready"] for r in rows.values())
     copies = max(r["kv_copy_bytes"] for r in rows.values())
     print(
         f"compiles_per_step={per_step} depth_growth={cold['start_s'] / cold_low['start_s']:.2f} "
         f"cold_start_s={cold['start_s']:.1f} warm_start_s={warm['start_s']:.1f} "
-        f"warm_over_cold={warm['start_s'] / cold['start_s']:.2f} captures_after_ready={after} kv_copy_bytes={copies}"
+        f"warm_over_cold={warm['start_s'] / cold['start_s']:.2f} captures_after_ready={after} kv_copy_bytes={copies} "
+        f"prefill_graphs={prefill} eager_steps={','.join(eager) or 'none'}"
     )
 
 

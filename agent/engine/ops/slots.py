@@ -189,9 +189,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
         # The same values without a concatenation, which inductor makes a buffer of its own (a
         # kernel per half, then one reading it back): the halves swapped by index, the first
         # negated, all one pointwise expression that fuses into the q/k norm's kernel.
-        half = x.shape[-1] // 2
-        rolled = x.roll(half, dims=-1)
-        return torch.where(torch.arange(x.shape[-1], device=x.device) < half, -rolled, rolled)
+        # (A gather by a constant index, not `roll`: torch 2.11's roll guards on the element
+        # count, which an unbacked batch cannot answer.)
+        dim = x.shape[-1]
+        half = dim // 2
+        lanes = torch.arange(dim, device=x.device)
+        rolled = x.index_select(-1, (lanes + half) % dim)
+        return torch.where(lanes < half, -rolled, rolled)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -218,14 +222,19 @@ def attention(
     projections, agent/engine/ops/gemv.py), its input before `norm`, which the q/k/v reduction
     applies itself, and the output projection is a reduction too."""
     batch, n_new, _ = hidden.shape
-    shape = (batch, n_new, -1, attn.head_dim)
     if norm is not None:
         q, k, v = normed_gemv(hidden, norm, qkv_weight(attn)).split(attn.qkv_splits, dim=-1)
     else:
         q, k, v = qkv(attn, hidden)  # one matmul once fused (agent/engine/ops/fusion.py)
-    q = attn.q_norm(q.reshape(shape)).transpose(1, 2)
-    k = attn.k_norm(k.reshape(shape)).transpose(1, 2)
-    v = v.reshape(shape).transpose(1, 2)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        # Head counts spelled out, not -1: with an unbacked batch (compiled steps over flex
+        # caches) torch 2.11 cannot infer a -1 beside it (it would guard on batch != 0).
+        return x.reshape(batch, n_new, x.shape[-1] // attn.head_dim, attn.head_dim)
+
+    q = attn.q_norm(heads(q)).transpose(1, 2)
+    k = attn.k_norm(heads(k)).transpose(1, 2)
+    v = heads(v).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if rows.slot_range is not None and rows.start is not None:  # one block: a plain copy
         cache_k[rows.slot_range, :, rows.start : rows.start + n_new] = k
@@ -247,7 +256,7 @@ def attention(
         mask=rows.mask,
         slot_range=rows.slot_range,
     )
-    out = out.transpose(1, 2).reshape(batch, n_new, -1)
+    out = out.transpose(1, 2).reshape(batch, n_new, out.shape[1] * out.shape[-1])
     return gemv(out, attn.o_proj.weight) if norm is not None else attn.o_proj(out)
 
 
