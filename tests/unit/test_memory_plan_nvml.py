@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from agent.config import Config
-from agent.engine import memory_plan
-from agent.engine.memory_plan import ENGINE_CONTEXT_BYTES, LIMITS
+from agent.engine import free_memory, memory_plan
+from agent.engine.free_memory import ENGINE_CONTEXT_BYTES
+from agent.engine.memory_plan import LIMITS
 from agent.engine.model_memory import GiB
 
 
@@ -115,7 +116,7 @@ def test_the_plan_reads_the_named_gpu_through_nvml(
 
 def test_a_device_cuda_visible_devices_hides_is_not_read_by_nvml(gpu_host: FakeNvml) -> None:
     with pytest.raises(ValueError, match="not among CUDA_VISIBLE_DEVICES"):
-        memory_plan.nvml_free(torch.device("cuda:1"), {"CUDA_VISIBLE_DEVICES": "3"})
+        free_memory.nvml_free(torch.device("cuda:1"), {"CUDA_VISIBLE_DEVICES": "3"})
     assert gpu_host.read == []
 
 
@@ -128,7 +129,7 @@ def test_without_nvml_torch_is_read_with_a_warning(
     asked: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (asked.append(device), (50 * GiB, 80 * GiB))[1])
     with caplog.at_level(logging.WARNING, logger="agent.engine.memory_plan"):
-        free = memory_plan.engine_free(torch.device("cuda:1"), engine_process, {})
+        free = free_memory.engine_free(torch.device("cuda:1"), engine_process, {})
     assert asked == [torch.device("cuda:1")]
     # This process's context is in torch's figure; the engine's is still to come in a child only.
     assert free == 50 * GiB - (ENGINE_CONTEXT_BYTES if engine_process else 0)
