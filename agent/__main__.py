@@ -1,5 +1,5 @@
 """Command line: `omni-agent [serve] [flags]`, `omni-agent precompile [serve's flags]`, `omni-agent call
-URL`, `omni-agent make-tiny DIR` and `omni-agent quantize SRC DST` (its flags:
+URL`, `omni-agent make-tiny DIR`, `omni-agent fetch-turn-model` and `omni-agent quantize SRC DST` (its flags:
 agent/engine/quant/command.py; serve's: agent/flags.py)."""
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     tiny = sub.add_parser("make-tiny", help="build the tiny Qwen3-Omni checkpoint into DIR")
     tiny.add_argument("dir", type=Path)
+    turn = sub.add_parser(
+        "fetch-turn-model", help="download the end-of-turn model (Smart Turn v3.2) into --cache-dir, once"
+    )
+    turn.add_argument("--cache-dir", type=Path, default=Config().cache_dir)
     quant = sub.add_parser(
         "quantize",
         help="write a 4-bit copy of a float checkpoint (SRC folder) into DST, layer by layer; "
@@ -120,13 +124,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     add_call_arguments(call)
     call.add_argument("--log-level", default="WARNING")
-    if not argv or argv[0] not in ("serve", "precompile", "call", "make-tiny", "quantize", "-h", "--help"):
+    if not argv or argv[0] not in (
+        "serve",
+        "precompile",
+        "call",
+        "make-tiny",
+        "fetch-turn-model",
+        "quantize",
+        "-h",
+        "--help",
+    ):
         argv = ["serve", *argv]
     ns = parser.parse_args(argv)
     if ns.command == "make-tiny":
         from agent.engine.checkpoints.tiny import make_tiny
 
         print(make_tiny(ns.dir))
+        return 0
+    if ns.command == "fetch-turn-model":
+        from agent.media.turn_model import default_path, fetch
+
+        try:
+            print(fetch(default_path(ns.cache_dir)))
+        except RuntimeError as exc:
+            print(f"omni-agent fetch-turn-model: {exc}", file=sys.stderr)
+            return 1
         return 0
     if ns.command == "quantize":
         return run_quantize(ns)

@@ -113,15 +113,21 @@ class Config:
     vad: str = "silero"  # voice detector: silero (ONNX, one thread) | webrtc (agent/media/voice.py)
     vad_threshold: float = 0.5  # Silero speech probability from which a sub-frame is voiced
     # Echo guard (agent/media/vad.py, agent/media/echo.py): while the agent speaks, a barge-in needs this
-    # much voiced audio, each sub-frame louder than the agent's recent loudest frame + margin.
-    barge_in_ms: int = 200
+    # much voiced audio, each sub-frame louder than the agent's recent loudest frame + margin, with
+    # no unvoiced gap over barge_in_gap_ms. 600 ms: a backchannel ("uh-huh", "yeah", "I see": 2 of 30
+    # reach it, scripts/bench_turns.py) pauses the agent's voice and lets it go on; a person who goes
+    # on talking interrupts. The agent falls silent at the first voiced sub-frame either way.
+    barge_in_ms: int = 600
+    barge_in_gap_ms: int = 300
     echo_guard: bool = True  # raise the onset threshold by the level played (False: duration only)
     echo_margin_db: float = -6.0
     # Barge-in pause: while the agent speaks, its voice pauses (silence, queue held) on the first
     # voiced sub-frame above the echo level; the confirmed barge-in then drops the held audio, a
     # candidate that dies resumes it where it paused, and so does a pause longer than the bound.
     barge_in_pause: bool = True
-    barge_in_pause_max_ms: int = 600
+    # Longer than an interruption takes to confirm (barge_in_ms of voice with its gaps: up to 1.7 s
+    # in the corpus), so a real one is never heard resuming first.
+    barge_in_pause_max_ms: int = 2000
     # Speculative start: after this much unvoiced audio inside a turn the engine starts the
     # reply, its output held, while the endpointer keeps listening: committed at the end of
     # turn (vad_silence_ms), discarded invisibly if the user speaks again first. With or without
@@ -131,6 +137,9 @@ class Config:
     # Learn the pause per session (agent/media/pauses.py): speculate only past a length the speaker
     # rarely resumes after, speculation_pause_ms at the earliest (False: always at that length).
     speculation_adaptive: bool = True
+    # semantic_vad's end-of-turn model (agent/media/turn_model.py): "" = the one `omni-agent
+    # fetch-turn-model` keeps in cache_dir, or a path; "off": semantic_vad ends turns by silence alone.
+    turn_model: str = ""
     max_turn_seconds: float = 30.0  # a turn longer than this is ended by force
     video: bool = True  # --no-video: camera frames are dropped unread and the sender is asked to pause
     video_fps: float = 4.0

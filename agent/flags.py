@@ -236,6 +236,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="audio encoder attention window in seconds, 1..8 (default %(default)s)",
     )
     p.add_argument("--vad-silence-ms", type=int, default=d.vad_silence_ms, help="silence that ends a turn")
+    p.add_argument(
+        "--turn-model",
+        default=d.turn_model,
+        help="semantic_vad's end-of-turn model (Smart Turn v3.2 ONNX): a path, off (silence alone), or "
+        "left out for the one `omni-agent fetch-turn-model` keeps in --cache-dir",
+    )
     p.add_argument("--vad-aggressiveness", type=int, default=d.vad_aggressiveness, choices=[0, 1, 2, 3])
     p.add_argument(
         "--vad",
@@ -254,6 +260,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.barge_in_ms,
         help="voiced audio needed to interrupt the agent while it speaks (default %(default)s)",
+    )
+    p.add_argument(
+        "--barge-in-gap-ms",
+        type=int,
+        default=d.barge_in_gap_ms,
+        help="an unvoiced gap this long ends a barge-in candidate (default %(default)s)",
     )
     p.add_argument(
         "--echo-margin-db",

@@ -96,6 +96,18 @@ BARGE_IN_PAUSES = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+TURN_JUDGE_SECONDS = Histogram(
+    "agent_turn_judge_seconds",
+    "One end-of-turn judgment (Smart Turn v3.2 on the turn's last 8 s) on the judge's thread",
+    buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.12, 0.2, 0.5),
+    registry=REGISTRY,
+)
+TURN_JUDGMENTS = Counter(
+    "agent_turn_judgments_total",
+    "Pauses judged for semantic_vad, by verdict: complete (P >= 0.5), incomplete, failed",
+    ["verdict"],
+    registry=REGISTRY,
+)
 OFFERS_REJECTED = Counter("agent_offers_rejected_total", "Offers refused", ["reason"], registry=REGISTRY)
 DEGRADATION_LEVEL = Gauge(
     "agent_degradation_level", "0 audio replies, 1 text-only, 2 fallback model", registry=REGISTRY
@@ -167,6 +179,8 @@ for _priority in ("high", "normal"):  # both classes are exported from the start
     SESSIONS_ACTIVE.labels(priority=_priority)
 for _outcome in ("flushed", "resumed", "expired"):
     BARGE_IN_PAUSES.labels(outcome=_outcome)
+for _verdict in ("complete", "incomplete", "failed"):
+    TURN_JUDGMENTS.labels(verdict=_verdict)
 
 
 def render() -> bytes:

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
@@ -29,6 +30,9 @@ from agent.engine.loop import Engine
 from agent.gate.access import CallRate, cors_middleware
 from agent.gate.api_keys import DEFAULT_TTL_S, KeyStore, bearer_token
 from agent.gate.ladder import Admission
+from agent.media.semantic_turn import CompletenessJudge
+from agent.media.smart_turn import load_judge
+from agent.media.turn_model import default_path
 from agent.realtime import session_checks, session_config
 from agent.transport import audio_level, captions_http
 from agent.transport.calls import MAX_OFFER_BYTES, create_call, hangup
@@ -44,6 +48,7 @@ from agent.transport.http import (
     KEYS,
     LADDER_TICK,
     SESSIONS,
+    TURN_JUDGE,
     check_tools_off_loop,
     json_error,
 )
@@ -294,6 +299,13 @@ async def drain(app: web.Application, deadline_s: float) -> int:
     return busy
 
 
+def turn_judge(config: Config) -> Optional[CompletenessJudge]:
+    """The end-of-turn judge semantic_vad sessions share; None with --turn-model off."""
+    if config.turn_model == "off":
+        return None
+    return load_judge(Path(config.turn_model) if config.turn_model else default_path(config.cache_dir))
+
+
 def create_app(config: Config, engine: Engine) -> web.Application:
     audio_level.install()  # aiortc's per-frame audio level, vectorized (agent/transport/audio_level.py)
     # CORS first: a browser's preflight carries no key. Then JSON errors around everything.
@@ -308,6 +320,7 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     app[DRAINING] = asyncio.Event()
     # Half the cores at most: the engine thread and the loop need theirs while pictures decode.
     app[DECODE_POOL] = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="decode")
+    app[TURN_JUDGE] = turn_judge(config)
     app.router.add_get("/", index)
     captions_http.install(app)  # the caption book, the WebVTT and latest-call routes
     app.router.add_post("/v1/realtime/calls", captions_http.recorded(create_call))
@@ -342,6 +355,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
         await asyncio.gather(*(_close(connection) for connection in connections))
         await engine.stop()
         app[DECODE_POOL].shutdown(wait=False, cancel_futures=True)
+        if app[TURN_JUDGE] is not None:
+            app[TURN_JUDGE].close()
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)

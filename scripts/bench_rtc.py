@@ -24,9 +24,16 @@ Then the camera comparison, same agent: one WebRTC session without video and one
 (off, on, off, on, ...); the server's end-of-turn → first audio (TTFA, from response.done) and
 the client's voice-to-voice compared, and the image tokens response.done's usage reports.
 
-Prints a table per concurrency level, one per transport, one for speculation and one for the
-camera; last line:
-`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D speculative_ttfa_ratio=S speculative_share=F camera_ttfa_ratio=C camera_ttfa_delta_ms=T camera_v2v_ratio=V image_tokens=I underrun_share_2=U2 underrun_share_4=U4 engine_cpu_per_session_s=E engine_cpu_ratio_4_vs_1=ER`
+Then the end of turn, same agent: one audio-only WebRTC session with server_vad (the fixed
+--silence-ms) and one with semantic_vad (each pause judged by Smart Turn, agent/media/smart_turn.py),
+each for --turn-turns turns, alternated in --turn-blocks blocks; voice-to-voice at the client
+compared. `--turn-detection semantic_vad` runs the load levels with semantic_vad sessions too, and
+every level prints what the end-of-turn judge cost there (pauses judged, ms each, per session).
+
+Prints a table per concurrency level, one per transport, one for speculation, one for the
+camera and one for the end of turn; last line:
+`p95_ratio_4_vs_1=R overhead_p50_ms=O ws_minus_webrtc_p50_ms=D speculative_ttfa_ratio=S speculative_share=F camera_ttfa_ratio=C camera_ttfa_delta_ms=T camera_v2v_ratio=V image_tokens=I underrun_share_2=U2 underrun_share_4=U4 engine_cpu_per_session_s=E engine_cpu_ratio_4_vs_1=ER
+semantic_v2v_p50_drop_ms=SD judge_ms_per_pause=J`
 (voice-to-voice P95 at 4 sessions over 1 session; overhead P50 at 1 session; WebSocket P50
 minus WebRTC P50 end of speech → first audio, target ≤ 30 ms; server TTFA P50 with speculation
 over without, target ≤ 0.2; share of turns committed from a speculation; TTFA P50 camera on
@@ -37,7 +44,8 @@ was made in the pause), so their ratio swings with ms-level scheduling noise: re
 difference and the voice-to-voice ratio beside it. Then the load budget (docs/load.md): the
 share of reply frames the outbound track ran short at 2 and 4 sessions (targets 0 and ≤ 1%),
 and the engine thread's CPU-seconds per session-second at 4 sessions and over 1 session
-(target ≤ 1.2): from the agent's agent_thread_cpu_seconds_total, scraped around each level,
+(target ≤ 1.2); server_vad's voice-to-voice P50 less semantic_vad's (target ≥ 120 ms) and the
+judge's mean compute per pause judged at the largest level: from the agent's agent_thread_cpu_seconds_total, scraped around each level,
 printed per level with every other kind of thread, the clients' own CPU and the engine's time by
 stage. `--transcription` runs the levels with every client asking for input transcription.
 Everything stays on 127.0.0.1; every level is bounded in turns and seconds.
@@ -178,6 +186,7 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         calls_before = await scrape_labelled(http, url, "agent_engine_calls_total", "stage")
         rows_before = await scrape_labelled(http, url, "agent_stage_seconds_count", "stage")
         spec_before = await scrape_labelled(http, url, "agent_speculative_replies_total", "outcome")
+        judge_before = [await scrape_value(http, url, f"agent_turn_judge_seconds_{k}") for k in ("sum", "count")]
         client_cpu_before = time.process_time()
         t0 = time.monotonic()
         try:
@@ -199,6 +208,10 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
             calls = delta(await scrape_labelled(http, url, "agent_engine_calls_total", "stage"), calls_before)
             rows = delta(await scrape_labelled(http, url, "agent_stage_seconds_count", "stage"), rows_before)
             spec = delta(await scrape_labelled(http, url, "agent_speculative_replies_total", "outcome"), spec_before)
+            judge = [
+                await scrape_value(http, url, f"agent_turn_judge_seconds_{k}") - judge_before[i]
+                for i, k in enumerate(("sum", "count"))
+            ]
         finally:
             for c in clients:
                 await c.close()
@@ -264,6 +277,10 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         # engine-thread seconds per session-second, by stage (a batched call counted once)
         "stage_share": {k: v / (n * wall) for k, v in stage_sums.items() if v > 0},
         "spec_outcomes": {k: int(v) for k, v in spec.items()},
+        # end-of-turn judgments during the level: how many, and their compute (s) in all
+        "judge_calls": judge[1],
+        "judge_s": judge[0],
+        "wall": wall,
         # rows (sessions) per batched call, per stage
         "rows_per_call": {k: rows.get(k, 0.0) / v for k, v in calls.items() if v > 0.5},
         "server_ttfa_p50": histogram_quantile(0.5, before, after),
@@ -425,6 +442,42 @@ async def compare_ray(args: argparse.Namespace, wav: Path) -> None:
     )
 
 
+async def compare_turn_detection(
+    url: str, wav: Path, args: argparse.Namespace, limit_s: float, silence_s: float
+) -> dict[str, dict]:
+    """server_vad against semantic_vad: the same speech, one audio-only session at a time, in
+    alternated blocks so that a drift in the machine's load hits both alike."""
+    if not args.turn_turns:
+        return {}
+
+    def client(kind: str) -> Callable[[], AgentClient]:
+        session = {"type": "realtime", "audio": {"input": {"turn_detection": {"type": kind}}}}
+        return lambda: AgentClient(url, wav, video=False, repeat_after_s=args.gap_s, session=session)
+
+    blocks = max(1, min(args.turn_blocks, args.turn_turns))
+    parts: dict[str, list[dict]] = {"server_vad": [], "semantic_vad": []}
+    for b in range(blocks):
+        turns = args.turn_turns // blocks + (b < args.turn_turns % blocks)
+        for kind in parts:
+            parts[kind].append(await run_level(url, client(kind), 1, turns, limit_s, silence_s))
+    merged = {kind: merge_levels(runs) for kind, runs in parts.items()}
+    for kind, r in merged.items():
+        print(f"  {kind}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
+    return merged
+
+
+def print_judge(results: list[dict]) -> None:
+    """What the end-of-turn judge cost at each level (semantic_vad sessions only)."""
+    for r in results:
+        if r.get("judge_calls"):
+            each = 1000 * r["judge_s"] / r["judge_calls"]
+            share = r["judge_s"] / (r["n"] * r["wall"])
+            print(
+                f"judge at n={r['n']}: {r['judge_calls']:.0f} pauses judged, {each:.1f} ms each, "
+                f"{share * 1000:.1f} ms of one core per session-second"
+            )
+
+
 def underrun_share(r: dict) -> float:
     return r["underruns"] / r["frames"] if r["frames"] else float("nan")
 
@@ -495,6 +548,9 @@ async def main_async(args: argparse.Namespace) -> None:
             if args.transcription
             else None
         )
+        if args.turn_detection == "semantic_vad":
+            session = session or {"type": "realtime", "audio": {"input": {}}}
+            session["audio"]["input"]["turn_detection"] = {"type": "semantic_vad"}
         if args.warmup_turns:
             await run_level(
                 url,
@@ -546,6 +602,7 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.spec_turns:
             rtc = lambda u: lambda: AgentClient(u, wav, video=False, repeat_after_s=args.gap_s)  # noqa: E731
             speculation["on"] = await run_level(url, rtc(url), 1, args.spec_turns, limit_s, silence_s)
+        turn_detection = await compare_turn_detection(url, wav, args, limit_s, silence_s)
         camera = {}
         if args.camera_turns:
             # Same agent, same speech, one session at a time: only the camera differs. Off and on
@@ -603,6 +660,7 @@ async def main_async(args: argparse.Namespace) -> None:
         + "; ".join(f"n={r['n']}: {underrun_share(r):.2%}" for r in results)
     )
     print_cpu(results)
+    print_judge(results)
     by_n = {r["n"]: r for r in results}
     share = lambda n: underrun_share(by_n[n]) if n in by_n else float("nan")  # noqa: E731
     # engine-thread CPU-seconds per session-second (the capacity budget; see docs/load.md)
@@ -654,13 +712,28 @@ async def main_async(args: argparse.Namespace) -> None:
         camera_v2v_ratio = pct(camera["on"]["v2v"], 50) / pct(camera["off"]["v2v"], 50)
         camera_ttfa_delta = pct(camera["on"]["ttfa"], 50) - pct(camera["off"]["ttfa"], 50)
         image_tokens = pct(camera["on"]["image_tokens"], 50)
+    semantic_drop = float("nan")
+    if turn_detection:
+        print("\nend of turn (1 session, audio only; voice-to-voice at the client)")
+        print(f"{'turn detection':>14} {'turns':>5} {'v2v p50':>8} {'v2v p95':>8} {'TTFA p50':>8} {'judged':>6}")
+        for name, r in turn_detection.items():
+            print(
+                f"{name:>14} {r['turns']:>5} {ms(pct(r['v2v'], 50)):>8} {ms(pct(r['v2v'], 95)):>8} "
+                f"{ms(pct(r['ttfa'], 50)):>8} {r['judge_calls']:>6.0f}"
+            )
+        semantic_drop = pct(turn_detection["server_vad"]["v2v"], 50) - pct(turn_detection["semantic_vad"]["v2v"], 50)
+    largest = results[-1] if results else {}
+    judge_ms = (
+        1000 * largest.get("judge_s", 0.0) / largest["judge_calls"] if largest.get("judge_calls") else float("nan")
+    )
     print(
         f"p95_ratio_4_vs_1={four / base:.2f} overhead_p50_ms={overhead * 1000:.0f} "
         f"ws_minus_webrtc_p50_ms={ws_minus * 1000:.0f} speculative_ttfa_ratio={spec_ratio:.2f} "
         f"speculative_share={spec_share:.2f} camera_ttfa_ratio={camera_ratio:.2f} "
         f"camera_ttfa_delta_ms={camera_ttfa_delta * 1000:.1f} camera_v2v_ratio={camera_v2v_ratio:.2f} "
         f"image_tokens={image_tokens:.0f} underrun_share_2={share(2):.4f} underrun_share_4={share(4):.4f} "
-        f"engine_cpu_per_session_s={engine_cpu(4):.3f} engine_cpu_ratio_4_vs_1={engine_cpu(4) / engine_cpu(1):.2f}"
+        f"engine_cpu_per_session_s={engine_cpu(4):.3f} engine_cpu_ratio_4_vs_1={engine_cpu(4) / engine_cpu(1):.2f} "
+        f"semantic_v2v_p50_drop_ms={semantic_drop * 1000:.0f} judge_ms_per_pause={judge_ms:.1f}"
     )
 
 
@@ -705,6 +778,14 @@ def main() -> None:
     p.add_argument(
         "--camera-blocks", type=int, default=2, help="off/on blocks the camera turns are split into, alternated"
     )
+    p.add_argument(
+        "--turn-detection",
+        choices=["server_vad", "semantic_vad"],
+        default="server_vad",
+        help="what the load levels' sessions ask for (the agent's default: server_vad)",
+    )
+    p.add_argument("--turn-turns", type=int, default=5, help="turns each for server_vad vs semantic_vad (0: skip it)")
+    p.add_argument("--turn-blocks", type=int, default=2, help="blocks the end-of-turn turns are split into")
     p.add_argument("--model", default=os.environ.get("OMNI_AGENT_MODEL", ""))
     p.add_argument("--ray", action="store_true", help="compare single process with Ray Serve replicas")
     p.add_argument("--replicas", type=int, default=2, help="with --ray: Serve replicas")

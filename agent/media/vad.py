@@ -9,11 +9,15 @@ the audio clock, never the wall clock: the same audio always gives the same even
 
 Echo guard: while the agent is speaking (``echo()`` returns the level it plays, see
 agent/media/echo.py), a turn, i.e. a barge-in, needs ``barge_in_ms`` of voiced audio with no
-unvoiced gap over ``BARGE_IN_GAP_MS``, and with ``echo_margin_db`` set only sub-frames louder
+unvoiced gap over ``barge_in_gap_ms``, and with ``echo_margin_db`` set only sub-frames louder
 than the agent's recent loudest frame plus that margin (negative: under it) count; voiced ones
 under it neither count nor break the candidate. The agent's own voice coming back through the
 microphone is quieter than what it sent, so it never starts a turn; a person talking over it
 has enough syllables above it. Inside a turn nothing changes.
+
+With ``semantic`` set (agent/media/semantic_turn.py), each pause in a turn is judged once for
+completeness: a turn judged complete ends after the policy's short silence, one judged unfinished
+waits for ``silence_ms`` as before.
 
 With ``pause_ms`` set, a shorter unvoiced run inside a turn is reported as ``SpeechPaused``
 (once per pause) and voice after it as ``SpeechResumed``: the session starts a speculative
@@ -23,7 +27,7 @@ Barge-in candidates: while the agent plays, the first counted voiced sub-frame (
 level: where the barge_in_ms count starts) is reported as ``BargeInCandidate`` as soon as it is
 complete, per 20 ms sub-frame through peek() (not per 80 ms chunk), so the session can pause the
 agent's voice at once; ``BargeInDropped`` follows if that candidate dies without becoming a turn
-(a gap over BARGE_IN_GAP_MS, a discontinuity), ``SpeechStarted`` if it is confirmed.
+(a gap over barge_in_gap_ms, a discontinuity), ``SpeechStarted`` if it is confirmed.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from agent.config import INPUT_RATE
 from agent.media.echo import threshold_gain
 from agent.media.ingest import CHUNK_SECONDS, AudioChunk
 from agent.media.pauses import PauseModel
+from agent.media.semantic_turn import SemanticEnd
 from agent.media.turn_events import (
     BargeInCandidate,
     BargeInDropped,
@@ -55,9 +60,11 @@ SUBFRAME_SAMPLES = INPUT_RATE * SUBFRAME_MS // 1000  # 320
 # webrtcvad calls the first few sub-frames of a stream speech while its noise model
 # settles (white noise at -40 dBFS: the first 4-5 are "voiced"); ignore that warm-up.
 WARMUP_SUBFRAMES = 5
-# Speech has stops and short pauses between syllables; a barge-in over the agent's voice may
-# have those, but not a longer hole (echo bursts are separated by the agent's own pauses).
-BARGE_IN_GAP_MS = 100
+# Speech has stops and short pauses between syllables and words; a barge-in over the agent's
+# voice may have those ("wait, stop, that's not it": 150-250 ms at the commas), but not a longer
+# hole (echo bursts are separated by the agent's own pauses). With 100 ms, such an interruption
+# was three candidates and the turn kept only the last phrase.
+BARGE_IN_GAP_MS = 300
 
 
 class Endpointer:
@@ -73,12 +80,14 @@ class Endpointer:
         min_level_dbfs: float = -55.0,
         vad: str = "silero",
         threshold: float = 0.5,
-        barge_in_ms: int = 200,
+        barge_in_ms: int = 600,
+        barge_in_gap_ms: int = BARGE_IN_GAP_MS,
         echo_margin_db: Optional[float] = -6.0,
         echo: Optional[Callable[[], Optional[float]]] = None,
         detector: Optional[VoiceDetector] = None,
         pause_ms: int = 0,
         pauses: Optional[PauseModel] = None,
+        semantic: Optional[SemanticEnd] = None,
     ) -> None:
         """vad: "silero" or "webrtc" (aggressiveness: webrtcvad's mode; threshold: Silero's
         speech probability); detector overrides both. echo: the level (RMS, 0..1) the agent is
@@ -86,14 +95,16 @@ class Endpointer:
         echo_margin_db None leaves the onset threshold alone. pause_ms: report SpeechPaused after
         this much unvoiced audio in a turn (0: never; only meaningful under silence_ms); pauses:
         learn that length from the speaker's own mid-turn pauses instead (agent/media/pauses.py;
-        pause_ms is then its floor)."""
+        pause_ms is then its floor). semantic: end a turn judged complete sooner (above)."""
         assert silence_ms >= SUBFRAME_MS and min_speech_ms >= SUBFRAME_MS and max_turn_s > 0
         assert barge_in_ms >= SUBFRAME_MS
         self._pause_ms = pause_ms if 0 < pause_ms < silence_ms else 0
         self._paused = False  # a SpeechPaused went out and no voice came since
         self._pauses = pauses if self._pause_ms else None
+        self.semantic = semantic
         self._vad = detector or make_detector(vad, aggressiveness, threshold)
         self._barge_in_ms = barge_in_ms
+        self._barge_in_gap_ms = barge_in_gap_ms
         self._echo_gain = None if echo_margin_db is None else threshold_gain(echo_margin_db)
         self._echo = echo
         self._silence_ms = silence_ms
@@ -156,7 +167,7 @@ class Endpointer:
             if voiced:
                 return events
             t_end = start + (k + 1) * SUBFRAME_MS / 1000
-            if self._silence_reached(t_end):
+            if self._silence_reached(t_end) or self._judged_complete(t_end, partial[: (k + 1) * SUBFRAME_SAMPLES]):
                 return [*events, self._stop(at=t_end)]
             events += self._pause(t_end)
         return events
@@ -216,8 +227,12 @@ class Endpointer:
                     if self._paused:
                         self._paused = False
                         events.append(SpeechResumed(at=t_start))
+                    if self.semantic is not None:
+                        self.semantic.voiced()
                     self._last_voiced_end = t_end
-                elif self._silence_reached(t_end):
+                elif self._silence_reached(t_end) or self._judged_complete(
+                    t_end, chunk.pcm[: (k + 1) * SUBFRAME_SAMPLES]
+                ):
                     # The chunk that completes the silence still belongs to the turn.
                     events.append(SpeechAudio(chunk))
                     events.append(self._stop(at=t_end))
@@ -239,6 +254,8 @@ class Endpointer:
         if self._in_turn:
             if not started_here:
                 events.append(SpeechAudio(chunk))
+                if self.semantic is not None:
+                    self.semantic.add(chunk.pcm)
             if chunk.end - self._turn_start >= self._max_turn_s - 1e-9:
                 events.append(self._stop(at=chunk.end, forced=True))
                 # The speaker goes on: the next turn must not repeat this one's audio as pre-roll.
@@ -271,7 +288,7 @@ class Endpointer:
 
     def _candidate(self, voiced: bool, t_end: float, playing: Optional[float] = None, under_echo: bool = False) -> bool:
         """Track voiced audio before a turn; True once there is enough to start one (while the
-        agent speaks: barge_in_ms of it, without an unvoiced gap over BARGE_IN_GAP_MS). A voiced
+        agent speaks: barge_in_ms of it, without an unvoiced gap over barge_in_gap_ms). A voiced
         sub-frame under the echo level neither counts nor breaks a candidate: a person talking
         over the agent has quieter syllables too, and the echo alone never adds anything."""
         barge_in = playing is not None
@@ -286,7 +303,7 @@ class Endpointer:
             return self._voiced_ms >= need
         if self._onset is not None:
             self._unvoiced_ms += SUBFRAME_MS
-            if self._unvoiced_ms >= (BARGE_IN_GAP_MS if barge_in else self._silence_ms):
+            if self._unvoiced_ms >= (self._barge_in_gap_ms if barge_in else self._silence_ms):
                 self._reset_candidate()
         return False
 
@@ -315,6 +332,10 @@ class Endpointer:
         self._announced = False  # SpeechStarted confirms the candidate
         events: list[TurnEvent] = [SpeechStarted(at=self._turn_start, onset=onset)]
         events += [SpeechAudio(c) for c in turn_audio]
+        if self.semantic is not None:
+            self.semantic.start_turn()
+            for c in turn_audio:
+                self.semantic.add(c.pcm)
         return events
 
     def _reset_candidate(self) -> None:
@@ -327,6 +348,12 @@ class Endpointer:
     def _silence_reached(self, t: float) -> bool:
         # Unvoiced since the last voiced sub-frame, so the silence is simply t - last voiced.
         return (t - self._last_voiced_end) * 1000 >= self._silence_ms - 1e-6
+
+    def _judged_complete(self, t: float, tail: np.ndarray) -> bool:
+        """The pause's judgment says the turn is over (semantic end of turn only)."""
+        if self.semantic is None:
+            return False
+        return self.semantic.ends(t, (t - self._last_voiced_end) * 1000, tail)
 
     def _pause(self, t: float) -> list[TurnEvent]:
         """SpeechPaused, the first time an unvoiced run in the turn reaches pause_ms (or the

@@ -12,6 +12,7 @@ import numpy as np
 from agent.config import Config
 from agent.media.ingest import CHUNK_SECONDS, AudioIn
 from agent.media.pauses import pause_model
+from agent.media.semantic_turn import CompletenessJudge, SemanticEnd
 from agent.media.turn_events import TurnEvent
 from agent.media.vad import Endpointer
 from agent.realtime.session_config import TurnDetection
@@ -23,10 +24,13 @@ class InputBuffer:
         config: Config,
         turn_detection: Optional[TurnDetection],
         echo: Optional[Callable[[], Optional[float]]] = None,
+        judge: Optional[CompletenessJudge] = None,
     ) -> None:
-        """echo: the level the agent is playing now (None: silent), for the echo guard."""
+        """echo: the level the agent is playing now (None: silent), for the echo guard; judge: the
+        agent's end-of-turn judge (semantic_vad), None when it has none."""
         self.config = config
         self._echo = echo
+        self._judge = judge
         self.audio_in = AudioIn()
         self.turn_detection = turn_detection
         self.endpointer = self._endpointer()
@@ -36,6 +40,12 @@ class InputBuffer:
     def _endpointer(self) -> Endpointer:
         td, c = self.turn_detection, self.config
         silence_ms = td.silence_ms if td else c.vad_silence_ms
+        semantic = None
+        if td is not None and td.semantic is not None:
+            if self._judge is not None:
+                semantic = SemanticEnd(self._judge, td.semantic)
+            else:
+                silence_ms = td.unjudged_silence_ms
         return Endpointer(
             silence_ms=silence_ms,
             min_speech_ms=c.vad_min_speech_ms,
@@ -45,10 +55,12 @@ class InputBuffer:
             vad=c.vad,
             threshold=c.vad_threshold,
             barge_in_ms=c.barge_in_ms,
+            barge_in_gap_ms=c.barge_in_gap_ms,
             echo_margin_db=c.echo_margin_db if c.echo_guard else None,
             echo=self._echo,
             pause_ms=c.speculation_pause_ms,
             pauses=pause_model(c.speculation_pause_ms, silence_ms) if c.speculation_adaptive else None,
+            semantic=semantic,
         )
 
     @property

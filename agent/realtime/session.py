@@ -40,6 +40,7 @@ from agent.engine.loop import Engine
 from agent.gate import priority
 from agent.gate.ladder import LEVEL_NAMES, Admission
 from agent.media.playout import AgentAudioTrack
+from agent.media.semantic_turn import CompletenessJudge
 from agent.media.video_feed import VideoFeed
 from agent.realtime import client_events, session_checks, session_config, tool_config
 from agent.realtime.call_outputs import CallOutputs
@@ -70,6 +71,7 @@ class Session:
         webrtc: bool,
         settings: Optional[dict[str, Any]] = None,
         decode_pool: Optional[Executor] = None,
+        turn_judge: Optional[CompletenessJudge] = None,
     ) -> None:
         self.id = new_id("sess")
         self.config, self.admission = config, admission
@@ -118,6 +120,7 @@ class Session:
             config,
             session_config.turn_detection(self.settings, config.vad_silence_ms),
             echo=self.replies.playing_level,  # (a method of the replies, not the session: no cycle)
+            judge=turn_judge,
         )
         speech = self.input  # (the buffer, not the session, in the closure: no cycle)
         self.messages = Messages(  # user and system messages

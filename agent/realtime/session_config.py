@@ -21,13 +21,22 @@ from typing import Any, Optional
 
 from agent.config import Config
 from agent.gate import priority
+from agent.media.semantic_turn import SemanticPolicy
 from agent.realtime import beta_session
 from agent.realtime.config_error import ConfigError
 from agent.realtime.events import PCM_FORMAT, new_id
 from agent.realtime.session_checks import INPUT_FORMATS, check, validate
 
-# semantic_vad is served by the acoustic endpointer; its eagerness picks the silence that ends a turn.
-_EAGERNESS_SILENCE_MS = {"low": 800, "medium": 500, "auto": 500, "high": 300}
+# semantic_vad: each pause is judged for completeness (agent/media/semantic_turn.py). Its eagerness
+# picks the policy (how sure the judge must be, the short silence that then ends the turn), the
+# long silence a turn judged unfinished waits for (over the 150-700 ms pauses people make inside a
+# sentence), and the silence alone that ends a turn when the agent has no judge.
+_EAGERNESS: dict[str, tuple[SemanticPolicy, int, int]] = {
+    "low": (SemanticPolicy(short_ms=200, threshold=0.7), 1200, 800),
+    "medium": (SemanticPolicy(short_ms=100, threshold=0.5), 800, 500),
+    "auto": (SemanticPolicy(short_ms=100, threshold=0.5), 800, 500),
+    "high": (SemanticPolicy(short_ms=100, threshold=0.3), 600, 300),
+}
 # Interpreter mode (omni.interpret_to): answered turns kept in the model's context, so a
 # two-hour stream neither grows the context nor slows down.
 INTERPRET_TURNS = 4
@@ -88,10 +97,12 @@ class SessionSettings:
 class TurnDetection:
     """Server-side turn detection as the session's endpointer runs it."""
 
-    silence_ms: int
+    silence_ms: int  # the silence that ends a turn (semantic_vad with a judge: one judged unfinished)
     prefix_padding_ms: int
     create_response: bool
     interrupt_response: bool
+    semantic: Optional[SemanticPolicy] = None  # semantic_vad: judge each pause
+    unjudged_silence_ms: int = 0  # semantic_vad when the agent has no judge: silence alone
 
 
 def default_session(config: Config, model: str = "") -> dict[str, Any]:
@@ -272,8 +283,9 @@ def turn_detection(session: dict[str, Any], default_silence_ms: int) -> Optional
     td = session["audio"]["input"].get("turn_detection")
     if td is None:
         return None
+    semantic, unjudged = None, 0
     if td["type"] == "semantic_vad":
-        silence = _EAGERNESS_SILENCE_MS.get(td.get("eagerness") or "auto", 500)
+        semantic, silence, unjudged = _EAGERNESS[td.get("eagerness") or "auto"]
     else:
         silence = td.get("silence_duration_ms") or default_silence_ms
     padding = td.get("prefix_padding_ms")
@@ -282,6 +294,8 @@ def turn_detection(session: dict[str, Any], default_silence_ms: int) -> Optional
         prefix_padding_ms=300 if padding is None else padding,
         create_response=td.get("create_response") is not False,
         interrupt_response=td.get("interrupt_response") is not False,
+        semantic=semantic,
+        unjudged_silence_ms=unjudged,
     )
 
 

@@ -29,6 +29,7 @@ from agent.transport.http import (
     DECODE_POOL,
     ENGINE,
     SESSIONS,
+    TURN_JUDGE,
     check_tools_off_loop,
     forget,
     grant,
@@ -145,7 +146,14 @@ async def create_call(request: web.Request) -> web.Response:
         sdp = keep_loopback_candidates(sdp)
     pc = _peer_connection(config)
     call = RtcCall(
-        config, app[ENGINE], app[ADMISSION], pc, settings, lambda c: forget(app, c.id), decode_pool=app[DECODE_POOL]
+        config,
+        app[ENGINE],
+        app[ADMISSION],
+        pc,
+        settings,
+        lambda c: forget(app, c.id),
+        decode_pool=app[DECODE_POOL],
+        turn_judge=app[TURN_JUDGE],
     )
     try:
         await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))

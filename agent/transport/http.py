@@ -15,6 +15,7 @@ from agent.gate import priority
 from agent.gate.access import CallRate
 from agent.gate.api_keys import Grant, KeyStore
 from agent.gate.ladder import Admission
+from agent.media.semantic_turn import CompletenessJudge
 from agent.realtime.tool_config import check_tools
 
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
@@ -27,6 +28,8 @@ LADDER_TICK: web.AppKey[asyncio.Future] = web.AppKey("ladder_tick", asyncio.Futu
 CALL_RATE: web.AppKey[CallRate] = web.AppKey("call_rate", CallRate)
 # Decoding that would hold the loop (a message's images and audio): agent/realtime/inbox.py.
 DECODE_POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("decode_pool", ThreadPoolExecutor)
+# The end-of-turn judge every session shares (agent/media/smart_turn.py); None without its model.
+TURN_JUDGE: web.AppKey[Optional[CompletenessJudge]] = web.AppKey("turn_judge", object)
 # Set once on SIGTERM/Ctrl-C (agent/__main__.py): new calls get 503 while replies finish.
 DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining", asyncio.Event)
 GRANT: web.RequestKey[Grant] = web.RequestKey("grant", Grant)  # what the auth middleware found

@@ -21,6 +21,7 @@ from agent import metrics
 from agent.config import Config
 from agent.engine.loop import Engine
 from agent.gate.ladder import Admission
+from agent.media.semantic_turn import CompletenessJudge
 from agent.realtime import client_events
 from agent.realtime.events import error_event, new_id
 from agent.realtime.session import Session
@@ -44,6 +45,7 @@ class RtcCall:
         settings: dict[str, Any],
         on_closed: Callable[["RtcCall"], None],
         decode_pool: Optional[Executor] = None,
+        turn_judge: Optional[CompletenessJudge] = None,
     ) -> None:
         self.id = call_id(config.call_id_prefix, new_id("rtc"))
         # Set when the offer's answer is returned: until then a replica counts the call as an
@@ -65,6 +67,7 @@ class RtcCall:
             webrtc=True,
             settings=settings,
             decode_pool=decode_pool,
+            turn_judge=turn_judge,
         )
         self.session.on_close.append(self._teardown)
         pc.on("track", self._on_track)

@@ -25,6 +25,7 @@ from agent.transport.http import (
     DECODE_POOL,
     ENGINE,
     SESSIONS,
+    TURN_JUDGE,
     forget,
     grant,
     json_error,
@@ -142,6 +143,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         settings=settings,
         on_closed=lambda s: forget(app, s.id),
         decode_pool=app[DECODE_POOL],
+        turn_judge=app[TURN_JUDGE],
     )
     conn.session = session
     session.on_close.append(conn.finish)

@@ -85,6 +85,8 @@ CALL_TIMEOUT_S = 60.0
 # of the threads that serve them, the engine's working buffers) and then holds: measured
 # 585, 602, 601, 606 MB after 25, 50, 75, 100 calls. Growth is judged after that.
 WARMUP_CALLS = 40
+# Native threads a process may add for good after its first round (a pool growing by one).
+THREAD_ALLOWANCE = 2
 ENDED_EARLY: Counter = Counter()  # calls the agent ended before their reply began, per ending
 # Calls ended (their way) before their reply began: on a machine whose cores are taken by other
 # work (a compile, a CPU hog, a second agent) the engine thread can fall 30 s behind. Such a call
@@ -315,8 +317,14 @@ async def _calls(url: str, app: web.Application, wav: Path, ending: str, count: 
 
 
 async def _settle(app: web.Application, threads_at_most: int) -> None:
-    """Wait, bounded, until the agent holds no session and the per-call objects are gone."""
-    for _ in range(40):
+    """Wait, bounded, until the agent holds no session and the per-call objects are gone.
+
+    A round of 4 calls has ~55 more native threads at its peak than at rest (codec threads on
+    both ends; 74 against 19, 2026-12-07), and they end after the call's objects do. On a
+    machine whose cores a compile beside it takes, they took more than 10 s to end (CI,
+    2026-12-07: 28 threads at rest, 60 ten seconds after a round, every call object gone), so
+    the wait is bounded at 60 s: a thread that never ends still fails the count."""
+    for _ in range(240):
         if not app[SESSIONS] and _native_threads() <= threads_at_most and not _left():
             return
         await asyncio.sleep(0.25)
@@ -349,7 +357,8 @@ async def test_calls_leave_no_threads_objects_or_memory(
     try:
         for _ in range(CALLS[ending] // size - 1):
             await _calls(url, app, short_wav, ending, size)
-            await _settle(app, threads_first)
+            # Within the allowance, so that a pool's one-off thread does not hold every round.
+            await _settle(app, threads_first + THREAD_ALLOWANCE)
             # Counted before any collection: a round's calls must be gone already.
             left = _left()
             if left:
@@ -396,7 +405,7 @@ async def test_calls_leave_no_threads_objects_or_memory(
     assert active == [0, 0], f"agent_sessions_active by priority (high, normal): {active}"
     assert tasks_after <= tasks_first, f"asyncio tasks {tasks_first} -> {tasks_after}"
     assert not alive, f"objects of finished calls still alive: {dict(alive)}\n" + "\n".join(why)
-    assert threads_after <= threads_first + 2, f"threads {threads_first} -> {threads_after}"
+    assert threads_after <= threads_first + THREAD_ALLOWANCE, f"threads {threads_first} -> {threads_after}"
     # Memory: what a call leaves behind in Python is caught above, object by object; these bound
     # the rest by what is still in use.
     # - Native heap, by its median round: a leak grows it every round, while a buffer the agent

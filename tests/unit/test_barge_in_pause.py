@@ -131,7 +131,7 @@ def candidates_of(events: list[tuple[int, TurnEvent]]) -> list[str]:
 
 
 def test_candidate_comes_per_sub_frame_before_its_chunk_completes():
-    ep = Endpointer(detector=LoudIsVoiced(), echo=lambda: 0.01)
+    ep = Endpointer(detector=LoudIsVoiced(), echo=lambda: 0.01, barge_in_ms=200)
     # Voice from sub-frame 9 (chunk 2, second sub-frame): the candidate is known when that
     # sub-frame is complete, two sub-frames before the chunk's push().
     events = feed(ep, np.concatenate([gap(20), tone(400, -20.0)]))
@@ -143,7 +143,7 @@ def test_candidate_comes_per_sub_frame_before_its_chunk_completes():
 
 
 def test_a_candidate_that_dies_is_dropped():
-    ep = Endpointer(detector=LoudIsVoiced(), echo=lambda: 0.01)
+    ep = Endpointer(detector=LoudIsVoiced(), echo=lambda: 0.01, barge_in_gap_ms=100)
     events = feed(ep, np.concatenate([tone(100, -20.0), gap(300), tone(80, -20.0)]))
     assert candidates_of(events) == ["BargeInCandidate", "BargeInDropped"] * 2
     # Dropped once the gap passed 100 ms: sub-frame 8 + 5 voiced + 5 unvoiced, at its chunk's push.
@@ -209,6 +209,7 @@ def test_flags_reach_config():
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     default = config_from_args(parser.parse_args([]))
-    assert default.barge_in_pause and default.barge_in_pause_max_ms == 600
+    # Longer than an interruption takes to confirm (600 ms of voice with its gaps).
+    assert default.barge_in_pause and default.barge_in_pause_max_ms == 2000
     off = config_from_args(parser.parse_args(["--no-barge-in-pause", "--barge-in-pause-max-ms", "400"]))
     assert (off.barge_in_pause, off.barge_in_pause_max_ms) == (False, 400)

@@ -7,8 +7,9 @@ echo does start one when the guard is not told the agent is playing (the echo re
 the VAD); a person talking over the reply at the reply's level does start a turn, near their onset.
 The policy, with a detector that calls any non-silent sub-frame voiced: while the agent plays a
 turn needs barge_in_ms (not min_speech_ms) of voiced audio above played level + margin, without
-an unvoiced gap over 100 ms (voiced sub-frames under that level neither count nor break it;
-margin None: duration rule only); silent agent: as before.
+an unvoiced gap over barge_in_gap_ms (voiced sub-frames under that level neither count nor break
+it; margin None: duration rule only); silent agent: as before. The defaults let a backchannel
+(under 600 ms of voice) pass and hold a phrase with pauses at its commas together.
 Selection: --vad picks the detector, Silero's threshold is range-checked, unknown kinds are refused.
 """
 
@@ -56,6 +57,9 @@ async def test_a_real_interruption_over_the_echo_barges_in(voices, vad):
 
 
 def starts(pcm: np.ndarray, playing: float | None, **kwargs) -> list[SpeechStarted]:
+    """The policy's mechanics at a 200 ms barge-in and a 100 ms gap, unless told otherwise."""
+    kwargs.setdefault("barge_in_ms", 200)
+    kwargs.setdefault("barge_in_gap_ms", 100)
     ep = Endpointer(detector=LoudIsVoiced(), echo=lambda: playing, **kwargs)
     pcm = np.concatenate([gap(160), pcm, gap(800)]).astype(np.float32)  # past the warm-up
     n = len(pcm) // 1280
@@ -77,6 +81,19 @@ def test_while_playing_a_gap_over_100_ms_resets_the_barge_in():
     assert len(starts(broken, playing=None)) == 1  # silent agent: gaps up to silence_ms are fine
     stutter = np.concatenate([tone(120, -20.0), gap(60), tone(120, -20.0)])
     assert len(starts(stutter, playing=0.01)) == 1
+
+
+def test_by_default_a_backchannel_does_not_barge_in_and_a_phrase_with_commas_does():
+    defaults = {"barge_in_ms": Config().barge_in_ms, "barge_in_gap_ms": Config().barge_in_gap_ms}
+    assert starts(tone(440, -20.0), playing=0.01, **defaults) == []  # "yeah", "I see"
+    uh_huh = np.concatenate([tone(200, -20.0), gap(120), tone(240, -20.0)])
+    assert starts(uh_huh, playing=0.01, **defaults) == []
+    # "wait, stop, that's not it": three phrases, 200 ms apart, one barge-in from the first word.
+    phrase = np.concatenate([tone(240, -20.0), gap(200), tone(240, -20.0), gap(200), tone(400, -20.0)])
+    (start,) = starts(phrase, playing=0.01, **defaults)
+    assert start.onset == pytest.approx(0.16, abs=0.021)
+    # The same "yeah" at the old 200 ms did interrupt.
+    assert len(starts(tone(440, -20.0), playing=0.01)) == 1
 
 
 def test_onset_threshold_rises_with_the_played_level():
@@ -122,7 +139,8 @@ def test_vad_selection():
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     default = config_from_args(parser.parse_args([]))
-    assert default.vad == "silero" and default.barge_in_ms == 200 and default.echo_guard
+    assert default.vad == "silero" and default.barge_in_ms == 600 and default.echo_guard
+    assert default.barge_in_gap_ms == 300
     chosen = config_from_args(parser.parse_args(["--vad", "webrtc", "--barge-in-ms", "300", "--no-echo-guard"]))
     assert (chosen.vad, chosen.barge_in_ms, chosen.echo_guard) == ("webrtc", 300, False)
     td = session_config.turn_detection(session_config.default_session(chosen), 300)
