@@ -34,7 +34,7 @@ agent's audio back into its microphone, so there is no echo; the echo guard stil
 (the speech must be louder than the agent's recent output − 6 dB), so the utterances are at a
 normal speech level (--speech-dbfs, the RMS of their voiced frames).
 
-Last line: `barge_in_p50_ms=.. barge_in_p95_ms=.. confirmation_ms=200 target_ms=260
+Last line: `barge_in_p50_ms=.. barge_in_p95_ms=.. confirmation_ms=600 target_ms=660
 interruptions=N within_target=true|false` (target: confirmation + 60 ms at P95, issue 9).
 Everything stays on 127.0.0.1; every loop is bounded in count and seconds. Run it inside a
 loopback-only namespace (it opens WebRTC peers):
@@ -70,6 +70,7 @@ from bench_rtc import free_port  # noqa: E402  (scripts/ is on sys.path when run
 
 from agent.client.client import wait_ready  # noqa: E402
 from agent.client.media import SEND_FRAME, SEND_RATE, PacedAudioTrack  # noqa: E402
+from agent.config import Config  # noqa: E402
 from agent.transport.ice import restrict_ice_hosts  # noqa: E402
 from agent.transport.jitter import lower_audio_jitter_hold  # noqa: E402
 from agent.transport.peer import close_peer  # noqa: E402
@@ -567,7 +568,9 @@ def main() -> None:
     p.add_argument("--interruptions", type=int, default=20)
     p.add_argument("--max-attempts", type=int, default=60, help="tries, counted or skipped, at most")
     p.add_argument("--max-seconds", type=float, default=360.0, help="stop starting tries after this")
-    p.add_argument("--barge-in-ms", type=int, default=200, help="the agent's flag (its default: 200)")
+    p.add_argument(
+        "--barge-in-ms", type=int, default=Config().barge_in_ms, help="the agent's flag (default: the agent's own)"
+    )
     p.add_argument("--prefetch", type=int, default=1, help="client jitter hold in 20 ms frames (1: browser-like)")
     p.add_argument("--speech-dbfs", type=float, default=-20.0, help="RMS of the client's voiced frames")
     p.add_argument(

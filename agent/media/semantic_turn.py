@@ -3,10 +3,11 @@
 The acoustic endpointer (agent/media/vad.py) ends a turn after a fixed silence, long enough
 that a speaker pausing mid-sentence is rarely cut, and so every complete turn waits it out too.
 With a judge, each pause is asked once, early (``ask_after_ms`` of unvoiced audio, past the gaps
-between syllables), how likely the turn's audio so far is a finished utterance; a turn judged
-complete ends at ``short_ms`` of silence (or as soon as the verdict is in, if later), one judged
-unfinished waits for the endpointer's long silence. Voice before the verdict withdraws the
-question: the next pause asks again, about the longer utterance.
+between syllables), how likely the turn's audio so far is a finished utterance, P. The policy's
+tiers map P to the silence that then ends the turn: the surer the judge, the shorter (ending no
+sooner than the verdict is in); below every tier the turn waits for the endpointer's long
+silence. Voice before the verdict withdraws the question: the next pause asks again, about the
+longer utterance.
 
 The verdict is read off the audio clock: a judge's answer is a `Pending` asked for its
 probability at an audio time, so a live judge (a worker thread, agent/media/smart_turn.py)
@@ -32,9 +33,13 @@ MAX_AUDIO_S = 8.0
 class SemanticPolicy:
     """When to ask and how to act on the answer (semantic_vad's eagerness picks one)."""
 
+    # (P(complete) at least, silence in ms that then ends the turn), surest first.
+    tiers: tuple[tuple[float, int], ...] = ((0.5, 100),)
     ask_after_ms: int = 60  # unvoiced audio before asking: gaps between syllables are shorter
-    short_ms: int = 100  # the silence that ends a turn judged complete
-    threshold: float = 0.5  # P(complete) from which the turn is judged complete
+
+    def silence_ms(self, p: float) -> Optional[int]:
+        """The silence that ends a turn judged P(complete) = p; None: the long one."""
+        return next((ms for at_least, ms in self.tiers if p >= at_least), None)
 
 
 class Pending(Protocol):
@@ -93,7 +98,10 @@ class SemanticEnd:
             self._pending = self.judge.ask(audio[-int(MAX_AUDIO_S * INPUT_RATE) :].astype(np.float32), t)
         if self._verdict is None and self._pending is not None:
             self._verdict = self._pending.probability_at(t)
-        return self._verdict is not None and self._verdict >= p.threshold and silence_ms >= p.short_ms - 1e-6
+        if self._verdict is None:
+            return False
+        needed = p.silence_ms(self._verdict)
+        return needed is not None and silence_ms >= needed - 1e-6
 
     @property
     def verdict(self) -> Optional[float]:

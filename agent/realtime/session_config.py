@@ -28,14 +28,17 @@ from agent.realtime.events import PCM_FORMAT, new_id
 from agent.realtime.session_checks import INPUT_FORMATS, check, validate
 
 # semantic_vad: each pause is judged for completeness (agent/media/semantic_turn.py). Its eagerness
-# picks the policy (how sure the judge must be, the short silence that then ends the turn), the
-# long silence a turn judged unfinished waits for (over the 150-700 ms pauses people make inside a
-# sentence), and the silence alone that ends a turn when the agent has no judge.
+# picks the policy (how sure the judge must be for which silence), the long silence a turn judged
+# unfinished waits for (over the 150-700 ms pauses people make inside a sentence), and the silence
+# alone that ends a turn when the agent has no judge. Chosen on the tune part of the end-of-turn
+# corpus (scripts/bench_turns.py, docs/turn-taking.md): Smart Turn tells a finished sentence from
+# a mid-sentence pause only moderately well there, so auto ends a turn fast only when the judge is
+# very sure, and waits out every pause people make otherwise.
 _EAGERNESS: dict[str, tuple[SemanticPolicy, int, int]] = {
-    "low": (SemanticPolicy(short_ms=200, threshold=0.7), 1200, 800),
-    "medium": (SemanticPolicy(short_ms=100, threshold=0.5), 800, 500),
-    "auto": (SemanticPolicy(short_ms=100, threshold=0.5), 800, 500),
-    "high": (SemanticPolicy(short_ms=100, threshold=0.3), 600, 300),
+    "low": (SemanticPolicy(tiers=((0.97, 300), (0.7, 900))), 1200, 800),
+    "medium": (SemanticPolicy(tiers=((0.97, 150), (0.5, 600))), 1000, 500),
+    "auto": (SemanticPolicy(tiers=((0.97, 150), (0.5, 600))), 1000, 500),
+    "high": (SemanticPolicy(tiers=((0.8, 100),)), 600, 300),
 }
 # Interpreter mode (omni.interpret_to): answered turns kept in the model's context, so a
 # two-hour stream neither grows the context nor slows down.

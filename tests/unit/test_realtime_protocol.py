@@ -121,7 +121,8 @@ def test_merge_tolerates_refuses_and_maps() -> None:
     semantic = session_config.merge(
         base, {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "low"}}}}
     )
-    assert session_config.turn_detection(semantic, 300).silence_ms == 800
+    low = session_config.turn_detection(semantic, 300)  # eagerness low: judged, or 800 ms by silence alone
+    assert (low.silence_ms, low.unjudged_silence_ms, low.semantic.tiers[0][0]) == (1200, 800, 0.97)
     for update, param in [
         ({"output_modalities": ["audio", "text"]}, "session.output_modalities"),
         ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}, "session.audio.input.format.rate"),

@@ -1,10 +1,11 @@
 """The semantic end of turn in the Endpointer (agent/media/semantic_turn.py), with a scripted judge
 on real espeak-ng speech: each pause is asked about once, after ask_after_ms of unvoiced audio,
-with the turn's audio up to then; a turn judged complete ends at the short silence (or when the
-verdict arrives, if later, on the audio clock); one judged unfinished waits for the long silence,
-and voice in the pause withdraws the question (the next pause asks again). Without a judge the
-events are those of the acoustic endpointer. Session wiring: semantic_vad's eagerness picks the
-policy, server_vad has none, and with no judge semantic_vad falls back to a silence alone."""
+with the turn's audio up to then; the policy's tiers map the verdict to the silence that ends the
+turn (the surer, the shorter; no sooner than the verdict arrives, on the audio clock); below every
+tier the turn waits for the long silence, and voice in the pause withdraws the question (the next
+pause asks again). Without a judge the events are those of the acoustic endpointer. Session
+wiring: semantic_vad's eagerness picks the policy (the higher, the sooner for the same verdict),
+server_vad has none, and with no judge semantic_vad falls back to a silence alone."""
 
 from __future__ import annotations
 
@@ -64,7 +65,10 @@ def run(endpointer: Endpointer, pcm: np.ndarray) -> list:
     return [e for e in events if isinstance(e, (SpeechStarted, SpeechStopped))]
 
 
-def endpointer(judge: Optional[Scripted], policy: SemanticPolicy = SemanticPolicy(), silence_ms: int = 800):
+TIERS = SemanticPolicy(tiers=((0.9, 100), (0.5, 400)))
+
+
+def endpointer(judge: Optional[Scripted], policy: SemanticPolicy = TIERS, silence_ms: int = 800):
     return Endpointer(silence_ms=silence_ms, semantic=SemanticEnd(judge, policy) if judge else None)
 
 
@@ -73,7 +77,7 @@ def test_a_turn_judged_complete_ends_at_the_short_silence(words: np.ndarray) -> 
     events = run(endpointer(judge), np.concatenate([words, silence(1.2)]))
     started, stopped = events
     assert isinstance(stopped, SpeechStopped)
-    assert stopped.at - stopped.end_of_speech == pytest.approx(0.1, abs=1e-6)  # short_ms, not 800
+    assert stopped.at - stopped.end_of_speech == pytest.approx(0.1, abs=1e-6)  # the surest tier, not 800
     ((at, heard),) = judge.asked
     assert at - stopped.end_of_speech == pytest.approx(0.06, abs=1e-6)  # asked at ask_after_ms
     # It heard the turn from its pre-roll up to the question.
@@ -84,6 +88,11 @@ def test_a_late_verdict_ends_the_turn_when_it_arrives(words: np.ndarray) -> None
     judge = Scripted([0.9], delay_s=0.1)  # 60 ms + 100 ms of compute: in at 160 ms
     (_, stopped) = run(endpointer(judge), np.concatenate([words, silence(1.2)]))
     assert stopped.at - stopped.end_of_speech == pytest.approx(0.16, abs=1e-6)
+
+
+def test_a_less_sure_verdict_waits_for_its_tier(words: np.ndarray) -> None:
+    (_, stopped) = run(endpointer(Scripted([0.6])), np.concatenate([words, silence(1.2)]))
+    assert stopped.at - stopped.end_of_speech == pytest.approx(0.4, abs=1e-6)
 
 
 def test_a_turn_judged_unfinished_waits_for_the_long_silence(words: np.ndarray) -> None:
@@ -133,8 +142,11 @@ def test_eagerness_picks_the_policy_and_server_vad_has_none() -> None:
     high = turn_detection(_session({"type": "semantic_vad", "eagerness": "high"}), 300)
     auto = turn_detection(_session({"type": "semantic_vad"}), 300)
     server = turn_detection(_session({"type": "server_vad", "silence_duration_ms": 450}), 300)
-    assert low.semantic.threshold > auto.semantic.threshold > high.semantic.threshold
-    assert low.semantic.short_ms >= auto.semantic.short_ms >= 100
+    # For the same verdict the more eager ends the turn no later; every tier waits 100 ms at least.
+    for p in (0.3, 0.6, 0.85, 0.99):
+        waits = [td.semantic.silence_ms(p) or td.silence_ms for td in (low, auto, high)]
+        assert waits == sorted(waits, reverse=True), (p, waits)
+    assert min(ms for td in (low, auto, high) for _, ms in td.semantic.tiers) >= 100
     # A turn judged unfinished waits past the 150-700 ms pauses people make mid-sentence (high
     # eagerness a little less), and longer than the same eagerness with no judge at all.
     assert low.silence_ms > auto.silence_ms > 700 and auto.silence_ms > high.silence_ms
