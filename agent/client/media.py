@@ -132,7 +132,10 @@ class PatternVideoTrack(MediaStreamTrack):
         img = np.stack(
             [(x + 4 * self._n) % 256 + 0 * y, (y + 2 * self._n) % 256 + 0 * x, ((x + y) // 2) % 256], axis=-1
         ).astype(np.uint8)
-        frame = av.VideoFrame.from_ndarray(img, format="rgb24")
+        # In the encoder's own format: aiortc would convert an RGB frame in whichever executor
+        # thread encodes it, and PyAV (18.1.1) keeps a scaler per calling thread, with a pool of
+        # native threads each (threads=0, auto) that lives as long as that thread.
+        frame = av.VideoFrame.from_ndarray(img, format="rgb24").reformat(format="yuv420p", threads=1)
         frame.pts = int(self._n * 90_000 / self._fps)
         frame.time_base = fractions.Fraction(1, 90_000)
         self._n += 1
@@ -267,7 +270,7 @@ class ThrottledVideoTrack(MediaStreamTrack):
 def _scaled(frame: av.VideoFrame, scale: float) -> av.VideoFrame:
     width = max(2, int(frame.width / scale) // 2 * 2)  # even: the encoder's 4:2:0 wants it
     height = max(2, int(frame.height / scale) // 2 * 2)
-    return frame.reformat(width=width, height=height)
+    return frame.reformat(width=width, height=height, threads=1)
 
 
 class SilenceAfterEnd(MediaStreamTrack):

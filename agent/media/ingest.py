@@ -273,9 +273,11 @@ class VideoSampler:
         if short > self._max_source_height:
             scale = self._max_source_height / short
             width, height = max(1, round(width * scale)), max(1, round(height * scale))
-            rgb = frame.to_ndarray(format="rgb24", width=width, height=height, interpolation="AREA")
+            rgb = frame.to_ndarray(format="rgb24", width=width, height=height, interpolation="AREA", threads=1)
         else:
-            rgb = frame.to_ndarray(format="rgb24")
+            # One thread: PyAV keeps a scaler per calling thread, and with threads=0 (its default)
+            # each holds a pool of native threads for good; a frame of the camera is small work.
+            rgb = frame.to_ndarray(format="rgb24", threads=1)
         longer = max(width, height)
         if longer <= self._max_side:
             return np.ascontiguousarray(rgb)

@@ -136,6 +136,11 @@ class Endpointer:
     def in_turn(self) -> bool:
         return self._in_turn
 
+    def recent(self, seconds: float) -> np.ndarray:
+        """The last `seconds` of audio pushed (at most the pre-roll history), 16 kHz float."""
+        pcm = [c.pcm for c in self._history]
+        return np.concatenate(pcm)[-int(seconds * INPUT_RATE) :] if pcm else np.zeros(0, np.float32)
+
     def reset(self) -> None:
         """Forget any turn or candidate (the VAD's noise model is kept)."""
         self._history.clear()

@@ -84,6 +84,10 @@ class InputBuffer:
             events += self.endpointer.peek(*self.audio_in.partial)
         return events
 
+    def recent(self, seconds: float) -> np.ndarray:
+        """The last `seconds` of microphone audio under turn detection (at most the pre-roll kept)."""
+        return self.endpointer.recent(seconds)
+
     def buffered_ms(self) -> int:
         return int(len(self._manual) * CHUNK_SECONDS * 1000)
 

@@ -9,10 +9,12 @@ and `on_drained` here). The track owns the pacing; this knows only whose audio i
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import numpy as np
 
+from agent.config import OUTPUT_RATE
 from agent.media.playout import AgentAudioTrack
 from agent.realtime.outbox import Outbox
 from agent.realtime.response import Response
@@ -23,6 +25,8 @@ class ReplyAudio:
         self._outbox = outbox
         self.track: Optional[AgentAudioTrack] = None  # WebRTC: the outbound track (set by the session)
         self.playing: Optional[Response] = None  # the response whose audio the track plays (WebRTC)
+        # WebSocket: when the client will have played the deltas sent so far, at real-time pace.
+        self._heard_until = 0.0
 
     def begin(self, reply: Response) -> None:
         """A response begins: the track plays its audio from now on (a spoken one, on WebRTC)."""
@@ -42,6 +46,15 @@ class ReplyAudio:
             self.track.push(pcm)
         else:
             self._outbox.emit(reply.audio_delta(pcm))
+            now = time.monotonic()
+            self._heard_until = max(self._heard_until, now) + len(pcm) / OUTPUT_RATE
+
+    def sounding(self) -> bool:
+        """The user may still be hearing a reply: the track plays one (WebRTC), or the deltas
+        sent have not all been played yet at real-time pace (WebSocket)."""
+        if self.track is not None:
+            return self.playing is not None
+        return time.monotonic() < self._heard_until
 
     def end(self, reply: Response) -> None:
         """The engine made all of the response's audio: the track plays it out, then drains."""

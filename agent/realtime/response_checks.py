@@ -34,10 +34,10 @@ def check_response(params: dict[str, Any], settings: dict[str, Any], voices: Voi
         raise BadEvent(f'max_output_tokens must be 1..{MAX_OUTPUT_TOKENS} or "inf"', param="response.max_output_tokens")
     _check_metadata(params.get("metadata"))
     _check_audio(params.get("audio"), voices)
-    if params.get("tools") is not None or params.get("tool_choice") is not None:
+    if any(params.get(k) is not None for k in ("tools", "tool_choice", "parallel_tool_calls")):
         tools = settings.get("tools", []) if params.get("tools") is None else params["tools"]
         choice = settings.get("tool_choice", "auto") if params.get("tool_choice") is None else params["tool_choice"]
-        tool_set(tools, choice, "response")
+        tool_set(tools, choice, "response", params.get("parallel_tool_calls"))
 
 
 def response_voice(params: dict[str, Any]) -> Any:

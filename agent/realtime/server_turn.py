@@ -37,6 +37,7 @@ from agent.media.turn_events import (
 from agent.realtime.edits import Edits
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.events import new_id
+from agent.realtime.idle_timeout import IdleTimer
 from agent.realtime.input_buffer import InputBuffer
 from agent.realtime.input_transcription import InputTranscription
 from agent.realtime.items import Items
@@ -69,6 +70,7 @@ class ServerTurn:
         self.speech_at = 0.0  # where its audio starts (session clock, s)
         self.speculating = False  # a reply was started on a pause of this turn (held by the engine)
         self.after_pause: Optional[list[np.ndarray]] = None  # audio since a pause, held
+        self._idle = IdleTimer()
 
     def reset(self) -> None:
         """The turn so far is gone (cleared, or judged by new rules)."""
@@ -172,6 +174,38 @@ class ServerTurn:
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
             self._outbox.error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
+
+    def check_idle(self) -> None:
+        """After each chunk of input audio: server_vad's idle_timeout_ms (agent/realtime/idle_timeout.py)."""
+        td = self._input.turn_detection
+        timeout = td.idle_timeout_ms / 1000 if td is not None and td.idle_timeout_ms else None
+        replying = self._replies.in_flight or self._replies.audio.sounding()
+        due = self._idle.observe(self._input.audio_in.clock, replying, self._input.in_turn, timeout)
+        if due is None or self._transcription_only or td is None or not td.create_response:
+            return
+        start, end = due
+        item_id = new_id("item")
+        self._outbox.emit(
+            {
+                "type": "input_audio_buffer.timeout_triggered",
+                "audio_start_ms": int(start * 1000),
+                "audio_end_ms": int(end * 1000),
+                "item_id": item_id,
+            }
+        )
+        # The silence becomes a user audio item the model hears (its last second: what the
+        # microphone picked up, under the voice detector), and a reply is made to it.
+        try:
+            self._engine.append_audio(self._input.recent(1.0))
+        except EngineBusy:
+            metrics.ERRORS.labels(where="engine_busy").inc()
+            self._outbox.error("engine is overloaded; the idle timeout was dropped", "engine_busy", kind="server_error")
+            return
+        self._items.commit(item_id)
+        self._transcription.speech_started(item_id, time.monotonic())
+        self._transcription.speech_stopped(item_id, end - start)
+        if not self._replies.respond_to_turn(item_id):
+            self._transcription.item_ended()
 
     def _pause_output(self) -> None:
         """A barge-in candidate while the agent speaks: pause its voice now (the track holds the

@@ -234,6 +234,7 @@ class Session:
         """Microphone audio, any rate and layout (a WebRTC track's frames, decoded WebSocket appends)."""
         for event in self.input.push(frame):
             self.turn.on_event(event)
+        self.turn.check_idle()
 
     def push_video(self, frame: av.VideoFrame) -> None:
         self.video.push(frame, self.input.audio_in.clock)

@@ -56,7 +56,7 @@ def validate(s: dict[str, Any]) -> None:
         f'max_output_tokens must be 1..{MAX_OUTPUT_TOKENS} or "inf"',
         "session.max_output_tokens",
     )
-    tool_set(s.get("tools"), s.get("tool_choice"), "session")  # the tools and the choice, checked
+    tool_set(s.get("tools"), s.get("tool_choice"), "session", s.get("parallel_tool_calls"))  # checked
     _validate_include(s)
     _validate_accepted(s)
     audio = s.get("audio")
@@ -252,9 +252,15 @@ def _validate_input(inp: dict[str, Any]) -> None:
                 f"{flag} must be a boolean",
                 f"session.audio.input.turn_detection.{flag}",
             )
+        idle = td.get("idle_timeout_ms")
         check(
-            td.get("idle_timeout_ms") is None,
-            "idle_timeout_ms is not supported",
+            idle is None or (isinstance(idle, int) and not isinstance(idle, bool) and 1000 <= idle <= 600_000),
+            "idle_timeout_ms must be 1000..600000",
+            "session.audio.input.turn_detection.idle_timeout_ms",
+        )
+        check(
+            idle is None or td.get("type") == "server_vad",
+            "idle_timeout_ms is for server_vad only",
             "session.audio.input.turn_detection.idle_timeout_ms",
         )
 

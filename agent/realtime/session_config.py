@@ -106,6 +106,7 @@ class TurnDetection:
     interrupt_response: bool
     semantic: Optional[SemanticPolicy] = None  # semantic_vad: judge each pause
     unjudged_silence_ms: int = 0  # semantic_vad when the agent has no judge: silence alone
+    idle_timeout_ms: Optional[int] = None  # server_vad: prompt a reply after this much silence
 
 
 def default_session(config: Config, model: str = "") -> dict[str, Any]:
@@ -118,6 +119,7 @@ def default_session(config: Config, model: str = "") -> dict[str, Any]:
         "instructions": config.system_prompt,
         "tools": [],
         "tool_choice": "auto",
+        "parallel_tool_calls": True,
         # "inf": the server's own cap (max_reply_tokens) still ends a reply; that cap copied here
         # would make every session.update invalid once it passes GA's 4096.
         "max_output_tokens": "inf",
@@ -299,6 +301,7 @@ def turn_detection(session: dict[str, Any], default_silence_ms: int) -> Optional
         interrupt_response=td.get("interrupt_response") is not False,
         semantic=semantic,
         unjudged_silence_ms=unjudged,
+        idle_timeout_ms=td.get("idle_timeout_ms") if td["type"] == "server_vad" else None,
     )
 
 

@@ -109,12 +109,16 @@ def check_choice(choice: Any, tools: tuple[Tool, ...], param: str) -> tuple[str,
     raise ConfigError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}', param)
 
 
-def tool_set(tools: Any, choice: Any, param: str) -> Optional[ToolSet]:
-    """The ToolSet of a session's or a response's `tools` and `tool_choice` (param: "session" or
-    "response"); None without tools."""
+def tool_set(tools: Any, choice: Any, param: str, parallel: Any = None) -> Optional[ToolSet]:
+    """The ToolSet of a session's or a response's `tools`, `tool_choice` and `parallel_tool_calls`
+    (param: "session" or "response"; parallel None: allowed); None without tools. With
+    parallel_tool_calls false a reply makes one call at most: the grammar ends it after that one."""
     checked = check_tools(tools, f"{param}.tools")
     mode, name = check_choice(choice, checked, f"{param}.tool_choice")
-    return ToolSet(checked, ToolChoice(mode, name)) if checked else None  # type: ignore[arg-type]
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ConfigError("parallel_tool_calls must be a boolean", f"{param}.parallel_tool_calls")
+    many = parallel is not False
+    return ToolSet(checked, ToolChoice(mode, name), parallel=many) if checked else None  # type: ignore[arg-type]
 
 
 def system_text(settings: dict[str, Any]) -> str:
@@ -125,7 +129,9 @@ def system_text(settings: dict[str, Any]) -> str:
 
 def session_tools(settings: dict[str, Any]) -> Optional[ToolSet]:
     """A session's ToolSet (None: no tools)."""
-    return tool_set(settings.get("tools", []), settings.get("tool_choice", "auto"), "session")
+    return tool_set(
+        settings.get("tools", []), settings.get("tool_choice", "auto"), "session", settings.get("parallel_tool_calls")
+    )
 
 
 def reply_commands(
@@ -134,11 +140,16 @@ def reply_commands(
     """What the engine is told of a response's own instructions and tools before it begins
     (each command with the param a refusal names), and whether the response may call a tool
     (its message is then announced with its first words)."""
-    own_tools, own_choice = params.get("tools"), params.get("tool_choice")
+    own_tools, own_choice, own_parallel = (
+        params.get("tools"),
+        params.get("tool_choice"),
+        params.get("parallel_tool_calls"),
+    )
     tools = tool_set(
         settings.get("tools", []) if own_tools is None else own_tools,
         settings.get("tool_choice", "auto") if own_choice is None else own_choice,
         "response",
+        settings.get("parallel_tool_calls") if own_parallel is None else own_parallel,
     )
     commands: list[tuple[SessionCommand, Optional[str]]] = []
     instructions = params.get("instructions") or ""
@@ -146,6 +157,6 @@ def reply_commands(
         instructions = qwen_format.system_text(instructions, tools.tools if tools is not None else ())
     if instructions:
         commands.append((SetReplyInstructions(instructions), None))
-    if own_tools is not None or own_choice is not None:
+    if own_tools is not None or own_choice is not None or own_parallel is not None:
         commands.append((SetReplyTools(tools or ToolSet((), ToolChoice("none"))), "response.tools"))
     return commands, tools is not None and tools.calls

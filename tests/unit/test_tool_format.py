@@ -12,6 +12,9 @@ Pins:
 - a list is checked once whatever field it is read as: a session's tools checked as
   `session.tools` are found checked when a reply reads them as `response.tools` (the loop must
   not check them again), and a refusal names the field it was read as;
+- `parallel_tool_calls` reaches the set (a session's, overridden by a response's own: told to the
+  engine as the reply's tools); false makes a set of one call at most (the grammar then ends the
+  reply after it: tests/unit/test_tool_grammar.py), a non-boolean is refused naming the field;
 - a response that may call announces no message until it has words; a call cut off by a
   cancel ends `incomplete` in its output_item.done and in response.done, and a finished one
   is `completed` with .done carrying the whole arguments.
@@ -122,6 +125,24 @@ def test_a_good_set() -> None:
     assert tool_set([], "auto", "session") is None
     assert tool_set([], "required", "session") is None  # kept for the tools to come (Pipecat)
     assert not tool_set([WEATHER], "none", "session").calls
+
+
+def test_parallel_tool_calls_reaches_the_set() -> None:
+    from agent.engine.commands import SetReplyTools
+
+    session = {"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": True}
+    assert tool_config.session_tools(session).parallel
+    assert not tool_config.session_tools({**session, "parallel_tool_calls": False}).parallel
+    assert tool_config.session_tools({**session, "parallel_tool_calls": None}).parallel  # not given: allowed
+    # A response's own value overrides the session's, and is told to the engine for that reply.
+    commands, _ = tool_config.reply_commands({"parallel_tool_calls": False}, session)
+    (told,) = [c for c, _ in commands if isinstance(c, SetReplyTools)]
+    assert told.tools is not None and not told.tools.parallel
+    commands, _ = tool_config.reply_commands({}, {**session, "parallel_tool_calls": False})
+    assert not [c for c, _ in commands if isinstance(c, SetReplyTools)]  # the session's set applies
+    with pytest.raises(ConfigError) as refused:
+        tool_set([WEATHER], "auto", "response", "no")
+    assert refused.value.param == "response.parallel_tool_calls"
 
 
 def test_a_list_is_checked_once_whatever_field_reads_it() -> None:
