@@ -162,18 +162,24 @@ class ServerTurn:
                         "item_id": item_id,
                     }
                 )
-                self._items.commit(item_id)
-                self._transcription.speech_stopped(item_id, event.end_of_speech - self.speech_at)
-                if self._transcription_only:
-                    self._engine.send(EndTurn())
-                elif td is None or td.create_response:
-                    if not self._replies.respond_to_turn(item_id):
-                        self._transcription.item_ended()  # unanswered: committed as if none was asked
-                else:
-                    self._transcription.item_ended()
+                self._end_turn(item_id, event.end_of_speech - self.speech_at)
         except EngineBusy:
             metrics.ERRORS.labels(where="engine_busy").inc()
             self._outbox.error("engine is overloaded; this turn was dropped", "engine_busy", kind="server_error")
+
+    def _end_turn(self, item_id: str, seconds: float) -> None:
+        """The turn's audio (`seconds` of it) is the user item `item_id`: committed, then
+        answered as the turn detection says (a transcription session only ends the turn)."""
+        td = self._input.turn_detection
+        self._items.commit(item_id)
+        self._transcription.speech_stopped(item_id, seconds)
+        if self._transcription_only:
+            self._engine.send(EndTurn())
+        elif td is None or td.create_response:
+            if not self._replies.respond_to_turn(item_id):
+                self._transcription.item_ended()  # unanswered: committed as if none was asked
+        else:
+            self._transcription.item_ended()
 
     def check_idle(self) -> None:
         """After each chunk of input audio: server_vad's idle_timeout_ms (agent/realtime/idle_timeout.py)."""
@@ -201,11 +207,8 @@ class ServerTurn:
             metrics.ERRORS.labels(where="engine_busy").inc()
             self._outbox.error("engine is overloaded; the idle timeout was dropped", "engine_busy", kind="server_error")
             return
-        self._items.commit(item_id)
         self._transcription.speech_started(item_id, time.monotonic())
-        self._transcription.speech_stopped(item_id, end - start)
-        if not self._replies.respond_to_turn(item_id):
-            self._transcription.item_ended()
+        self._end_turn(item_id, end - start)
 
     def _pause_output(self) -> None:
         """A barge-in candidate while the agent speaks: pause its voice now (the track holds the
