@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from support.realtime_helpers import start_agent
+from support.realtime_helpers import long_replies_engine, start_agent
 
 from agent.client.client import AgentClient
 from agent.metrics import REGISTRY
@@ -27,8 +27,11 @@ def pauses() -> dict[str, float]:
 async def talk_over_reply(tiny_model_dir: Path, speech_wav: Path, **overrides) -> tuple[dict, dict[str, float]]:
     # The tiny model's random voice is louder than the test speech: a -20 dB margin lets that
     # speech count as a barge-in over it (the echo guard's level rule is not what is tested here).
+    # The reply runs to its cap (8 s): the random talker could otherwise end it before the
+    # 600 ms of voice a barge-in needs (without the pause the reply plays on meanwhile).
     agent = await start_agent(
         tiny_model_dir,
+        engine=long_replies_engine,
         max_sessions=1,
         max_reply_tokens=200,
         max_reply_seconds=8.0,
