@@ -15,13 +15,10 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
-import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from agent import metrics
 from agent.engine.api import EngineBusy
-from agent.gate.token_bucket import TokenBucket
 from agent.realtime import message_content, response_checks, session_checks, session_config, slow_events
 from agent.realtime.bad_event import BadEvent
 from agent.realtime.call_outputs import UnknownCall
@@ -39,32 +36,6 @@ _MAX_EVENT_CHARS = 256 * 1024  # any other event: instructions and text messages
 _AUDIO_EVENTS = ("input_audio_buffer.append", "conversation.item.create")
 _MIN_AUDIO_CHARS = 428  # base64 of 10 ms of 16 kHz pcm16: an append that carries real audio
 _MAX_ITEM_ID = 32  # characters in a client-chosen item id, as GA allows
-
-
-class EventRate:
-    """A session's client events per second: a token bucket of `rate` tokens a second holding
-    at most a second's worth (50 at least). Owned by the Session, used only here."""
-
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate = rate
-        self._bucket = TokenBucket(rate, max(rate, 50.0), clock)
-        self._clock = clock
-        self.dropped = 0  # since the last report
-        self._reported_at = -math.inf
-
-    def take(self) -> bool:
-        if self.rate <= 0 or self._bucket.allow():
-            return True
-        self.dropped += 1
-        return False
-
-    def report_due(self) -> Optional[int]:
-        """Events dropped since the last report, when a report is due (one a second at most)."""
-        now = self._clock()
-        if not self.dropped or now - self._reported_at < 1.0:
-            return None
-        dropped, self.dropped, self._reported_at = self.dropped, 0, now
-        return dropped
 
 
 def handle(session: "Session", message: str | bytes) -> None:

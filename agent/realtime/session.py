@@ -42,11 +42,12 @@ from agent.gate.ladder import LEVEL_NAMES, Admission
 from agent.media.playout import AgentAudioTrack
 from agent.media.semantic_turn import CompletenessJudge
 from agent.media.video_feed import VideoFeed
-from agent.realtime import client_events, session_checks, session_config, tool_config
+from agent.realtime import session_checks, session_config, tool_config
 from agent.realtime.call_outputs import CallOutputs
 from agent.realtime.conversation import Conversation
 from agent.realtime.edits import Edits
 from agent.realtime.engine_port import EnginePort
+from agent.realtime.event_rate import EventRate
 from agent.realtime.events import new_id
 from agent.realtime.inbox import Inbox
 from agent.realtime.input_buffer import InputBuffer
@@ -143,7 +144,7 @@ class Session:
         self._unlisten: Optional[Callable[[], None]] = None
         self._closed = False
         self.on_close: list[Callable[[], Awaitable[None]]] = []  # the transport's own teardown
-        self.events_in = client_events.EventRate(config.max_events_per_s)  # client events' rate limit
+        self.events_in = EventRate(config.max_events_per_s)  # client events' rate limit
         self.inbox = Inbox(decode_pool)  # client events in order; heavy ones sliced or pooled
         self.opened: Optional[asyncio.Future] = None  # start(): the engine's open of this session
 

@@ -1,118 +1,79 @@
-"""The import graph of `agent/`: no cycle, and serving code never imports the instruments.
-
-Every import counts, the ones inside functions too (they run when the function does), except
-those under `if TYPE_CHECKING:` (never run). Importing `a.b.c` runs `a/__init__` and
-`a/b/__init__` first, so a module depends on the packages above each module it imports.
-"""
+"""The package's imports form no circle: no module reaches itself through the `agent.*` modules
+it imports, counting every import in the file (module level, inside functions, and those only
+read by type checkers under TYPE_CHECKING). A circle is what made a part need its whole owner;
+a part is given the narrow port it needs instead (agent/realtime/event_rate.py is such a cut)."""
 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
+import pathlib
 
-AGENT = Path(__file__).resolve().parents[2] / "agent"
-INSTRUMENTS = "agent.engine.instruments"
-
-
-def _modules() -> dict[str, Path]:
-    mods = {}
-    for path in AGENT.rglob("*.py"):
-        parts = list(path.relative_to(AGENT.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = path
-    return mods
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in (ROOT / "agent").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
 
 
-def _with_parents(name: str, mods: dict[str, Path]) -> set[str]:
-    parts = name.split(".")
-    return {".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in mods}
+def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("agent"):
+            for alias in node.names:  # `from agent.realtime import session` names a module
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else str(node.module))
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("agent"))
+    return {m for m in found if m in modules and m != name}
 
 
-def import_graph() -> dict[str, set[str]]:
-    mods = _modules()
-    graph: dict[str, set[str]] = {}
-    for mod, path in mods.items():
-        tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_lines(tree)
-        package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
-        deps: set[str] = set()
-        for node in ast.walk(tree):
-            if getattr(node, "lineno", None) in skip:
-                continue
-            if isinstance(node, ast.Import):
-                for alias in node.names:
-                    deps |= _with_parents(alias.name, mods)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([node.module] if node.module else []))
-                deps |= _with_parents(base, mods)
-                for alias in node.names:  # `from pkg import module`
-                    if f"{base}.{alias.name}" in mods:
-                        deps |= _with_parents(f"{base}.{alias.name}", mods)
-        deps.discard(mod)
-        # A module's own packages run before it: an import of them is no edge of its own.
-        graph[mod] = {d for d in deps if not mod.startswith(d + ".")}
-    return graph
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
 
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
-        on.add(v)
-        for w in sorted(graph.get(v, ())):
+        on_stack.add(v)
+        for w in graph[v]:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
-            elif w in on:
+            elif w in on_stack:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
-            comp = []
+            component = []
             while True:
                 w = stack.pop()
-                on.discard(w)
-                comp.append(w)
+                on_stack.discard(w)
+                component.append(w)
                 if w == v:
                     break
-            if len(comp) > 1:
-                out.append(sorted(comp))
+            if len(component) > 1:
+                circles.append(sorted(component))
 
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    return out
+    return circles
 
 
-def test_no_import_cycle_in_agent() -> None:
-    assert _cycles(import_graph()) == []
+def test_the_finder_sees_a_circle() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_the_cycle_finder_finds_a_cycle() -> None:
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_serving_code_never_imports_the_instruments() -> None:
-    graph = import_graph()
-    serving = [m for m in graph if not m.startswith(INSTRUMENTS)]
-    assert serving and INSTRUMENTS in {m.rsplit(".", 1)[0] for m in graph if m.startswith(INSTRUMENTS + ".")}
-    offenders = {m: sorted(d for d in graph[m] if d.startswith(INSTRUMENTS)) for m in serving}
-    assert {m: d for m, d in offenders.items() if d} == {}
+def test_no_module_imports_itself_round_a_circle() -> None:
+    modules = _modules()
+    assert "agent.realtime.session" in modules and len(modules) > 100
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert "agent.realtime.session" in graph["agent.realtime.client_events"]  # (its type is read)
+    assert _circles(graph) == []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from agent.gate.access import CallRate
 from agent.gate.token_bucket import TokenBucket
-from agent.realtime.client_events import EventRate
+from agent.realtime.event_rate import EventRate
 
 
 class Clock:
