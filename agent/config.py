@@ -54,6 +54,10 @@ class Config:
     turn_ttl_s: int = 600
     max_calls_per_minute: int = 60  # new calls (WebRTC or WebSocket) per client address; 0 = no limit
     max_events_per_s: float = 200.0  # client events per session (a flood gets `error` events)
+    # The hosts ("host" or "host:port") a session's MCP tools may name (agent/realtime/
+    # mcp_config.py): none by default, so a client cannot make the agent reach its own network.
+    mcp_allow: tuple[str, ...] = ()
+    mcp_timeout_s: float = 20.0  # one MCP listing or call, connection included
     # SIGTERM/Ctrl-C: stop taking calls, let replies in progress finish for at most this long.
     drain_s: float = 10.0
 

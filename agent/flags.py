@@ -64,6 +64,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="let pages from this origin call the agent (repeatable; * for any); default: none",
     )
     p.add_argument(
+        "--mcp-allow",
+        action="append",
+        default=[],
+        type=_hosts,
+        dest="mcp_allow",
+        metavar="HOST[:PORT][,...]",
+        help="MCP servers a session's tools may name are on these hosts (repeatable); default: none, MCP tools off",
+    )
+    p.add_argument(
+        "--mcp-timeout-s",
+        type=_positive(float),
+        default=d.mcp_timeout_s,
+        help="time limit of one MCP tool listing or call (default %(default)s)",
+    )
+    p.add_argument(
         "--max-calls-per-minute",
         type=int,
         default=d.max_calls_per_minute,
@@ -404,6 +419,14 @@ def _at_least_zero(text: str) -> int:
     return value
 
 
+def _hosts(text: str) -> tuple[str, ...]:
+    """A comma-separated list of hosts or host:port pairs, lower-cased."""
+    hosts = tuple(h.strip().lower() for h in text.split(",") if h.strip())
+    if not hosts or any("/" in h or "@" in h or " " in h for h in hosts):
+        raise argparse.ArgumentTypeError(f"host or host:port names, comma-separated; got {text!r}")
+    return hosts
+
+
 def _ice_server(text: str):
     from agent.transport.ice import parse_ice_server
 
@@ -418,6 +441,7 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     values = {k: v for k, v in vars(ns).items() if k in fields}
     for name in ("ice_hosts", "ice_servers", "cors_origins"):
         values[name] = tuple(values.get(name) or ())
+    values["mcp_allow"] = tuple(host for hosts in values.get("mcp_allow") or () for host in hosts)
     # Limits left out are sized from the GPU's memory at start-up (agent/engine/memory_plan.py).
     sized = tuple(name for name in ("max_sessions", "context_limit") if values.get(name, 0) is None)
     for name in sized:

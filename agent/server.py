@@ -148,7 +148,9 @@ async def client_secrets(request: web.Request) -> web.Response:
         kind = part.get("type") if isinstance(part, dict) else None
         await check_tools_off_loop(request.app, part, session_config.base_session(request.app[CONFIG], kind))
         session = session_config.client_secret_session(request.app[CONFIG], body)
-        session_checks.check_servable(session, request.app[ENGINE].voices, request.app[CONFIG].context_limit)
+        session_checks.check_servable(
+            session, request.app[ENGINE].voices, request.app[CONFIG].context_limit, request.app[CONFIG].mcp_allow
+        )
         value, expires_at = request.app[KEYS].mint(seconds, session)
     except session_config.ConfigError as exc:
         return json_error(400, str(exc), "invalid_value", param=exc.param)

@@ -24,6 +24,7 @@ from agent.realtime.bad_event import BadEvent
 from agent.realtime.call_outputs import UnknownCall
 from agent.realtime.events import new_id
 from agent.realtime.inbox import Later
+from agent.realtime.mcp_calls import UnknownRequest
 from agent.tools.spec import NAME
 
 if TYPE_CHECKING:
@@ -154,6 +155,8 @@ def _update(session: "Session", update: Any) -> None:
         )
     merged = session_config.merge(session.settings, update, session.config.vad_silence_ms)
     session_checks.check_servable(merged, session.engine.voices, session.config.context_limit)
+    if merged.get("type") == "realtime":
+        session.mcp.check(merged.get("tools"), "session.tools")  # (its servers: listed once applied)
     if session_config.priority_of(merged) != session.priority:
         raise BadEvent(
             "omni.priority is set when the session is created (the offer's ?priority=)", param="session.omni.priority"
@@ -174,6 +177,9 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
     if not isinstance(item, dict):
         raise BadEvent("item must be an object", "missing_required_parameter", "item")
     previous = event.get("previous_item_id")
+    if item.get("type") == "mcp_approval_response":  # (it names its request: the Agents SDK's previous)
+        _approval(session, item)
+        return None
     slow_events.check_at_end(session, previous)
     if item.get("type") == "function_call_output":
         _call_output(session, item, event)
@@ -182,7 +188,7 @@ def _item_create(session: "Session", event: dict[str, Any]) -> Optional[Later]:
         return _call(session, item, event)
     if item.get("type") != "message" or item.get("role") not in ("user", "system", "assistant"):
         raise BadEvent(
-            "only message, function_call and function_call_output items can be added",
+            "only message, function_call, function_call_output and mcp_approval_response items can be added",
             "unsupported",
             "item.role" if item.get("type") == "message" else "item.type",
         )
@@ -227,6 +233,25 @@ def _call(session: "Session", item: dict[str, Any], event: dict[str, Any]) -> La
         await asyncio.wait({answer})  # a refusal is reported by the engine port, not raised here
 
     return placed
+
+
+def _approval(session: "Session", item: dict[str, Any]) -> None:
+    """An mcp_approval_response: the call it approves runs; one it refuses fails, with the reason."""
+    request_id, approve, reason = item.get("approval_request_id"), item.get("approve"), item.get("reason")
+    if not isinstance(request_id, str) or not request_id:
+        raise BadEvent(
+            "an mcp_approval_response names its request (approval_request_id)",
+            "missing_required_parameter",
+            "item.approval_request_id",
+        )
+    if not isinstance(approve, bool):
+        raise BadEvent("approve must be true or false", "invalid_value", "item.approve")
+    if reason is not None and not isinstance(reason, str):
+        raise BadEvent("reason must be a string", "invalid_value", "item.reason")
+    try:
+        session.mcp.calls.answer(_new_item_id(session, item), request_id, approve, reason)
+    except UnknownRequest as exc:
+        raise BadEvent(str(exc), "invalid_value", "item.approval_request_id") from None
 
 
 def _new_item_id(session: "Session", item: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 from agent import metrics
 from agent.config import CODEC_FRAME_SAMPLES, OUTPUT_RATE, Config
@@ -27,11 +27,23 @@ from agent.gate.ladder import Admission
 from agent.realtime import response_plan, session_checks, session_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
+from agent.realtime.function_calls import FunctionCall
 from agent.realtime.known_calls import KnownCalls
+from agent.realtime.mcp_servers import Route
 from agent.realtime.outbox import Outbox
 from agent.realtime.reply_audio import ReplyAudio
 from agent.realtime.reply_items import ReplyItems
 from agent.realtime.response import STATUS_BY_REASON, Response
+from agent.tools.spec import Tool
+
+
+class McpPort(Protocol):
+    """What the replies need of the session's MCP servers and calls (agent/realtime/mcp_*.py)."""
+
+    def offered(self) -> Mapping[str, tuple[Tool, ...]]: ...
+    def route(self, name: str) -> Optional[Route]: ...
+    def ready(self, call: FunctionCall) -> None: ...
+    def response_done(self, response_id: str) -> None: ...
 
 
 class Replies:
@@ -48,6 +60,7 @@ class Replies:
         priority: str,
         transcription_only: bool,
         flush_video: Callable[[], None],
+        mcp: McpPort,
     ) -> None:
         self._engine, self._outbox, self._conversation = engine, outbox, conversation
         self._settings, self._admission, self._config = settings, admission, config
@@ -65,7 +78,9 @@ class Replies:
         self.history: deque[tuple[str, str]] = deque(maxlen=8)  # for the text-only fallback model
         # The calls a function_call_output may answer (the model's, and the client's replayed).
         self.calls = KnownCalls()
-        self._items = ReplyItems(conversation, outbox, self.calls)  # where the outputs go in the list
+        self._mcp = mcp  # the session's MCP servers and the calls run on them
+        # Where the outputs go in the list (a call of an MCP tool is routed, then run).
+        self._items = ReplyItems(conversation, outbox, self.calls, mcp.route, mcp.ready)
         # The response a truncate or delete of its item cancelled (the engine cuts only an ended
         # reply), until the next begins: the one response.cancel for it then is answered by nothing.
         self._cancelled_by_edit: Optional[str] = None
@@ -164,7 +179,13 @@ class Replies:
             self.clear_output()  # a new reply does not queue behind the old one's audio
         ladder = self._admission.ladder
         plan = response_plan.plan_response(
-            params, settings, self._config.max_reply_tokens, ladder.level, self._engine.has_fallback, bool(held)
+            params,
+            settings,
+            self._config.max_reply_tokens,
+            ladder.level,
+            self._engine.has_fallback,
+            bool(held),
+            self._mcp.offered(),
         )
         for command, param in plan.commands:  # its own instructions and tools
             self._engine.send(command, param=param)
@@ -378,6 +399,7 @@ class Replies:
                 self._conversation.update(call.item_id, call.item())
         for event in events:
             self._outbox.emit(event)
+        self._mcp.response_done(reply.id)  # its MCP calls' results may follow now
         if self._held:  # once the engine has ended this reply (a cancelled one's done comes later)
             self.after_engine_idle(self._answer_held)
 

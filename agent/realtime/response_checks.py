@@ -11,7 +11,7 @@ from agent.engine.api import Voices
 from agent.realtime.bad_event import BadEvent
 from agent.realtime.config_error import ConfigError
 from agent.realtime.session_checks import MAX_OUTPUT_TOKENS, check_voice_name
-from agent.realtime.tool_config import tool_set
+from agent.realtime.tool_config import mcp_labels, tool_set
 
 # GA's bounds on metadata: 16 pairs of string keys (64 characters) and string values (512).
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -38,6 +38,12 @@ def check_response(params: dict[str, Any], settings: dict[str, Any], voices: Voi
         tools = settings.get("tools", []) if params.get("tools") is None else params["tools"]
         choice = settings.get("tool_choice", "auto") if params.get("tool_choice") is None else params["tool_choice"]
         tool_set(tools, choice, "response", params.get("parallel_tool_calls"))
+        unknown = mcp_labels(params.get("tools")) - mcp_labels(settings.get("tools", []))
+        if unknown:  # a response uses the session's MCP servers, as listed
+            raise BadEvent(
+                f"the MCP server {sorted(unknown)[0]!r} is not one of the session's (add it with session.update)",
+                param="response.tools",
+            )
 
 
 def response_voice(params: dict[str, Any]) -> Any:

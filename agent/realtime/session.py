@@ -53,10 +53,12 @@ from agent.realtime.inbox import Inbox
 from agent.realtime.input_buffer import InputBuffer
 from agent.realtime.input_transcription import InputTranscription
 from agent.realtime.items import Items
+from agent.realtime.mcp import Mcp
 from agent.realtime.messages import Messages
 from agent.realtime.outbox import Outbox
 from agent.realtime.replies import Replies
 from agent.realtime.server_turn import ServerTurn
+from agent.tools.spec import ToolSet
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,9 @@ class Session:
         self.items = Items(self.conversation, self.outbox)  # user items, announced
         self.transcription = InputTranscription(self.engine, self.outbox, self.conversation, self.transcription_only)
         self.video = VideoFeed(config, engine, self.id, self.outbox.emit)  # camera → engine, throttle → sender
+        # MCP servers (their tools' listing) and the calls the agent runs on them.
+        self.mcp = Mcp(self.engine, self.outbox, self.conversation, config, on_tools=self._send_tools)
+        self._sent_tools: tuple[str, Optional[ToolSet]] = (config.system_prompt, None)  # what the engine has
         self.replies = Replies(  # responses, from response.create to response.done
             self.engine,
             self.outbox,
@@ -103,6 +108,7 @@ class Session:
             priority=self.priority,
             transcription_only=self.transcription_only,
             flush_video=self.video.flush_for_turn,
+            mcp=self.mcp,
         )
         # Spoken replies: paced media on WebRTC, audio deltas on a WebSocket.
         self.track: Optional[AgentAudioTrack] = (
@@ -171,10 +177,7 @@ class Session:
             self.video.set_enabled(False)  # captions look at no camera: its sender may stop
             self.emit({"type": "session.created", "session": self.settings})
             return
-        if tool_config.system_text(self.settings) != self.config.system_prompt:
-            self.engine.send(SetInstructions(tool_config.system_text(self.settings)), param="session.instructions")
-        if self.settings["tools"]:
-            self.engine.send(SetTools(tool_config.session_tools(self.settings)), param="session.tools")
+        self._send_tools()
         if session_config.interpret_to(self.settings):  # interpreter mode: a bounded context
             self.engine.send(SetContextTurns(session_config.INTERPRET_TURNS))
         if not session_config.video_on(self.settings):
@@ -195,6 +198,10 @@ class Session:
                 "omni": {"mode": LEVEL_NAMES[self.admission.ladder.level]},
             }
         )
+        try:
+            self.mcp.configure(self.settings["tools"], "session.tools")  # (checked when the call was made)
+        except session_config.ConfigError as exc:
+            self.emit_error(str(exc), "invalid_value", param=exc.param)
 
     @property
     def closed(self) -> bool:
@@ -205,6 +212,7 @@ class Session:
             return
         self._closed = True
         self.inbox.close()
+        self.mcp.close()
         # Unanswered engine commands are cancelled (their callbacks see that and leave), then the
         # engine closes the session.
         self.engine.close()
@@ -302,12 +310,8 @@ class Session:
         if self.transcription_only:
             pass  # no instructions, no voice: nothing is answered
         else:
-            # Each read once: a tool list's JSON is written for every read (~2 ms at 90 tools).
-            text, tools = tool_config.system_text(merged), tool_config.session_tools(merged)
-            if text != tool_config.system_text(old):  # the instructions, or the tools they describe
-                self.engine.send(SetInstructions(text), param="session.instructions")
-            if tools != tool_config.session_tools(old):
-                self.engine.send(SetTools(tools), param="session.tools")
+            self.mcp.configure(merged["tools"], "session.tools")  # (checked by the update's handler)
+            self._send_tools()
         if session_config.interpret_to(merged) != session_config.interpret_to(old):
             on = bool(session_config.interpret_to(merged))
             self.engine.send(SetContextTurns(session_config.INTERPRET_TURNS if on else 0))
@@ -365,6 +369,18 @@ class Session:
     def delete_item(self, item_id: str, event_id: Optional[str]) -> None:
         """conversation.item.delete (agent/realtime/edits.py)."""
         self.edits.delete_item(item_id, event_id)
+
+    def _send_tools(self) -> None:
+        """The system message (instructions, tools) and the tools' grammar, where either changed:
+        after an update, and as the session's MCP servers list theirs."""
+        offered = self.mcp.offered()
+        # Each read once: a tool list's JSON is written for every read (~2 ms at 90 tools).
+        text, tools = tool_config.system_text(self.settings, offered), tool_config.session_tools(self.settings, offered)
+        if text != self._sent_tools[0]:  # the instructions, or the tools they describe
+            self.engine.send(SetInstructions(text), param="session.instructions")
+        if tools != self._sent_tools[1]:
+            self.engine.send(SetTools(tools), param="session.tools")
+        self._sent_tools = (text, tools)
 
     def _on_level(self, level: int) -> None:
         p95 = self.admission.ladder.current_p95()

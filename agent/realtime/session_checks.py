@@ -5,11 +5,12 @@ raises ConfigError naming the offending `param`; nothing is changed by a check.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from agent.engine.api import Voices
 from agent.gate import priority
 from agent.realtime.config_error import ConfigError
+from agent.realtime.mcp_config import check_servers
 from agent.realtime.tool_config import system_text, tool_set
 
 INPUT_FORMATS = ("audio/pcm", "audio/pcmu", "audio/pcma")
@@ -83,11 +84,17 @@ def validate(s: dict[str, Any]) -> None:
     _validate_omni(s)
 
 
-def check_servable(session: dict[str, Any], voices: Voices, context_limit: int) -> None:
+def check_servable(
+    session: dict[str, Any], voices: Voices, context_limit: int, mcp_allow: Optional[tuple[str, ...]] = None
+) -> None:
     """What the loaded model can serve, checked before the session changes: its voice
-    (check_voice), and instructions and tools that fit the model's context (check_fits)."""
+    (check_voice), instructions and tools that fit the model's context (check_fits) and, given
+    the operator's allowed hosts (a new session's; a live one checks against its own servers:
+    agent/realtime/mcp.py), its MCP servers."""
     check_voice(session, voices)
     check_fits(session, context_limit)
+    if mcp_allow is not None and session.get("type") == "realtime":
+        check_servers(session.get("tools"), mcp_allow, "session.tools")
 
 
 def check_fits(session: dict[str, Any], context_limit: int) -> None:

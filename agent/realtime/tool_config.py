@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import jsonschema
 import llguidance
@@ -52,8 +52,12 @@ def _checked(text: str) -> tuple[Tool, ...]:
         at = f"[{i}]"
         if not isinstance(tool, dict):
             raise ConfigError("a tool is an object", at)
+        if tool.get("type") == "mcp":  # a server whose tools are listed (agent/realtime/mcp_config.py)
+            continue
         if (tool.get("type") or "function") != "function":  # (a null field is one not given)
-            raise ConfigError(f"tools of type {tool.get('type')!r} are not served (function tools only)", f"{at}.type")
+            raise ConfigError(
+                f"tools of type {tool.get('type')!r} are not served (function and mcp tools only)", f"{at}.type"
+            )
         name = tool.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise ConfigError("a tool's name is 1-64 letters, digits, _ or -", f"{at}.name")
@@ -63,13 +67,13 @@ def _checked(text: str) -> tuple[Tool, ...]:
         if description is not None and not isinstance(description, str):
             raise ConfigError("description must be a string", f"{at}.description")
         try:
-            out.append(Tool(name, description or "", _parameters(tool.get("parameters"), f"{at}.parameters")))
+            out.append(Tool(name, description or "", parameters(tool.get("parameters"), f"{at}.parameters")))
         except ToolSchemaError as exc:
             raise ConfigError(exc.message, f"{at}.parameters") from None
     return tuple(out)
 
 
-def _parameters(schema: Any, param: str) -> Optional[dict[str, Any]]:
+def parameters(schema: Any, param: str) -> Optional[dict[str, Any]]:
     if schema is None:
         return None
     if not isinstance(schema, dict):
@@ -93,7 +97,13 @@ def _parameters(schema: Any, param: str) -> Optional[dict[str, Any]]:
     return schema
 
 
-def check_choice(choice: Any, tools: tuple[Tool, ...], param: str) -> tuple[str, Optional[str]]:
+def check_choice(
+    choice: Any,
+    tools: tuple[Tool, ...],
+    param: str,
+    mcp: Mapping[str, tuple[Tool, ...]] = {},
+    labels: frozenset[str] = frozenset(),
+) -> tuple[str, Optional[str]]:
     """(mode, function name) of a `tool_choice` value. `required` with no tools is kept, not
     refused: Pipecat sets it before it sends the tools, and a refusal there stops its session.
     A response it applies to, with still no tool, is an ordinary reply (tool_set: no ToolSet)."""
@@ -105,37 +115,90 @@ def check_choice(choice: Any, tools: tuple[Tool, ...], param: str) -> tuple[str,
             raise ConfigError(f"tool_choice names {name!r}, which is not one of the tools", f"{param}.name")
         return "function", name
     if isinstance(choice, dict) and choice.get("type") == "mcp":
-        raise ConfigError("MCP tools are not served (function tools only)", f"{param}.type")
-    raise ConfigError('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}', param)
+        # {"type": "mcp", "server_label", "name"?}: a server of the tools; its tool, once listed.
+        # Until then (and for a name it does not offer) the choice is the model's: what is not
+        # listed cannot be forced, and a listing that ends later must not make the session fail.
+        label, name = choice.get("server_label"), choice.get("name")
+        if label not in labels:
+            raise ConfigError(f"tool_choice names the MCP server {label!r}, which is not one of the tools", param)
+        listed = mcp.get(label, ())
+        if name is not None and any(t.name == name for t in listed):
+            return "function", name
+        return ("required" if name is None and listed else "auto"), None
+    raise ConfigError(
+        'tool_choice must be "auto", "none", "required", {"type": "function", "name": ...} or '
+        '{"type": "mcp", "server_label": ..., "name": ...}',
+        param,
+    )
 
 
-def tool_set(tools: Any, choice: Any, param: str, parallel: Any = None) -> Optional[ToolSet]:
+def mcp_tools(tools: Any, mcp: Mapping[str, tuple[Tool, ...]], param: str) -> tuple[Tool, ...]:
+    """The listed tools of the MCP servers a `tools` list names, after its function tools' names
+    (a name already taken is not offered twice: the first keeps it)."""
+    out: list[Tool] = []
+    for label in mcp_labels(tools):
+        out.extend(mcp.get(label, ()))  # (none while it is being listed)
+    return tuple(out)
+
+
+def mcp_labels(tools: Any) -> frozenset[str]:
+    """The server labels of a `tools` list's MCP entries."""
+    entries = tools if isinstance(tools, list) else []
+    return frozenset(
+        t["server_label"]
+        for t in entries
+        if isinstance(t, dict) and t.get("type") == "mcp" and isinstance(t.get("server_label"), str)
+    )
+
+
+def offered(tools: Any, mcp: Mapping[str, tuple[Tool, ...]], param: str) -> tuple[Tool, ...]:
+    """What the model may call of a `tools` list: its function tools, then the listed tools of
+    the MCP servers it names (mcp: a label's listed tools), no name twice."""
+    own = check_tools(tools, param)
+    taken = {t.name for t in own}
+    extra = []
+    for tool in mcp_tools(tools, mcp, param):
+        if tool.name not in taken:
+            taken.add(tool.name)
+            extra.append(tool)
+    return own + tuple(extra)
+
+
+def tool_set(
+    tools: Any, choice: Any, param: str, parallel: Any = None, mcp: Mapping[str, tuple[Tool, ...]] = {}
+) -> Optional[ToolSet]:
     """The ToolSet of a session's or a response's `tools`, `tool_choice` and `parallel_tool_calls`
-    (param: "session" or "response"; parallel None: allowed); None without tools. With
-    parallel_tool_calls false a reply makes one call at most: the grammar ends it after that one."""
-    checked = check_tools(tools, f"{param}.tools")
-    mode, name = check_choice(choice, checked, f"{param}.tool_choice")
+    (param: "session" or "response"; parallel None: allowed; mcp: each MCP server's listed
+    tools); None without tools. With parallel_tool_calls false a reply makes one call at most:
+    the grammar ends it after that one."""
+    checked = offered(tools, mcp, f"{param}.tools")
+    mode, name = check_choice(choice, checked, f"{param}.tool_choice", mcp, mcp_labels(tools))
     if parallel is not None and not isinstance(parallel, bool):
         raise ConfigError("parallel_tool_calls must be a boolean", f"{param}.parallel_tool_calls")
     many = parallel is not False
     return ToolSet(checked, ToolChoice(mode, name), parallel=many) if checked else None  # type: ignore[arg-type]
 
 
-def system_text(settings: dict[str, Any]) -> str:
-    """A session's system message: its instructions and, in Qwen's format, its tools."""
-    tools = check_tools(settings.get("tools", []), "session.tools")
+def system_text(settings: dict[str, Any], mcp: Mapping[str, tuple[Tool, ...]] = {}) -> str:
+    """A session's system message: its instructions and, in Qwen's format, its tools (those of
+    its MCP servers as listed so far)."""
+    tools = offered(settings.get("tools", []), mcp, "session.tools")
     return qwen_format.system_text(settings["instructions"], tools)
 
 
-def session_tools(settings: dict[str, Any]) -> Optional[ToolSet]:
+def session_tools(settings: dict[str, Any], mcp: Mapping[str, tuple[Tool, ...]] = {}) -> Optional[ToolSet]:
     """A session's ToolSet (None: no tools)."""
     return tool_set(
-        settings.get("tools", []), settings.get("tool_choice", "auto"), "session", settings.get("parallel_tool_calls")
+        settings.get("tools", []),
+        settings.get("tool_choice", "auto"),
+        "session",
+        settings.get("parallel_tool_calls"),
+        mcp,
     )
 
 
 def reply_commands(
-    params: dict[str, Any], settings: dict[str, Any]
+    params: dict[str, Any], settings: dict[str, Any], mcp: Mapping[str, tuple[Tool, ...]] = {}
 ) -> tuple[list[tuple[SessionCommand, Optional[str]]], bool]:
     """What the engine is told of a response's own instructions and tools before it begins
     (each command with the param a refusal names), and whether the response may call a tool
@@ -150,6 +213,7 @@ def reply_commands(
         settings.get("tool_choice", "auto") if own_choice is None else own_choice,
         "response",
         settings.get("parallel_tool_calls") if own_parallel is None else own_parallel,
+        mcp,
     )
     commands: list[tuple[SessionCommand, Optional[str]]] = []
     instructions = params.get("instructions") or ""

@@ -124,7 +124,7 @@ async def create_call(request: web.Request) -> web.Response:
         await check_tools_off_loop(app, session_part, settings)
         if session_part is not None:
             settings = session_config.merge(settings, session_part, config.vad_silence_ms)
-            session_checks.check_servable(settings, app[ENGINE].voices, config.context_limit)
+            session_checks.check_servable(settings, app[ENGINE].voices, config.context_limit, config.mcp_allow)
         if request.query.get("model"):
             settings["model"] = request.query["model"]
         # ?priority= or the session's omni.priority; an ephemeral key's session fixes it.

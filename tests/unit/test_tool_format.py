@@ -97,7 +97,7 @@ def test_parser_names_the_function_before_the_arguments_end() -> None:
             "auto",
             "session.tools[0].parameters",
         ),
-        ([{"type": "mcp", "server_label": "x"}], "auto", "session.tools[0].type"),
+        ([{"type": "web_search"}], "auto", "session.tools[0].type"),
         (
             [{**WEATHER, "parameters": {"type": "object", "properties": {"a": {"type": "string", "format": "weird"}}}}],
             "auto",
