@@ -7,6 +7,7 @@ its last pause began, with speculation or without, and both answer the same audi
 candidates pause the agent's voice (the outbound track holds its queue) until they are confirmed
 (the session interrupts the reply) or dropped (the voice plays on).
 
+It also serves the client's input_audio_buffer.commit and .clear, with or without turn detection.
 It is given what it acts on, never the Session: the engine port, the outbox, the input buffer,
 the replies and edits (a barge-in), the transcription, the items port (the turn's user item),
 the outbound track (WebRTC), the settings and plain values.
@@ -76,7 +77,58 @@ class ServerTurn:
         """The turn so far is gone (cleared, or judged by new rules)."""
         self.item_id, self.speculating, self.after_pause = None, False, None
 
-    def commit(self) -> str:
+    def commit_buffer(self, event_id: Optional[str]) -> None:
+        """input_audio_buffer.commit: the buffered audio becomes a user item (no reply by itself)."""
+        if not self._input.manual:
+            if not self._input.in_turn:
+                # Under turn detection the buffer holds the speech the endpointer heard (silence
+                # never reaches the model), so a commit with none has nothing to commit.
+                self._outbox.error(
+                    "the input audio buffer holds no speech (with turn_detection on, only speech is buffered)",
+                    "input_audio_buffer_commit_empty",
+                    event_id=event_id,
+                )
+                return
+            self._input.reset()
+            self._items.commit(self._commit_turn())
+            self._item_ended()
+            return
+        if self._input.buffered_ms() < 100:
+            self._outbox.error(
+                "commit needs at least 100 ms of audio", "input_audio_buffer_commit_empty", event_id=event_id
+            )
+            return
+        item_id, seconds = new_id("item"), self._input.buffered_ms() / 1000
+        try:
+            self._transcription.speech_started(item_id)  # the audio below is this item's
+            for pcm in self._input.take():
+                self._engine.append_audio(pcm)
+        except EngineBusy:
+            self._outbox.error(
+                "engine is overloaded; the audio was dropped", "engine_busy", kind="server_error", event_id=event_id
+            )
+            return
+        self._items.commit(item_id)
+        self._transcription.speech_stopped(item_id, seconds)  # (its transcript's usage: the seconds committed)
+        self._item_ended()
+
+    def _item_ended(self) -> None:
+        """A commit with no reply asked: a transcription session's turn ends; a conversation's
+        item has its transcript completed (the turn goes on until a reply answers it)."""
+        if self._transcription_only:
+            self._engine.send(EndTurn())
+        else:
+            self._transcription.item_ended()
+
+    def clear_buffer(self) -> None:
+        """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
+        if self._input.in_turn:
+            self._engine.discard_turn()
+        self._input.reset()
+        self.reset()
+        self._outbox.emit({"type": "input_audio_buffer.cleared"})
+
+    def _commit_turn(self) -> str:
         """input_audio_buffer.commit during a server-VAD turn: the turn ends here without a
         response. Returns the item id the audio becomes."""
         item_id, self.item_id = self.item_id or new_id("item"), None

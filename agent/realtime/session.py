@@ -26,9 +26,8 @@ import av
 
 from agent import metrics
 from agent.config import Config
-from agent.engine.api import AudioOut, CallDelta, EngineBusy, ReplyDone, ReplyInput, TextDelta, TranscriptOut
+from agent.engine.api import AudioOut, CallDelta, ReplyDone, ReplyInput, TextDelta, TranscriptOut
 from agent.engine.commands import (
-    EndTurn,
     SetContextTurns,
     SetInstructions,
     SetPriority,
@@ -252,55 +251,12 @@ class Session:
         return self.replies.reply_mode(modalities)
 
     def commit_audio(self, event_id: Optional[str]) -> None:
-        """input_audio_buffer.commit: the buffered audio becomes a user item (no reply by itself)."""
-        if not self.input.manual:
-            if not self.input.in_turn:
-                # Under turn detection the buffer holds the speech the endpointer heard (silence
-                # never reaches the model), so a commit with none has nothing to commit.
-                self.emit_error(
-                    "the input audio buffer holds no speech (with turn_detection on, only speech is buffered)",
-                    "input_audio_buffer_commit_empty",
-                    event_id=event_id,
-                )
-                return
-            self.input.reset()
-            self.items.commit(self.turn.commit())
-            self._item_ended()
-            return
-        if self.input.buffered_ms() < 100:
-            self.emit_error(
-                "commit needs at least 100 ms of audio", "input_audio_buffer_commit_empty", event_id=event_id
-            )
-            return
-        item_id, seconds = new_id("item"), self.input.buffered_ms() / 1000
-        try:
-            self.transcription.speech_started(item_id)  # the audio below is this item's
-            for pcm in self.input.take():
-                self.engine.append_audio(pcm)
-        except EngineBusy:
-            self.emit_error(
-                "engine is overloaded; the audio was dropped", "engine_busy", kind="server_error", event_id=event_id
-            )
-            return
-        self.items.commit(item_id)
-        self.transcription.speech_stopped(item_id, seconds)  # (its transcript's usage: the seconds committed)
-        self._item_ended()
-
-    def _item_ended(self) -> None:
-        """A commit with no reply asked: a transcription session's turn ends; a conversation's
-        item has its transcript completed (the turn goes on until a reply answers it)."""
-        if self.transcription_only:
-            self.engine.send(EndTurn())
-        else:
-            self.transcription.item_ended()
+        """input_audio_buffer.commit (agent/realtime/server_turn.py)."""
+        self.turn.commit_buffer(event_id)
 
     def clear_audio(self) -> None:
-        """input_audio_buffer.clear: forget uncommitted audio (with server VAD: the turn so far)."""
-        if self.input.in_turn:
-            self.engine.discard_turn()
-        self.input.reset()
-        self.turn.reset()
-        self.emit({"type": "input_audio_buffer.cleared"})
+        """input_audio_buffer.clear (agent/realtime/server_turn.py)."""
+        self.turn.clear_buffer()
 
     def apply_settings(self, merged: dict[str, Any]) -> None:
         """A validated session.update: act on what changed, then answer session.updated."""
