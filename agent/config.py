@@ -58,6 +58,9 @@ class Config:
     # mcp_config.py): none by default, so a client cannot make the agent reach its own network.
     mcp_allow: tuple[str, ...] = ()
     mcp_timeout_s: float = 20.0  # one MCP listing or call, connection included
+    # OpenTelemetry traces over OTLP/HTTP (agent/telemetry/otlp.py): a collector's base URL; ""
+    # = the OTEL_EXPORTER_OTLP_* variables, and with none of them no tracing at all.
+    otlp_endpoint: str = ""
     # SIGTERM/Ctrl-C: stop taking calls, let replies in progress finish for at most this long.
     drain_s: float = 10.0
 

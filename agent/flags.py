@@ -79,6 +79,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="time limit of one MCP tool listing or call (default %(default)s)",
     )
     p.add_argument(
+        "--otlp-endpoint",
+        default=d.otlp_endpoint,
+        metavar="URL",
+        help="send each call's trace to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318); "
+        "default: OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing",
+    )
+    p.add_argument(
         "--max-calls-per-minute",
         type=int,
         default=d.max_calls_per_minute,

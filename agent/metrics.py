@@ -233,3 +233,13 @@ class GpuSampler:
             util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
             GPU_UTILIZATION.set(util.gpu / 100.0)
             GPU_MEMORY_USED.set(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+
+# OpenTelemetry export (agent/telemetry/otlp.py): spans handed to the collector, and those lost
+# because the bounded queue was full (a slow or absent collector) or an export failed.
+TRACE_SPANS = Counter(
+    "agent_trace_spans",
+    "Trace spans by outcome: exported, dropped_queue_full, dropped_export_failed",
+    ["outcome"],
+    registry=REGISTRY,
+)

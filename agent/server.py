@@ -34,6 +34,7 @@ from agent.media.semantic_turn import CompletenessJudge
 from agent.media.smart_turn import load_judge
 from agent.media.turn_model import default_path
 from agent.realtime import session_checks, session_config
+from agent.telemetry import otlp
 from agent.transport import audio_level, captions_http
 from agent.transport.calls import MAX_OFFER_BYTES, create_call, hangup
 from agent.transport.http import (
@@ -48,6 +49,7 @@ from agent.transport.http import (
     KEYS,
     LADDER_TICK,
     SESSIONS,
+    TRACING,
     TURN_JUDGE,
     check_tools_off_loop,
     json_error,
@@ -323,6 +325,7 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     # Half the cores at most: the engine thread and the loop need theirs while pictures decode.
     app[DECODE_POOL] = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="decode")
     app[TURN_JUDGE] = turn_judge(config)
+    app[TRACING] = otlp.from_settings(config.otlp_endpoint)
     app.router.add_get("/", index)
     captions_http.install(app)  # the caption book, the WebVTT and latest-call routes
     app.router.add_post("/v1/realtime/calls", captions_http.recorded(create_call))
@@ -359,6 +362,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
         app[DECODE_POOL].shutdown(wait=False, cancel_futures=True)
         if app[TURN_JUDGE] is not None:
             app[TURN_JUDGE].close()
+        if app[TRACING] is not None:  # (the calls' root spans have ended: send what is left)
+            await asyncio.get_running_loop().run_in_executor(None, app[TRACING].close)
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)

@@ -255,6 +255,8 @@ class Replies:
             heard = playing.samples - round(self.clear_output() * OUTPUT_RATE)
         reply = self.current
         heard_cut = reason == "turn_detected" and playing is not None and playing is self.last
+        if reply is not None and playing is reply and reason == "turn_detected":
+            reply.heard_ms = round(max(0, heard) * 1000 / OUTPUT_RATE)
         if reply is not None and reply.engine_open:
             # (a barge-in heard on WebRTC is cut to what was heard right after: no cut here)
             self._cancel_in_engine(reply, cut=not heard_cut)
@@ -318,6 +320,7 @@ class Replies:
         reply = self._live()
         if reply is not None:
             reply.input = dict(out.stats)
+            reply.prefilled = time.monotonic() - reply.end_of_turn
 
     def on_text(self, delta: TextDelta) -> None:
         reply = self._live()

@@ -45,6 +45,8 @@ class Response:
     samples: int = 0  # 24 kHz samples produced
     ttft: Optional[float] = None
     ttfa: Optional[float] = None
+    prefilled: Optional[float] = None  # seconds from its creation to the engine's end of its prefill (ReplyInput)
+    heard_ms: Optional[float] = None  # a barge-in: how much of its audio the user heard
     engine_open: bool = True  # the engine has not ended this reply yet
     status: str = "in_progress"
     tools: bool = False  # it may call tools: its message is announced with its first words
@@ -189,9 +191,14 @@ class Response:
         body["omni"] = {
             "ttft_ms": _ms(self.ttft),
             "ttfa_ms": _ms(self.ttfa),
+            "prefill_ms": _ms(self.prefilled),
             "mode": self.mode,
             "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))},
         }
+        if isinstance(stats.get("stage_seconds"), dict):  # the engine thread's time per stage
+            body["omni"]["stage_seconds"] = {k: round(v, 4) for k, v in stats["stage_seconds"].items()}
+        if self.heard_ms is not None:
+            body["omni"]["heard_ms"] = self.heard_ms
         events.append({"type": "response.done", "response": body})
         return events
 

@@ -206,12 +206,18 @@ class ServerTurn:
                 self.item_id = None
                 # The rest of the silence is not part of the turn; create_response commits the
                 # speculation (a refusal drops it; the turn stays).
-                self.speculating, self.after_pause = False, None
+                speculated, self.speculating, self.after_pause = self.speculating, False, None
                 self._outbox.emit(
                     {
                         "type": "input_audio_buffer.speech_stopped",
                         "audio_end_ms": int(event.end_of_speech * 1000),
                         "item_id": item_id,
+                        # The endpointer's decision: the silence it waited, and whether a
+                        # speculative reply was ready (the turn's timing and trace read them).
+                        "omni": {
+                            "silence_ms": round((event.at - event.end_of_speech) * 1000),
+                            "speculated": speculated,
+                        },
                     }
                 )
                 self._end_turn(item_id, event.end_of_speech - self.speech_at)

@@ -23,6 +23,7 @@ from concurrent.futures import Executor
 from typing import Any, Awaitable, Callable, Optional
 
 import av
+from opentelemetry.trace import Tracer
 
 from agent import metrics
 from agent.config import Config
@@ -57,6 +58,8 @@ from agent.realtime.messages import Messages
 from agent.realtime.outbox import Outbox
 from agent.realtime.replies import Replies
 from agent.realtime.server_turn import ServerTurn
+from agent.realtime.turn_timing import TurnTiming
+from agent.telemetry.call_trace import CallTrace
 from agent.tools.spec import ToolSet
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ class Session:
         settings: Optional[dict[str, Any]] = None,
         decode_pool: Optional[Executor] = None,
         turn_judge: Optional[CompletenessJudge] = None,
+        tracer: Optional[Tracer] = None,
     ) -> None:
         self.id = new_id("sess")
         self.config, self.admission = config, admission
@@ -88,6 +92,16 @@ class Session:
         # A transcription session (GA type "transcription"): the user's speech is transcribed,
         # nothing is answered, nothing is sent back on the audio track. Fixed for its life.
         self.transcription_only = self.settings["type"] == "transcription"
+        # Where each turn's time went (omni.turn_timing), read from the events as they go out;
+        # with a tracer, the call's trace too (agent/telemetry/call_trace.py).
+        self.trace = CallTrace(tracer, self.id, "webrtc" if webrtc else "websocket", config.model) if tracer else None
+        self.timing = TurnTiming(
+            self.outbox.emit,
+            webrtc and not self.transcription_only,
+            on_turn=self.trace.turn if self.trace else None,
+            on_call=self.trace.call if self.trace else None,
+        )
+        self.outbox.taps.append(self.timing.see)
         self.conversation = Conversation()
         self.conversation_id = new_id("conv")
         self.items = Items(self.conversation, self.outbox)  # user items, announced
@@ -172,6 +186,8 @@ class Session:
         self.opened = self.engine.open(self)  # settled once the engine has it
         self._unlisten = self.admission.listen(self._on_level)
         self.transcription.apply(self.settings)
+        if self.trace is not None:
+            self.trace.name(self.settings.get("tracing"))
         if self.transcription_only:
             self.video.set_enabled(False)  # captions look at no camera: its sender may stop
             self.emit({"type": "session.created", "session": self.settings})
@@ -194,7 +210,7 @@ class Session:
             {
                 "type": "session.created",
                 "session": self.settings,
-                "omni": {"mode": LEVEL_NAMES[self.admission.ladder.level]},
+                "omni": {"mode": LEVEL_NAMES[self.admission.ladder.level], **self._trace_id()},
             }
         )
         try:
@@ -212,6 +228,9 @@ class Session:
         self._closed = True
         self.inbox.close()
         self.mcp.close()
+        self.timing.close()
+        if self.trace is not None:
+            self.trace.close()
         # Unanswered engine commands are cancelled (their callbacks see that and leave), then the
         # engine closes the session.
         self.engine.close()
@@ -283,7 +302,9 @@ class Session:
                 self.engine.discard_turn()
             self.input.set_turn_detection(td)
             self.turn.reset()
-        self.emit({"type": "session.updated", "session": merged})
+        if self.trace is not None and merged.get("tracing") != old.get("tracing"):
+            self.trace.name(merged.get("tracing"))
+        self.emit({"type": "session.updated", "session": merged, **({"omni": self._trace_id()} if self.trace else {})})
 
     # ---- engine output (ReplySink) -----------------------------------------------------
     def on_text(self, delta: TextDelta) -> None:
@@ -337,6 +358,10 @@ class Session:
         if tools != self._sent_tools[1]:
             self.engine.send(SetTools(tools), param="session.tools")
         self._sent_tools = (text, tools)
+
+    def _trace_id(self) -> dict[str, str]:
+        """{"trace_id": …} of the call's trace, for a client to find its call (none untraced)."""
+        return {"trace_id": self.trace.trace_id} if self.trace is not None else {}
 
     def _on_level(self, level: int) -> None:
         p95 = self.admission.ladder.current_p95()

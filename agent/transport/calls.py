@@ -29,6 +29,7 @@ from agent.transport.http import (
     DECODE_POOL,
     ENGINE,
     SESSIONS,
+    TRACING,
     TURN_JUDGE,
     check_tools_off_loop,
     forget,
@@ -154,6 +155,7 @@ async def create_call(request: web.Request) -> web.Response:
         lambda c: forget(app, c.id),
         decode_pool=app[DECODE_POOL],
         turn_judge=app[TURN_JUDGE],
+        tracer=app[TRACING].tracer if app[TRACING] is not None else None,
     )
     try:
         await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))

@@ -17,6 +17,7 @@ from agent.gate.api_keys import Grant, KeyStore
 from agent.gate.ladder import Admission
 from agent.media.semantic_turn import CompletenessJudge
 from agent.realtime.tool_config import check_tools
+from agent.telemetry.otlp import Tracing
 
 CONFIG: web.AppKey[Config] = web.AppKey("config", Config)
 ENGINE: web.AppKey[Engine] = web.AppKey("engine", Engine)
@@ -30,6 +31,8 @@ CALL_RATE: web.AppKey[CallRate] = web.AppKey("call_rate", CallRate)
 DECODE_POOL: web.AppKey[ThreadPoolExecutor] = web.AppKey("decode_pool", ThreadPoolExecutor)
 # The end-of-turn judge every session shares (agent/media/smart_turn.py); None without its model.
 TURN_JUDGE: web.AppKey[Optional[CompletenessJudge]] = web.AppKey("turn_judge", object)
+# The calls' trace export (agent/telemetry/otlp.py); None: no tracing.
+TRACING: web.AppKey[Optional[Tracing]] = web.AppKey("tracing", object)
 # Set once on SIGTERM/Ctrl-C (agent/__main__.py): new calls get 503 while replies finish.
 DRAINING: web.AppKey[asyncio.Event] = web.AppKey("draining", asyncio.Event)
 GRANT: web.RequestKey[Grant] = web.RequestKey("grant", Grant)  # what the auth middleware found

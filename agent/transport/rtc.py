@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from aiortc import RTCDataChannel, RTCPeerConnection
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from opentelemetry.trace import Tracer
 
 from agent import metrics
 from agent.config import Config
@@ -46,6 +47,7 @@ class RtcCall:
         on_closed: Callable[["RtcCall"], None],
         decode_pool: Optional[Executor] = None,
         turn_judge: Optional[CompletenessJudge] = None,
+        tracer: Optional[Tracer] = None,
     ) -> None:
         self.id = call_id(config.call_id_prefix, new_id("rtc"))
         # Set when the offer's answer is returned: until then a replica counts the call as an
@@ -68,6 +70,7 @@ class RtcCall:
             settings=settings,
             decode_pool=decode_pool,
             turn_judge=turn_judge,
+            tracer=tracer,
         )
         self.session.on_close.append(self._teardown)
         pc.on("track", self._on_track)

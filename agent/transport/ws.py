@@ -25,6 +25,7 @@ from agent.transport.http import (
     DECODE_POOL,
     ENGINE,
     SESSIONS,
+    TRACING,
     TURN_JUDGE,
     forget,
     grant,
@@ -144,6 +145,7 @@ async def websocket(request: web.Request) -> web.StreamResponse:
         on_closed=lambda s: forget(app, s.id),
         decode_pool=app[DECODE_POOL],
         turn_judge=app[TURN_JUDGE],
+        tracer=app[TRACING].tracer if app[TRACING] is not None else None,
     )
     conn.session = session
     session.on_close.append(conn.finish)

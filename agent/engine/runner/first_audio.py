@@ -61,6 +61,9 @@ class FirstAudio:
             budget -= take
         done = self.turns.run_replies([(state, take) for _, state, take in chunks]) if chunks else []
         finished = [(sid, state, out) for (sid, state, _), out in zip(chunks, done) if out is not None]
+        now = self.replies.clock()
+        for _, state, _ in finished:  # (a speculation's: before its commit, which restarts the clock)
+            state.reply.prefill_done = max(0.0, now - state.reply.started)
         outputs += [ReplyInput(sid, self.replies.input_stats(state.reply.turn)) for sid, state, _ in finished]
         outputs += self._first_tokens(finished)
         return outputs, [(sid, state) for sid, state, _ in finished]

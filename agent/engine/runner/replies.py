@@ -145,6 +145,8 @@ class Replies:
         reply.from_speculation = True
         now = self.clock()
         reply.started = now
+        if reply.prefill_done is not None:  # prefilled on the pause: none of it is left at the commit
+            reply.prefill_done = 0.0
         outcome = "committed_held" if reply.phase is ReplyPhase.HELD else "committed_prefilling"
         if reply.phase is ReplyPhase.SPECULATING:
             reply.move(ReplyPhase.PREFILLING)  # the rest of its prefill runs as for any reply
@@ -251,6 +253,7 @@ class Replies:
             "audio_samples": reply.voice.samples_out,
             "context_tokens": state.thinker.length,
             "first_audio_seconds": reply.first_audio,
+            "prefill_seconds": reply.prefill_done,
             "reply_seconds": self.clock() - reply.started,
             "stage_seconds": dict(reply.stage_seconds),
             "speculative": reply.from_speculation,  # committed from a speculative start

@@ -176,6 +176,7 @@ class ReplyState:
     images: list[np.ndarray] = field(default_factory=list)
     frames_encoded_at_end: int = 0  # of `images`, those not encoded on arrival (agent/engine/state/latest_frames.py)
     first_audio: float | None = None  # seconds from begin_reply to the first audio
+    prefill_done: float | None = None  # seconds from begin_reply to the end of its prefill (engine-timed)
     playout: PlayoutClock = field(default_factory=PlayoutClock)  # the client's buffer, estimated
     stage_seconds: dict[str, float] = field(default_factory=dict)
     held: list[Output] = field(default_factory=list)  # a speculation's output, until its commit
