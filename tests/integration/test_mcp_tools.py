@@ -74,7 +74,9 @@ async def test_a_listed_tool_is_called_by_the_agent(agent: RunningAgent, strict_
             assert sorted(t["name"] for t in listing["tools"]) == ["broken", "forecast"]  # book_table filtered
             schema = next(t for t in listing["tools"] if t["name"] == "forecast")["input_schema"]
             assert schema["properties"]["city"]["enum"] == ["Paris", "Oslo"]
-            assert any(h.get("x-desk") == "front" and h.get("authorization") == "Bearer token-123" for h in server.headers)
+            assert any(
+                h.get("x-desk") == "front" and h.get("authorization") == "Bearer token-123" for h in server.headers
+            )
 
             mark = len(ev.all)
             await ask_text(conn, "Weather?", tool_choice={"type": "mcp", "server_label": "weather", "name": "forecast"})
@@ -150,7 +152,10 @@ async def test_a_call_waits_for_the_clients_approval(agent: RunningAgent, strict
                 ended = await ev.wait(end, 30, after=mark)
                 item = (
                     await ev.wait(
-                        "conversation.item.done", 10, after=mark, where=lambda e: e["item"]["id"] == ended["item_id"]
+                        "conversation.item.done",
+                        10,
+                        after=mark,
+                        where=lambda e, ended=ended: e["item"]["id"] == ended["item_id"],
                     )
                 )["item"]
                 assert item["type"] == "mcp_call" and item["approval_request_id"] == request["id"]

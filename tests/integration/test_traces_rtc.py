@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import pytest
 from support.loopback import free_port
 from support.otlp_receiver import OtlpReceiver
 from support.realtime_helpers import long_replies_engine, start_agent
