@@ -9,8 +9,9 @@ no provider at all and the sessions trace nothing.
 
 The endpoint is `--otlp-endpoint` (a base URL: /v1/traces is added), else the standard
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT; the service is
-OTEL_SERVICE_NAME (default omni-agent); a Ray replica names itself in the resource
-(`service.instance.id`), so every replica and the engine process export under one service.
+OTEL_SERVICE_NAME (default omni-agent); each replica names itself in the resource
+(`service.instance.id`: host:pid), all under one service. The engine exports nothing itself:
+its timings travel with each reply's stats to the replica that makes the spans.
 """
 
 from __future__ import annotations
