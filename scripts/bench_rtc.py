@@ -67,6 +67,7 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -226,6 +227,7 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
     v2v, ttft, ttfa, overhead, glitches, missing, speculative = [], [], [], [], 0, 0, 0
     image_tokens: list[float] = []
     late = 0  # frames the vision encoder saw only at the end of a turn
+    timing: dict[str, list[float]] = {}  # omni.turn_timing's stages (ms), every turn
     frames = 0.0  # 20 ms frames of reply audio the agent made (the denominator of the underrun share)
     for c in clients:
         lat = c.turn_latencies()[:turns]
@@ -238,6 +240,10 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
             server_ttfa = omni_figures(dones[i]).get("ttfa_ms") if i < len(dones) else None
             if server_ttfa is not None:
                 overhead.append(v - silence_s - server_ttfa / 1000)
+        for t in c.result.of_type("omni.turn_timing")[:turns]:  # where each turn's time went
+            for stage, value in (t.get("stages") or {}).items():
+                if value is not None:
+                    timing.setdefault(stage, []).append(value)
         figures = [omni_figures(d) for d in dones]
         ttft += [f["ttft_ms"] / 1000 for f in figures if f.get("ttft_ms") is not None]
         ttfa += [f["ttfa_ms"] / 1000 for f in figures if f.get("ttfa_ms") is not None]
@@ -271,6 +277,7 @@ async def run_level(url: str, make_client: Client, n: int, turns: int, limit_s: 
         "image_tokens": image_tokens,
         "late_frames": late,
         "stages": stages,
+        "timing": timing,
         # CPU-seconds per session-second, by thread kind (the agent's) and for the client process
         "cpu": {k: v / (n * wall) for k, v in cpu.items()},
         "client_cpu": client_cpu / (n * wall),
@@ -298,6 +305,8 @@ def merge_levels(runs: list[dict]) -> dict:
                 out[key] = out[key] + value
             elif key == "stages":
                 out[key] = {k: v + value[k] for k, v in out[key].items()}
+            elif key == "timing":
+                out[key] = {k: out[key].get(k, []) + value.get(k, []) for k in {*out[key], *value}}
             elif isinstance(value, dict):
                 continue  # per-level CPU and engine figures: the first block's stand for the setting
             elif key not in ("n", "server_ttfa_p50", "server_ttfa_p95"):
@@ -464,6 +473,19 @@ async def compare_turn_detection(
     for kind, r in merged.items():
         print(f"  {kind}: {r['turns']} turns measured, {r['missing']} without a heard reply", flush=True)
     return merged
+
+
+def print_timing(results: list[dict]) -> None:
+    """The median of each omni.turn_timing stage (ms) per session count: where the agent's
+    voice-to-voice goes (docs/operations.md), from the end of speech to the first sound out."""
+    from agent.realtime.turn_timing import STAGES
+
+    print("# turn timing, median ms per stage (omni.turn_timing; the stages add up to the agent's voice-to-voice)")
+    print("sessions " + " ".join(f"{s:>12}" for s in STAGES) + "        total")
+    for r in results:
+        timing = r.get("timing") or {}
+        medians = [statistics.median(timing[s]) if timing.get(s) else float("nan") for s in STAGES]
+        print(f"{r['n']:>8} " + " ".join(f"{m:>12.1f}" for m in medians) + f" {sum(medians):>12.1f}")
 
 
 def print_judge(results: list[dict]) -> None:
@@ -660,6 +682,7 @@ async def main_async(args: argparse.Namespace) -> None:
         + "; ".join(f"n={r['n']}: {underrun_share(r):.2%}" for r in results)
     )
     print_cpu(results)
+    print_timing(results)
     print_judge(results)
     by_n = {r["n"]: r for r in results}
     share = lambda n: underrun_share(by_n[n]) if n in by_n else float("nan")  # noqa: E731
