@@ -19,7 +19,7 @@
 // This file: start, stop, teardown, the server's events, and the wiring.
 import { omni, ui, showError } from "./state.js";
 import { captions, transcript } from "./transcript.js";
-import { makeMeter, showLatency } from "./meter.js";
+import { makeMeter, showLatency, showTurnTiming } from "./meter.js";
 import { loadServerConfig, mintEphemeralKey, iceGatheringDone, postOffer, hangUp } from "./signalling.js";
 import { capVideo, applyThrottle } from "./throttle.js";
 import { newPeerConnection } from "./ice.js";
@@ -93,6 +93,9 @@ function onEvent(ev) {
       break;
     case "response.done":
       if (ev.response?.omni) showLatency(ev.response.omni);
+      break;
+    case "omni.turn_timing": // where the last turn's time went, stage by stage
+      showTurnTiming(ev);
       break;
     case "input_video.throttle": // the agent is behind on video: send less (never less audio)
       applyThrottle(ev);

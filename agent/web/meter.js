@@ -56,3 +56,14 @@ export function showLatency(figures) {
     ui[key === "ttft_ms" ? "ttft" : "ttfa"].textContent = ms(figures[key]);
   }
 }
+
+// Where the last turn's time went, stage by stage (the server's omni.turn_timing event): the
+// stages follow each other from the end of speech to the reply's first sound leaving the agent.
+export function showTurnTiming(timing) {
+  const stages = timing.stages ?? {};
+  const names = ["endpoint", "admission", "prefill", "first_output", "transport"];
+  omni.latency.turn_stages = stages;
+  omni.latency.turn_total_ms = timing.total_ms;
+  ui.turnStages.textContent =
+    names.map((name) => ms(stages[name])).join(" · ") + (timing.total_ms == null ? "" : ` = ${ms(timing.total_ms)}`);
+}

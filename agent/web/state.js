@@ -24,7 +24,7 @@ export const ui = {
   start: $("start"), stop: $("stop"), mute: $("mute"), video: $("self-view"), placeholder: $("placeholder"),
   captions: $("captions"), audio: $("agent-audio"), keyForm: $("key-form"), key: $("api-key"),
   textOnly: $("text-only"), throttle: $("camera-throttle"),
-  ttft: $("ttft"), ttfa: $("ttfa"), eotV2v: $("eot-v2v"), v2v: $("v2v"),
+  ttft: $("ttft"), ttfa: $("ttfa"), eotV2v: $("eot-v2v"), v2v: $("v2v"), turnStages: $("turn-stages"),
   textForm: $("text-form"), textInput: $("text-input"), textSend: $("text-send"), pictureInput: $("picture-input"),
   transcript: $("transcript"), download: $("download-transcript"),
   callInfo: $("call-info"), callId: $("call-id"), overlayLink: $("overlay-link"), copyOverlay: $("copy-overlay"),

@@ -9,7 +9,8 @@ camera playing a synthetic y4m):
 - events arrive on the client-created "oai-events" channel; the page's session.update is
   answered by session.updated; the agent's words arrive as
   response.output_audio_transcript.delta and appear in the caption overlay; response.done's
-  `omni` figures fill the TTFT/TTFA readout;
+  `omni` figures fill the TTFT/TTFA readout, and omni.turn_timing's five stages and their total
+  the "Where it went" row;
 - the agent's voice arrives and is audible: inbound-rtp audio packetsReceived > 0 and
   totalAudioEnergy > 0, and the page's own analyser measured speech_stopped -> audible;
 - the page asked the camera sender for 4 fps (RTCRtpSender.setParameters);
@@ -65,7 +66,7 @@ SNAPSHOT_JS = """async () => {
     updated: byType("session.updated").length,
     dones: done.length, lastDone: done.at(-1) ?? null, errors: byType("error"),
     caption: text("captions"), errorBox: document.getElementById("error").hidden ? "" : text("error"),
-    ttftText: text("ttft"), ttfaText: text("ttfa"), latency: o.latency,
+    ttftText: text("ttft"), ttfaText: text("ttfa"), latency: o.latency, stagesText: text("turn-stages"),
     audioPackets: 0, audioEnergy: 0, videoFpsCap: null,
   };
   // The TTFA readout follows the latest event carrying one: a reply's response.done, or the next
@@ -115,6 +116,8 @@ def drive_call(page, base_url: str, out_dir: Path, timeout_s: float = CALL_TIMEO
             "audio energy": snap["audioEnergy"] > 0,
             "response.done": snap["dones"] > 0,
             "audible": (snap["latency"].get("eot_to_audible_ms") or 0) > 0,
+            # the stages of the last turn (omni.turn_timing), shown in the latency readout
+            "turn stages": snap["stagesText"].count(" ms") >= 5 and (snap["latency"].get("turn_total_ms") or 0) > 0,
         }
 
     _, snap = watch_call(
