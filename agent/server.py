@@ -325,7 +325,8 @@ def create_app(config: Config, engine: Engine) -> web.Application:
     # Half the cores at most: the engine thread and the loop need theirs while pictures decode.
     app[DECODE_POOL] = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="decode")
     app[TURN_JUDGE] = turn_judge(config)
-    app[TRACING] = otlp.from_settings(config.otlp_endpoint)
+    # A Ray replica's traces name it (its id prefixes its call ids); a lone agent: host:pid.
+    app[TRACING] = otlp.from_settings(config.otlp_endpoint, instance=config.call_id_prefix or None)
     app.router.add_get("/", index)
     captions_http.install(app)  # the caption book, the WebVTT and latest-call routes
     app.router.add_post("/v1/realtime/calls", captions_http.recorded(create_call))

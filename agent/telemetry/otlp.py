@@ -10,7 +10,7 @@ no provider at all and the sessions trace nothing.
 The endpoint is `--otlp-endpoint` (a base URL: /v1/traces is added), else the standard
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT; the service is
 OTEL_SERVICE_NAME (default omni-agent); each replica names itself in the resource
-(`service.instance.id`: host:pid), all under one service. The engine exports nothing itself:
+(`service.instance.id`: its Ray replica id, else host:pid), all under one service. The engine exports nothing itself:
 its timings travel with each reply's stats to the replica that makes the spans.
 """
 
