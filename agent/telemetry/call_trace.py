@@ -121,6 +121,9 @@ class CallTrace:
                     engine[f"engine.{key[:-8]}_ms"] = round(record.stats[key] * 1000, 1)
             for stage, seconds in record.stage_seconds.items():
                 engine[f"engine.stage.{stage}_ms"] = round(seconds * 1000, 1)
+            if "engine.prefill_ms" in engine:  # the rest of the span: the wait before the engine began it
+                span_ms = (record.prefilled - record.created) * 1000
+                engine["engine.queue_ms"] = round(max(0.0, span_ms - engine["engine.prefill_ms"]), 1)
             self._span("engine.prefill", record.created, record.prefilled, turn, engine)
         if record.prefilled is not None and record.first_output is not None:
             self._span("engine.first_output", record.prefilled, record.first_output, turn, {})
