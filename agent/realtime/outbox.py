@@ -50,8 +50,6 @@ class Outbox:
         text = _json(event)
         if self.extras or not is_extra(event["type"]):
             self._send(text)
-        for tap in self.taps:
-            tap(event, text)
         for q in list(self._sse):
             try:
                 q.put_nowait(text)
@@ -60,6 +58,10 @@ class Outbox:
                 # marker), so that its connection is closed rather than left open and silent.
                 self._sse.remove(q)
                 _end(q)
+        # Taps last: one may emit an event of its own (the turn timing after a response.done),
+        # which every reader must get after this one.
+        for tap in self.taps:
+            tap(event, text)
 
     def error(
         self,

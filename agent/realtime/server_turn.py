@@ -145,7 +145,7 @@ class ServerTurn:
         the speech so far becomes an item now (committed, listed before the reply), and the rest
         of the utterance a new one, announced as speech starting here (no barge-in: the
         endpointer saw no new start; the turn goes on)."""
-        item_id = self.commit()
+        item_id = self._commit_turn()
         self._items.commit(item_id)
         now = self._input.audio_in.clock
         self._transcription.speech_stopped(item_id, now - self.speech_at)
