@@ -14,17 +14,25 @@ the agent on to one the operator did not allow.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import httpx2
-from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
-from mcp.shared.exceptions import MCPError
-
 from agent.realtime.mcp_config import McpServer
+
+# `mcp` (and its HTTP client, httpx2) is imported where it is used: ~0.6 s of imports that a
+# process serving no MCP tool never pays (every agent process imports this module). The first
+# use imports it on a worker thread (_loaded), not on the loop that paces every call's audio.
+_MODULES = ("httpx2", "mcp", "mcp.client.streamable_http", "mcp.shared._httpx_utils", "mcp.shared.exceptions")
+
+
+async def _loaded() -> None:
+    if all(name in sys.modules for name in _MODULES):
+        return
+    await asyncio.get_running_loop().run_in_executor(None, lambda: [importlib.import_module(m) for m in _MODULES])
+
 
 MAX_OUTPUT_CHARS = 32 * 1024  # what one call's output may put in the model's context
 MAX_TOOLS = 128  # what one listing may offer the model (the grammar compiles each schema)
@@ -60,7 +68,13 @@ class Outcome:
     error: Optional[dict[str, Any]] = None
 
 
-def _client(server: McpServer, timeout_s: float) -> tuple[httpx2.AsyncClient, Client]:
+def _client(server: McpServer, timeout_s: float) -> tuple[Any, Any]:
+    """An HTTP client and an MCP client over it, both to be entered (async with)."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
     http = create_mcp_http_client(headers=dict(server.headers), timeout=httpx2.Timeout(timeout_s, read=timeout_s))
     return http, Client(streamable_http_client(server.url, http_client=http), read_timeout_seconds=timeout_s)
 
@@ -89,6 +103,7 @@ async def list_tools(server: McpServer, timeout_s: float) -> Listing:
                     return Listing(tuple(tools[:MAX_TOOLS]))
 
     try:
+        await _loaded()
         return await asyncio.wait_for(listing(), timeout_s)
     except Exception as exc:  # every failure is the listing's outcome, never the session's
         return Listing(error=str(describe(exc, timeout_s)["message"]))
@@ -105,6 +120,7 @@ async def call_tool(server: McpServer, name: str, arguments: dict[str, Any], tim
         return Outcome(output=text)
 
     try:
+        await _loaded()
         return await asyncio.wait_for(call(), timeout_s)
     except Exception as exc:
         return Outcome(error=describe(exc, timeout_s))
@@ -124,6 +140,9 @@ def _output_text(content: list[Any], structured: Any) -> str:
 
 def describe(exc: BaseException, timeout_s: float) -> dict[str, Any]:
     """GA's error object for a failed operation (an exception group: its first leaf)."""
+    import httpx2
+    from mcp.shared.exceptions import MCPError
+
     while isinstance(getattr(exc, "exceptions", None), tuple) and exc.exceptions:  # (an ExceptionGroup)
         exc = exc.exceptions[0]
     if isinstance(exc, (asyncio.TimeoutError, httpx2.TimeoutException)):
