@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from agent.config import Config
-from agent.realtime import mcp_config
+from agent.realtime import mcp_config, tool_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
 from agent.realtime.function_calls import FunctionCall
@@ -26,8 +26,10 @@ class Mcp:
         conversation: Conversation,
         config: Config,
         on_tools: Callable[[], None],
+        settings: Callable[[], dict[str, Any]],
     ) -> None:
         self._allow = config.mcp_allow
+        self._settings = settings  # (a function tool keeps its name: an MCP tool of that name is not called)
         self.servers = McpServers(outbox, conversation, config.mcp_timeout_s, on_tools)
         self.calls = McpCalls(engine, outbox, conversation, config.mcp_timeout_s)
 
@@ -48,6 +50,8 @@ class Mcp:
         return self.servers.offered()
 
     def route(self, name: str) -> Optional[Route]:
+        if any(t.name == name for t in tool_config.check_tools(self._settings().get("tools", []), "session.tools")):
+            return None  # the session's function tool of that name (tool_config.offered: it comes first)
         return self.servers.route(name)
 
     def ready(self, call: FunctionCall) -> None:

@@ -108,7 +108,7 @@ class Session:
         self.transcription = InputTranscription(self.engine, self.outbox, self.conversation, self.transcription_only)
         self.video = VideoFeed(config, engine, self.id, self.outbox.emit)  # camera → engine, throttle → sender
         # MCP servers (their tools' listing) and the calls the agent runs on them.
-        self.mcp = Mcp(self.engine, self.outbox, self.conversation, config, on_tools=self._send_tools)
+        self.mcp = Mcp(self.engine, self.outbox, self.conversation, config, self._send_tools, self._settings)
         self._sent_tools: tuple[str, Optional[ToolSet]] = (config.system_prompt, None)  # what the engine has
         self.replies = Replies(  # responses, from response.create to response.done
             self.engine,

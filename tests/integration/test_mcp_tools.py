@@ -19,6 +19,8 @@ Pins:
 - a tool that raises fails the call (response.mcp_call.failed, a tool_execution_error), a
   server that is down fails its listing (mcp_list_tools.failed), a host the operator did not
   allow is refused naming server_url; no other `error`; the session goes on;
+- a function tool keeps its name: a call of it is the client's function_call even when an MCP
+  server lists a tool of that name, which never runs;
 - every server event validates strictly against the SDK's GA models.
 """
 
@@ -200,3 +202,27 @@ async def test_unreachable_and_forbidden_servers(agent: RunningAgent, strict_eve
         await ask_text(conn, "Hello.")
         done = await ev.wait("response.done", 60, after=mark)
         assert [o["type"] for o in done["response"]["output"]] == ["message"]
+
+
+async def test_a_function_tool_keeps_its_name(agent: RunningAgent, strict_event) -> None:
+    """A function tool and an MCP tool of the same name: the model's call is the function's,
+    returned to the client, and the MCP server never runs it."""
+    with mcp_server() as server:
+        async with sdk_session(agent.url, strict_event) as (conn, ev):
+            await ev.wait("session.created", 10)
+            function = {
+                "type": "function",
+                "name": "forecast",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Rome"]}}},
+            }
+            mark = len(ev.all)
+            await conn.session.update(
+                session={"type": "realtime", "tools": [function, _mcp(server.url, require_approval="never")]}
+            )
+            await ev.wait("mcp_list_tools.completed", 30, after=mark)
+            mark = len(ev.all)
+            await ask_text(conn, "Forecast?", tool_choice={"type": "function", "name": "forecast"})
+            done = await ev.wait("response.done", 60, after=mark)
+        assert [o["type"] for o in done["response"]["output"]] == ["function_call"], done["response"]["output"]
+        assert json.loads(done["response"]["output"][0]["arguments"]) in ({"city": "Rome"}, {})
+        assert server.calls == [] and not ev.of("error"), ev.of("error")
