@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable, Mapping, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from agent import metrics
 from agent.config import CODEC_FRAME_SAMPLES, OUTPUT_RATE, Config
@@ -27,23 +27,12 @@ from agent.gate.ladder import Admission
 from agent.realtime import response_plan, session_checks, session_config
 from agent.realtime.conversation import Conversation
 from agent.realtime.engine_port import EnginePort
-from agent.realtime.function_calls import FunctionCall
 from agent.realtime.known_calls import KnownCalls
-from agent.realtime.mcp_servers import Route
+from agent.realtime.mcp_port import McpPort
 from agent.realtime.outbox import Outbox
 from agent.realtime.reply_audio import ReplyAudio
 from agent.realtime.reply_items import ReplyItems
 from agent.realtime.response import STATUS_BY_REASON, Response
-from agent.tools.spec import Tool
-
-
-class McpPort(Protocol):
-    """What the replies need of the session's MCP servers and calls (agent/realtime/mcp_*.py)."""
-
-    def offered(self) -> Mapping[str, tuple[Tool, ...]]: ...
-    def route(self, name: str) -> Optional[Route]: ...
-    def ready(self, call: FunctionCall) -> None: ...
-    def response_done(self, response_id: str) -> None: ...
 
 
 class Replies:
@@ -178,15 +167,8 @@ class Replies:
         if self.audio.playing is not None and not held:
             self.clear_output()  # a new reply does not queue behind the old one's audio
         ladder = self._admission.ladder
-        plan = response_plan.plan_response(
-            params,
-            settings,
-            self._config.max_reply_tokens,
-            ladder.level,
-            self._engine.has_fallback,
-            bool(held),
-            self._mcp.offered(),
-        )
+        level, cap, mcp = ladder.level, self._config.max_reply_tokens, self._mcp.offered()
+        plan = response_plan.plan_response(params, settings, cap, level, self._engine.has_fallback, bool(held), mcp)
         for command, param in plan.commands:  # its own instructions and tools
             self._engine.send(command, param=param)
         self._flush_video()  # the newest frames reach the engine ahead of the reply

@@ -20,8 +20,9 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -92,6 +93,29 @@ class BoundedExport(SpanProcessor):
         self._exporter.shutdown()
 
 
+# The OTLP exporter logs every failed try (a warning a retry, an error a batch): with the
+# collector down that is a line a second for as long as it is down. One a minute is enough;
+# the losses themselves are counted on /metrics.
+EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+LOG_EVERY_S = 60.0
+
+
+class OncePerInterval(logging.Filter):
+    """Lets one record through per `interval_s` (the rest are dropped)."""
+
+    def __init__(self, interval_s: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._interval, self._clock = interval_s, clock
+        self._last = -interval_s
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self._clock()
+        if now - self._last < self._interval:
+            return False
+        self._last = now
+        return True
+
+
 class Tracing:
     """The provider and the tracer the sessions use; `close()` sends what is left."""
 
@@ -101,12 +125,15 @@ class Tracing:
         self.processor = BoundedExport(exporter)
         self.provider.add_span_processor(self.processor)
         self.tracer: Tracer = self.provider.get_tracer("omni-agent")
+        self._quiet = OncePerInterval()
+        logging.getLogger(EXPORTER_LOGGER).addFilter(self._quiet)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         return self.processor.force_flush(int(timeout_s * 1000))
 
     def close(self) -> None:
         self.provider.shutdown()
+        logging.getLogger(EXPORTER_LOGGER).removeFilter(self._quiet)
 
 
 def traces_url(endpoint: str) -> str:

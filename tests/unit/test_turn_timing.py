@@ -10,7 +10,8 @@
 - a cancelled reply reports at once, with what was heard; an MCP call that ends after its
   response is told on its own;
 - the exporter's queue is bounded: spans past it are dropped and counted, a failed export's
-  spans are counted as dropped, the rest as exported; a flush sends what waits.
+  spans are counted as dropped, the rest as exported; a flush sends what waits;
+- a collector that stays down is logged once a minute, not at every retry.
 """
 
 from __future__ import annotations
@@ -145,3 +146,15 @@ def test_the_export_queue_is_bounded_and_counted() -> None:
         assert _count(outcome) - before[outcome] == 5
         assert _count("dropped_queue_full") - before["dropped_queue_full"] == 3
         provider.shutdown()
+
+
+def test_a_dead_collector_is_logged_once_a_minute() -> None:
+    from agent.telemetry.otlp import OncePerInterval
+
+    clock = Clock()
+    quiet = OncePerInterval(60.0, clock)
+    passed = []
+    for t in (0.0, 1.0, 30.0, 59.9, 60.0, 61.0, 125.0):
+        clock.t = 100.0 + t
+        passed.append(quiet.filter(None))  # type: ignore[arg-type]  (the record is not read)
+    assert passed == [True, False, False, False, True, False, True]
